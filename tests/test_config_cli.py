@@ -1,0 +1,106 @@
+"""Config files, the command line and the relay: real files, real processes, real sockets."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from publisher import WeightPublisher
+from publisher.config import PublisherConfig, RelayConfig, ReplicaConfig, load_config
+from publisher.errors import ConfigError
+from publisher.relay import Relay
+from subscriber_ext import WeightSubscriber
+from subscriber_ext.serve import replica_command
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+@pytest.mark.parametrize(("name", "kind"), [("publisher.yaml", PublisherConfig),
+                                            ("replica.yaml", ReplicaConfig),
+                                            ("relay.yaml", RelayConfig)])
+def test_shipped_configs_load(name, kind):
+    assert isinstance(load_config(CONFIGS / name), kind)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("publisher:\n  endpoint: tcp://h:1\n  keep_versions: 0\n", "publisher.keep_versions"),
+    ("publisher:\n  endpoint: udp://h:1\n", "scheme 'udp'"),
+    ("publisher:\n  endpoint: tcp://h:1\n  colour: red\n", "publisher.colour"),
+    ("replica:\n  model: m\n  subscriber: {endpoint: 'tcp://h:1', window_mib: -1}\n",
+     "replica.subscriber.window_mib"),
+    ("replica:\n  model: m\n  apply_mode: sometimes\n  subscriber: {endpoint: 'tcp://h:1'}\n",
+     "replica.apply_mode"),
+    ("nonsense: {}\n", "unknown top-level key 'nonsense'"),
+    ("publisher: [unclosed\n", "not valid YAML"),
+])
+def test_bad_config_names_the_key(tmp_path, text, expected):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert expected in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_check_config_cli_reports_error_without_traceback(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("relay:\n  upstream: {endpoint: 'tcp://h:1'}\n")
+    run = subprocess.run([sys.executable, "-m", "publisher.cli", "check-config", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "relay.downstream" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_status_cli_lists_versions_and_subscribers():
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        version = pub.publish({"w": torch.ones(8)})
+        with WeightSubscriber(pub.endpoint, report_interval=0.2) as sub:
+            sub.wait_for_version(version, timeout=20)
+            pub.wait_for_subscribers(version, 1, applied=False, timeout=20)
+            run = subprocess.run([sys.executable, "-m", "publisher.cli", "status", pub.endpoint,
+                                  "--json"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    assert status["latest_version"] == version
+    assert [s["staged_version"] for s in status["subscribers"]] == [version]
+
+
+def test_status_cli_times_out_cleanly():
+    run = subprocess.run([sys.executable, "-m", "publisher.cli", "status",
+                          "tcp://127.0.0.1:9", "--timeout", "0.5"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "no status reply" in run.stderr
+
+
+@pytest.mark.timeout(60)
+def test_relay_forwards_versions_bit_exact():
+    upstream_cfg = {"endpoint": "tcp://127.0.0.1:0"}
+    with WeightPublisher(upstream_cfg["endpoint"]) as trainer:
+        config = RelayConfig.model_validate({
+            "upstream": {"endpoint": trainer.endpoint},
+            "downstream": {"endpoint": "tcp://127.0.0.1:0"},
+        })
+        with Relay(config) as relay, WeightSubscriber(relay.endpoint) as replica:
+            for step in range(3):
+                weights = {"w": torch.randn(256, 256), "step": torch.tensor(step)}
+                version = trainer.publish(weights)
+                staged = replica.wait_for_version(version, timeout=20)
+                assert torch.equal(staged.tensors["w"], weights["w"])
+                assert int(staged.tensors["step"]) == step
+
+
+def test_replica_command_carries_endpoint_in_additional_config():
+    config = load_config(CONFIGS / "replica.yaml", kind="replica")
+    assert isinstance(config, ReplicaConfig)
+    argv = replica_command(config)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra["weightpub"]["endpoint"] == config.subscriber.endpoint
+    assert "--worker-extension-cls" in argv
