@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--transport-only", action="store_true",
                       help="publisher -> subscriber process only, no vLLM")
     demo.add_argument("--versions", type=int, default=5, help="(transport-only) versions")
-    demo.add_argument("--steps", type=int, default=60, help="training steps")
-    demo.add_argument("--publish-every", type=int, default=10, help="publish every N steps")
+    demo.add_argument("--steps", type=int, default=36, help="training steps")
+    demo.add_argument("--publish-every", type=int, default=3, help="publish every N steps")
     demo.add_argument("--tp", type=int, default=1, help="replica tensor parallel size")
     demo.set_defaults(func=_cmd_demo)
 

@@ -49,6 +49,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 
 def _start_engine(model_dir: Path, tp: int) -> Any:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the demo's table readable
     if tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
     from vllm import LLM
@@ -79,13 +80,14 @@ def _wait_applied(llm: Any, version: int, timeout: float = 60.0) -> dict[str, An
         time.sleep(0.01)
 
 
-def run_vllm_demo(steps: int = 60, publish_every: int = 10, tensor_parallel_size: int = 1) -> int:
+def run_vllm_demo(steps: int = 36, publish_every: int = 3, tensor_parallel_size: int = 1) -> int:
     from publisher.weight_publisher import WeightPublisher
 
     model = tiny_qwen2()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     sequence = torch.tensor([PROMPT + TARGET])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    # a small learning rate, so the output is seen converging over a dozen versions
+    optimizer = torch.optim.AdamW(model.parameters(), lr=6e-5)
     print(f"tiny Qwen2 ({nbytes / 1e6:.1f} MB fp32); target after prompt {PROMPT}: {TARGET}")
     with tempfile.TemporaryDirectory(prefix="weightpub-demo-") as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -98,6 +100,10 @@ def run_vllm_demo(steps: int = 60, publish_every: int = 10, tensor_parallel_size
                       f"{'MB':>6}  {'match':>5}  vLLM==HF  replica output")
             print(header)
             print("-" * len(header))
+            first = _vllm_greedy(llm, PROMPT, len(TARGET))
+            print(f"{0:>4} {'':>7} {0:>4} {'(disk)':>7} {'':>10} {'':>6}  "
+                  f"{sum(a == b for a, b in zip(first, TARGET, strict=True)):>2}/{len(TARGET)}  "
+                  f"{'':>8}  {first}", flush=True)
             rows = []
             for step in range(1, steps + 1):
                 logits = model(sequence).logits[0, len(PROMPT) - 1: -1]

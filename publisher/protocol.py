@@ -24,6 +24,7 @@ field. Never pickle.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -72,11 +73,22 @@ MAX_VERSION = (1 << 63) - 1
 MAX_CONTROL_BYTES = 256 << 20
 
 
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
-    """Upper bounds a receiver enforces before allocating anything a peer asked for."""
+    """Upper bounds a receiver enforces before allocating anything a peer asked for.
 
-    max_total_bytes: int = 1 << 40
+    By default a version may not exceed this machine's physical memory: a
+    subscriber stages whole versions in host RAM.
+    """
+
+    max_total_bytes: int = field(default_factory=_physical_memory)
     max_tensors: int = 1_000_000
     max_chunks: int = 10_000_000
     max_chunks_per_fetch: int = 4096
@@ -117,6 +129,9 @@ class TensorEntry:
         )
         offset = read_int(msg, "offset", where, hi=limits.max_total_bytes)
         nbytes = read_int(msg, "nbytes", where, hi=limits.max_total_bytes)
+        if math.prod(d for d in shape if d) > limits.max_total_bytes:
+            # an empty tensor has 0 bytes whatever its other dims; torch would still overflow
+            raise ProtocolError(f"{where}.shape: {list(shape)} has too many elements")
         size = itemsize(dtype)
         expected = math.prod(shape) * size
         if nbytes != expected:

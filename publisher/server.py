@@ -31,6 +31,7 @@ class ServerOptions:
     pub_bind: str
     heartbeat_interval: float = 1.0
     subscriber_ttl: float = 30.0
+    max_subscribers: int = 10_000
     max_chunks_per_request: int = 256
     zero_copy_min_bytes: int = 64 << 10
 
@@ -193,8 +194,18 @@ class ServingThread(threading.Thread):
         elif isinstance(request, wire.StatusRequest):
             router.send_multipart([identity, wire.encode(self._status(request.req))])
         elif isinstance(request, wire.Report):
+            now = time.time()
             with self._reports_lock:
-                self._reports[request.subscriber_id] = (request, time.time())
+                if request.subscriber_id not in self._reports and \
+                        len(self._reports) >= self.options.max_subscribers:
+                    cutoff = now - self.options.subscriber_ttl
+                    self._reports = {k: v for k, v in self._reports.items() if v[1] >= cutoff}
+                    if len(self._reports) >= self.options.max_subscribers:
+                        self.bad_messages += 1
+                        log.warning("dropped a report: %d live subscribers already tracked",
+                                    len(self._reports))
+                        return
+                self._reports[request.subscriber_id] = (request, now)
 
     def _status(self, req: int) -> wire.StatusReply:
         latest = self.store.latest()

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from publisher.dtypes import dtype_name
 from publisher.protocol import TENSOR_ALIGN, TensorEntry
 
-__all__ = ["BufferPool", "Snapshot", "named_tensors", "take_snapshot"]
+__all__ = ["BufferPool", "ChunkHasher", "Snapshot", "named_tensors", "take_snapshot"]
 
 WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -88,6 +90,37 @@ class BufferPool:
                 self._free.append(base)
 
 
+class ChunkHasher:
+    """Hashes each chunk on a worker thread as soon as all its bytes are written.
+
+    Overlaps checksumming with the snapshot copy, so a version is ready to
+    announce almost as soon as ``publish()`` returns.
+    """
+
+    def __init__(self, executor: Executor, buffer: torch.Tensor, total: int,
+                 chunk_size: int) -> None:
+        self._executor = executor
+        self._view = memoryview(buffer.numpy()) if total else memoryview(b"")
+        self._total = total
+        self._chunk_size = chunk_size
+        self._next = 0
+        self._futures: list[Future[int]] = []
+
+    def written_up_to(self, offset: int) -> None:
+        """Every byte below ``offset`` is final: hash the chunks that lie entirely below it."""
+        size = self._chunk_size
+        while self._next * size < self._total and \
+                min((self._next + 1) * size, self._total) <= offset:
+            start = self._next * size
+            piece = self._view[start: min(start + size, self._total)]
+            self._futures.append(self._executor.submit(xxhash.xxh3_64_intdigest, piece))
+            self._next += 1
+
+    def checksums(self) -> tuple[int, ...]:
+        self.written_up_to(self._total)
+        return tuple(f.result() for f in self._futures)
+
+
 @dataclass(slots=True)
 class Snapshot:
     """An immutable copy of one version's bytes plus where each tensor sits."""
@@ -95,21 +128,40 @@ class Snapshot:
     entries: list[TensorEntry]
     buffer: torch.Tensor  # flat uint8, host memory
     total_bytes: int
+    hasher: ChunkHasher
 
 
-def take_snapshot(weights: Any, pool: BufferPool | None = None) -> Snapshot:
-    """Copy every tensor once into one flat host buffer and wait for the copies."""
+def take_snapshot(weights: Any, pool: BufferPool, executor: Executor,
+                  chunk_size: int) -> Snapshot:
+    """Copy every tensor once into one flat host buffer and wait for the copies.
+
+    CPU tensors are copied in chunk-sized pieces so the hasher can start on the
+    first chunks while later ones are still being copied.
+    """
     pairs = named_tensors(weights)
     entries, total = plan_layout(pairs)
     on_gpu = any(t.device.type == "cuda" for _, t in pairs)
     pinned = on_gpu and torch.cuda.is_available()
-    buffer = (pool.take(total, pinned=pinned) if pool is not None
-              else torch.empty(total, dtype=torch.uint8, pin_memory=pinned))
-    for entry, (_, tensor) in zip(entries, pairs, strict=True):
+    buffer = pool.take(total, pinned=pinned)
+    hasher = ChunkHasher(executor, buffer, total, chunk_size)
+    for index, (entry, (_, tensor)) in enumerate(zip(entries, pairs, strict=True)):
+        end = entries[index + 1].offset if index + 1 < len(entries) else total
+        buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
         if entry.nbytes == 0:
             continue
-        dst = buffer[entry.offset: entry.offset + entry.nbytes].view(tensor.dtype)
-        dst.view(tensor.shape).copy_(tensor, non_blocking=tensor.device.type == "cuda")
+        dst = buffer[entry.offset: entry.offset + entry.nbytes]
+        if tensor.device.type == "cpu" and tensor.is_contiguous():
+            src = tensor.reshape(-1).view(torch.uint8) if tensor.dim() else \
+                tensor.reshape(1).view(torch.uint8)
+            for start in range(0, entry.nbytes, chunk_size):
+                stop = min(start + chunk_size, entry.nbytes)
+                dst[start:stop].copy_(src[start:stop])
+                hasher.written_up_to(entry.offset + stop)
+        else:
+            dst.view(tensor.dtype).view(tensor.shape).copy_(
+                tensor, non_blocking=tensor.device.type == "cuda")
+            if not on_gpu:
+                hasher.written_up_to(entry.offset + entry.nbytes)
     if on_gpu:
         torch.cuda.synchronize()
-    return Snapshot(entries=entries, buffer=buffer, total_bytes=total)
+    return Snapshot(entries=entries, buffer=buffer, total_bytes=total, hasher=hasher)

@@ -11,21 +11,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 import zmq
 
 from publisher.protocol import Manifest
 from publisher.snapshot import BufferPool
 
-__all__ = ["PublishedVersion", "VersionStore", "chunk_checksums"]
-
-
-def chunk_checksums(view: memoryview, total: int, chunk_size: int) -> tuple[int, ...]:
-    """xxh3-64 of each chunk (the hash releases the GIL, ~30 GB/s on one core)."""
-    return tuple(
-        xxhash.xxh3_64_intdigest(view[start: min(start + chunk_size, total)])
-        for start in range(0, total, chunk_size)
-    )
+__all__ = ["PublishedVersion", "VersionStore"]
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq
@@ -29,7 +30,7 @@ from publisher.errors import ClosedError, WeightPubTimeout
 from publisher.security import curve_server_hook, start_authenticator
 from publisher.server import ServerOptions, ServingThread
 from publisher.snapshot import BufferPool, Snapshot, take_snapshot
-from publisher.store import PublishedVersion, VersionStore, chunk_checksums
+from publisher.store import PublishedVersion, VersionStore
 
 __all__ = ["WeightPublisher"]
 
@@ -76,6 +77,7 @@ class WeightPublisher:
         self.started_at = time.time()
         self._next_version = first_version
         self._pool = BufferPool(max_buffers=2)
+        self._hash_executor = ThreadPoolExecutor(1, thread_name_prefix="weightpub-hash")
         self._store = VersionStore(keep_versions, self._pool)
         hooks = list(socket_hooks or [])
         if curve_secret_key_file is not None:
@@ -127,7 +129,7 @@ class WeightPublisher:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
             self._store.recycle()  # free buffers whose zero-copy sends have finished
-            snapshot = take_snapshot(weights, self._pool)
+            snapshot = take_snapshot(weights, self._pool, self._hash_executor, self.chunk_size)
             self._next_version = number + 1
             self._pending.put((number, snapshot, time.time()))
         return number
@@ -169,6 +171,7 @@ class WeightPublisher:
         self._closed = True
         self._pending.put(None)
         self._preparer.join(timeout=10)
+        self._hash_executor.shutdown(wait=True)
         self._server.send_command(b"close")
         self._server.join(timeout=10)
         self._store.clear()
@@ -202,12 +205,13 @@ class WeightPublisher:
                 log.exception("failed to prepare version %d", number)
 
     def _announce(self, number: int, snapshot: Snapshot, created_at: float) -> None:
+        checksums = snapshot.hasher.checksums()
         view = memoryview(snapshot.buffer.numpy()) if snapshot.total_bytes else memoryview(b"")
         manifest = wire.Manifest(
             publisher_id=self.publisher_id, started_at=self.started_at, version=number,
             created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
-            checksums=chunk_checksums(view, snapshot.total_bytes, self.chunk_size),
+            checksums=checksums,
         )
         self._store.add(PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view))
         self._server.send_command(b"announce")

@@ -4,7 +4,7 @@
 lazily so that importing this package never pulls in vLLM.
 """
 
-from typing import Any
+from typing import Any as _Any
 
 from subscriber_ext.staging import StagedVersion
 from subscriber_ext.subscriber import WeightSubscriber
@@ -13,7 +13,7 @@ from subscriber_ext.sync_client import SyncOptions
 __all__ = ["BatchWeightSyncWorkerExtension", "StagedVersion", "SyncOptions", "WeightSubscriber"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     if name == "BatchWeightSyncWorkerExtension":
         from subscriber_ext.worker_extension import BatchWeightSyncWorkerExtension
 

@@ -166,6 +166,11 @@ class WeightSubscriber:
             self._cond.notify_all()
         self._poke()
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            # stuck in an on_version callback: ctx.term() would wait for it forever; the
+            # thread closes its own sockets when the callback returns
+            log.warning("subscriber thread still busy after 10s; closing without waiting")
+            return
         if self._own_context:
             self._ctx.term()
 

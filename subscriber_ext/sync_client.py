@@ -74,6 +74,7 @@ class SyncClient:
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._retries: dict[int, int] = {}
+        self._failed: dict[tuple[tuple[float, str], int], tuple[int, float]] = {}
         self._latest_req = 0
         self._latest_sent = 0.0
         self._last_heard = 0.0
@@ -191,7 +192,12 @@ class SyncClient:
         return True
 
     def _fail_target(self, why: str) -> None:
+        """Give a version up; it is retried only after a growing back-off (1 s .. 30 s)."""
         log.warning("abandoning version: %s", why)
+        if self.target is not None:
+            key = (self.target.manifest.instance, self.target.manifest.version)
+            count = self._failed.get(key, (0, 0.0))[0] + 1
+            self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
         self.last_error = why
         self._report_dirty = True
         self._drop_target()
@@ -221,6 +227,9 @@ class SyncClient:
             self.current_version = 0
         elif manifest.version <= self.current_version:
             return
+        backoff = self._failed.get((manifest.instance, manifest.version))
+        if backoff is not None and time.monotonic() < backoff[1]:
+            return  # failed recently; a newer version or the back-off expiring retries it
         if self.target is not None:
             if manifest.version <= self.target.manifest.version:
                 return
@@ -244,7 +253,12 @@ class SyncClient:
 
     def _complete(self) -> None:
         assert self.target is not None
-        staged = self.target.finish()
+        self._failed.pop((self.target.manifest.instance, self.target.manifest.version), None)
+        try:
+            staged = self.target.finish()
+        except Exception as exc:  # never stay stuck behind a version that cannot be staged
+            self._fail_target(f"version {self.target.manifest.version} cannot be staged: {exc}")
+            return
         self.target = None
         self._requests.clear()
         self._retries.clear()

@@ -1,0 +1,58 @@
+"""Fixtures for the transport tests: child processes and objects that are always cleaned up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from publisher import WeightPublisher
+from subscriber_ext import WeightSubscriber
+from tests.transport.procs import Child
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., Child]]:
+    """``spawn("publisher" | "subscriber", **args)``; every child is stopped at teardown."""
+    children: list[Child] = []
+
+    def start(role: str, **args: Any) -> Child:
+        child = Child(role, args)
+        children.append(child)
+        return child
+
+    yield start
+    for child in reversed(children):
+        child.close(timeout=10)
+
+
+@pytest.fixture
+def closing() -> Iterator[Callable[[Any], Any]]:
+    """Register publishers/subscribers (anything with ``close()``) to close at teardown."""
+    objects: list[Any] = []
+
+    def register(obj: Any) -> Any:
+        objects.append(obj)
+        return obj
+
+    yield register
+    for obj in reversed(objects):
+        obj.close()
+
+
+@pytest.fixture
+def make_pub(closing: Callable[[Any], Any]) -> Callable[..., WeightPublisher]:
+    def make(endpoint: str = "tcp://127.0.0.1:0", **kwargs: Any) -> WeightPublisher:
+        kwargs.setdefault("heartbeat_interval", 0.2)
+        return closing(WeightPublisher(endpoint, **kwargs))
+
+    return make
+
+
+@pytest.fixture
+def make_sub(closing: Callable[[Any], Any]) -> Callable[..., WeightSubscriber]:
+    def make(endpoint: str, **kwargs: Any) -> WeightSubscriber:
+        return closing(WeightSubscriber(endpoint, **kwargs))
+
+    return make

@@ -1,0 +1,377 @@
+"""Process helpers for the transport tests: deterministic weights and child processes.
+
+Weights are derived from ``(seed, version, name)`` by a cheap integer hash, so
+any process can recompute the exact bytes a publisher sent. Children speak JSON
+lines: commands on stdin, events on stdout (logging goes to stderr, a file).
+
+Run as ``python -m tests.transport.procs publisher|subscriber '<json args>'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from publisher.dtypes import DTYPE_BY_NAME, itemsize
+
+REPO = Path(__file__).resolve().parents[2]
+Spec = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype name, shape)
+
+# -- deterministic bytes ------------------------------------------------------------------------
+_MUL1 = 6364136223846793005
+_MUL2 = -4658895280553007687  # 0xBF58476D1CE4E5B9 as a signed int64
+
+
+def det_bytes(key: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` pseudo-random bytes (flat uint8) that depend only on ``key``."""
+    words = -(-nbytes // 8)
+    x = torch.arange(words, dtype=torch.int64)
+    x.mul_(_MUL1).add_(key % (1 << 62))
+    x.bitwise_xor_(x >> 29)
+    x.mul_(_MUL2)
+    x.bitwise_xor_(x >> 32)
+    return x.view(torch.uint8)[:nbytes].clone()
+
+
+def det_tensor(seed: int, version: int, name: str, dtype: torch.dtype,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor whose bytes depend only on (seed, version, name)."""
+    key = seed * 1_000_003 + version * 7_919 + zlib.crc32(name.encode())
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    raw = det_bytes(key, numel * itemsize(dtype))
+    if dtype == torch.bool:
+        raw &= 1
+    return raw.view(dtype).reshape(shape)
+
+
+def det_weights(seed: int, version: int, spec: Spec) -> dict[str, torch.Tensor]:
+    return {name: det_tensor(seed, version, name, DTYPE_BY_NAME[dtype], tuple(shape))
+            for name, dtype, shape in spec}
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor as a flat uint8 tensor (works for 0-d and empty)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(as_bytes(tensor).numpy())
+
+
+def digests(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    return {name: digest(t) for name, t in tensors}
+
+
+def spec_bytes(spec: Spec) -> int:
+    total = 0
+    for _, dtype, shape in spec:
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        total += numel * itemsize(DTYPE_BY_NAME[dtype])
+    return total
+
+
+# -- the odd-shapes / every-dtype round trip case ------------------------------------------------
+ROUNDTRIP_SEED = 424242
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 3)
+        self.norm = torch.nn.LayerNorm(3)
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+
+def roundtrip_case(version: int) -> tuple[Any, dict[str, torch.Tensor], list[torch.Tensor]]:
+    """(what to pass to ``publish()``, the tensors the subscriber must get, the source tensors).
+
+    v1: a mapping with every wire dtype and odd shapes (0-d, empty, 5-d, transposed and
+    strided views); v2: a ``torch.nn.Module``; v3: a generator of (name, tensor) pairs.
+    """
+    seed = ROUNDTRIP_SEED
+    if version == 1:
+        source: dict[str, torch.Tensor] = {}
+        for i, (name, dtype) in enumerate(sorted(DTYPE_BY_NAME.items())):
+            shape = ((3, 5, 7), (), (0, 7), (2, 1, 3, 1, 2), (13,))[i % 5]
+            source[f"dtype.{name}"] = det_tensor(seed, version, name, dtype, shape)
+        source["odd.scalar"] = det_tensor(seed, version, "s", torch.float64, ())
+        source["odd.empty"] = det_tensor(seed, version, "e", torch.bfloat16, (0, 7))
+        source["odd.five_d"] = det_tensor(seed, version, "5", torch.int16, (2, 3, 1, 4, 5))
+        base = det_tensor(seed, version, "t", torch.float32, (7, 5))
+        source["odd.transposed"] = base.t()  # non-contiguous view
+        wide = det_tensor(seed, version, "w", torch.float16, (4, 9))
+        source["odd.strided"] = wide[:, ::2]  # non-contiguous, with gaps
+        source["odd.offset"] = wide[1:, 3:]  # non-contiguous, with a storage offset
+        expected = {k: v.contiguous().clone() for k, v in source.items()}
+        return source, expected, list(source.values())
+    if version == 2:
+        torch.manual_seed(seed)
+        net = TinyNet()
+        with torch.no_grad():
+            net.steps.fill_(12345)
+        expected = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        return net, expected, list(net.state_dict().values())
+    if version == 3:
+        pairs = [(f"pair.{i}", det_tensor(seed, version, str(i), torch.float32, (i, 3)))
+                 for i in range(4)]
+        expected = {k: v.clone() for k, v in pairs}
+        return (p for p in pairs), expected, [t for _, t in pairs]
+    raise ValueError(version)
+
+
+@torch.no_grad()
+def scribble(tensors: Iterable[torch.Tensor]) -> None:
+    """Overwrite every byte of the tensors' storages in place (the trainer moves on)."""
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            torch.empty(0, dtype=torch.uint8).set_(storage).fill_(0xA5)
+
+
+# -- small utilities -----------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for tests that must reuse one endpoint)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
+               interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+# -- child processes -----------------------------------------------------------------------------
+class Child:
+    """A helper process speaking JSON lines; every wait has a timeout."""
+
+    def __init__(self, role: str, args: dict[str, Any]) -> None:
+        self.role = role
+        self._stderr = tempfile.TemporaryFile()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.transport.procs", role, json.dumps(args)],
+            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, text=True, bufsize=1,
+        )
+        self.events: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._eof = False
+        self._reader = threading.Thread(target=self._read, daemon=True,
+                                        name=f"test-{role}-reader")
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = {"event": "noise", "line": line}
+            with self._cond:
+                self.events.append(event)
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def stderr_tail(self, limit: int = 4000) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-limit:]
+
+    def send(self, **command: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def expect(self, predicate: Callable[[dict[str, Any]], bool], timeout: float,
+               what: str = "an event") -> dict[str, Any]:
+        """The first event (seen so far or later) that satisfies ``predicate``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for event in self.events:
+                    if predicate(event):
+                        return event
+                left = deadline - time.monotonic()
+                if self._eof or left <= 0:
+                    state = "exited" if self._eof else "timed out"
+                    raise AssertionError(
+                        f"{self.role} {state} waiting for {what} (rc={self.proc.poll()}); "
+                        f"events: {self.events[-5:]}\nstderr:\n{self.stderr_tail()}"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def event(self, name: str, timeout: float, **match: Any) -> dict[str, Any]:
+        return self.expect(
+            lambda e: e.get("event") == name and all(e.get(k) == v for k, v in match.items()),
+            timeout, f"{name} {match}",
+        )
+
+    def request(self, name: str, timeout: float = 30.0, **command: Any) -> dict[str, Any]:
+        """Send a command with a fresh id and wait for its reply event."""
+        rid = f"{time.monotonic_ns()}"
+        self.send(cmd=name, id=rid, **command)
+        return self.expect(lambda e: e.get("id") == rid, timeout, f"reply to {name}")
+
+    def kill9(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def close(self, timeout: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            try:
+                self.send(cmd="exit")
+                self.proc.wait(timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._reader.join(timeout=5)
+        self._stderr.close()
+        return self.proc.returncode
+
+
+# -- child side ----------------------------------------------------------------------------------
+def _emit(**event: Any) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def _commands() -> queue.Queue[dict[str, Any]]:
+    """Read JSON-line commands from stdin on a thread; EOF means exit."""
+    commands: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    def pump() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                commands.put(json.loads(line))
+        commands.put({"cmd": "exit"})
+
+    threading.Thread(target=pump, daemon=True, name="stdin").start()
+    return commands
+
+
+def run_publisher(args: dict[str, Any]) -> None:
+    """A publisher publishing ``det_weights(seed, version, spec)`` on command."""
+    from publisher import WeightPublisher
+
+    pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 1 << 20),
+                          heartbeat_interval=args.get("heartbeat_interval", 0.2),
+                          model_id=args.get("model_id", "test"))
+    _emit(event="ready", endpoint=pub.endpoint, publisher_id=pub.publisher_id, pid=os.getpid())
+    commands = _commands()
+    seed = args["seed"]
+    while True:
+        command = commands.get(timeout=600)
+        cmd = command.get("cmd")
+        if cmd == "exit":
+            break
+        if cmd == "publish":
+            version = command["version"]
+            weights = det_weights(seed, version, command["spec"])
+            pub.publish(weights, version=version)
+            del weights
+            pub.wait_announced(version, timeout=60)
+            _emit(event="published", id=command.get("id"), version=version,
+                  publisher_id=pub.publisher_id)
+        elif cmd == "fleet":
+            _emit(event="fleet", id=command.get("id"),
+                  reports=[r.to_wire() for r in pub.fleet()])
+    pub.close()
+    _emit(event="closed")
+
+
+def run_subscriber(args: dict[str, Any]) -> None:
+    """A subscriber reporting every staged version (digests per tensor) as a JSON line."""
+    from publisher.protocol import Limits
+    from subscriber_ext import SyncOptions, WeightSubscriber
+
+    options = dict(args.get("options", {}))
+    if "limits" in options:
+        options["limits"] = Limits(**options["limits"])
+    staged_q: queue.Queue[Any] = queue.Queue()
+    sub = WeightSubscriber(args["endpoint"], options=SyncOptions(**options),
+                           on_version=staged_q.put)
+    _emit(event="ready", subscriber_id=sub.subscriber_id, pid=os.getpid())
+    commands = _commands()
+    while True:
+        try:
+            command = commands.get_nowait()
+        except queue.Empty:
+            command = None
+        if command is not None:
+            if command.get("cmd") == "exit":
+                break
+            if command.get("cmd") == "status":
+                _emit(event="status", id=command.get("id"), status=sub.status())
+        try:
+            staged = staged_q.get(timeout=0.05)
+        except queue.Empty:
+            continue
+        event: dict[str, Any] = {
+            "event": "staged", "version": staged.version, "publisher_id": staged.publisher_id,
+            "total_bytes": staged.total_bytes, "names": list(staged.tensors),
+            "shapes": {k: list(v.shape) for k, v in staged.tensors.items()},
+            "dtypes": {k: str(v.dtype) for k, v in staged.tensors.items()},
+            "digests": digests(staged.items()),
+        }
+        if args.get("verify") == "roundtrip":
+            _, expected, _ = roundtrip_case(staged.version)
+            event["mismatches"] = sorted(
+                name for name, want in expected.items()
+                if name not in staged.tensors
+                or staged.tensors[name].dtype != want.dtype
+                or staged.tensors[name].shape != want.shape
+                or not torch.equal(as_bytes(staged.tensors[name]), as_bytes(want))
+            ) + sorted(set(staged.tensors) - set(expected))
+        if args.get("mark_applied"):
+            sub.mark_applied(staged.version)
+        _emit(**event)
+    sub.close()
+    _emit(event="closed")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    role, raw = sys.argv[1], sys.argv[2]
+    args = json.loads(raw)
+    {"publisher": run_publisher, "subscriber": run_subscriber}[role](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""The public surface is pinned: changing it must be a deliberate edit of this file.
+
+(The idea of httpx's ``tests/test_exported_members.py``: ``__all__`` lists exactly the
+public members of the package.)
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+import typing
+
+import pytest
+
+import publisher
+import subscriber_ext
+from tests.transport.procs import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+PUBLISHER_ALL = [
+    "PROTOCOL_VERSION",
+    "ApplyError",
+    "ChecksumError",
+    "ClosedError",
+    "ConfigError",
+    "Manifest",
+    "ProtocolError",
+    "TensorEntry",
+    "VersionUnavailable",
+    "WeightPubError",
+    "WeightPubTimeout",
+    "WeightPublisher",
+]
+
+SUBSCRIBER_ALL = ["BatchWeightSyncWorkerExtension", "StagedVersion", "SyncOptions",
+                  "WeightSubscriber"]
+LAZY = {"BatchWeightSyncWorkerExtension"}  # resolved by module __getattr__, pulls in vLLM
+
+
+def public_members(module: types.ModuleType) -> set[str]:
+    """Public names bound in the module, minus submodules and typing helpers."""
+    return {
+        name for name, value in vars(module).items()
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", None) != "typing"
+        and value is not typing.Any
+    }
+
+
+def test_publisher_all_is_pinned() -> None:
+    assert publisher.__all__ == PUBLISHER_ALL
+    assert public_members(publisher) == set(publisher.__all__)
+    for name in publisher.__all__:
+        assert getattr(publisher, name) is not None
+
+
+def test_subscriber_ext_all_is_pinned() -> None:
+    assert subscriber_ext.__all__ == SUBSCRIBER_ALL
+    assert public_members(subscriber_ext) | LAZY == set(subscriber_ext.__all__)
+    for name in set(subscriber_ext.__all__) - LAZY:
+        assert getattr(subscriber_ext, name) is not None
+    with pytest.raises(AttributeError):
+        subscriber_ext.NoSuchName  # noqa: B018
+
+
+def test_all_entries_are_unique_and_errors_share_one_base() -> None:
+    for names in (PUBLISHER_ALL, SUBSCRIBER_ALL):
+        assert len(names) == len(set(names))
+    errors = [getattr(publisher, n) for n in PUBLISHER_ALL if n.endswith("Error")]
+    errors.append(publisher.WeightPubTimeout)
+    errors.append(publisher.VersionUnavailable)
+    assert all(issubclass(e, publisher.WeightPubError) for e in errors)
+    assert issubclass(publisher.WeightPubTimeout, TimeoutError)
+
+
+def test_importing_the_packages_does_not_import_vllm() -> None:
+    code = ("import sys, publisher, subscriber_ext; "
+            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.') "
+            "or m == 'subscriber_ext.worker_extension'); print(bad); assert not bad")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,333 @@
+"""Hostile peers: garbage and malformed messages are refused; both sides keep serving."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import xxhash
+import zmq
+
+from publisher import ProtocolError, WeightPublisher
+from publisher import protocol as wire
+from publisher.dtypes import dtype_name
+from publisher.protocol import TENSOR_ALIGN, Limits, TensorEntry
+from subscriber_ext import SyncOptions, WeightSubscriber
+from subscriber_ext.staging import StagingPool
+from tests.transport.procs import as_bytes, det_weights, digests, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = [("w", "float32", [64, 1000]), ("b", "bfloat16", [777])]
+
+
+def pack(body: dict[str, Any]) -> bytes:
+    return msgpack.packb({"p": wire.PROTOCOL_VERSION, **body}, use_bin_type=True)
+
+
+class RawClient:
+    """A bare DEALER speaking to a publisher's ROUTER; every receive has a timeout."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout: float = 10.0) -> list[bytes]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no reply within {timeout}s")
+        return self.sock.recv_multipart()
+
+    def call(self, message: wire.Message) -> wire.Message:
+        self.send(wire.encode(message))
+        frames = self.recv()
+        self.last_frames = frames
+        return wire.decode(frames[0])
+
+
+def test_garbage_to_publisher_router_is_refused_and_service_continues(
+    make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    pub = make_pub(chunk_size=4096)
+    version = pub.publish(det_weights(5, 1, SPEC))
+    pub.wait_announced(version, timeout=30)
+    ctx = zmq.Context()
+    try:
+        raw = RawClient(ctx, pub.endpoint)
+        latest = raw.call(wire.LatestRequest(req=1))
+        assert isinstance(latest, wire.LatestReply) and latest.manifest is not None
+        num_chunks = latest.manifest.num_chunks
+        before = pub._server.bad_messages
+
+        dropped = [
+            (b"two", b"frames"),  # wrong frame count
+            (b"a", b"b", b"c"),
+            (b"",),  # empty body
+            (b"\xc1\xc1 not msgpack",),
+            (msgpack.packb([1, 2, 3]),),  # not a map
+            (pack({"t": "fetch", "req": 1}),),  # missing fields
+            (pack({"t": "no-such-type", "req": 1}),),
+            (wire.encode(wire.ChunkHeader(req=1, version=1, chunk=0, size=0)),),  # wrong way
+            (wire.encode(latest.manifest),),  # a manifest is not a request
+            (pack({"t": "fetch", "req": 2, "publisher_id": pub.publisher_id, "version": 1,
+                   "chunks": list(range(5000))}),),  # more ids than any fetch may carry
+            (pack({"t": "report", "subscriber_id": "x\x00y", "staged_version": 1,
+                   "applied_version": 1}),),
+            (b"\x00" * 100_000,),
+        ]
+        for frames in dropped:
+            raw.send(*frames)
+        # requests are handled in order: once this is answered, all of the above were seen
+        assert isinstance(raw.call(wire.StatusRequest(req=3)), wire.StatusReply)
+        assert pub._server.bad_messages - before == len(dropped)
+
+        def fetch(**fields: Any) -> wire.Message:
+            request = dict(req=4, publisher_id=pub.publisher_id, version=version, chunks=(0,))
+            request.update(fields)
+            return raw.call(wire.FetchRequest(**request))
+
+        out_of_range = fetch(chunks=(num_chunks,))
+        assert isinstance(out_of_range, wire.ErrorReply) and out_of_range.code == "bad_request"
+        too_many = fetch(chunks=(0,) * 300)  # within the wire limit, over the server's
+        assert isinstance(too_many, wire.ErrorReply) and too_many.code == "bad_request"
+        unknown = fetch(version=99)
+        assert isinstance(unknown, wire.ErrorReply) and unknown.code == "version_unavailable"
+        assert unknown.req == 4 and unknown.version == 99
+        other = fetch(publisher_id="someone-else")
+        assert isinstance(other, wire.ErrorReply) and other.code == "version_unavailable"
+
+        good = fetch(chunks=(0,))  # the same socket is still served
+        assert isinstance(good, wire.ChunkHeader) and good.chunk == 0
+        assert len(raw.last_frames) == 2 and len(raw.last_frames[1]) == good.size == 4096
+        assert pub._server.is_alive()
+    finally:
+        ctx.destroy(linger=0)
+
+    # and a real subscriber is served normally afterwards
+    sub = make_sub(pub.endpoint)
+    pub.publish(det_weights(5, 2, SPEC))
+    staged = sub.wait_for_version(2, timeout=30)
+    assert digests(staged.items()) == digests(det_weights(5, 2, SPEC).items())
+
+
+# -- a fake publisher whose messages the test controls ---------------------------------------
+def manifest_for(weights: dict[str, torch.Tensor], version: int, chunk_size: int,
+                 publisher_id: str, started_at: float) -> tuple[wire.Manifest, bytes]:
+    """Lay out and hash a version by hand (independently of the publisher's code)."""
+    entries, pieces, offset = [], [], 0
+    for name, tensor in weights.items():
+        raw = as_bytes(tensor).numpy().tobytes()
+        entries.append(TensorEntry(name=name, dtype=dtype_name(tensor.dtype),
+                                   shape=tuple(tensor.shape), offset=offset, nbytes=len(raw)))
+        padded = -(-len(raw) // TENSOR_ALIGN) * TENSOR_ALIGN
+        pieces.append(raw + b"\0" * (padded - len(raw)))
+        offset += padded
+    data = b"".join(pieces)
+    manifest = wire.Manifest(
+        publisher_id=publisher_id, started_at=started_at, version=version,
+        created_at=time.time(), model_id="fake", chunk_size=chunk_size,
+        total_bytes=len(data), tensors=tuple(entries),
+        checksums=tuple(xxhash.xxh3_64_intdigest(data[i: i + chunk_size])
+                        for i in range(0, len(data), chunk_size)),
+    )
+    return manifest, data
+
+
+class FakePublisher(threading.Thread):
+    """ROUTER + PUB written by hand: answers ``latest`` with ``latest_manifest`` (a raw,
+    possibly malformed wire dict), serves chunks of ``data[version]``, and publishes
+    whatever is put into ``outbox`` on PUB."""
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        super().__init__(name="test-fake-publisher", daemon=True)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.pub = ctx.socket(zmq.PUB)
+        for sock in (self.router, self.pub):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind("tcp://127.0.0.1:0")
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.pub_endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.publisher_id = "fake-publisher"
+        self.started_at = time.time()
+        self.latest_manifest: dict[str, Any] | None = None
+        self.data: dict[int, bytes] = {}
+        self.outbox: queue.Queue[bytes] = queue.Queue()
+        self.latest_requests = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if self.router.poll(20):
+                    self._serve(*self.router.recv_multipart())
+                while not self.outbox.empty():
+                    self.pub.send(self.outbox.get())
+        finally:
+            self.router.close()
+            self.pub.close()
+
+    def _serve(self, identity: bytes, body: bytes, *extra: bytes) -> None:
+        try:
+            request = wire.decode(body)
+        except ProtocolError:
+            return
+        if isinstance(request, wire.LatestRequest):
+            self.latest_requests += 1
+            reply = {"t": "latest_rep", "req": request.req, "publisher_id": self.publisher_id,
+                     "started_at": self.started_at, "pub_endpoint": self.pub_endpoint,
+                     "heartbeat_interval": 1.0, "manifest": self.latest_manifest}
+            self.router.send_multipart([identity, pack(reply)])
+        elif isinstance(request, wire.FetchRequest):
+            data = self.data[request.version]
+            chunk_size = self.latest_manifest["chunk_size"] if self.latest_manifest else 0
+            for chunk in request.chunks:
+                piece = data[chunk * chunk_size: (chunk + 1) * chunk_size]
+                header = wire.ChunkHeader(req=request.req, version=request.version,
+                                          chunk=chunk, size=len(piece))
+                self.router.send_multipart([identity, wire.encode(header), piece])
+
+    def manifest(self, weights: dict[str, torch.Tensor], version: int,
+                 chunk_size: int = 4096) -> dict[str, Any]:
+        manifest, data = manifest_for(weights, version, chunk_size, self.publisher_id,
+                                      self.started_at)
+        self.data[version] = data
+        return manifest.to_wire()
+
+    def publish_raw(self, body: dict[str, Any]) -> None:
+        self.outbox.put(pack({"t": "manifest", **body}))
+
+
+@pytest.fixture
+def fake() -> Any:
+    ctx = zmq.Context()
+    server = FakePublisher(ctx)
+    server.start()
+    yield server
+    server.stop.set()
+    server.join(timeout=5)
+    ctx.term()
+
+
+def _error(sub: WeightSubscriber) -> str:
+    return sub.status()["last_error"] or ""
+
+
+def test_malformed_manifest_is_named_and_subscriber_recovers(
+    fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    v1 = det_weights(8, 1, SPEC)
+    good_v1 = fake.manifest(v1, 1)
+    bad_v1 = dict(good_v1, tensors=[dict(good_v1["tensors"][0], dtype="complex128"),
+                                    *good_v1["tensors"][1:]])
+    fake.latest_manifest = bad_v1
+
+    sub = make_sub(fake.endpoint, request_timeout=1.0)
+    wait_until(lambda: "manifest.tensors[0].dtype" in _error(sub), 30,
+               "the bad latest reply to be reported")
+    assert sub.status()["bad_messages"] >= 1
+    assert sub.latest() is None and sub._thread.is_alive()
+
+    fake.latest_manifest = good_v1  # the subscriber re-asks while it is not in sync
+    staged = sub.wait_for_version(1, timeout=30)
+    assert digests(staged.items()) == digests(v1.items())
+
+    # the same on the PUB socket: a malformed v2 is refused, naming the field ...
+    v2 = det_weights(8, 2, SPEC)
+    good_v2 = fake.manifest(v2, 2)
+    bad_v2 = dict(good_v2, tensors=[dict(good_v2["tensors"][0], nbytes=12),
+                                    *good_v2["tensors"][1:]])
+
+    def bad_one_seen() -> bool:
+        fake.publish_raw(bad_v2)  # repeated: PUB drops what is sent before SUB connects
+        return "manifest.tensors[0].nbytes" in _error(sub)
+
+    wait_until(bad_one_seen, 30, "the malformed PUB manifest to be reported", interval=0.05)
+    fake.outbox.put(b"\x92\x01\x02")  # and plain garbage on PUB
+    fake.outbox.put(pack({"t": "latest", "req": 1}))  # a request type where none belongs
+    assert sub.latest().version == 1 and sub._thread.is_alive()
+
+    # ... and a valid v2 afterwards is staged
+    fake.latest_manifest = good_v2
+
+    def staged_v2() -> bool:
+        fake.publish_raw(good_v2)
+        latest = sub.latest()
+        return latest is not None and latest.version == 2
+
+    wait_until(staged_v2, 30, "the valid version 2", interval=0.1)
+    assert digests(sub.latest().items()) == digests(v2.items())
+    for name, want in v2.items():
+        assert torch.equal(as_bytes(sub.latest().tensors[name]), as_bytes(want))
+
+
+def test_manifest_over_the_size_limit_is_refused_without_allocating(
+    fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    takes: list[int] = []
+    original_take = StagingPool.take
+
+    def recording_take(self: StagingPool, nbytes: int) -> torch.Tensor:
+        takes.append(nbytes)
+        return original_take(self, nbytes)
+
+    monkeypatch.setattr(StagingPool, "take", recording_take)
+
+    huge = 8 << 30  # 8 GiB announced; nothing of it is ever sent
+    chunk = 1 << 30
+    fake.latest_manifest = {
+        "publisher_id": fake.publisher_id, "started_at": fake.started_at, "version": 1,
+        "created_at": time.time(), "model_id": "fake", "chunk_size": chunk,
+        "total_bytes": huge,
+        "tensors": [{"name": "w", "dtype": "uint8", "shape": [huge], "offset": 0,
+                     "nbytes": huge}],
+        "checksums": [0] * (huge // chunk), "data_paths": ["zmq"],
+        "checksum_algorithm": wire.CHECKSUM_ALGORITHM,
+    }
+    options = SyncOptions(request_timeout=1.0, limits=Limits(max_total_bytes=64 << 20))
+    sub = make_sub(fake.endpoint, options=options)
+    wait_until(lambda: "manifest.total_bytes" in _error(sub), 30, "the refusal")
+    wait_until(lambda: fake.latest_requests >= 2, 30, "a second attempt")  # still refused
+    assert "manifest.total_bytes" in _error(sub)
+    assert takes == []
+    status = sub.status()
+    assert status["fetching_version"] is None and status["staged_version"] == 0
+    assert sub.latest() is None and sub._thread.is_alive()
+
+    # within the limit, the same subscriber takes a real version
+    small = det_weights(9, 2, SPEC)
+    fake.latest_manifest = fake.manifest(small, 2)
+    staged = sub.wait_for_version(2, timeout=30)
+    assert digests(staged.items()) == digests(small.items())
+    assert takes and max(takes) <= 64 << 20
+
+
+def test_empty_tensor_with_overflowing_shape_does_not_wedge_the_subscriber(
+    fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    """0 bytes, but torch cannot build a view of shape (2**40, 2**40, 2**40, 0): refused at
+    decode, instead of failing at staging and leaving a finished-but-stuck target behind."""
+    weights = det_weights(10, 1, SPEC)
+    good = fake.manifest(weights, 1)
+    end = good["total_bytes"]
+    fake.latest_manifest = dict(good, tensors=[
+        *good["tensors"],
+        {"name": "empty", "dtype": "float32", "shape": [1 << 40, 1 << 40, 1 << 40, 0],
+         "offset": end, "nbytes": 0},
+    ])
+    sub = make_sub(fake.endpoint, request_timeout=1.0)
+    wait_until(lambda: "manifest.tensors[2].shape" in _error(sub), 30, "the refusal")
+    assert sub.status()["fetching_version"] is None
+
+    fake.latest_manifest = good
+    staged = sub.wait_for_version(1, timeout=30)
+    assert digests(staged.items()) == digests(weights.items())
