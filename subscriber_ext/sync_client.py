@@ -139,7 +139,9 @@ class SyncClient:
             self._next_report = now + self.options.report_interval
 
     def mark_applied(self, version: int, error: str | None = None) -> None:
-        self.applied_version = max(self.applied_version, version)
+        """``version`` 0 leaves the applied version as it is (e.g. to report an error)."""
+        if version:
+            self.applied_version = version
         if error is not None:
             self.last_error = error
         self._report_dirty = True

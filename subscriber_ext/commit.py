@@ -1,0 +1,283 @@
+"""Commit staged versions at a step boundary, on every rank of a replica at once.
+
+Why: a replica must never run a half-updated model. The subscriber stages a
+version on each rank independently (its own thread), so before each
+``execute_model`` the ranks agree, with one tiny all_gather on vLLM's CPU
+group, on the newest version *every* rank holds, and all commit it before the
+same step. TP=1 (world of one) needs no collective at all; when nothing is
+staged on a single rank the check is one attribute read.
+
+vLLM 0.32 splits a step into ``execute_model`` (may return None) and
+``sample_tokens``; a worker runs its RPCs strictly in order, so the start of
+``execute_model`` is after the previous step's ``sample_tokens`` on that rank.
+Our other RPCs (``commit_pending``, ``weight_version``) run in the same queue,
+hence also between steps.
+
+Driven mode (``slot`` given): the engine-core plugin (``engine_plugin.py``)
+decides. This rank only advertises its held/applied versions in a shared-memory
+slot and commits the exact version the engine names (``commit_version``);
+``before_step`` then costs one counter increment and no collective runs. A
+version the engine announced as its ``intent`` is never released before the
+commit, so every rank still holds it when the ``commit_pending`` RPC arrives.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from publisher.errors import WeightPubError
+
+from .shared_slots import SlotWriter, fence, pid_hash
+
+__all__ = ["CommitCoordinator", "StagedLike"]
+
+logger = logging.getLogger("weightpub.commit")
+
+
+class StagedLike(Protocol):
+    """What the transport hands over (``subscriber_ext.staging.StagedVersion``)."""
+
+    version: int
+    publisher_id: str
+    tensors: dict[str, torch.Tensor]
+    total_bytes: int
+
+    def release(self) -> None: ...
+
+
+def _release(staged: StagedLike) -> None:
+    try:
+        staged.release()
+    except Exception:
+        logger.exception("weightpub: release of version %s failed", staged.version)
+
+
+class CommitCoordinator:
+    """Holds the last ``keep`` staged versions of one rank and commits at step boundaries.
+
+    ``apply`` is called with the staged tensors (``WeightApplier.apply``);
+    ``groups`` are CPU (gloo) process groups whose ranks must agree (vLLM's TP
+    ``cpu_group`` and, with PP, the PP one); agreement runs through them in
+    order, so TP x PP ranks of one replica all end on the same choice.
+    ``on_commit`` runs after a successful commit and ``on_failure`` after a rejected
+    one (the extension forwards both to the publisher over the back-channel).
+    """
+
+    def __init__(
+        self,
+        apply: Callable[[dict[str, torch.Tensor]], Any],
+        *,
+        groups: list[Any] | tuple[Any, ...] = (),
+        keep: int = 2,
+        log_size: int = 4096,
+        on_commit: Callable[[int], None] | None = None,
+        on_failure: Callable[[int, str], None] | None = None,
+        slot: SlotWriter | None = None,
+    ) -> None:
+        self._apply = apply
+        self._groups = [g for g in groups if g is not None and g.size() > 1]
+        self._world = 1
+        for g in self._groups:
+            self._world *= g.size()
+        self._keep = max(1, keep)
+        self._lock = threading.Lock()
+        self._held: collections.OrderedDict[int, StagedLike] = collections.OrderedDict()
+        self._dirty = False  # set by offer(); lets TP=1 skip work when idle
+        self._on_commit = on_commit
+        self._on_failure = on_failure
+        self.applied_version: int | None = None
+        self.publisher_id: str | None = None
+        self.last_error: str | None = None
+        self.step = 0
+        self.commit_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=log_size)
+        self.last_commit_s: float | None = None
+        self._failed: set[int] = set()
+        self._slot = slot
+        self.driven = slot is not None
+        self._pinned: dict[int, StagedLike] = {}  # released by the engine's intent; kept
+        self.collectives = 0  # all_gather calls made by _agree (0 in driven mode)
+        self._publish_locked()
+
+    # --------------------------------------------------------- producer side
+    def offer(self, staged: StagedLike) -> None:
+        """Called from the subscriber thread with a complete, verified version."""
+        with self._lock:
+            dropped: list[StagedLike] = []
+            if self.publisher_id is not None and staged.publisher_id != self.publisher_id:
+                # a restarted publisher counts versions from its own start
+                dropped.extend(self._held.values())
+                self._held.clear()
+                self._failed.clear()  # version numbers of the old publisher mean nothing now
+                self.applied_version = None
+            if (self.applied_version is not None and staged.version <= self.applied_version) or (
+                staged.version in self._held
+            ):
+                _release(staged)
+            else:
+                self._held[staged.version] = staged
+                self._held = collections.OrderedDict(sorted(self._held.items()))
+                while len(self._held) > self._keep:
+                    dropped.append(self._held.popitem(last=False)[1])
+                self.publisher_id = staged.publisher_id
+                self._dirty = True
+            self._publish_locked()
+            self._release_or_pin_locked(dropped)
+
+    def _publish_locked(self) -> None:
+        if self._slot is not None:
+            held = [v for v in self._held if v not in self._failed]
+            self._slot.write(pid_hash(self.publisher_id), self.applied_version, held)
+
+    def _release_or_pin_locked(self, dropped: list[StagedLike]) -> None:
+        """Release dropped versions, except the one the engine is committing right now.
+
+        Why: the engine reads the slots, writes ``intent`` and reads again before the
+        RPC; we publish the drop first and read ``intent`` after (with a fence), so
+        either the engine sees the version gone or we see the intent and keep it.
+        """
+        if not dropped:
+            return
+        intent = None
+        if self._slot is not None:
+            fence()
+            intent = self._slot.table.intent
+        for staged in dropped:
+            if staged.version == intent:
+                old = self._pinned.pop(staged.version, None)
+                if old is not None and old is not staged:
+                    _release(old)
+                self._pinned[staged.version] = staged
+            else:
+                _release(staged)
+
+    def staged_version(self) -> int | None:
+        with self._lock:
+            return next(reversed(self._held)) if self._held else None
+
+    # --------------------------------------------------------- step side
+    def before_step(self) -> None:
+        """Run at the start of every ``execute_model``; commits if all ranks can."""
+        self.step += 1
+        if self.driven or (self._world == 1 and not self._dirty):
+            return
+        self.commit_now()
+
+    def commit_now(self) -> int | None:
+        """Agree on and apply the newest version all ranks hold. Collective if world > 1."""
+        with self._lock:
+            mine = [v for v in self._held if v not in self._failed]
+            self._dirty = False
+        choice = self._agree(mine)
+        if choice is None:
+            return None
+        with self._lock:
+            staged = self._held.get(choice)
+        if staged is None:  # cannot happen: we never drop a held version between calls
+            return None
+        return self._commit(choice, staged)
+
+    def commit_version(self, version: int, publisher_hash: int | None = None) -> int | None:
+        """Driven mode: apply exactly ``version`` (chosen by the engine core); no collective.
+
+        Returns the applied version afterwards (``version`` on success).
+        """
+        with self._lock:
+            staged = self._held.get(version)
+            if staged is not None and publisher_hash not in (None, pid_hash(self.publisher_id)):
+                staged = None
+            if staged is None:
+                staged = self._pinned.get(version)
+            self._dirty = False
+        if staged is None:
+            if self.applied_version != version:
+                self.last_error = f"version {version}: not staged on this rank"
+                logger.error("weightpub: engine asked for version %d, not staged here", version)
+            return self.applied_version
+        self._commit(version, staged)
+        return self.applied_version
+
+    def _commit(self, choice: int, staged: StagedLike) -> int | None:
+        start = time.perf_counter()
+        try:
+            self._apply(staged.tensors)
+        except WeightPubError as exc:
+            self._fail(choice, exc)
+            return None
+        except Exception as exc:
+            self._fail(choice, exc)
+            return None
+        self.last_commit_s = time.perf_counter() - start
+        with self._lock:
+            self.applied_version = choice
+            self.last_error = None
+            if self.publisher_id != staged.publisher_id:  # a pinned version of an old publisher
+                self.applied_version = None
+            for v in [v for v in self._held if v <= choice]:
+                _release(self._held.pop(v))
+            for pinned in self._pinned.values():
+                _release(pinned)
+            self._pinned.clear()
+            self.commit_log.append(
+                {"step": self.step, "version": choice, "seconds": self.last_commit_s}
+            )
+            self._publish_locked()
+        logger.info(
+            "weightpub committed version %d before step %d in %.3f s",
+            choice,
+            self.step,
+            self.last_commit_s,
+        )
+        if self._on_commit is not None:
+            self._on_commit(choice)
+        return choice
+
+    def _fail(self, version: int, exc: BaseException) -> None:
+        self.last_error = f"version {version}: {exc}"
+        logger.error("weightpub: version %d not applied, keeping old weights: %s", version, exc)
+        with self._lock:
+            self._failed.add(version)
+            staged = self._held.pop(version, None)
+            pinned = self._pinned.pop(version, None)
+            self._publish_locked()
+        for s in (staged, pinned):
+            if s is not None:
+                _release(s)
+        if self._on_failure is not None:
+            self._on_failure(version, self.last_error)
+
+    def _agree(self, mine: list[int]) -> int | None:
+        if self._world == 1:
+            return max(mine) if mine else None
+        common = set(mine)
+        for group in self._groups:
+            slots = [-1] * self._keep
+            for i, v in enumerate(sorted(common, reverse=True)[: self._keep]):
+                slots[i] = v
+            local = torch.tensor(slots, dtype=torch.int64)
+            gathered = [torch.empty_like(local) for _ in range(group.size())]
+            torch.distributed.all_gather(gathered, local, group=group)
+            self.collectives += 1
+            common = set(gathered[0].tolist())
+            for g in gathered[1:]:
+                common &= set(g.tolist())
+            common.discard(-1)
+        return max(common) if common else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop_all_locked()
+            self._publish_locked()
+
+    def _drop_all_locked(self) -> None:
+        while self._held:
+            _, staged = self._held.popitem()
+            _release(staged)
+        while self._pinned:
+            _release(self._pinned.popitem()[1])

