@@ -14,6 +14,7 @@ from publisher.errors import (
     WeightPubTimeout,
 )
 from publisher.protocol import PROTOCOL_VERSION, Manifest, TensorEntry
+from publisher.snapshot import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "WeightPubError",
     "WeightPubTimeout",
     "WeightPublisher",
+    "gather_full_tensors",
 ]

@@ -20,7 +20,14 @@ import xxhash
 from publisher.dtypes import dtype_name
 from publisher.protocol import TENSOR_ALIGN, TensorEntry
 
-__all__ = ["BufferPool", "ChunkHasher", "Snapshot", "named_tensors", "take_snapshot"]
+__all__ = [
+    "BufferPool",
+    "ChunkHasher",
+    "Snapshot",
+    "gather_full_tensors",
+    "named_tensors",
+    "take_snapshot",
+]
 
 WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
@@ -42,6 +49,16 @@ def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         result.append((name, _materialize(tensor)))
     return result
+
+
+def gather_full_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """Take part in the ``full_tensor()`` collectives of sharded DTensors without publishing.
+
+    ``DTensor.full_tensor()`` is a collective: when rank 0 calls ``publish()``
+    on FSDP/TP-sharded weights, every other rank of the mesh must call this
+    with the same weights at the same time, or rank 0 waits forever.
+    """
+    return named_tensors(weights)
 
 
 def _materialize(tensor: torch.Tensor) -> torch.Tensor:

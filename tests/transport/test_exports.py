@@ -32,6 +32,7 @@ PUBLISHER_ALL = [
     "WeightPubError",
     "WeightPubTimeout",
     "WeightPublisher",
+    "gather_full_tensors",
 ]
 
 SUBSCRIBER_ALL = ["BatchWeightSyncWorkerExtension", "StagedVersion", "SyncOptions",

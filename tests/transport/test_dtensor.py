@@ -1,0 +1,63 @@
+"""FSDP/TP-sharded DTensors are published whole: rank 0 publishes, the others gather."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from subscriber_ext import WeightSubscriber
+
+
+def _rank(rank: int, store: str, conn) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from publisher import WeightPublisher, gather_full_tensors
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        torch.manual_seed(0)  # same full tensor on both ranks; each keeps half
+        full = torch.randn(16, 8).to(torch.bfloat16)
+        weights = {"layer.weight": distribute_tensor(full, mesh, [Shard(0)]),
+                   "bias": distribute_tensor(torch.arange(6.0), mesh, [Shard(0)])}
+        assert weights["layer.weight"].to_local().shape == (8, 8)
+        if rank == 0:
+            with WeightPublisher("tcp://127.0.0.1:0") as pub:
+                conn.send(pub.endpoint)
+                version = pub.publish(weights)
+                pub.wait_for_subscribers(version, 1, applied=False, timeout=30)
+                conn.send(version)
+        else:
+            gather_full_tensors(weights)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_sharded_dtensors_arrive_whole(tmp_path):
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_rank, args=(r, store, child), daemon=True) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        assert parent.poll(60), "rank 0 did not start publishing"
+        with WeightSubscriber(parent.recv(), report_interval=0.2) as sub:
+            staged = sub.wait_for_version(1, timeout=60)
+            torch.manual_seed(0)
+            assert torch.equal(staged.tensors["layer.weight"],
+                               torch.randn(16, 8).to(torch.bfloat16))
+            assert torch.equal(staged.tensors["bias"], torch.arange(6.0))
+            assert parent.poll(60) and parent.recv() == staged.version
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                os.kill(proc.pid, 9)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
