@@ -13,17 +13,18 @@ trainer memory" to "one short greedy generation with them has returned":
 * ``batch_rpc``: one ``http_load_weights_batch`` RPC carrying every tensor -> generate.
 
 Paths are interleaved (round robin, rotating order) so background load hits all alike;
-the median per path is reported. Every generation is checked token for token against
-transformers greedy decoding with the same weights (outside the timed region).
+the median per path is reported. Every generation is checked (untimed) against an fp32
+transformers copy of the same weights: exact greedy match, or every token within GAP_TOL
+of the argmax teacher-forced (bf16 kernels flip near-ties); see ``verify``.
 
 It also reports the engine step loop blocked by a weightpub commit (reload path on
 CPU: ``weight_version()["commits"][-1]["seconds"]``) vs vLLM's own ``reload_weights``
-of the same tensors (see ``_reload_reference``). Targets (shared/DESIGN.md): weightpub/disk
+of the same tensors (see ``main``). Targets (shared/DESIGN.md): weightpub/disk
 <= 0.33, weightpub/per-param RPC <= 0.2, commit/reload <= 1.0 (aim 0.1).
 
-    python benchmarks/e2e_update.py            # Qwen2-shaped, ~310 MB bf16, 3 reps
-    python benchmarks/e2e_update.py --tiny     # 1.7 MB smoke run (about a minute)
-    python benchmarks/e2e_update.py --reps 5 --dtype float32
+    python benchmarks/e2e_update.py            # Qwen2-shaped, 311 MB bf16, 5 reps (~2 min)
+    python benchmarks/e2e_update.py --tiny     # 0.9 MB bf16 smoke run (under a minute)
+    python benchmarks/e2e_update.py --dtype float32   # tokens then match transformers exactly
 """
 
 from __future__ import annotations
@@ -42,13 +43,15 @@ import torch
 EXT = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
 PROMPT = [11, 42, 7, 300, 5]
 GEN_TOKENS = 8
-GAP_TOL = 0.1  # in logit std units; see verify()
+#: allowed teacher-forced gap (logit std units, see verify); measured: fp32 exact, bf16 kernels
+#: up to ~0.6; tokens from before an update score >= ~2.8 (perturbation 0.05)
+GAP_TOL = {"float32": 0.05, "bfloat16": 1.0}
 PATHS = ("weightpub", "disk", "per_param_rpc", "batch_rpc")
 
 
 def build_model(tiny: bool, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """Qwen2-shaped random model. initializer_range 0.2 makes greedy argmax margins wide
-    enough that vLLM and transformers agree token for token even in bf16."""
+    """Qwen2-shaped random model; initializer_range 0.2 (not 0.02) gives peaked logits, so
+    greedy tokens are well defined and stale weights are told apart (see ``verify``)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     if tiny:
@@ -64,7 +67,7 @@ def build_model(tiny: bool, dtype: torch.dtype, seed: int = 0) -> torch.nn.Modul
 
 
 @torch.no_grad()
-def perturb(model: torch.nn.Module, gen: torch.Generator, scale: float = 0.02) -> None:
+def perturb(model: torch.nn.Module, gen: torch.Generator, scale: float = 0.05) -> None:
     """What a training step does as far as we care: every tensor changes."""
     for p in model.parameters():
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
@@ -96,7 +99,7 @@ def verify(oracle: torch.nn.Module, model: torch.nn.Module, got: list[int],
     its free-running greedy output, greedy_gap of vLLM's tokens, greedy_gap of ``stale``:
     the tokens vLLM produced before this update). A gap of 0 means every token was the
     oracle's argmax; bf16 kernels may flip near-ties (then the free-running sequences
-    part ways), so a gap <= GAP_TOL also passes. The stale gap shows what a replica
+    part ways), so a gap <= GAP_TOL[dtype] also passes. The stale gap shows what a replica
     still on the old weights would score.
     """
     oracle.load_state_dict(model.state_dict())
@@ -178,17 +181,10 @@ def run_path(name: str, llm: Any, model: torch.nn.Module, pub: Any,
     return end - t0, phases, tokens
 
 
-def _reload_reference(llm: Any) -> float:
-    """vLLM's own ``reload_weights`` of the same tensors, in the worker.
-
-    Read right after a ``batch_rpc`` repetition: there the worker decoded every tensor,
-    then ``WeightApplier.apply`` timed exactly ``model_runner.reload_weights(
-    weights_iterator=<those tensors>, is_checkpoint_format=True)`` (plus re-processing of
-    tied layers, none here) and stored it as ``last_apply_s``. That excludes IPC and byte
-    decoding, so it is the same work a commit must at most take. (The disk path's
-    ``reload_rpc`` phase is vLLM's ``reload_weights(weights_path=...)`` incl. the
-    safetensors read and one RPC; printed as a second reference.)
-    """
+def worker_apply_s(llm: Any) -> float:
+    """``last_apply_s``: the worker's last ``WeightApplier.apply``, i.e. exactly
+    ``model_runner.reload_weights(weights_iterator=<tensors>, is_checkpoint_format=True)``
+    (+ tied-layer re-processing, none here) on the CPU backend."""
     return max(float(r["last_apply_s"] or 0.0) for r in llm.collective_rpc("weight_status"))
 
 
@@ -196,7 +192,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="1.7 MB model, quick smoke run")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per path")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per path")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -215,7 +211,6 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1234)
     times: dict[str, list[float]] = {p: [] for p in PATHS}
     phases: dict[str, list[dict[str, float]]] = {p: [] for p in PATHS}
-    reload_ref: list[float] = []
     mismatches: list[str] = []
     exact_n, gaps, stale_gaps = 0, [], []
     print(f"Qwen2-shaped {'tiny ' if args.tiny else ''}model: {nbytes / 1e6:.1f} MB "
@@ -240,8 +235,10 @@ def main() -> int:
                 for path in order:
                     perturb(model, gen)  # fresh weights for every path and repetition
                     seconds, ph, got = run_path(path, llm, model, pub, ckpt)
+                    if path != "disk":  # untimed; disk reloads bypass our applier
+                        ph["worker_apply"] = worker_apply_s(llm)
                     exact, gap, stale_gap = verify(oracle, model, got, prev)
-                    ok = exact or gap <= GAP_TOL
+                    ok = exact or gap <= GAP_TOL[args.dtype]
                     exact_n, prev = exact_n + exact, got
                     gaps.append(gap)
                     stale_gaps.append(stale_gap)
@@ -250,8 +247,6 @@ def main() -> int:
                     if rnd >= args.warmup:
                         times[path].append(seconds)
                         phases[path].append(ph)
-                        if path == "batch_rpc":
-                            reload_ref.append(_reload_reference(llm))
                     tag = "warm-up" if rnd < args.warmup else f"rep {rnd - args.warmup + 1}"
                     detail = " ".join(f"{k}={v:.3f}" for k, v in ph.items())
                     print(f"  {tag:>7} {path:<14} {seconds:7.3f} s  vLLM==HF "
@@ -261,13 +256,22 @@ def main() -> int:
 
     med = {p: statistics.median(v) for p, v in times.items()}
     commit = statistics.median(ph["commit"] for ph in phases["weightpub"])
-    reload_s = statistics.median(reload_ref)
-    disk_reload = statistics.median(ph["reload_rpc"] for ph in phases["disk"])
+    # Reference for "engine blocked by a commit": vLLM's own reload_weights(weights_path=)
+    # of the same tensors, saved moments before (read from the page cache), timed around
+    # its RPC (one small round trip, ~1 ms). It is vLLM's reload with nothing of ours in
+    # it. The seed paths' in-worker reload time (worker_apply: same reload_weights call on
+    # tensors decoded from RPC bytes) is printed too; it came out several times slower
+    # than the disk-path RPC for the same work (on 2 cores, see the report), so it would
+    # flatter the ratio.
+    reload_s = statistics.median(ph["reload_rpc"] for ph in phases["disk"])
+    seed_apply = {p: statistics.median(ph["worker_apply"] for ph in phases[p])
+                  for p in ("per_param_rpc", "batch_rpc")}
     ratios = {
         "weightpub/disk": med["weightpub"] / med["disk"],
         "weightpub/per_param_rpc": med["weightpub"] / med["per_param_rpc"],
         "weightpub/batch_rpc": med["weightpub"] / med["batch_rpc"],
         "commit/reload_weights": commit / reload_s,
+        "commit/seed_batch_apply": commit / seed_apply["batch_rpc"],
     }
     targets = {"weightpub/disk": 0.33, "weightpub/per_param_rpc": 0.2,
                "commit/reload_weights": 1.0}
@@ -276,17 +280,18 @@ def main() -> int:
     for p in PATHS:
         print(f"{p:<16}{med[p]:>10.3f}{min(times[p]):>9.3f}{max(times[p]):>9.3f}")
     print(f"\nstep loop blocked by a weightpub commit (reload path): {commit:.3f} s; "
-          f"vLLM reload_weights of the same tensors in the worker: {reload_s:.3f} s; "
-          f"vLLM reload_weights(weights_path) RPC: {disk_reload:.3f} s")
-    print(f"\n{'ratio':<26}{'value':>8}{'target':>9}  met")
+          f"vLLM reload_weights(weights_path) of the same tensors: {reload_s:.3f} s; same "
+          f"reload in the worker after the seed RPCs: per-param "
+          f"{seed_apply['per_param_rpc']:.3f} s, batch {seed_apply['batch_rpc']:.3f} s")
+    print(f"\n{'ratio':<32}{'value':>8}{'target':>9}  met")
     for k, v in ratios.items():
         t = targets.get(k)
         met = "" if t is None else ("yes" if v <= t else "NO")
-        print(f"{k:<26}{v:>8.3f}{'' if t is None else f'<= {t}':>9}  {met}")
+        print(f"{k:<32}{v:>8.3f}{'' if t is None else f'<= {t}':>9}  {met}")
     nruns = len(gaps)
     print(f"\nvLLM vs transformers (fp32 oracle): {exact_n}/{nruns} runs exact, worst "
-          f"teacher-forced gap {max(gaps):.3f} (tolerance {GAP_TOL}); tokens from before "
-          f"each update score {min(stale_gaps):.2f}..{max(stale_gaps):.2f}")
+          f"teacher-forced gap {max(gaps):.3f} (tolerance {GAP_TOL[args.dtype]}); tokens from "
+          f"before each update score {min(stale_gaps):.2f}..{max(stale_gaps):.2f}")
     for m in mismatches:
         print("MISMATCH", m)
     print(orjson.dumps({
@@ -294,7 +299,7 @@ def main() -> int:
         "tiny": args.tiny, "reps": args.reps, "engine_start_s": engine_start_s,
         "generate_only_s": statistics.median(gen_only), "median_s": med, "runs_s": times,
         "phases": phases, "commit_s": commit, "reload_weights_s": reload_s,
-        "reload_weights_path_rpc_s": disk_reload, "ratios": ratios, "targets": targets,
+        "seed_apply_s": seed_apply, "ratios": ratios, "targets": targets,
         "vllm_matches_hf": not mismatches,
         "hf_exact_runs": exact_n, "hf_runs": nruns, "hf_max_gap": max(gaps),
         "stale_min_gap": min(stale_gaps),
