@@ -65,6 +65,7 @@ class ServingThread(threading.Thread):
         self._reports_lock = threading.Lock()
         self._ready = threading.Event()
         self._error: BaseException | None = None
+        self._deferred: list[tuple[bytes, int, PublishedVersion, int]] = []
         self.bad_messages = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -109,11 +110,15 @@ class ServingThread(threading.Thread):
                     self._heartbeat(pub)
                     next_beat = now + self.options.heartbeat_interval
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+                if self._deferred:
+                    timeout_ms = min(timeout_ms, 1)  # a copy is finishing: check soon
                 events = dict(poller.poll(timeout_ms))
                 if commands in events and not self._on_command(commands, pub):
                     return
                 if router in events:
                     self._drain_router(router)
+                if self._deferred:
+                    self._flush_deferred(router)
         finally:
             for sock in (router, pub, commands):
                 sock.close(linger=0)
@@ -221,7 +226,7 @@ class ServingThread(threading.Thread):
     def _serve_chunks(self, router: zmq.Socket, identity: bytes,
                       request: wire.FetchRequest) -> None:
         version = self.store.get(request.version)
-        if version is None or request.publisher_id != self.publisher_id:
+        if version is None or version.failed or request.publisher_id != self.publisher_id:
             error = wire.ErrorReply(req=request.req, code="version_unavailable",
                                     message=f"version {request.version} of publisher "
                                             f"{request.publisher_id} is not held here "
@@ -238,7 +243,21 @@ class ServingThread(threading.Thread):
             router.send_multipart([identity, wire.encode(error)])
             return
         for chunk in request.chunks:
-            self._send_chunk(router, identity, request.req, version, chunk)
+            if version.chunk_ready(chunk):
+                self._send_chunk(router, identity, request.req, version, chunk)
+            else:  # announced before its copy ended: send once the bytes are final
+                self._deferred.append((identity, request.req, version, chunk))
+
+    def _flush_deferred(self, router: zmq.Socket) -> None:
+        waiting = []
+        for identity, req, version, chunk in self._deferred:
+            if version.failed:
+                continue  # the subscriber times out and asks for the latest version
+            if version.chunk_ready(chunk):
+                self._send_chunk(router, identity, req, version, chunk)
+            else:
+                waiting.append((identity, req, version, chunk))
+        self._deferred = waiting
 
     def _send_chunk(self, router: zmq.Socket, identity: bytes, req: int,
                     version: PublishedVersion, chunk: int) -> None:

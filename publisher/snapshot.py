@@ -9,7 +9,7 @@ other threads, over that immutable copy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +24,13 @@ __all__ = [
     "BufferPool",
     "ChunkHasher",
     "Snapshot",
+    "copy_into",
     "gather_full_tensors",
+    "hash_pieces",
+    "hashable_in_place",
     "named_tensors",
-    "take_snapshot",
+    "plan_snapshot",
+    "source_chunks",
 ]
 
 WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -110,8 +114,8 @@ class BufferPool:
 class ChunkHasher:
     """Hashes each chunk on a worker thread as soon as all its bytes are written.
 
-    Overlaps checksumming with the snapshot copy, so a version is ready to
-    announce almost as soon as ``publish()`` returns.
+    Used when the sources cannot be hashed in place (GPU or non-contiguous
+    tensors): checksumming then overlaps the copy instead of following it.
     """
 
     def __init__(self, executor: Executor, buffer: torch.Tensor, total: int,
@@ -138,47 +142,111 @@ class ChunkHasher:
         return tuple(f.result() for f in self._futures)
 
 
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor's bytes as a flat uint8 view (0-d included), no copy."""
+    return (tensor.reshape(-1) if tensor.dim() else tensor.reshape(1)).view(torch.uint8)
+
+
+def source_chunks(pairs: list[tuple[str, torch.Tensor]], entries: list[TensorEntry],
+                  total: int, chunk_size: int) -> list[list[memoryview]]:
+    """The flat layout's chunks as lists of slices of the source tensors (and zero padding).
+
+    Hashing these gives the same checksums as hashing the finished snapshot
+    (its padding is zeroed too), without waiting for the copy: the manifest
+    can go out while the copy is still running.
+    """
+    chunks: list[list[memoryview]] = [[]]
+    filled = 0
+    zeros = memoryview(bytes(TENSOR_ALIGN))
+
+    def feed(view: memoryview) -> None:
+        nonlocal filled
+        while len(view):
+            if filled == chunk_size:
+                chunks.append([])
+                filled = 0
+            take = min(len(view), chunk_size - filled)
+            chunks[-1].append(view[:take])
+            view = view[take:]
+            filled += take
+
+    for index, (entry, (_, tensor)) in enumerate(zip(entries, pairs, strict=True)):
+        if entry.nbytes:
+            feed(memoryview(_flat_bytes(tensor).numpy()))
+        end = entries[index + 1].offset if index + 1 < len(entries) else total
+        feed(zeros[: end - entry.offset - entry.nbytes])
+    return chunks if total else []
+
+
+def hash_pieces(pieces: list[memoryview]) -> int:
+    """xxh3-64 of the concatenation of ``pieces`` (one chunk)."""
+    if len(pieces) == 1:
+        return xxhash.xxh3_64_intdigest(pieces[0])
+    state = xxhash.xxh3_64()
+    for piece in pieces:
+        state.update(piece)
+    return state.intdigest()
+
+
 @dataclass(slots=True)
 class Snapshot:
-    """An immutable copy of one version's bytes plus where each tensor sits."""
+    """One version's bytes in a flat host buffer, plus where each tensor sits.
+
+    ``copied_bytes`` grows while the copy runs: every byte below it is final,
+    so chunks below it may already be served.
+    """
 
     entries: list[TensorEntry]
     buffer: torch.Tensor  # flat uint8, host memory
     total_bytes: int
-    hasher: ChunkHasher
+    copied_bytes: int = 0
+    failed: bool = False
 
 
-def take_snapshot(weights: Any, pool: BufferPool, executor: Executor,
-                  chunk_size: int) -> Snapshot:
-    """Copy every tensor once into one flat host buffer and wait for the copies.
-
-    CPU tensors are copied in chunk-sized pieces so the hasher can start on the
-    first chunks while later ones are still being copied.
-    """
+def plan_snapshot(weights: Any,
+                  pool: BufferPool) -> tuple[Snapshot, list[tuple[str, torch.Tensor]]]:
+    """Lay the version out and take a buffer for it; nothing is copied yet."""
     pairs = named_tensors(weights)
     entries, total = plan_layout(pairs)
+    pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, t in pairs)
+    return Snapshot(entries=entries, buffer=pool.take(total, pinned=pinned),
+                    total_bytes=total), pairs
+
+
+def hashable_in_place(pairs: list[tuple[str, torch.Tensor]]) -> bool:
+    return all(t.device.type == "cpu" and t.is_contiguous() for _, t in pairs)
+
+
+def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_size: int,
+              on_progress: Callable[[int], None] | None = None) -> None:
+    """Copy every tensor once into the snapshot buffer, advancing ``copied_bytes``.
+
+    CPU tensors go in chunk-sized pieces so readers (the server, a hasher) can
+    start on the first chunks while later ones are still being copied.
+    """
+    buffer, entries, total = snapshot.buffer, snapshot.entries, snapshot.total_bytes
     on_gpu = any(t.device.type == "cuda" for _, t in pairs)
-    pinned = on_gpu and torch.cuda.is_available()
-    buffer = pool.take(total, pinned=pinned)
-    hasher = ChunkHasher(executor, buffer, total, chunk_size)
     for index, (entry, (_, tensor)) in enumerate(zip(entries, pairs, strict=True)):
         end = entries[index + 1].offset if index + 1 < len(entries) else total
         buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
-        if entry.nbytes == 0:
-            continue
         dst = buffer[entry.offset: entry.offset + entry.nbytes]
-        if tensor.device.type == "cpu" and tensor.is_contiguous():
-            src = tensor.reshape(-1).view(torch.uint8) if tensor.dim() else \
-                tensor.reshape(1).view(torch.uint8)
+        if entry.nbytes and tensor.device.type == "cpu" and tensor.is_contiguous():
+            src = _flat_bytes(tensor)
             for start in range(0, entry.nbytes, chunk_size):
                 stop = min(start + chunk_size, entry.nbytes)
                 dst[start:stop].copy_(src[start:stop])
-                hasher.written_up_to(entry.offset + stop)
-        else:
+                _advance(snapshot, entry.offset + stop, on_progress)
+        elif entry.nbytes:
             dst.view(tensor.dtype).view(tensor.shape).copy_(
                 tensor, non_blocking=tensor.device.type == "cuda")
-            if not on_gpu:
-                hasher.written_up_to(entry.offset + entry.nbytes)
+        if not on_gpu:
+            _advance(snapshot, end, on_progress)
     if on_gpu:
         torch.cuda.synchronize()
-    return Snapshot(entries=entries, buffer=buffer, total_bytes=total, hasher=hasher)
+    _advance(snapshot, total, on_progress)
+
+
+def _advance(snapshot: Snapshot, offset: int, on_progress: Callable[[int], None] | None) -> None:
+    snapshot.copied_bytes = offset
+    if on_progress is not None:
+        on_progress(offset)

@@ -14,7 +14,7 @@ import torch
 import zmq
 
 from publisher.protocol import Manifest
-from publisher.snapshot import BufferPool
+from publisher.snapshot import BufferPool, Snapshot
 
 __all__ = ["PublishedVersion", "VersionStore"]
 
@@ -26,7 +26,19 @@ class PublishedVersion:
     manifest: Manifest
     buffer: torch.Tensor
     view: memoryview
+    snapshot: Snapshot | None = None
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
+
+    def chunk_ready(self, chunk: int) -> bool:
+        """Whether the chunk's bytes are final (the manifest may precede the copy's end)."""
+        if self.snapshot is None:
+            return True
+        start, size = self.manifest.chunk_span(chunk)
+        return start + size <= self.snapshot.copied_bytes
+
+    @property
+    def failed(self) -> bool:
+        return self.snapshot is not None and self.snapshot.failed
 
     def chunk_view(self, chunk: int) -> memoryview:
         start, size = self.manifest.chunk_span(chunk)
@@ -61,6 +73,11 @@ class VersionStore:
                 _, old = self._versions.popitem(last=False)
                 self._evicted.append(old)
             self._recycle_locked()
+
+    def discard(self, version: int) -> None:
+        """Forget a version whose snapshot failed (its buffer is not reused)."""
+        with self._lock:
+            self._versions.pop(version, None)
 
     def get(self, version: int) -> PublishedVersion | None:
         with self._lock:

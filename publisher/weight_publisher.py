@@ -19,9 +19,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
+import torch
 import zmq
 
 from publisher import protocol as wire
@@ -29,7 +30,16 @@ from publisher.endpoints import parse_endpoint, pub_bind_address
 from publisher.errors import ClosedError, WeightPubTimeout
 from publisher.security import curve_server_hook, start_authenticator
 from publisher.server import ServerOptions, ServingThread
-from publisher.snapshot import BufferPool, Snapshot, take_snapshot
+from publisher.snapshot import (
+    BufferPool,
+    ChunkHasher,
+    Snapshot,
+    copy_into,
+    hash_pieces,
+    hashable_in_place,
+    plan_snapshot,
+    source_chunks,
+)
 from publisher.store import PublishedVersion, VersionStore
 
 __all__ = ["WeightPublisher"]
@@ -77,7 +87,7 @@ class WeightPublisher:
         self.started_at = time.time()
         self._next_version = first_version
         self._pool = BufferPool(max_buffers=2)
-        self._hash_executor = ThreadPoolExecutor(1, thread_name_prefix="weightpub-hash")
+        self._hash_executor = ThreadPoolExecutor(2, thread_name_prefix="weightpub-hash")
         self._store = VersionStore(keep_versions, self._pool)
         hooks = list(socket_hooks or [])
         if curve_secret_key_file is not None:
@@ -95,7 +105,9 @@ class WeightPublisher:
             configure=hooks,
         )
         self._server.start_and_wait()
-        self._pending: queue.Queue[tuple[int, Snapshot, float] | None] = queue.Queue()
+        self._pending: queue.Queue[
+            tuple[int, Snapshot, Callable[[], tuple[int, ...]], float] | None
+        ] = queue.Queue()
         self._announced = threading.Condition()
         self._announced_version = 0
         self._publish_lock = threading.Lock()
@@ -129,10 +141,39 @@ class WeightPublisher:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
             self._store.recycle()  # free buffers whose zero-copy sends have finished
-            snapshot = take_snapshot(weights, self._pool, self._hash_executor, self.chunk_size)
+            snapshot, pairs = plan_snapshot(weights, self._pool)
             self._next_version = number + 1
-            self._pending.put((number, snapshot, time.time()))
+            try:
+                self._copy_and_hash(number, snapshot, pairs)
+            except BaseException:
+                snapshot.failed = True  # subscribers get "version unavailable"
+                self._store.discard(number)
+                raise
         return number
+
+    def _copy_and_hash(self, number: int, snapshot: Snapshot,
+                       pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy once; hash so that the manifest goes out as early as it can.
+
+        CPU sources are hashed in place on a worker thread while this thread
+        copies, and the manifest is announced before the copy ends (the server
+        holds back chunks not yet copied). Other sources are hashed chunk by
+        chunk behind the copy.
+        """
+        created = time.time()
+        if hashable_in_place(pairs):
+            chunks = source_chunks(pairs, snapshot.entries, snapshot.total_bytes,
+                                   self.chunk_size)
+            hashes = [self._hash_executor.submit(hash_pieces, c) for c in chunks]
+            self._pending.put((number, snapshot,
+                               lambda: tuple(h.result() for h in hashes), created))
+            copy_into(snapshot, pairs, self.chunk_size)
+            wait(hashes)  # the sources are read until every hash ends
+            return
+        hasher = ChunkHasher(self._hash_executor, snapshot.buffer, snapshot.total_bytes,
+                             self.chunk_size)
+        copy_into(snapshot, pairs, self.chunk_size, hasher.written_up_to)
+        self._pending.put((number, snapshot, hasher.checksums, created))
 
     def wait_announced(self, version: int, timeout: float = 30.0) -> None:
         """Block until ``version`` has been hashed and announced (useful in scripts/tests)."""
@@ -198,14 +239,16 @@ class WeightPublisher:
             item = self._pending.get()
             if item is None:
                 return
-            number, snapshot, created_at = item
+            number, snapshot, checksums, created_at = item
             try:
-                self._announce(number, snapshot, created_at)
+                self._announce(number, snapshot, checksums(), created_at)
             except Exception:  # keep serving older versions whatever happened
                 log.exception("failed to prepare version %d", number)
 
-    def _announce(self, number: int, snapshot: Snapshot, created_at: float) -> None:
-        checksums = snapshot.hasher.checksums()
+    def _announce(self, number: int, snapshot: Snapshot, checksums: tuple[int, ...],
+                  created_at: float) -> None:
+        if snapshot.failed:
+            return
         view = memoryview(snapshot.buffer.numpy()) if snapshot.total_bytes else memoryview(b"")
         manifest = wire.Manifest(
             publisher_id=self.publisher_id, started_at=self.started_at, version=number,
@@ -213,7 +256,8 @@ class WeightPublisher:
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
             checksums=checksums,
         )
-        self._store.add(PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view))
+        self._store.add(PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
+                                         snapshot=snapshot))
         self._server.send_command(b"announce")
         with self._announced:
             self._announced_version = number
