@@ -26,7 +26,7 @@ PROMPT = [11, 42, 7, 300, 5]
 TARGET = [101, 202, 303, 404, 17, 250, 9, 77]
 
 
-def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
+def tiny_qwen2(seed: int = 0) -> Any:
     """hidden 128, 2 heads of 64 (the CPU attention backend rejects head_dim 16), vocab 512."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 

@@ -545,7 +545,7 @@ def encode(message: Message) -> bytes:
 
 
 def decode(
-    frame: bytes | memoryview, *, expect: tuple[type, ...] | None = None,
+    frame: bytes | memoryview, *, expect: tuple[Any, ...] | None = None,
     limits: Limits = DEFAULT_LIMITS,
 ) -> Message:
     """Parse and validate one control frame; raises ``ProtocolError`` on anything off."""

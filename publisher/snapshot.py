@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -22,6 +22,7 @@ from publisher.protocol import TENSOR_ALIGN, TensorEntry
 
 __all__ = [
     "BufferPool",
+    "byte_view",
     "ChunkHasher",
     "Snapshot",
     "copy_into",
@@ -121,7 +122,7 @@ class ChunkHasher:
     def __init__(self, executor: Executor, buffer: torch.Tensor, total: int,
                  chunk_size: int) -> None:
         self._executor = executor
-        self._view = memoryview(buffer.numpy()) if total else memoryview(b"")
+        self._view = byte_view(buffer, total)
         self._total = total
         self._chunk_size = chunk_size
         self._next = 0
@@ -140,6 +141,13 @@ class ChunkHasher:
     def checksums(self) -> tuple[int, ...]:
         self.written_up_to(self._total)
         return tuple(f.result() for f in self._futures)
+
+
+def byte_view(buffer: torch.Tensor, nbytes: int | None = None) -> memoryview:
+    """A memoryview of a flat uint8 CPU tensor (empty when ``nbytes`` is 0), no copy."""
+    if nbytes == 0 or buffer.numel() == 0:
+        return memoryview(b"")
+    return memoryview(cast(Any, buffer.numpy()))
 
 
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,7 +180,7 @@ def source_chunks(pairs: list[tuple[str, torch.Tensor]], entries: list[TensorEnt
 
     for index, (entry, (_, tensor)) in enumerate(zip(entries, pairs, strict=True)):
         if entry.nbytes:
-            feed(memoryview(_flat_bytes(tensor).numpy()))
+            feed(byte_view(_flat_bytes(tensor)))
         end = entries[index + 1].offset if index + 1 < len(entries) else total
         feed(zeros[: end - entry.offset - entry.nbytes])
     return chunks if total else []

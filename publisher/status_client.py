@@ -14,7 +14,7 @@ __all__ = ["fetch_status"]
 def fetch_status(endpoint: str, *, timeout: float = 5.0) -> wire.StatusReply:
     """One request/reply on a throwaway DEALER socket."""
     parse_endpoint(endpoint)
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

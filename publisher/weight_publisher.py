@@ -34,6 +34,7 @@ from publisher.snapshot import (
     BufferPool,
     ChunkHasher,
     Snapshot,
+    byte_view,
     copy_into,
     hash_pieces,
     hashable_in_place,
@@ -249,7 +250,7 @@ class WeightPublisher:
                   created_at: float) -> None:
         if snapshot.failed:
             return
-        view = memoryview(snapshot.buffer.numpy()) if snapshot.total_bytes else memoryview(b"")
+        view = byte_view(snapshot.buffer, snapshot.total_bytes)
         manifest = wire.Manifest(
             publisher_id=self.publisher_id, started_at=self.started_at, version=number,
             created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,

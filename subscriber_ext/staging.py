@@ -17,6 +17,7 @@ import xxhash
 
 from publisher.dtypes import dtype_from_name
 from publisher.protocol import Manifest
+from publisher.snapshot import byte_view
 
 __all__ = ["Assembly", "StagedVersion", "StagingPool"]
 
@@ -99,7 +100,7 @@ class Assembly:
         self.manifest = manifest
         self.pool = pool
         self.buffer = pool.take(manifest.total_bytes)
-        self.view = memoryview(self.buffer.numpy()) if manifest.total_bytes else memoryview(b"")
+        self.view = byte_view(self.buffer, manifest.total_bytes)
         self.missing: set[int] = set(range(manifest.num_chunks))
         self.started = time.monotonic()
 

@@ -282,7 +282,7 @@ class SyncClient:
             return
         if isinstance(message, wire.Heartbeat):
             self._on_heartbeat(message)
-        else:
+        elif isinstance(message, wire.Manifest):
             self.consider(message)
 
     def _on_heartbeat(self, beat: wire.Heartbeat) -> None:
