@@ -76,3 +76,17 @@ def test_prepared_commit_matches_hf_tied(llama, tmp_path):
     assert status["prepare"]["prepared"] == [], status["prepare"]  # shadows freed
     reload_s = _run_versions(llama, "llama", tmp_path / "b", [(3, 33)], False)
     print(f"\ncommit blocking time: prepared swap {swap_s}, reload {reload_s}")
+
+
+@pytest.fixture(scope="module")
+def qwen2_tp2(tmp_path_factory):
+    path = save_tiny("qwen2", 0, tmp_path_factory.mktemp("qwen2_prep"))
+    engine = make_llm(path, tp=2)
+    yield engine
+    del engine
+
+
+def test_prepared_commit_matches_hf_tp2(qwen2_tp2, tmp_path):
+    """TP slicing, fused qkv (with bias) / gate_up shards, one KV head replicated on 2 ranks."""
+    swap_s = _run_versions(qwen2_tp2, "qwen2", tmp_path, [(1, 41), (2, 42)], True)
+    print(f"\nTP=2 commit blocking time per rank: prepared swap {swap_s}")
