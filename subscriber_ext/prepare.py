@@ -47,6 +47,23 @@ def _rebind(tensor: torch.Tensor, old: Iterable[object], new: object) -> None:
             tensor.__dict__[key] = value.__func__.__get__(new)
 
 
+def _unwrap_loader(tensor: torch.Tensor) -> None:
+    """Drop vLLM's layerwise-reload wrappers from ``tensor.weight_loader``.
+
+    Why: a reload registers the metadata tensors themselves on the layer and wraps
+    their loaders (``online_process_loader``); the wrappers stay on the metadata
+    afterwards and would buffer our writes into the live layer's reload state
+    instead of loading the shadow.
+    """
+    for key in ("weight_loader", "_weight_loader"):  # BasevLLMParameter keeps the latter
+        loader = tensor.__dict__.get(key)
+        if loader is None:
+            continue
+        while getattr(loader, "__name__", "") == "online_process_loader":
+            loader = loader.__wrapped__
+        tensor.__dict__[key] = loader
+
+
 def _fresh_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A zeroed real tensor with ``meta``'s class, shape, strides and attributes."""
     size, stride = tuple(meta.size()), tuple(meta.stride())
@@ -145,6 +162,7 @@ class _Shadow:
                 continue
             else:
                 raise ApplyError(f"{self.name}.{attr}: kernel-only parameter without metadata")
+            _unwrap_loader(fresh)
             _rebind(fresh, (layer_ref_sentinel, self.live), self.module)
             params[attr] = fresh
         for attr in restore.keys() - params.keys():
@@ -225,6 +243,7 @@ def prepare_version(
             if links:
                 tied[n] = (_Shadow(n, mod), links)
 
+    from vllm.model_executor.model_loader.reload.meta import CopyCounter
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     with torch.no_grad():
@@ -236,10 +255,13 @@ def prepare_version(
                 if param is None:
                     raise ApplyError(f"{target.param_name}: no such parameter on the layer")
                 loader = getattr(param, "weight_loader", default_weight_loader)
-                if target.shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, target.shard_id)
+                with CopyCounter() as counter:  # thread-local dispatch mode
+                    if target.shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, target.shard_id)
+                if counter.copied_numel == 0:
+                    raise ApplyError(f"{target.checkpoint_name}: the layer's loader wrote nothing")
             sh.process()
         for n, (sh, links) in tied.items():
             # the tied layer keeps sharing the (new) tensor; only its own state is rebuilt

@@ -75,6 +75,9 @@ def test_prepared_commit_matches_hf_tied(llama, tmp_path):
     status = llama.collective_rpc("weight_status")[0]
     assert status["prepare"]["prepared"] == [], status["prepare"]  # shadows freed
     reload_s = _run_versions(llama, "llama", tmp_path / "b", [(3, 33)], False)
+    # a reload leaves vLLM's loader wrappers on its metadata; preparing must still load
+    (tmp_path / "c").mkdir()
+    swap_s += _run_versions(llama, "llama", tmp_path / "c", [(4, 34)], True)
     print(f"\ncommit blocking time: prepared swap {swap_s}, reload {reload_s}")
 
 
