@@ -281,8 +281,10 @@ class CommitCoordinator:
             self.step,
             self.last_commit_s,
         )
-        del prepared  # the old live tensors are freed with it
         if self._preparer is not None:
+            if prepared is not None:
+                self._preparer.retire(prepared)  # it holds the old weights: free them there
+            del prepared
             self._preparer.discard_upto(choice)
         if self._on_commit is not None:
             self._on_commit(choice)

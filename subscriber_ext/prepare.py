@@ -93,9 +93,16 @@ class ModuleSwap:
     non_persistent: set[str]
     attrs: dict[str, Any]
     removed: list[str]
+    #: the live state replaced by ``apply``; kept so freeing it happens off the step path
+    retired: list[Any] = field(default_factory=list)
 
     def apply(self) -> None:
         live = self.module
+        self.retired = [
+            dict(live._parameters),
+            dict(live._buffers),
+            [live.__dict__.get(k) for k in [*self.attrs, *self.removed]],
+        ]
         live._parameters.clear()
         live._parameters.update(self.params)
         live._buffers.clear()
@@ -122,6 +129,7 @@ class PreparedVersion:
     def swap(self) -> None:
         for s in self.swaps:
             s.apply()
+        self.nbytes = 0
 
 
 class _Shadow:
@@ -290,6 +298,11 @@ def prepare_version(
     return out
 
 
+@dataclass
+class _Retired:
+    prepared: PreparedVersion
+
+
 class Preparer:
     """One background thread preparing offered versions, newest wins.
 
@@ -340,6 +353,13 @@ class Preparer:
             for v in [v for v in self._ready if v <= version]:
                 del self._ready[v]
 
+    def retire(self, prepared: PreparedVersion) -> None:
+        """Drop a swapped-in version (and the old weights it holds) on this thread.
+
+        Why: freeing a model's worth of tensors and kernel handles takes tens of ms.
+        """
+        self._queue.put(_Retired(prepared))
+
     def prepared_versions(self) -> list[int]:
         with self._lock:
             return sorted(self._ready)
@@ -355,6 +375,9 @@ class Preparer:
             staged = self._queue.get()
             if staged is None:
                 return
+            if isinstance(staged, _Retired):
+                del staged
+                continue
             version = staged.version
             with self._lock:
                 if version not in self._wanted:
