@@ -18,6 +18,7 @@ right. Two ways exist and are chosen per model/backend:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 from publisher.errors import ApplyError, ConfigError
 
 from .names import NameResolver, Target
+from .prepare import PreparedVersion, prepare_version
 from .shapes import expected_dtype, expected_shape, loader_shards, original_tensor
 
 __all__ = ["APPLY_MODES", "ApplyReport", "TensorSpec", "WeightApplier", "parse_dtype"]
@@ -83,6 +85,8 @@ class WeightApplier:
         self._resolver: NameResolver | None = None
         self._mode: str | None = None
         self.last_report: ApplyReport | None = None
+        #: held while the live modules change (apply, swap) or are snapshot (prepare)
+        self.lock = threading.RLock()
 
     @property
     def model(self) -> torch.nn.Module:
@@ -195,7 +199,7 @@ class WeightApplier:
                 report.applied.append(spec.name)
         start = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.lock:
                 if mode == "in_place":
                     self._apply_in_place(todo)
                 else:
@@ -207,6 +211,48 @@ class WeightApplier:
         report.seconds = time.perf_counter() - start
         self.last_report = report
         logger.info("weightpub applied %d tensors (%s) in %.3f s", len(todo), mode, report.seconds)
+        return report
+
+    def prepare(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        publisher_id: str,
+    ) -> PreparedVersion:
+        """Check, then build kernel-format shadows of the touched layers (any thread).
+
+        Why: moves the loader + ``process_weights_after_loading`` work of reload mode
+        off the step path; ``swap`` later installs the result.
+        """
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        checked = self.check((TensorSpec.of(n, t) for n, t in items), whole_layers=True)
+        todo: list[tuple[Target, torch.Tensor]] = []
+        ignored: list[str] = []
+        for (spec, target), (_, tensor) in zip(checked, items, strict=True):
+            if target is None:
+                ignored.append(spec.name)
+            else:
+                todo.append((target, tensor))
+        prepared = prepare_version(
+            self.model, todo, version=version, publisher_id=publisher_id, model_lock=self.lock
+        )
+        prepared.applied = [t.checkpoint_name for t, _ in todo]
+        prepared.ignored = ignored
+        return prepared
+
+    def swap(self, prepared: PreparedVersion) -> ApplyReport:
+        """Install a prepared version: pointer swaps only (µs–ms)."""
+        start = time.perf_counter()
+        with self.lock:
+            prepared.swap()
+            self._resolver = None  # parameters are new objects
+        report = ApplyReport(mode="prepared", seconds=time.perf_counter() - start)
+        report.applied, report.ignored = prepared.applied, prepared.ignored
+        self.last_report = report
+        logger.info(
+            "weightpub swapped in %d prepared layers in %.6f s", len(prepared.swaps), report.seconds
+        )
         return report
 
     def _apply_in_place(self, todo: list[tuple[Target, torch.Tensor]]) -> None:

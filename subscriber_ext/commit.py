@@ -34,6 +34,7 @@ import torch
 
 from publisher.errors import WeightPubError
 
+from .prepare import PreparedVersion, Preparer
 from .shared_slots import SlotWriter, fence, pid_hash
 
 __all__ = ["CommitCoordinator", "StagedLike"]
@@ -68,6 +69,12 @@ class CommitCoordinator:
     order, so TP x PP ranks of one replica all end on the same choice.
     ``on_commit`` runs after a successful commit and ``on_failure`` after a rejected
     one (the extension forwards both to the publisher over the back-channel).
+
+    ``prepare`` (optional, ``WeightApplier.prepare``-like) builds a version's
+    kernel-format state on a background thread; a version is then advertised as
+    held (slot, agreement) only once that attempt finished, and its commit calls
+    ``apply_prepared`` (a swap) instead of ``apply``. A failed preparation falls
+    back to ``apply`` at commit.
     """
 
     def __init__(
@@ -80,6 +87,8 @@ class CommitCoordinator:
         on_commit: Callable[[int], None] | None = None,
         on_failure: Callable[[int, str], None] | None = None,
         slot: SlotWriter | None = None,
+        prepare: Callable[[StagedLike], PreparedVersion] | None = None,
+        apply_prepared: Callable[[PreparedVersion], Any] | None = None,
     ) -> None:
         self._apply = apply
         self._groups = [g for g in groups if g is not None and g.size() > 1]
@@ -103,6 +112,11 @@ class CommitCoordinator:
         self.driven = slot is not None
         self._pinned: dict[int, StagedLike] = {}  # released by the engine's intent; kept
         self.collectives = 0  # all_gather calls made by _agree (0 in driven mode)
+        self._unready: set[int] = set()  # held, preparation still running
+        self._apply_prepared = apply_prepared
+        self._preparer: Preparer | None = None
+        if prepare is not None and apply_prepared is not None:
+            self._preparer = Preparer(prepare, self._on_prepared)
         self._publish_locked()
 
     # --------------------------------------------------------- producer side
@@ -116,6 +130,7 @@ class CommitCoordinator:
                 self._held.clear()
                 self._failed.clear()  # version numbers of the old publisher mean nothing now
                 self.applied_version = None
+            submit = False
             if (self.applied_version is not None and staged.version <= self.applied_version) or (
                 staged.version in self._held
             ):
@@ -127,12 +142,30 @@ class CommitCoordinator:
                     dropped.append(self._held.popitem(last=False)[1])
                 self.publisher_id = staged.publisher_id
                 self._dirty = True
+                if self._preparer is not None and staged.version in self._held:
+                    self._unready.add(staged.version)
+                    submit = True
+            for d in dropped:
+                self._unready.discard(d.version)
             self._publish_locked()
             self._release_or_pin_locked(dropped)
+        if self._preparer is not None:
+            for d in dropped:
+                self._preparer.discard(d.version)
+            if submit:
+                self._preparer.submit(staged)
+
+    def _on_prepared(self, version: int) -> None:
+        """Preparer thread: the attempt for ``version`` ended; it may be committed now."""
+        with self._lock:
+            if version in self._unready:
+                self._unready.discard(version)
+                self._dirty = True
+                self._publish_locked()
 
     def _publish_locked(self) -> None:
         if self._slot is not None:
-            held = [v for v in self._held if v not in self._failed]
+            held = [v for v in self._held if v not in self._failed and v not in self._unready]
             self._slot.write(pid_hash(self.publisher_id), self.applied_version, held)
 
     def _release_or_pin_locked(self, dropped: list[StagedLike]) -> None:
@@ -172,7 +205,7 @@ class CommitCoordinator:
     def commit_now(self) -> int | None:
         """Agree on and apply the newest version all ranks hold. Collective if world > 1."""
         with self._lock:
-            mine = [v for v in self._held if v not in self._failed]
+            mine = [v for v in self._held if v not in self._failed and v not in self._unready]
             self._dirty = False
         choice = self._agree(mine)
         if choice is None:
@@ -204,9 +237,17 @@ class CommitCoordinator:
         return self.applied_version
 
     def _commit(self, choice: int, staged: StagedLike) -> int | None:
+        prepared = None
+        if self._preparer is not None:
+            prepared = self._preparer.take(choice, staged.publisher_id)
+            if prepared is None:
+                logger.warning("weightpub: version %d not prepared; reloading at commit", choice)
         start = time.perf_counter()
         try:
-            self._apply(staged.tensors)
+            if prepared is not None and self._apply_prepared is not None:
+                self._apply_prepared(prepared)
+            else:
+                self._apply(staged.tensors)
         except WeightPubError as exc:
             self._fail(choice, exc)
             return None
@@ -225,8 +266,14 @@ class CommitCoordinator:
                 _release(pinned)
             self._pinned.clear()
             self.commit_log.append(
-                {"step": self.step, "version": choice, "seconds": self.last_commit_s}
+                {
+                    "step": self.step,
+                    "version": choice,
+                    "seconds": self.last_commit_s,
+                    "prepared": prepared is not None,
+                }
             )
+            self._unready = {v for v in self._unready if v > choice}
             self._publish_locked()
         logger.info(
             "weightpub committed version %d before step %d in %.3f s",
@@ -234,6 +281,11 @@ class CommitCoordinator:
             self.step,
             self.last_commit_s,
         )
+        if self._preparer is not None:
+            if prepared is not None:
+                self._preparer.retire(prepared)  # it holds the old weights: free them there
+            del prepared
+            self._preparer.discard_upto(choice)
         if self._on_commit is not None:
             self._on_commit(choice)
         return choice
@@ -243,12 +295,15 @@ class CommitCoordinator:
         logger.error("weightpub: version %d not applied, keeping old weights: %s", version, exc)
         with self._lock:
             self._failed.add(version)
+            self._unready.discard(version)
             staged = self._held.pop(version, None)
             pinned = self._pinned.pop(version, None)
             self._publish_locked()
         for s in (staged, pinned):
             if s is not None:
                 _release(s)
+        if self._preparer is not None:
+            self._preparer.discard(version)
         if self._on_failure is not None:
             self._on_failure(version, self.last_error)
 
@@ -273,7 +328,24 @@ class CommitCoordinator:
     def close(self) -> None:
         with self._lock:
             self._drop_all_locked()
+            self._unready.clear()
             self._publish_locked()
+        if self._preparer is not None:
+            self._preparer.discard_upto(2**62)
+
+    def prepare_status(self) -> dict[str, Any] | None:
+        """Preparer state for ``weight_status`` (None when preparation is off)."""
+        p = self._preparer
+        if p is None:
+            return None
+        with self._lock:
+            unready = sorted(self._unready)
+        return {
+            "preparing": unready,
+            "prepared": p.prepared_versions(),
+            "failures": p.failures,
+            "last_error": p.last_error,
+        }
 
     def _drop_all_locked(self) -> None:
         while self._held:

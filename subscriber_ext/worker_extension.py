@@ -55,7 +55,9 @@ __all__ = ["BatchWeightSyncWorkerExtension"]
 
 logger = logging.getLogger("weightpub.worker")
 
-_EXT_OPTIONS = ("apply_mode", "keep", "subscriber_cls", "record_requests", "request_log_size")
+_EXT_OPTIONS = (
+    "apply_mode", "keep", "subscriber_cls", "record_requests", "request_log_size", "prepare",
+)
 
 
 class _State:
@@ -65,6 +67,7 @@ class _State:
         self.lock = threading.RLock()
         self.applier: WeightApplier | None = None
         self.apply_mode = "auto"
+        self.prepare: bool | None = None  # None: on in reload mode (see _wp_coordinator)
         self.coordinator: CommitCoordinator | None = None
         self.subscriber: Any = None
         self.endpoint: str | None = None
@@ -107,11 +110,20 @@ class BatchWeightSyncWorkerExtension:
         if st.coordinator is None:
             applier = self._wp_applier()
             slot = SlotWriter(st.slots, st.slot_index) if st.slots is not None else None
+            prepare = st.prepare if st.prepare is not None else applier.mode() == "reload"
             st.coordinator = CommitCoordinator(
                 applier.apply, groups=self._wp_groups(), keep=keep, slot=slot,
                 on_commit=self._wp_report_applied, on_failure=self._wp_report_failed,
+                prepare=self._wp_prepare if prepare else None,
+                apply_prepared=applier.swap if prepare else None,
             )
         return st.coordinator
+
+    def _wp_prepare(self, staged: Any) -> Any:
+        """Preparer thread: kernel-format shadows of ``staged`` (see ``prepare.py``)."""
+        return self._wp_applier().prepare(
+            staged.tensors, version=staged.version, publisher_id=staged.publisher_id
+        )
 
     def _wp_report_applied(self, version: int) -> None:
         """Back-channel: tell the publisher this rank now runs ``version``."""
@@ -199,8 +211,11 @@ class BatchWeightSyncWorkerExtension:
         """Subscribe this rank to ``endpoint``; idempotent for the same endpoint.
 
         Extension options: ``apply_mode`` (auto|in_place|reload), ``keep`` (staged
-        versions held per rank, default 2), ``subscriber_cls`` ("module:Class",
-        default ``subscriber_ext.subscriber:WeightSubscriber``), ``record_requests``.
+        versions held per rank, default 2), ``prepare`` (build kernel-format weights
+        on a background thread and only swap them in at commit; default: on in
+        reload mode; costs one extra copy of the weights per rank), ``subscriber_cls``
+        ("module:Class", default ``subscriber_ext.subscriber:WeightSubscriber``),
+        ``record_requests``.
         Everything else goes to the subscriber.
         """
         st = self._wp()
@@ -211,10 +226,16 @@ class BatchWeightSyncWorkerExtension:
                 self.stop_weight_subscriber()
             ext = {k: options.pop(k) for k in _EXT_OPTIONS if k in options}
             mode = ext.get("apply_mode", st.apply_mode)
+            prepare = ext.get("prepare", st.prepare)
+            prepare = None if prepare is None else bool(prepare)
             if st.applier is not None and mode != st.apply_mode:
                 st.applier = None
                 st.coordinator = None
+            if st.coordinator is not None and prepare != st.prepare:
+                st.coordinator.close()
+                st.coordinator = None
             st.apply_mode = mode
+            st.prepare = prepare
             st.record_requests = bool(ext.get("record_requests", True))
             st.request_log_size = int(ext.get("request_log_size", st.request_log_size))
             coord = self._wp_coordinator(keep=int(ext.get("keep", 2)))
@@ -297,6 +318,7 @@ class BatchWeightSyncWorkerExtension:
             "apply_mode": applier.mode() if applier else st.apply_mode,
             "last_apply_s": report.seconds if report else None,
             "commits": list(coord.commit_log) if coord else [],
+            "prepare": coord.prepare_status() if coord else None,
             "step": coord.step if coord else 0,
             "step_check_s": st.step_check_s,
             "driven": bool(coord.driven) if coord else st.slots is not None,
