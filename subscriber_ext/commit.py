@@ -61,6 +61,7 @@ def _release(staged: StagedLike) -> None:
 
 
 class CommitCoordinator:
+    BUSY_WINDOW_S = 0.5
     """Holds the last ``keep`` staged versions of one rank and commits at step boundaries.
 
     ``apply`` is called with the staged tensors (``WeightApplier.apply``);
@@ -89,6 +90,7 @@ class CommitCoordinator:
         slot: SlotWriter | None = None,
         prepare: Callable[[StagedLike], PreparedVersion] | None = None,
         apply_prepared: Callable[[PreparedVersion], Any] | None = None,
+        prepare_policy: str = "auto",
     ) -> None:
         self._apply = apply
         self._groups = [g for g in groups if g is not None and g.size() > 1]
@@ -113,6 +115,8 @@ class CommitCoordinator:
         self._pinned: dict[int, StagedLike] = {}  # released by the engine's intent; kept
         self.collectives = 0  # all_gather calls made by _agree (0 in driven mode)
         self._unready: set[int] = set()  # held, preparation still running
+        self._prepare_policy = prepare_policy
+        self._last_step_at = float("-inf")
         self._apply_prepared = apply_prepared
         self._preparer: Preparer | None = None
         if prepare is not None and apply_prepared is not None:
@@ -142,7 +146,8 @@ class CommitCoordinator:
                     dropped.append(self._held.popitem(last=False)[1])
                 self.publisher_id = staged.publisher_id
                 self._dirty = True
-                if self._preparer is not None and staged.version in self._held:
+                if self._preparer is not None and staged.version in self._held and \
+                        self._busy():
                     self._unready.add(staged.version)
                     submit = True
             for d in dropped:
@@ -154,6 +159,17 @@ class CommitCoordinator:
                 self._preparer.discard(d.version)
             if submit:
                 self._preparer.submit(staged)
+
+    def _busy(self) -> bool:
+        """Whether the engine ran a step lately (``prepare="auto"``).
+
+        Busy: build the kernel-format weights in the background so the commit
+        does not stall generation. Idle: nothing to stall, so commit at once by
+        reload, which reaches "generating with the new version" sooner.
+        """
+        if self._prepare_policy == "always":
+            return True
+        return time.monotonic() - self._last_step_at < self.BUSY_WINDOW_S
 
     def _on_prepared(self, version: int) -> None:
         """Preparer thread: the attempt for ``version`` ended; it may be committed now."""
@@ -198,6 +214,7 @@ class CommitCoordinator:
     def before_step(self) -> None:
         """Run at the start of every ``execute_model``; commits if all ranks can."""
         self.step += 1
+        self._last_step_at = time.monotonic()
         if self.driven or (self._world == 1 and not self._dirty):
             return
         self.commit_now()

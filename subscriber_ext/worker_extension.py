@@ -116,6 +116,7 @@ class BatchWeightSyncWorkerExtension:
                 on_commit=self._wp_report_applied, on_failure=self._wp_report_failed,
                 prepare=self._wp_prepare if prepare else None,
                 apply_prepared=applier.swap if prepare else None,
+                prepare_policy="always" if st.prepare else "auto",
             )
         return st.coordinator
 
@@ -213,7 +214,9 @@ class BatchWeightSyncWorkerExtension:
         Extension options: ``apply_mode`` (auto|in_place|reload), ``keep`` (staged
         versions held per rank, default 2), ``prepare`` (build kernel-format weights
         on a background thread and only swap them in at commit; default: on in
-        reload mode; costs one extra copy of the weights per rank), ``subscriber_cls``
+        reload mode while the engine is busy, so a commit never stalls generation,
+        and off while it is idle, where a direct reload is sooner; ``True`` always;
+        costs one extra copy of the weights per rank), ``subscriber_cls``
         ("module:Class", default ``subscriber_ext.subscriber:WeightSubscriber``),
         ``record_requests``.
         Everything else goes to the subscriber.

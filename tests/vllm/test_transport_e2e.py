@@ -294,3 +294,41 @@ def test_generation_completes_while_versions_stream_in(llm):
             assert len(commits) >= 2, "versions should have been committed during generation"
         finally:
             llm.collective_rpc("stop_weight_subscriber")
+
+
+def test_prepare_auto_swaps_while_busy_and_reloads_while_idle(llm):
+    """Busy engine: the commit swaps in weights prepared off the step path.
+    Idle engine: nothing to stall, the version is committed at once by reload."""
+    from vllm import SamplingParams
+
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        try:
+            time.sleep(0.7)  # no step for longer than the busy window (0.5 s)
+            idle = pub.publish(new_weights(KIND, 61))
+            ranks = wait_applied(llm, idle, pub.publisher_id)
+            assert ranks[0]["commits"][-1]["prepared"] is False
+
+            engine = llm.llm_engine
+            engine.add_request("busy", {"prompt_token_ids": PROMPTS[0]},
+                               SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+            for _ in range(3):
+                engine.step()
+            weights = new_weights(KIND, 62)
+            busy = pub.publish(weights)
+            deadline = time.monotonic() + 60
+            while engine.has_unfinished_requests():
+                engine.step()
+            while True:
+                rank = llm.collective_rpc("weight_status")[0]
+                if rank["applied_version"] == busy:
+                    break
+                assert time.monotonic() < deadline, rank
+                engine.add_request(f"r{time.monotonic()}", {"prompt_token_ids": PROMPTS[1]},
+                                   SamplingParams(temperature=0.0, max_tokens=4))
+                while engine.has_unfinished_requests():
+                    engine.step()
+            assert rank["commits"][-1]["prepared"] is True, rank["commits"][-1]
+            assert_same(current_output(llm), hf_greedy(KIND, weights, N))
+        finally:
+            llm.collective_rpc("stop_weight_subscriber")
