@@ -194,6 +194,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per path")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    ap.add_argument("--prepare", choices=("auto", "always", "never"), default="auto",
+                    help="weightpub prepare policy: auto prepares only while the engine is "
+                         "busy (this benchmark publishes to an idle engine, so it reloads); "
+                         "always shows the off-step-path swap")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable
@@ -229,7 +233,9 @@ def main() -> int:
             prev = vllm_greedy(llm)
             gen_only.append(time.perf_counter() - t0)
         with WeightPublisher("tcp://127.0.0.1:0", model_id="bench-e2e") as pub:
-            llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+            prepare = {"auto": {}, "always": {"prepare": True}, "never": {"prepare": False}}
+            llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
+                               kwargs=prepare[args.prepare])
             for rnd in range(args.warmup + args.reps):
                 order = PATHS[rnd % len(PATHS):] + PATHS[:rnd % len(PATHS)]
                 for path in order:

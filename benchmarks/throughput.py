@@ -43,27 +43,30 @@ def _raw_receiver(port: int, nbytes: int, rounds: int, conn) -> None:
             conn.send(got)
 
 
-def bench_raw(nbytes: int, rounds: int) -> list[float]:
-    payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-    view = memoryview(payload.numpy())
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=_raw_receiver,
-                                           args=(port, nbytes, rounds, child))
-    proc.start()
-    sock, _ = server.accept()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    times = []
-    for _ in range(rounds):
+class RawPath:
+    """A connected raw TCP pair: the baseline."""
+
+    def __init__(self, nbytes: int, rounds: int) -> None:
+        payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        self.view = memoryview(payload.numpy())
+        server = socket.create_server(("127.0.0.1", 0))
+        self.conn, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=_raw_receiver, args=(server.getsockname()[1], nbytes, rounds, child))
+        self.proc.start()
+        self.sock, _ = server.accept()
+        server.close()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def round(self) -> float:
         start = time.perf_counter()
-        sock.sendall(view)
-        parent.recv()
-        times.append(time.perf_counter() - start)
-    sock.close()
-    server.close()
-    proc.join(30)
-    return times
+        self.sock.sendall(self.view)
+        self.conn.recv()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(30)
 
 
 def _zmq_receiver(endpoint: str, rounds: int, window_mib: int, conn) -> None:
@@ -77,26 +80,32 @@ def _zmq_receiver(endpoint: str, rounds: int, window_mib: int, conn) -> None:
             staged.release()
 
 
-def bench_zmq(nbytes: int, rounds: int, chunk_mib: int,
-              window_mib: int) -> tuple[list[float], list[float]]:
-    from publisher import WeightPublisher
+class WeightpubPath:
+    """A publisher here, a subscriber process there."""
 
-    weights = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
-    parent, child = mp.Pipe()
-    times, fetches = [], []
-    with WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk_mib << 20) as pub:
-        proc = mp.get_context("spawn").Process(target=_zmq_receiver,
-                                               args=(pub.endpoint, rounds, window_mib, child))
-        proc.start()
-        parent.recv()
-        for _ in range(rounds):
-            start = time.perf_counter()
-            pub.publish(weights)
-            fetches.append(parent.recv())
-            times.append(time.perf_counter() - start)
-            weights["w"][:8] += 1  # a different version each round
-        proc.join(60)
-    return times, fetches
+    def __init__(self, nbytes: int, rounds: int, chunk_mib: int, window_mib: int) -> None:
+        from publisher import WeightPublisher
+
+        self.weights = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
+        self.pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk_mib << 20)
+        self.conn, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(
+            target=_zmq_receiver, args=(self.pub.endpoint, rounds, window_mib, child))
+        self.proc.start()
+        self.conn.recv()
+
+    def round(self) -> tuple[float, float]:
+        """(publish -> staged seconds, the subscriber's data-path seconds)."""
+        start = time.perf_counter()
+        self.pub.publish(self.weights)
+        fetch = self.conn.recv()
+        took = time.perf_counter() - start
+        self.weights["w"][:8] += 1  # a different version each round
+        return took, fetch
+
+    def close(self) -> None:
+        self.proc.join(60)
+        self.pub.close()
 
 
 def main() -> None:
@@ -107,8 +116,16 @@ def main() -> None:
     parser.add_argument("--window-mib", type=int, default=64, help="subscriber credit")
     args = parser.parse_args()
     nbytes = args.mib << 20
-    raw = bench_raw(nbytes, args.rounds)
-    wp, fetch = bench_zmq(nbytes, args.rounds, args.chunk_mib, args.window_mib)
+    raw_path = RawPath(nbytes, args.rounds)
+    wp_path = WeightpubPath(nbytes, args.rounds, args.chunk_mib, args.window_mib)
+    raw, wp, fetch = [], [], []
+    for _ in range(args.rounds):  # interleaved, so both see the same machine state
+        raw.append(raw_path.round())
+        took, fetched = wp_path.round()
+        wp.append(took)
+        fetch.append(fetched)
+    raw_path.close()
+    wp_path.close()
     # Steady state: the first rounds pay first-touch page faults for fresh buffers
     # (about 0.5 s/GB here) on both sides; later rounds reuse pooled buffers.
     warm = max(1, args.rounds // 2)

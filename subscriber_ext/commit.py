@@ -258,7 +258,8 @@ class CommitCoordinator:
         if self._preparer is not None:
             prepared = self._preparer.take(choice, staged.publisher_id)
             if prepared is None:
-                logger.warning("weightpub: version %d not prepared; reloading at commit", choice)
+                # idle engine (prepare="auto"), or preparation failed (logged by the preparer)
+                logger.info("weightpub: version %d not prepared; reloading at commit", choice)
         start = time.perf_counter()
         try:
             if prepared is not None and self._apply_prepared is not None:
