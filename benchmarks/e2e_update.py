@@ -40,6 +40,8 @@ from typing import Any
 import orjson
 import torch
 
+from publisher.demo_vllm import hf_greedy
+
 EXT = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
 PROMPT = [11, 42, 7, 300, 5]
 GEN_TOKENS = 8
@@ -72,14 +74,6 @@ def perturb(model: torch.nn.Module, gen: torch.Generator, scale: float = 0.05) -
     for p in model.parameters():
         noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
         p.add_(noise.to(p.dtype), alpha=scale)
-
-
-@torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 @torch.no_grad()
