@@ -45,10 +45,13 @@ def _wait(cond, what: str, timeout: float = 30.0):
 
 
 def _staged(llm, version: int) -> list[dict]:
+    """Staged on every rank and committable: a version prepared off the step path (the
+    engine ran a step lately) is only offered to the engine once its preparation ends."""
     return _wait(
         lambda: (
             (s := llm.collective_rpc("weight_status"))
             and all(x["staged_version"] == version or x["applied_version"] == version for x in s)
+            and not any((x.get("prepare") or {}).get("preparing") for x in s)
             and s
         ),
         f"version {version} staged",
