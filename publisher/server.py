@@ -32,6 +32,7 @@ class ServerOptions:
     heartbeat_interval: float = 1.0
     subscriber_ttl: float = 30.0
     max_subscribers: int = 10_000
+    max_request_bytes: int = 16 << 20
     max_chunks_per_request: int = 256
     zero_copy_min_bytes: int = 64 << 10
 
@@ -134,6 +135,9 @@ class ServingThread(threading.Thread):
                 hook(sock, server=True)
         router.setsockopt(zmq.SNDHWM, 100_000)
         router.setsockopt(zmq.RCVHWM, 100_000)
+        # requests are small; ZeroMQ drops a peer that sends a bigger frame before
+        # allocating it, so a hostile client cannot make us buffer gigabytes
+        router.setsockopt(zmq.MAXMSGSIZE, self.options.max_request_bytes)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         router.bind(self.options.router_bind)
         pub.bind(self.options.pub_bind)

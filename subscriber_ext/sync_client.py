@@ -91,6 +91,10 @@ class SyncClient:
                 hook(sock, server=False)
         self.dealer.setsockopt(zmq.IMMEDIATE, 1)
         self.dealer.setsockopt(zmq.RCVHWM, 0)
+        # no frame larger than a chunk (or a control message) is ever accepted off the wire
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, max(options.limits.max_chunk_size,
+                                                   wire.MAX_CONTROL_BYTES))
+        self.sub.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.dealer.connect(endpoint)
 

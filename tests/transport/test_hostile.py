@@ -331,3 +331,24 @@ def test_empty_tensor_with_overflowing_shape_does_not_wedge_the_subscriber(
     fake.latest_manifest = good
     staged = sub.wait_for_version(1, timeout=30)
     assert digests(staged.items()) == digests(weights.items())
+
+
+@pytest.mark.timeout(60)
+def test_oversized_frame_is_cut_off_before_it_is_buffered() -> None:
+    """A 32 MiB 'request' exceeds the ROUTER's MAXMSGSIZE: ZeroMQ drops that peer
+    before handing us the frame (nothing is decoded), and the publisher keeps serving."""
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        ctx = zmq.Context()
+        hostile = ctx.socket(zmq.DEALER)
+        hostile.setsockopt(zmq.LINGER, 0)
+        hostile.connect(pub.endpoint)
+        hostile.send(b"x" * (32 << 20))
+        time.sleep(0.5)
+        weights = {"w": torch.randn(64)}
+        version = pub.publish(weights)
+        with WeightSubscriber(pub.endpoint) as sub:
+            assert torch.equal(sub.wait_for_version(version, timeout=20).tensors["w"],
+                               weights["w"])
+        assert pub._server.bad_messages == 0
+        hostile.close()
+        ctx.term()
