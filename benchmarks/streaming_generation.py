@@ -23,6 +23,7 @@ here, so the ratio is a lower bound for a replica whose trainer is elsewhere.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -60,14 +61,17 @@ def start_engine(model_dir: str, dtype: str, max_seqs: int) -> Any:
                use_tqdm_on_load=False, worker_extension_cls=EXT)
 
 
-def generate(llm: Any, requests: int, tokens: int) -> int:
-    """One fixed batch; returns the number of tokens generated."""
+def generate(llm: Any, requests: int, tokens: int, repeat: int = 1) -> int:
+    """The fixed batch, ``repeat`` times; returns the number of tokens generated."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     prompts = [{"prompt_token_ids": [11 + i, 42, 7, 300, 5]} for i in range(requests)]
-    out = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in out)
+    n = 0
+    for _ in range(repeat):
+        out = llm.generate(prompts, params, use_tqdm=False)
+        n += sum(len(o.outputs[0].token_ids) for o in out)
+    return n
 
 
 class Streamer:
@@ -119,6 +123,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--every", type=float, default=0.3, help="seconds between versions")
+    ap.add_argument("--round-seconds", type=float, default=3.0,
+                    help="the batch is repeated so that a round lasts about this long")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -145,18 +151,21 @@ def main() -> int:
     with WeightPublisher("tcp://127.0.0.1:0", model_id="bench-stream") as pub:
         llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
         wait_applied(llm, pub.publish(weights))  # first commit + a warm-up batch, untimed
+        t0 = time.perf_counter()
         generate(llm, args.requests, args.tokens)
+        repeat = max(1, math.ceil(args.round_seconds / (time.perf_counter() - t0)))
+        print(f"batch repeated {repeat}x per round (~{args.round_seconds} s)", flush=True)
         for rnd in range(2 * args.rounds):
             kind = ("quiet", "streaming")[rnd % 2]
             before = len(commits(llm))
             t0 = time.perf_counter()
             if kind == "quiet":
-                n = generate(llm, args.requests, args.tokens)
+                n = generate(llm, args.requests, args.tokens, repeat)
                 took = time.perf_counter() - t0
                 new: list[dict[str, Any]] = []
             else:
                 with Streamer(pub, weights, args.every) as streamer:
-                    n = generate(llm, args.requests, args.tokens)
+                    n = generate(llm, args.requests, args.tokens, repeat)
                     took = time.perf_counter() - t0
                 new = commits(llm)[before:]  # committed while the batch ran
                 published += len(streamer.published)
@@ -177,14 +186,15 @@ def main() -> int:
     print(f"\n{'':<26}{'tok/s (median)':>15}")
     print(f"{'no updates':<26}{med['quiet']:>15.1f}")
     print(f"{'versions streaming in':<26}{med['streaming']:>15.1f}")
-    print(f"ratio streaming/quiet {ratio:.3f} (target >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'})")
+    print(f"ratio streaming/quiet {ratio:.3f} "
+          f"(target >= 0.9: {'met' if ratio >= 0.9 else 'NOT met'})")
     print(f"versions published while streaming {published}, committed during the batches "
           f"{len(stream_commits)} ({prepared} prepared off the step path); commit pause "
           f"median {statistics.median(pauses) * 1e3:.1f} ms, max {max(pauses) * 1e3:.1f} ms")
     print(orjson.dumps({
         "bench": "streaming_generation", "model_bytes": nbytes, "dtype": dtype,
         "tiny": args.tiny, "requests": args.requests, "tokens": args.tokens,
-        "every_s": args.every, "tokens_per_s": tps, "median_tokens_per_s": med,
+        "every_s": args.every, "repeat": repeat, "tokens_per_s": tps, "median_tokens_per_s": med,
         "ratio": ratio, "target": ">= 0.9", "published": published,
         "commits": len(stream_commits), "prepared_commits": prepared,
         "max_commit_pause_s": max(pauses), "median_commit_pause_s": statistics.median(pauses),

@@ -44,8 +44,21 @@ class PublisherConfig(_Strict):
     chunk_mib: int = Field(4, ge=1, le=1024)
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     first_version: int = Field(1, ge=1)
+    curve_secret_key_file: str | None = None  # zmq certificate: turns on CurveZMQ
+    curve_allowed_clients_dir: str | None = None  # only these client keys may connect
 
     _endpoint = field_validator("endpoint")(_check_endpoint)
+
+    def publisher_kwargs(self) -> dict[str, Any]:
+        return {
+            "model_id": self.model_id,
+            "keep_versions": self.keep_versions,
+            "chunk_size": self.chunk_mib << 20,
+            "heartbeat_interval": self.heartbeat_interval,
+            "first_version": self.first_version,
+            "curve_secret_key_file": self.curve_secret_key_file,
+            "curve_allowed_clients_dir": self.curve_allowed_clients_dir,
+        }
 
 
 class SubscriberConfig(_Strict):
@@ -56,18 +69,24 @@ class SubscriberConfig(_Strict):
     window_mib: int = Field(64, ge=1, le=65536)
     max_chunk_retries: int = Field(5, ge=0, le=1000)
     max_version_gib: float = Field(1024.0, gt=0)
+    curve_server_key_file: str | None = None  # the publisher's public key: turns on CurveZMQ
+    curve_secret_key_file: str | None = None  # this client's key pair (allow-listing)
 
     _endpoint = field_validator("endpoint")(_check_endpoint)
 
-    def sync_options(self) -> dict[str, Any]:
-        from publisher.protocol import Limits
-
-        return {
+    def subscriber_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``WeightSubscriber`` (JSON-able: they also travel in
+        vLLM's ``--additional-config``)."""
+        kwargs: dict[str, Any] = {
             "request_timeout": self.request_timeout,
             "window_bytes": self.window_mib << 20,
             "max_chunk_retries": self.max_chunk_retries,
-            "limits": Limits(max_total_bytes=int(self.max_version_gib * (1 << 30))),
+            "max_version_bytes": int(self.max_version_gib * (1 << 30)),
         }
+        if self.curve_server_key_file is not None:
+            kwargs["curve_server_key_file"] = self.curve_server_key_file
+            kwargs["curve_secret_key_file"] = self.curve_secret_key_file
+        return kwargs
 
 
 class ReplicaConfig(_Strict):

@@ -25,15 +25,12 @@ class Relay:
         from subscriber_ext.subscriber import WeightSubscriber
 
         down = config.downstream
-        self.publisher = WeightPublisher(
-            down.endpoint, model_id=down.model_id, keep_versions=down.keep_versions,
-            chunk_size=down.chunk_mib << 20, heartbeat_interval=down.heartbeat_interval,
-        )
+        self.publisher = WeightPublisher(down.endpoint, **down.publisher_kwargs())
         self._last = 0
         self._lock = threading.Lock()
         self.subscriber = WeightSubscriber(
             config.upstream.endpoint, on_version=self._forward,
-            **config.upstream.sync_options(),
+            **config.upstream.subscriber_kwargs(),
         )
 
     @property

@@ -120,6 +120,17 @@ class WeightPublisher:
                  self.endpoint, self._server.pub_endpoint)
 
     # -- public API ----------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: Any) -> WeightPublisher:
+        """Start a publisher from a ``publisher:`` YAML file (path) or a ``PublisherConfig``."""
+        from publisher.config import PublisherConfig, load_config
+
+        if not isinstance(config, PublisherConfig):
+            loaded = load_config(config, kind="publisher")
+            assert isinstance(loaded, PublisherConfig)
+            config = loaded
+        return cls(config.endpoint, **config.publisher_kwargs())
+
     @property
     def endpoint(self) -> str:
         """The bound ROUTER address (with the real port when bound to port 0)."""

@@ -24,13 +24,8 @@ EXTENSION = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
 def replica_command(config: ReplicaConfig) -> list[str]:
     """The full argv of the server process for ``config``."""
     sub = config.subscriber
-    weightpub = {
-        "endpoint": sub.endpoint,
-        "apply_mode": config.apply_mode,
-        "request_timeout": sub.request_timeout,
-        "window_bytes": sub.window_mib << 20,
-        "max_chunk_retries": sub.max_chunk_retries,
-    }
+    weightpub = {"endpoint": sub.endpoint, "apply_mode": config.apply_mode,
+                 **sub.subscriber_kwargs()}
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", config.model,

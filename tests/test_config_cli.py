@@ -104,3 +104,24 @@ def test_replica_command_carries_endpoint_in_additional_config():
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra["weightpub"]["endpoint"] == config.subscriber.endpoint
     assert "--worker-extension-cls" in argv
+
+
+@pytest.mark.timeout(60)
+def test_publisher_from_yaml_and_curve_keys_reach_the_replica_command(tmp_path):
+    import zmq.auth
+
+    public, secret = zmq.auth.create_certificates(tmp_path, "server")
+    path = tmp_path / "publisher.yaml"
+    path.write_text("publisher:\n  endpoint: tcp://127.0.0.1:0\n  keep_versions: 3\n"
+                    f"  curve_secret_key_file: {secret}\n")
+    with WeightPublisher.from_config(path) as pub:
+        version = pub.publish({"w": torch.arange(5)})
+        with WeightSubscriber(pub.endpoint, curve_server_key_file=public) as sub:
+            assert torch.equal(sub.wait_for_version(version, timeout=20).tensors["w"],
+                               torch.arange(5))
+    replica = ReplicaConfig.model_validate({
+        "model": "m", "subscriber": {"endpoint": "tcp://h:1", "curve_server_key_file": public}})
+    argv = replica_command(replica)
+    extra = json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]
+    assert extra["curve_server_key_file"] == public
+    assert extra["max_version_bytes"] == 1024 << 30
