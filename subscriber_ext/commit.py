@@ -108,6 +108,7 @@ class CommitCoordinator:
         self.last_error: str | None = None
         self.step = 0
         self.commit_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=log_size)
+        self.commit_count = 0
         self.last_commit_s: float | None = None
         self._failed: set[int] = set()
         self._slot = slot
@@ -283,6 +284,7 @@ class CommitCoordinator:
             for pinned in self._pinned.values():
                 _release(pinned)
             self._pinned.clear()
+            self.commit_count += 1
             self.commit_log.append(
                 {
                     "step": self.step,

@@ -45,7 +45,7 @@ class EngineDriver:
         self.applied: tuple[int, int] | None = None  # (publisher hash, version)
         self.reset_prefix = os.environ.get("WEIGHTPUB_PREFIX_RESET", "1") != "0"
         self.tag_lag: collections.deque[str] = collections.deque()
-        self.commits: list[dict[str, Any]] = []
+        self.commits: collections.deque[dict[str, Any]] = collections.deque(maxlen=256)
         self.checks = 0
         self.check_s = 0.0
         self.unlinked = False
@@ -296,7 +296,7 @@ def _weightpub_driver_status(self: Any) -> dict[str, Any]:
     return {
         "active": True,
         "applied": driver.applied,
-        "commits": list(driver.commits),
+        "commits": list(driver.commits)[-16:],
         "checks": driver.checks,
         "check_s": driver.check_s,
         "weight_version": self._weight_version,

@@ -320,7 +320,9 @@ class BatchWeightSyncWorkerExtension:
             "last_error": (coord.last_error if coord else None) or st.last_error,
             "apply_mode": applier.mode() if applier else st.apply_mode,
             "last_apply_s": report.seconds if report else None,
-            "commits": list(coord.commit_log) if coord else [],
+            # the newest few: this dict crosses the RPC boundary on every poll
+            "commits": list(coord.commit_log)[-16:] if coord else [],
+            "commit_count": coord.commit_count if coord else 0,
             "prepare": coord.prepare_status() if coord else None,
             "step": coord.step if coord else 0,
             "step_check_s": st.step_check_s,
