@@ -25,6 +25,7 @@ __all__ = [
     "byte_view",
     "ChunkHasher",
     "Snapshot",
+    "WeightsLike",
     "copy_into",
     "gather_full_tensors",
     "hash_pieces",
@@ -37,7 +38,7 @@ __all__ = [
 WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 
 
-def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+def named_tensors(weights: WeightsLike) -> list[tuple[str, torch.Tensor]]:
     """Accept a module (its ``state_dict``), a mapping, or an iterable of pairs."""
     if isinstance(weights, torch.nn.Module):
         items: Iterable[tuple[str, Any]] = weights.state_dict().items()
@@ -56,7 +57,7 @@ def named_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
     return result
 
 
-def gather_full_tensors(weights: Any) -> list[tuple[str, torch.Tensor]]:
+def gather_full_tensors(weights: WeightsLike) -> list[tuple[str, torch.Tensor]]:
     """Take part in the ``full_tensor()`` collectives of sharded DTensors without publishing.
 
     ``DTensor.full_tensor()`` is a collective: when rank 0 calls ``publish()``
@@ -211,7 +212,7 @@ class Snapshot:
     failed: bool = False
 
 
-def plan_snapshot(weights: Any,
+def plan_snapshot(weights: WeightsLike,
                   pool: BufferPool) -> tuple[Snapshot, list[tuple[str, torch.Tensor]]]:
     """Lay the version out and take a buffer for it; nothing is copied yet."""
     pairs = named_tensors(weights)

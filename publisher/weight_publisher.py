@@ -34,6 +34,7 @@ from publisher.snapshot import (
     BufferPool,
     ChunkHasher,
     Snapshot,
+    WeightsLike,
     byte_view,
     copy_into,
     hash_pieces,
@@ -141,7 +142,7 @@ class WeightPublisher:
         """The newest version announced to subscribers (0 before the first)."""
         return self._announced_version
 
-    def publish(self, weights: Any, *, version: int | None = None) -> int:
+    def publish(self, weights: WeightsLike, *, version: int | None = None) -> int:
         """Snapshot ``weights`` and return its version once the caller may modify them.
 
         Accepts a ``torch.nn.Module``, a mapping name -> tensor, or an iterable of

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -37,7 +37,7 @@ __all__ = ["APPLY_MODES", "ApplyReport", "TensorSpec", "WeightApplier", "parse_d
 logger = logging.getLogger("weightpub.apply")
 
 ApplyMode = Literal["auto", "in_place", "reload"]
-APPLY_MODES: tuple[str, ...] = ("auto", "in_place", "reload")
+APPLY_MODES: tuple[str, ...] = get_args(ApplyMode)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from publisher import WeightPublisher
-from tests.vllm.helpers import EXT, assert_same, hf_greedy, new_weights, save_tiny, vllm_greedy
+from tests.vllm.helpers import EXT, assert_matches_hf, new_weights, save_tiny, wait_applied
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 KIND = "qwen2"
@@ -37,26 +37,16 @@ def llm(tmp_path_factory):
     del engine
 
 
-def _wait_applied(llm, version: int, publisher_id: str) -> dict:
-    deadline = time.monotonic() + 60
-    while True:
-        rank = llm.collective_rpc("weight_version")[0]
-        if rank["applied_version"] == version and rank["publisher_id"] == publisher_id:
-            return rank
-        assert not rank["last_error"], rank
-        assert time.monotonic() < deadline, rank
-        time.sleep(0.02)
-
-
 def test_in_place_apply_matches_transformers_and_reports_pause(llm):
     with WeightPublisher("tcp://127.0.0.1:0") as pub:
         status = llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))[0]
         assert status["apply_mode"] == "in_place", status
         for seed in (91, 92, 93):
             weights = new_weights(KIND, seed)
-            rank = _wait_applied(llm, pub.publish(weights), pub.publisher_id)
-            llm.reset_prefix_cache()
-            assert_same(vllm_greedy(llm, N), hf_greedy(KIND, weights, N))
+            version = pub.publish(weights)
+            rank = wait_applied(llm, version, pub.publisher_id, fail_on_error=True)[0]
+            assert rank["applied_version"] == version
+            assert_matches_hf(llm, KIND, weights, N)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(src)

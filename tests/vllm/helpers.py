@@ -105,6 +105,36 @@ def assert_same(got: list, want: list, atol: float = LOGPROB_ATOL) -> None:
         assert diff <= atol, f"logprobs differ by {diff}"
 
 
+def assert_matches_hf(llm: Any, kind: str, weights: dict[str, torch.Tensor], n: int) -> list:
+    """The oracle: vLLM's greedy tokens and logprobs equal transformers' on ``weights``.
+
+    The prefix cache is reset first, so KV cached under older weights cannot
+    make a stale engine look right (or a fresh one look wrong)."""
+    llm.reset_prefix_cache()
+    got = vllm_greedy(llm, n)
+    assert_same(got, hf_greedy(kind, weights, n))
+    return got
+
+
+def wait_applied(llm: Any, version: int, publisher_id: str | None = None,
+                 timeout: float = 60.0, fail_on_error: bool = False) -> list[dict]:
+    """Poll ``weight_version`` (itself a commit point) until every rank runs ``version``.
+
+    Versions count per publisher instance, so ``publisher_id`` must match too
+    when given. With ``fail_on_error`` a rank's ``last_error`` fails at once."""
+    deadline = time.monotonic() + timeout
+    while True:
+        ranks = llm.collective_rpc("weight_version")
+        if all((r["applied_version"] or 0) >= version
+               and (publisher_id is None or r["publisher_id"] == publisher_id)
+               for r in ranks):
+            return ranks
+        if fail_on_error:
+            assert not any(r["last_error"] for r in ranks), ranks
+        assert time.monotonic() < deadline, f"version {version} not applied: {ranks}"
+        time.sleep(0.02)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,13 +3,11 @@ trainer sends PEFT names (`base_model.model.` prefix, `.base_layer.` inside)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from publisher import WeightPublisher
 
-from .helpers import assert_same, hf_greedy, make_llm, new_weights, save_tiny, vllm_greedy
+from .helpers import assert_matches_hf, make_llm, new_weights, save_tiny, wait_applied
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
@@ -35,14 +33,7 @@ def test_lora_wrapped_engine_takes_peft_named_weights(tmp_path):
         sent = peft_names(weights)
         assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in sent
         version = pub.publish(sent)
-        deadline = time.monotonic() + 60
-        while True:
-            rank = llm.collective_rpc("weight_version")[0]
-            if rank["applied_version"] == version or rank["last_error"]:
-                break
-            assert time.monotonic() < deadline, rank
-            time.sleep(0.05)
+        rank = wait_applied(llm, version, pub.publisher_id, fail_on_error=True)[0]
         assert rank["last_error"] is None and rank["applied_version"] == version
-        llm.reset_prefix_cache()
-        assert_same(vllm_greedy(llm, N), hf_greedy(KIND, weights, N))
+        assert_matches_hf(llm, KIND, weights, N)
         llm.collective_rpc("stop_weight_subscriber")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from .helpers import (
     FAKE_SUB,
+    assert_matches_hf,
     assert_same,
     hf_greedy,
     make_llm,
@@ -15,6 +14,7 @@ from .helpers import (
     publish_to_dir,
     save_tiny,
     vllm_greedy,
+    wait_applied,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -38,10 +38,6 @@ def test_llama_subscriber_versions(llm, tmp_path):
     for version, seed in ((1, 21), (2, 22)):
         w = new_weights(KIND, seed)
         publish_to_dir(tmp_path, version, w)
-        deadline = time.time() + 20
-        while llm.collective_rpc("weight_version")[0]["applied_version"] != version:
-            assert time.time() < deadline
-            time.sleep(0.05)
-        llm.reset_prefix_cache()
-        assert_same(vllm_greedy(llm, N), hf_greedy(KIND, w, N))
+        wait_applied(llm, version, timeout=20)
+        assert_matches_hf(llm, KIND, w, N)
     llm.collective_rpc("stop_weight_subscriber")

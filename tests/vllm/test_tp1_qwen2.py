@@ -12,7 +12,7 @@ import torch
 from .helpers import (
     FAKE_SUB,
     PROMPTS,
-    assert_same,
+    assert_matches_hf,
     encode_all,
     free_port,
     hf_greedy,
@@ -38,8 +38,7 @@ def llm(tmp_path_factory):
 
 
 def _check(llm, weights):
-    llm.reset_prefix_cache()
-    assert_same(vllm_greedy(llm, N), hf_greedy(KIND, weights, N))
+    assert_matches_hf(llm, KIND, weights, N)
 
 
 def test_initial_matches_hf(llm):

@@ -9,16 +9,14 @@ import pytest
 
 from .helpers import (
     FAKE_SUB,
-    assert_same,
+    assert_matches_hf,
     encode_all,
     free_port,
-    hf_greedy,
     make_llm,
     new_weights,
     publish_to_dir,
     save_tiny,
     trainer_main,
-    vllm_greedy,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -35,8 +33,7 @@ def llm(tmp_path_factory):
 
 
 def _check(llm, weights):
-    llm.reset_prefix_cache()
-    assert_same(vllm_greedy(llm, N), hf_greedy(KIND, weights, N))
+    assert_matches_hf(llm, KIND, weights, N)
 
 
 def test_tp2_http_batch(llm):

@@ -20,13 +20,13 @@ from publisher import protocol as wire
 
 from .helpers import (
     PROMPTS,
-    assert_same,
+    assert_matches_hf,
     free_port,
-    hf_greedy,
     make_llm,
     new_weights,
     save_tiny,
     vllm_greedy,
+    wait_applied,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -76,18 +76,6 @@ def trainer():
         proc.kill()
 
 
-def wait_applied(llm, version: int, publisher_id: str, timeout: float = 60.0) -> list[dict]:
-    """Versions count per publisher instance, so the instance must match too."""
-    deadline = time.monotonic() + timeout
-    while True:
-        ranks = llm.collective_rpc("weight_version")
-        if all((r["applied_version"] or 0) >= version and r["publisher_id"] == publisher_id
-               for r in ranks):
-            return ranks
-        assert time.monotonic() < deadline, f"version {version} not applied: {ranks}"
-        time.sleep(0.02)
-
-
 def current_output(llm):
     llm.reset_prefix_cache()
     return vllm_greedy(llm, N)
@@ -101,9 +89,7 @@ def test_trainer_process_versions_match_transformers(llm, trainer):
         version = publish(seed)
         ranks = wait_applied(llm, version, publish.publisher_id)
         assert ranks[0]["last_error"] is None
-        got = current_output(llm)
-        assert_same(got, hf_greedy(KIND, new_weights(KIND, seed), N))
-        outputs.append(got)
+        outputs.append(assert_matches_hf(llm, KIND, new_weights(KIND, seed), N))
     assert outputs[0] != outputs[1] != outputs[2], "versions should change the output"
     llm.collective_rpc("stop_weight_subscriber")
 
@@ -187,7 +173,7 @@ def test_corrupted_version_is_never_applied(llm, trainer):
         fixed = publish(33)
         assert fixed > bad
         wait_applied(llm, fixed, publish.publisher_id)
-        assert_same(current_output(llm), hf_greedy(KIND, new_weights(KIND, 33), N))
+        assert_matches_hf(llm, KIND, new_weights(KIND, 33), N)
     finally:
         llm.collective_rpc("stop_weight_subscriber")
         proxy.close()
@@ -329,6 +315,6 @@ def test_prepare_auto_swaps_while_busy_and_reloads_while_idle(llm):
                 while engine.has_unfinished_requests():
                     engine.step()
             assert rank["commits"][-1]["prepared"] is True, rank["commits"][-1]
-            assert_same(current_output(llm), hf_greedy(KIND, weights, N))
+            assert_matches_hf(llm, KIND, weights, N)
         finally:
             llm.collective_rpc("stop_weight_subscriber")
