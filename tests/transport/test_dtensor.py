@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ def _rank(rank: int, store: str, conn) -> None:
 
     from publisher import WeightPublisher, gather_full_tensors
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=90))
     try:
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(0)  # same full tensor on both ranks; each keeps half
@@ -34,6 +36,7 @@ def _rank(rank: int, store: str, conn) -> None:
                 conn.send(version)
         else:
             gather_full_tensors(weights)
+        dist.barrier()  # tear the group down together: gloo aborts a rank that leaves early
     finally:
         dist.destroy_process_group()
 
