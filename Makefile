@@ -21,13 +21,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/weightpub demo
 
-# mypy covers the transport; the vLLM mixin modules are checked by the vLLM tests.
-TYPED := publisher subscriber_ext/staging.py subscriber_ext/subscriber.py \
-         subscriber_ext/sync_client.py subscriber_ext/serve.py
+# every package, lowest layer first
+PACKAGES := weightpub_wire publisher subscriber_ext weightpub
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m mypy --ignore-missing-imports --follow-imports=silent $(TYPED)
+	$(PY) -m mypy $(PACKAGES)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

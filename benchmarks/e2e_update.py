@@ -40,9 +40,10 @@ from typing import Any
 import orjson
 import torch
 
-from publisher.demo_vllm import hf_greedy
+from subscriber_ext import WORKER_EXTENSION as EXT
+from subscriber_ext import wait_until_applied
+from weightpub.demos.tiny_vllm import hf_greedy
 
-EXT = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
 PROMPT = [11, 42, 7, 300, 5]
 GEN_TOKENS = 8
 #: allowed teacher-forced gap (logit std units, see verify); measured: fp32 exact, bf16 kernels
@@ -123,29 +124,17 @@ def vllm_greedy(llm: Any) -> list[int]:
     return list(out[0].outputs[0].token_ids)
 
 
-def wait_applied(llm: Any, version: int, timeout: float = 300.0) -> list[dict[str, Any]]:
-    """Poll every rank; each ``weight_version`` RPC is also a commit point."""
-    deadline = time.monotonic() + timeout
-    while True:
-        ranks = llm.collective_rpc("weight_version")
-        if all((r.get("applied_version") or 0) >= version for r in ranks):
-            return ranks
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"version {version} not applied: {ranks}")
-        time.sleep(0.005)
-
-
 def run_path(name: str, llm: Any, model: torch.nn.Module, pub: Any,
              ckpt_dir: str) -> tuple[float, dict[str, float], list[int]]:
     """Time one path; returns (seconds, phase breakdown, generated tokens)."""
-    from subscriber_ext.tensor_bytes import encode_tensor
+    from subscriber_ext.seed.tensor_bytes import encode_tensor
 
     phases: dict[str, float] = {}
     t0 = time.perf_counter()
     if name == "weightpub":
         version = pub.publish(model)
         phases["publish"] = time.perf_counter() - t0
-        ranks = wait_applied(llm, version)
+        ranks = wait_until_applied(llm, version, timeout=300, poll_s=0.005)
         phases["applied"] = time.perf_counter() - t0
         phases["commit"] = max(r["commits"][-1]["seconds"] for r in ranks
                                if r["commits"] and r["commits"][-1]["version"] == version)

@@ -2,7 +2,7 @@
 
 This process owns three publishers, each with its own subscriber processes (spawn), all
 kept alive for the whole run: ``1`` (one subscriber), ``4`` (four subscribers) and
-``relay4`` (a ``publisher.relay.Relay`` in its own process subscribed to the third
+``relay4`` (a ``weightpub.relay.Relay`` in its own process subscribed to the third
 publisher, four subscribers attached to the relay). Each subscriber sends ``time.time()``
 through a pipe right after ``wait_for_version`` returns (the version complete, checksummed
 and staged). Deliver time = ``publish()`` start -> the last subscriber of the group
@@ -45,8 +45,8 @@ def _subscriber(endpoint: str, versions: int, window_mib: int, conn: Any) -> Non
 
 
 def _relay(upstream: str, chunk_mib: int, window_mib: int, conn: Any) -> None:
-    from publisher.config import PublisherConfig, RelayConfig, SubscriberConfig
-    from publisher.relay import Relay
+    from weightpub.config import PublisherConfig, RelayConfig, SubscriberConfig
+    from weightpub.relay import Relay
 
     config = RelayConfig(
         upstream=SubscriberConfig(endpoint=upstream, window_mib=window_mib),

@@ -34,7 +34,8 @@ from typing import Any
 import orjson
 import torch
 
-EXT = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
+from subscriber_ext import WORKER_EXTENSION as EXT
+from subscriber_ext import wait_until_applied
 
 
 def build_model(tiny: bool) -> torch.nn.Module:
@@ -103,15 +104,6 @@ class Streamer:
         self._thread.join()
 
 
-def wait_applied(llm: Any, version: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while min(r.get("applied_version") or 0 for r in llm.collective_rpc("weight_version")) \
-            < version:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"version {version} not applied")
-        time.sleep(0.01)
-
-
 def commits(llm: Any) -> list[dict[str, Any]]:
     return llm.collective_rpc("weight_status")[0]["commits"]  # does not commit anything
 
@@ -150,7 +142,8 @@ def main() -> int:
     published = 0
     with WeightPublisher("tcp://127.0.0.1:0", model_id="bench-stream") as pub:
         llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
-        wait_applied(llm, pub.publish(weights))  # first commit + a warm-up batch, untimed
+        # first commit + a warm-up batch, untimed
+        wait_until_applied(llm, pub.publish(weights), timeout=120)
         t0 = time.perf_counter()
         generate(llm, args.requests, args.tokens)
         repeat = max(1, math.ceil(args.round_seconds / (time.perf_counter() - t0)))
@@ -170,7 +163,8 @@ def main() -> int:
                 new = commits(llm)[before:]  # committed while the batch ran
                 published += len(streamer.published)
                 stream_commits += new
-                wait_applied(llm, streamer.published[-1])  # drain before the next quiet round
+                # drain before the next quiet round
+                wait_until_applied(llm, streamer.published[-1], timeout=120)
             tps[kind].append(n / took)
             pauses = [c["seconds"] for c in new]
             print(f"  round {rnd // 2 + 1} {kind:<9} {n / took:8.1f} tok/s  {took:6.2f} s"

@@ -1,21 +1,24 @@
 """weightpub, trainer side: snapshot, version and serve weights over ZeroMQ.
 
-The wire protocol both sides speak lives in ``publisher.protocol``.
+The wire protocol both sides speak lives in ``weightpub_wire``; the errors are
+re-exported here so trainer code catches one family.
 """
 
-from publisher.errors import (
+from publisher.config import PublisherConfig
+from publisher.snapshot import gather_full_tensors
+from publisher.weight_publisher import WeightPublisher
+from weightpub_wire.errors import (
     ApplyError,
     ChecksumError,
     ClosedError,
     ConfigError,
     ProtocolError,
+    TransportError,
     VersionUnavailable,
     WeightPubError,
     WeightPubTimeout,
 )
-from publisher.protocol import PROTOCOL_VERSION, Manifest, TensorEntry
-from publisher.snapshot import gather_full_tensors
-from publisher.weight_publisher import WeightPublisher
+from weightpub_wire.protocol import PROTOCOL_VERSION, Manifest, Report, TensorEntry
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -25,7 +28,10 @@ __all__ = [
     "ConfigError",
     "Manifest",
     "ProtocolError",
+    "PublisherConfig",
+    "Report",
     "TensorEntry",
+    "TransportError",
     "VersionUnavailable",
     "WeightPubError",
     "WeightPubTimeout",

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from publisher import protocol as wire
-from publisher.errors import ProtocolError
 from publisher.store import PublishedVersion, VersionStore
+from weightpub_wire import protocol as wire
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.sockets import bind, configure_socket
 
 __all__ = ["ServerOptions", "ServingThread"]
 
@@ -35,15 +36,6 @@ class ServerOptions:
     max_request_bytes: int = 16 << 20
     max_chunks_per_request: int = 256
     zero_copy_min_bytes: int = 64 << 10
-
-
-def configure_socket(sock: zmq.Socket, *, heartbeat_interval: float) -> None:
-    """Shared socket hygiene: no linger on close, ZMTP heartbeats drop dead peers."""
-    sock.setsockopt(zmq.LINGER, 0)
-    ivl = max(int(heartbeat_interval * 1000), 100)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, ivl)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, ivl * 3)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, ivl * 3)
 
 
 class ServingThread(threading.Thread):
@@ -139,10 +131,13 @@ class ServingThread(threading.Thread):
         # allocating it, so a hostile client cannot make us buffer gigabytes
         router.setsockopt(zmq.MAXMSGSIZE, self.options.max_request_bytes)
         pub.setsockopt(zmq.SNDHWM, 10_000)
-        router.bind(self.options.router_bind)
-        pub.bind(self.options.pub_bind)
-        self.router_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.pub_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            self.router_endpoint = bind(router, self.options.router_bind)
+            self.pub_endpoint = bind(pub, self.options.pub_bind)
+        except BaseException:
+            for sock in (router, pub, commands):
+                sock.close(linger=0)
+            raise
         return router, pub, commands
 
     def _on_command(self, commands: zmq.Socket, pub: zmq.Socket) -> bool:

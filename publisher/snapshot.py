@@ -8,27 +8,24 @@ other threads, over that immutable copy.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
-import xxhash
 
-from publisher.dtypes import dtype_name
-from publisher.protocol import TENSOR_ALIGN, TensorEntry
+from weightpub_wire.buffers import BufferPool, byte_view, flat_bytes
+from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.dtypes import dtype_name
+from weightpub_wire.protocol import TENSOR_ALIGN, TensorEntry
 
 __all__ = [
-    "BufferPool",
-    "byte_view",
     "ChunkHasher",
     "Snapshot",
     "WeightsLike",
     "copy_into",
     "gather_full_tensors",
-    "hash_pieces",
     "hashable_in_place",
     "named_tensors",
     "plan_snapshot",
@@ -91,28 +88,6 @@ def plan_layout(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list[TensorEntry
     return entries, offset
 
 
-class BufferPool:
-    """Reuses freed snapshot buffers: fresh host memory costs a page fault per 4 KiB."""
-
-    def __init__(self, max_buffers: int = 2) -> None:
-        self._free: list[torch.Tensor] = []
-        self._max = max_buffers
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        with self._lock:
-            for index, buf in enumerate(self._free):
-                if buf.numel() >= nbytes and buf.is_pinned() == pinned:
-                    return self._free.pop(index)[:nbytes]
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)[:nbytes]
-
-    def give(self, buf: torch.Tensor) -> None:
-        base = buf if buf._base is None else buf._base
-        with self._lock:
-            if len(self._free) < self._max:
-                self._free.append(base)
-
-
 class ChunkHasher:
     """Hashes each chunk on a worker thread as soon as all its bytes are written.
 
@@ -136,24 +111,12 @@ class ChunkHasher:
                 min((self._next + 1) * size, self._total) <= offset:
             start = self._next * size
             piece = self._view[start: min(start + size, self._total)]
-            self._futures.append(self._executor.submit(xxhash.xxh3_64_intdigest, piece))
+            self._futures.append(self._executor.submit(chunk_checksum, piece))
             self._next += 1
 
     def checksums(self) -> tuple[int, ...]:
         self.written_up_to(self._total)
         return tuple(f.result() for f in self._futures)
-
-
-def byte_view(buffer: torch.Tensor, nbytes: int | None = None) -> memoryview:
-    """A memoryview of a flat uint8 CPU tensor (empty when ``nbytes`` is 0), no copy."""
-    if nbytes == 0 or buffer.numel() == 0:
-        return memoryview(b"")
-    return memoryview(cast(Any, buffer.numpy()))
-
-
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor's bytes as a flat uint8 view (0-d included), no copy."""
-    return (tensor.reshape(-1) if tensor.dim() else tensor.reshape(1)).view(torch.uint8)
 
 
 def source_chunks(pairs: list[tuple[str, torch.Tensor]], entries: list[TensorEntry],
@@ -181,20 +144,10 @@ def source_chunks(pairs: list[tuple[str, torch.Tensor]], entries: list[TensorEnt
 
     for index, (entry, (_, tensor)) in enumerate(zip(entries, pairs, strict=True)):
         if entry.nbytes:
-            feed(byte_view(_flat_bytes(tensor)))
+            feed(byte_view(flat_bytes(tensor)))
         end = entries[index + 1].offset if index + 1 < len(entries) else total
         feed(zeros[: end - entry.offset - entry.nbytes])
     return chunks if total else []
-
-
-def hash_pieces(pieces: list[memoryview]) -> int:
-    """xxh3-64 of the concatenation of ``pieces`` (one chunk)."""
-    if len(pieces) == 1:
-        return xxhash.xxh3_64_intdigest(pieces[0])
-    state = xxhash.xxh3_64()
-    for piece in pieces:
-        state.update(piece)
-    return state.intdigest()
 
 
 @dataclass(slots=True)
@@ -240,7 +193,7 @@ def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_s
         buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
         dst = buffer[entry.offset: entry.offset + entry.nbytes]
         if entry.nbytes and tensor.device.type == "cpu" and tensor.is_contiguous():
-            src = _flat_bytes(tensor)
+            src = flat_bytes(tensor)
             for start in range(0, entry.nbytes, chunk_size):
                 stop = min(start + chunk_size, entry.nbytes)
                 dst[start:stop].copy_(src[start:stop])

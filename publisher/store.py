@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from publisher.protocol import Manifest
-from publisher.snapshot import BufferPool, Snapshot
+from publisher.snapshot import Snapshot
+from weightpub_wire.buffers import BufferPool
+from weightpub_wire.errors import ConfigError
+from weightpub_wire.protocol import Manifest
 
 __all__ = ["PublishedVersion", "VersionStore"]
 
@@ -59,7 +61,7 @@ class VersionStore:
 
     def __init__(self, keep: int, pool: BufferPool) -> None:
         if keep < 1:
-            raise ValueError("keep_versions must be >= 1")
+            raise ConfigError(f"keep_versions: {keep} must be >= 1")
         self._keep = keep
         self._pool = pool
         self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()

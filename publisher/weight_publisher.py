@@ -14,35 +14,35 @@ across restarts.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
-from typing import Any
 
 import torch
 import zmq
 
-from publisher import protocol as wire
-from publisher.endpoints import parse_endpoint, pub_bind_address
-from publisher.errors import ClosedError, WeightPubTimeout
-from publisher.security import curve_server_hook, start_authenticator
+from publisher.config import PublisherConfig, load_publisher_config
 from publisher.server import ServerOptions, ServingThread
 from publisher.snapshot import (
-    BufferPool,
     ChunkHasher,
     Snapshot,
     WeightsLike,
-    byte_view,
     copy_into,
-    hash_pieces,
     hashable_in_place,
     plan_snapshot,
     source_chunks,
 )
 from publisher.store import PublishedVersion, VersionStore
+from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import BufferPool, byte_view
+from weightpub_wire.checksums import pieces_checksum
+from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
+from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
+from weightpub_wire.security import curve_server_hook, start_authenticator
 
 __all__ = ["WeightPublisher"]
 
@@ -75,14 +75,13 @@ class WeightPublisher:
         context: zmq.Context | None = None,
     ) -> None:
         router = parse_endpoint(endpoint)
-        limits = wire.DEFAULT_LIMITS
-        if not limits.min_chunk_size <= chunk_size <= limits.max_chunk_size:
-            raise ValueError(
-                f"chunk_size {chunk_size} outside [{limits.min_chunk_size}, "
-                f"{limits.max_chunk_size}]"
-            )
+        if not wire.MIN_CHUNK_SIZE <= chunk_size <= wire.MAX_CHUNK_SIZE:
+            raise ConfigError(f"chunk_size: {chunk_size} is outside [{wire.MIN_CHUNK_SIZE}, "
+                              f"{wire.MAX_CHUNK_SIZE}]")
         if first_version < 1:
-            raise ValueError("first_version must be >= 1")
+            raise ConfigError(f"first_version: {first_version} must be >= 1")
+        if not 0 < heartbeat_interval <= 3600:
+            raise ConfigError(f"heartbeat_interval: {heartbeat_interval} is outside (0, 3600]")
         self.model_id = model_id
         self.chunk_size = chunk_size
         self.publisher_id = uuid.uuid4().hex
@@ -122,14 +121,10 @@ class WeightPublisher:
 
     # -- public API ----------------------------------------------------------------------------
     @classmethod
-    def from_config(cls, config: Any) -> WeightPublisher:
+    def from_config(cls, config: str | os.PathLike[str] | PublisherConfig) -> WeightPublisher:
         """Start a publisher from a ``publisher:`` YAML file (path) or a ``PublisherConfig``."""
-        from publisher.config import PublisherConfig, load_config
-
         if not isinstance(config, PublisherConfig):
-            loaded = load_config(config, kind="publisher")
-            assert isinstance(loaded, PublisherConfig)
-            config = loaded
+            config = load_publisher_config(config)
         return cls(config.endpoint, **config.publisher_kwargs())
 
     @property
@@ -177,7 +172,7 @@ class WeightPublisher:
         if hashable_in_place(pairs):
             chunks = source_chunks(pairs, snapshot.entries, snapshot.total_bytes,
                                    self.chunk_size)
-            hashes = [self._hash_executor.submit(hash_pieces, c) for c in chunks]
+            hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
             self._pending.put((number, snapshot,
                                lambda: tuple(h.result() for h in hashes), created))
             copy_into(snapshot, pairs, self.chunk_size)
@@ -197,6 +192,20 @@ class WeightPublisher:
                 if left <= 0 or self._closed:
                     raise WeightPubTimeout(f"version {version} not announced within {timeout}s")
                 self._announced.wait(left)
+
+    def manifest(self, version: int | None = None) -> wire.Manifest:
+        """The manifest of ``version`` (default: the newest announced one).
+
+        Raises ``VersionUnavailable`` when this publisher does not hold it (never
+        published, still being hashed, or evicted after ``keep_versions`` newer ones).
+        """
+        self._check_open()
+        held = self._store.latest() if version is None else self._store.get(version)
+        if held is None or held.failed:
+            raise VersionUnavailable(
+                f"version {version if version is not None else 'latest'} is not held by "
+                f"publisher {self.publisher_id[:8]} (held: {list(self._store.versions())})")
+        return held.manifest
 
     def fleet(self) -> list[wire.Report]:
         """The last report of each subscriber seen recently (staged/applied version, error)."""

@@ -2,15 +2,30 @@
 
 ``WeightSubscriber`` works without vLLM; the vLLM worker extension is imported
 lazily so that importing this package never pulls in vLLM.
+
+Layers (imports point down): ``worker_extension`` / ``seed_rpcs`` (the RPCs) ->
+``commit/`` (when every rank switches) -> ``apply/`` (how tensors reach vLLM
+parameters) and ``seed/``; ``transport/`` (subscribe, fetch, verify, stage) ->
+``weightpub_wire``.
 """
 
 from typing import Any as _Any
 
-from subscriber_ext.staging import StagedVersion
-from subscriber_ext.subscriber import WeightSubscriber
-from subscriber_ext.sync_client import SyncOptions
+from subscriber_ext.llm import WORKER_EXTENSION, wait_until_applied
+from subscriber_ext.transport.config import SubscriberConfig
+from subscriber_ext.transport.staging import StagedVersion
+from subscriber_ext.transport.subscriber import WeightSubscriber
+from subscriber_ext.transport.sync_client import SyncOptions
 
-__all__ = ["BatchWeightSyncWorkerExtension", "StagedVersion", "SyncOptions", "WeightSubscriber"]
+__all__ = [
+    "WORKER_EXTENSION",
+    "BatchWeightSyncWorkerExtension",
+    "StagedVersion",
+    "SubscriberConfig",
+    "SyncOptions",
+    "WeightSubscriber",
+    "wait_until_applied",
+]
 
 
 def __getattr__(name: str) -> _Any:

@@ -11,11 +11,18 @@ import pytest
 import torch
 
 from publisher import WeightPublisher
-from publisher.config import PublisherConfig, RelayConfig, ReplicaConfig, load_config
-from publisher.errors import ConfigError
-from publisher.relay import Relay
 from subscriber_ext import WeightSubscriber
-from subscriber_ext.serve import replica_command
+from weightpub.config import (
+    PublisherConfig,
+    RelayConfig,
+    ReplicaConfig,
+    load_config,
+    load_relay_config,
+    load_replica_config,
+)
+from weightpub.relay import Relay
+from weightpub.replica import replica_command
+from weightpub_wire.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -50,7 +57,7 @@ def test_bad_config_names_the_key(tmp_path, text, expected):
 def test_check_config_cli_reports_error_without_traceback(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("relay:\n  upstream: {endpoint: 'tcp://h:1'}\n")
-    run = subprocess.run([sys.executable, "-m", "publisher.cli", "check-config", str(path)],
+    run = subprocess.run([sys.executable, "-m", "weightpub", "check-config", str(path)],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "relay.downstream" in run.stderr and "Traceback" not in run.stderr
@@ -63,7 +70,7 @@ def test_status_cli_lists_versions_and_subscribers():
         with WeightSubscriber(pub.endpoint, report_interval=0.2) as sub:
             sub.wait_for_version(version, timeout=20)
             pub.wait_for_subscribers(version, 1, applied=False, timeout=20)
-            run = subprocess.run([sys.executable, "-m", "publisher.cli", "status", pub.endpoint,
+            run = subprocess.run([sys.executable, "-m", "weightpub", "status", pub.endpoint,
                                   "--json"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     status = json.loads(run.stdout)
@@ -72,7 +79,7 @@ def test_status_cli_lists_versions_and_subscribers():
 
 
 def test_status_cli_times_out_cleanly():
-    run = subprocess.run([sys.executable, "-m", "publisher.cli", "status",
+    run = subprocess.run([sys.executable, "-m", "weightpub", "status",
                           "tcp://127.0.0.1:9", "--timeout", "0.5"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
@@ -97,8 +104,7 @@ def test_relay_forwards_versions_bit_exact():
 
 
 def test_replica_command_carries_endpoint_in_additional_config():
-    config = load_config(CONFIGS / "replica.yaml", kind="replica")
-    assert isinstance(config, ReplicaConfig)
+    config = load_replica_config(CONFIGS / "replica.yaml")
     argv = replica_command(config)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     extra = json.loads(argv[argv.index("--additional-config") + 1])
@@ -125,3 +131,31 @@ def test_publisher_from_yaml_and_curve_keys_reach_the_replica_command(tmp_path):
     extra = json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]
     assert extra["curve_server_key_file"] == public
     assert extra["max_version_bytes"] == 1024 << 30
+
+
+def test_a_file_of_another_kind_is_refused_by_name(tmp_path):
+    path = tmp_path / "relay.yaml"
+    path.write_text((CONFIGS / "relay.yaml").read_text())
+    with pytest.raises(ConfigError, match=r"top-level key 'relay' \(expected one of replica\)"):
+        load_replica_config(path)
+    assert isinstance(load_relay_config(path), RelayConfig)
+
+
+@pytest.mark.parametrize(("kwargs", "key"), [
+    ({"chunk_size": 100}, "chunk_size"),
+    ({"first_version": 0}, "first_version"),
+    ({"keep_versions": 0}, "keep_versions"),
+    ({"heartbeat_interval": 0}, "heartbeat_interval"),
+])
+def test_bad_publisher_arguments_raise_config_error_naming_the_key(kwargs, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: "):
+        WeightPublisher("tcp://127.0.0.1:0", **kwargs)
+
+
+def test_bind_failure_is_a_transport_error():
+    from weightpub_wire.errors import TransportError
+
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        with pytest.raises(TransportError, match="cannot bind") as info:
+            WeightPublisher(pub.endpoint)
+        assert info.value.__cause__ is not None

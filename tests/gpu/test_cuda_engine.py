@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from publisher import WeightPublisher
-from tests.vllm.helpers import EXT, assert_matches_hf, new_weights, save_tiny, wait_applied
+from subscriber_ext import wait_until_applied
+from tests.vllm.helpers import EXT, assert_matches_hf, new_weights, save_tiny
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 KIND = "qwen2"
@@ -44,7 +45,8 @@ def test_in_place_apply_matches_transformers_and_reports_pause(llm):
         for seed in (91, 92, 93):
             weights = new_weights(KIND, seed)
             version = pub.publish(weights)
-            rank = wait_applied(llm, version, pub.publisher_id, fail_on_error=True)[0]
+            rank = wait_until_applied(llm, version, publisher_id=pub.publisher_id,
+                                      fail_on_error=True)[0]
             assert rank["applied_version"] == version
             assert_matches_hf(llm, KIND, weights, N)
         nbytes = sum(t.numel() * t.element_size() for t in weights.values())

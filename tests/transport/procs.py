@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import xxhash
 
-from publisher.dtypes import DTYPE_BY_NAME, itemsize
+from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
 
 REPO = Path(__file__).resolve().parents[2]
 Spec = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype name, shape)
@@ -311,15 +312,15 @@ def run_publisher(args: dict[str, Any]) -> None:
                   publisher_id=pub.publisher_id)
         elif cmd == "fleet":
             _emit(event="fleet", id=command.get("id"),
-                  reports=[r.to_wire() for r in pub.fleet()])
+                  reports=[msgspec.to_builtins(r) for r in pub.fleet()])
     pub.close()
     _emit(event="closed")
 
 
 def run_subscriber(args: dict[str, Any]) -> None:
     """A subscriber reporting every staged version (digests per tensor) as a JSON line."""
-    from publisher.protocol import Limits
     from subscriber_ext import SyncOptions, WeightSubscriber
+    from weightpub_wire.protocol import Limits
 
     options = dict(args.get("options", {}))
     if "limits" in options:

@@ -10,9 +10,9 @@ import torch
 import zmq
 
 from publisher import ProtocolError, WeightPublisher
-from publisher import protocol as wire
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import as_bytes, det_weights
+from weightpub_wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,8 @@ import torch
 import zmq.auth
 
 from publisher import WeightPublisher, WeightPubTimeout
-from publisher.errors import ConfigError
 from subscriber_ext import WeightSubscriber
+from weightpub_wire.errors import ConfigError
 
 
 @pytest.fixture()

@@ -15,6 +15,7 @@ import pytest
 
 import publisher
 import subscriber_ext
+import weightpub_wire
 from tests.transport.procs import REPO
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,7 +28,10 @@ PUBLISHER_ALL = [
     "ConfigError",
     "Manifest",
     "ProtocolError",
+    "PublisherConfig",
+    "Report",
     "TensorEntry",
+    "TransportError",
     "VersionUnavailable",
     "WeightPubError",
     "WeightPubTimeout",
@@ -35,8 +39,12 @@ PUBLISHER_ALL = [
     "gather_full_tensors",
 ]
 
-SUBSCRIBER_ALL = ["BatchWeightSyncWorkerExtension", "StagedVersion", "SyncOptions",
-                  "WeightSubscriber"]
+SUBSCRIBER_ALL = ["WORKER_EXTENSION", "BatchWeightSyncWorkerExtension", "StagedVersion",
+                  "SubscriberConfig", "SyncOptions", "WeightSubscriber", "wait_until_applied"]
+
+WIRE_ALL = ["PROTOCOL_VERSION", "ApplyError", "ChecksumError", "ClosedError", "ConfigError",
+            "Manifest", "ProtocolError", "Report", "TensorEntry", "TransportError",
+            "VersionUnavailable", "WeightPubError", "WeightPubTimeout"]
 LAZY = {"BatchWeightSyncWorkerExtension"}  # resolved by module __getattr__, pulls in vLLM
 
 
@@ -67,8 +75,21 @@ def test_subscriber_ext_all_is_pinned() -> None:
         subscriber_ext.NoSuchName  # noqa: B018
 
 
+def test_wire_all_is_pinned_and_shared() -> None:
+    assert weightpub_wire.__all__ == WIRE_ALL
+    assert public_members(weightpub_wire) == set(WIRE_ALL)
+    for name in WIRE_ALL:  # the trainer side re-exports the same objects
+        assert getattr(publisher, name) is getattr(weightpub_wire, name)
+
+
+def test_worker_extension_path_resolves_to_the_class() -> None:
+    module, _, name = subscriber_ext.WORKER_EXTENSION.rpartition(".")
+    assert module == "subscriber_ext.worker_extension"
+    assert name == "BatchWeightSyncWorkerExtension"
+
+
 def test_all_entries_are_unique_and_errors_share_one_base() -> None:
-    for names in (PUBLISHER_ALL, SUBSCRIBER_ALL):
+    for names in (PUBLISHER_ALL, SUBSCRIBER_ALL, WIRE_ALL):
         assert len(names) == len(set(names))
     errors = [getattr(publisher, n) for n in PUBLISHER_ALL if n.endswith("Error")]
     errors.append(publisher.WeightPubTimeout)
@@ -78,7 +99,7 @@ def test_all_entries_are_unique_and_errors_share_one_base() -> None:
 
 
 def test_importing_the_packages_does_not_import_vllm() -> None:
-    code = ("import sys, publisher, subscriber_ext; "
+    code = ("import sys, weightpub_wire, publisher, subscriber_ext; "
             "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.') "
             "or m == 'subscriber_ext.worker_extension'); print(bad); assert not bad")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

@@ -15,12 +15,12 @@ import xxhash
 import zmq
 
 from publisher import ProtocolError, WeightPublisher
-from publisher import protocol as wire
-from publisher.dtypes import dtype_name
-from publisher.protocol import TENSOR_ALIGN, Limits, TensorEntry
 from subscriber_ext import SyncOptions, WeightSubscriber
-from subscriber_ext.staging import StagingPool
 from tests.transport.procs import as_bytes, det_weights, digests, wait_until
+from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import BufferPool
+from weightpub_wire.dtypes import dtype_name
+from weightpub_wire.protocol import TENSOR_ALIGN, Limits, TensorEntry
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,7 +200,7 @@ class FakePublisher(threading.Thread):
         manifest, data = manifest_for(weights, version, chunk_size, self.publisher_id,
                                       self.started_at)
         self.data[version] = data
-        return manifest.to_wire()
+        return msgpack.unpackb(wire.encode(manifest))
 
     def publish_raw(self, body: dict[str, Any]) -> None:
         self.outbox.put(pack({"t": "manifest", **body}))
@@ -274,13 +274,13 @@ def test_manifest_over_the_size_limit_is_refused_without_allocating(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     takes: list[int] = []
-    original_take = StagingPool.take
+    original_take = BufferPool.take
 
-    def recording_take(self: StagingPool, nbytes: int) -> torch.Tensor:
+    def recording_take(self: BufferPool, nbytes: int, **kwargs: Any) -> torch.Tensor:
         takes.append(nbytes)
-        return original_take(self, nbytes)
+        return original_take(self, nbytes, **kwargs)
 
-    monkeypatch.setattr(StagingPool, "take", recording_take)
+    monkeypatch.setattr(BufferPool, "take", recording_take)
 
     huge = 8 << 30  # 8 GiB announced; nothing of it is ever sent
     chunk = 1 << 30
@@ -290,7 +290,7 @@ def test_manifest_over_the_size_limit_is_refused_without_allocating(
         "total_bytes": huge,
         "tensors": [{"name": "w", "dtype": "uint8", "shape": [huge], "offset": 0,
                      "nbytes": huge}],
-        "checksums": [0] * (huge // chunk), "data_paths": ["zmq"],
+        "checksums": [0] * (huge // chunk),
         "checksum_algorithm": wire.CHECKSUM_ALGORITHM,
     }
     options = SyncOptions(request_timeout=1.0, limits=Limits(max_total_bytes=64 << 20))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from publisher import WeightPublisher
-from publisher.dtypes import DTYPE_BY_NAME
 from tests.transport.procs import Child, as_bytes, digests, roundtrip_case, scribble
+from weightpub_wire.dtypes import DTYPE_BY_NAME
 
 pytestmark = pytest.mark.timeout(90)
 

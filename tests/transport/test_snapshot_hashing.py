@@ -8,14 +8,9 @@ import pytest
 import torch
 import xxhash
 
-from publisher.snapshot import (
-    BufferPool,
-    ChunkHasher,
-    copy_into,
-    hash_pieces,
-    plan_snapshot,
-    source_chunks,
-)
+from publisher.snapshot import ChunkHasher, copy_into, plan_snapshot, source_chunks
+from weightpub_wire.buffers import BufferPool
+from weightpub_wire.checksums import pieces_checksum as hash_pieces
 
 CHUNK = 4096
 

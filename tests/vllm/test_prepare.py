@@ -7,9 +7,9 @@ blocking time is printed next to the reload path's, not asserted (2 shared cores
 
 from __future__ import annotations
 
-import time
-
 import pytest
+
+from subscriber_ext import wait_until_applied
 
 from .helpers import (
     FAKE_SUB,
@@ -27,16 +27,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 N = 8
 
 
-def _wait_applied(llm, version: int) -> dict:
-    deadline = time.time() + 30
-    while True:
-        status = llm.collective_rpc("weight_version")
-        if all(s["applied_version"] == version for s in status):
-            return status
-        assert time.time() < deadline, status
-        time.sleep(0.05)
-
-
 def _run_versions(llm, kind, directory, versions, prepare):
     llm.collective_rpc(
         "start_weight_subscriber",
@@ -47,7 +37,7 @@ def _run_versions(llm, kind, directory, versions, prepare):
     for version, seed in versions:
         w = new_weights(kind, seed)
         publish_to_dir(directory, version, w)
-        status = _wait_applied(llm, version)
+        status = wait_until_applied(llm, version, timeout=30)
         for s in status:
             last = s["commits"][-1]
             assert last["version"] == version

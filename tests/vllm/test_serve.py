@@ -85,7 +85,7 @@ def test_replica_from_yaml_follows_publisher(tmp_path):
         first = new_weights(KIND, 71)
         version = pub.publish(first)  # published before the replica exists: a late joiner
         log = open(tmp_path / "server.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "publisher.cli", "replica", str(config)],
+        proc = subprocess.Popen([sys.executable, "-m", "weightpub", "replica", str(config)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         try:
@@ -96,7 +96,9 @@ def test_replica_from_yaml_follows_publisher(tmp_path):
             assert reports[0].last_error is None
             second = new_weights(KIND, 72)
             version = pub.publish(second)
-            pub.wait_for_subscribers(version, 1, applied=False, timeout=60)
+            # applied, not just staged: right after a request the engine counts as busy and
+            # prepares the version off the step path before it commits it
+            pub.wait_for_subscribers(version, 1, applied=True, timeout=60)
             assert complete(http_port, str(model)) == hf_greedy(KIND, second, N)[0][0]
         finally:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from subscriber_ext import wait_until_applied
+
 from .helpers import (
     FAKE_SUB,
     assert_matches_hf,
@@ -14,7 +16,6 @@ from .helpers import (
     publish_to_dir,
     save_tiny,
     vllm_greedy,
-    wait_applied,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -38,6 +39,6 @@ def test_llama_subscriber_versions(llm, tmp_path):
     for version, seed in ((1, 21), (2, 22)):
         w = new_weights(KIND, seed)
         publish_to_dir(tmp_path, version, w)
-        wait_applied(llm, version, timeout=20)
+        wait_until_applied(llm, version, timeout=20)
         assert_matches_hf(llm, KIND, w, N)
     llm.collective_rpc("stop_weight_subscriber")

@@ -9,6 +9,8 @@ import time
 import pytest
 import torch
 
+from subscriber_ext import wait_until_applied
+
 from .helpers import (
     FAKE_SUB,
     PROMPTS,
@@ -92,12 +94,7 @@ def test_subscriber_commit_and_version(llm, tmp_path):
     )
     assert st[0]["applied_version"] is None
     publish_to_dir(tmp_path, 1, w)
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        v = llm.collective_rpc("weight_version")[0]
-        if v["applied_version"] == 1:
-            break
-        time.sleep(0.05)
+    v = wait_until_applied(llm, 1, timeout=20)[0]
     assert v["applied_version"] == 1 and v["last_error"] is None, v
     print(f"commit v1: mode={v['apply_mode']} apply={v['last_apply_s']:.3f}s")
     _check(llm, w)
@@ -154,10 +151,7 @@ def test_commit_while_generating(llm, tmp_path):
     assert any(first != last for first, last in spans), spans  # versions moved mid-request
     # the final version is live and correct
     publish_to_dir(d, 99, versions[4])
-    deadline = time.time() + 20
-    while llm.collective_rpc("weight_version")[0]["applied_version"] != 99:
-        assert time.time() < deadline
-        time.sleep(0.05)
+    wait_until_applied(llm, 99, timeout=20)
     llm.collective_rpc("stop_weight_subscriber")
     _check(llm, versions[4])
 

@@ -1,11 +1,18 @@
-"""TP=2 tiny Qwen2 (1 KV head over 2 ranks: GQA replication): all paths match transformers."""
+"""TP=2 tiny Qwen2 (1 KV head over 2 ranks: GQA replication): all paths match transformers.
+
+This engine runs *without* the engine-core driver: the ranks agree on each commit
+among themselves (``RankAgreement``, an all_gather on the TP CPU group before every
+step), the path a deployment takes without our vLLM plugin. The driven path at TP=2
+is ``test_engine_driver.py``; both are checked against the same oracle.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 
 import pytest
+
+from subscriber_ext import wait_until_applied
 
 from .helpers import (
     FAKE_SUB,
@@ -27,7 +34,7 @@ N = 8
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     path = save_tiny(KIND, 0, tmp_path_factory.mktemp("qwen2tp2"))
-    engine = make_llm(path, tp=2)
+    engine = make_llm(path, tp=2, engine_driver=False)
     yield engine
     del engine
 
@@ -43,33 +50,51 @@ def test_tp2_http_batch(llm):
     _check(llm, w)
 
 
-def test_tp2_subscriber_ranks_agree(llm, tmp_path):
+def test_tp2_ranks_agree_on_three_versions_over_the_transport(llm):
     from vllm import SamplingParams
 
+    from publisher import WeightPublisher
+
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        states = llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        assert not any(s["driven"] for s in states), "this engine must run without the driver"
+        try:
+            # idle per-step cost of the agreement collective (nothing staged)
+            sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+            before = llm.collective_rpc("weight_status")
+            llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
+            after = llm.collective_rpc("weight_status")
+            for b, a in zip(before, after, strict=True):
+                steps = a["step"] - b["step"]
+                per_step = (a["step_check_s"] - b["step_check_s"]) / max(steps, 1)
+                print(f"rank {a['rank']}: {steps} steps, agreement {per_step * 1e6:.1f} us/step")
+                assert steps >= 64 and a["collectives"] > b["collectives"]
+            for seed in (32, 34, 35):
+                w = new_weights(KIND, seed)
+                version = pub.publish(w)
+                states = wait_until_applied(llm, version, publisher_id=pub.publisher_id,
+                                            fail_on_error=True)
+                logs = [[(c["step"], c["version"]) for c in s["commits"]] for s in states]
+                assert logs[0] == logs[1], logs  # same version before the same step
+                _check(llm, w)
+        finally:
+            llm.collective_rpc("stop_weight_subscriber")
+
+
+def test_tp2_directory_source_is_a_version_source(llm, tmp_path):
+    """A stand-in source (no transport) plugs in through ``subscriber_cls``; commits are
+    reported back through its ``mark_applied``."""
     llm.collective_rpc(
         "start_weight_subscriber", args=(str(tmp_path),), kwargs={"subscriber_cls": FAKE_SUB}
     )
-    # idle per-step cost of the agreement collective (nothing staged)
-    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    before = llm.collective_rpc("weight_version")
-    llm.generate([{"prompt_token_ids": [1, 2, 3]}], sp, use_tqdm=False)
-    after = llm.collective_rpc("weight_version")
-    for b, a in zip(before, after, strict=True):
-        steps = a["step"] - b["step"]
-        per_step = (a["step_check_s"] - b["step_check_s"]) / max(steps, 1)
-        print(f"rank {a['rank']}: {steps} steps, commit check {per_step * 1e6:.1f} us/step")
-    w = new_weights(KIND, 32)
-    publish_to_dir(tmp_path, 1, w)
-    deadline = time.time() + 20
-    while True:
-        states = llm.collective_rpc("weight_version")
-        if all(s["applied_version"] == 1 for s in states):
-            break
-        assert time.time() < deadline, states
-        time.sleep(0.05)
-    assert len({tuple((c["step"], c["version"]) for c in s["commits"]) for s in states}) == 1
-    llm.collective_rpc("stop_weight_subscriber")
-    _check(llm, w)
+    try:
+        w = new_weights(KIND, 36)
+        publish_to_dir(tmp_path, 1, w)
+        states = wait_until_applied(llm, 1, timeout=30)
+        assert all((1, None) in s["subscriber"]["marked"] for s in states), states
+        _check(llm, w)
+    finally:
+        llm.collective_rpc("stop_weight_subscriber")
 
 
 def test_tp2_seed_gloo(llm, tmp_path):

@@ -16,7 +16,8 @@ import torch
 import zmq
 
 from publisher import WeightPublisher
-from publisher import protocol as wire
+from subscriber_ext import wait_until_applied
+from weightpub_wire import protocol as wire
 
 from .helpers import (
     PROMPTS,
@@ -26,7 +27,6 @@ from .helpers import (
     new_weights,
     save_tiny,
     vllm_greedy,
-    wait_applied,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -87,7 +87,7 @@ def test_trainer_process_versions_match_transformers(llm, trainer):
     outputs = []
     for seed in (21, 22, 23):
         version = publish(seed)
-        ranks = wait_applied(llm, version, publish.publisher_id)
+        ranks = wait_until_applied(llm, version, publisher_id=publish.publisher_id)
         assert ranks[0]["last_error"] is None
         outputs.append(assert_matches_hf(llm, KIND, new_weights(KIND, seed), N))
     assert outputs[0] != outputs[1] != outputs[2], "versions should change the output"
@@ -155,7 +155,7 @@ def test_corrupted_version_is_never_applied(llm, trainer):
         llm.collective_rpc("start_weight_subscriber", args=(proxy.endpoint,),
                            kwargs={"max_chunk_retries": 2, "request_timeout": 1.0})
         good = publish(31)
-        wait_applied(llm, good, publish.publisher_id)
+        wait_until_applied(llm, good, publisher_id=publish.publisher_id)
         before = current_output(llm)
         proxy.corrupt.set()
         bad = publish(32)
@@ -172,7 +172,7 @@ def test_corrupted_version_is_never_applied(llm, trainer):
         proxy.corrupt.clear()
         fixed = publish(33)
         assert fixed > bad
-        wait_applied(llm, fixed, publish.publisher_id)
+        wait_until_applied(llm, fixed, publisher_id=publish.publisher_id)
         assert_matches_hf(llm, KIND, new_weights(KIND, 33), N)
     finally:
         llm.collective_rpc("stop_weight_subscriber")
@@ -189,7 +189,7 @@ def test_version_that_does_not_fit_is_rejected_and_engine_keeps_serving(llm, mut
         llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
         try:
             good = pub.publish(new_weights(KIND, 41))
-            wait_applied(llm, good, pub.publisher_id)
+            wait_until_applied(llm, good, publisher_id=pub.publisher_id)
             before = current_output(llm)
             pub.publish(mutate(new_weights(KIND, 42)))
             deadline = time.monotonic() + 30
@@ -217,7 +217,7 @@ def test_malformed_manifest_is_rejected_with_the_field_named(llm):
     manifest = {
         "p": wire.PROTOCOL_VERSION, "t": "manifest", "publisher_id": "f" * 32,
         "started_at": time.time(), "version": 1, "created_at": time.time(), "model_id": "x",
-        "chunk_size": 4096, "total_bytes": 16, "checksums": [0], "data_paths": ["zmq"],
+        "chunk_size": 4096, "total_bytes": 16, "checksums": [0],
         "checksum_algorithm": "xxh3_64",
         "tensors": [{"name": "model.norm.weight", "dtype": "float32", "shape": [128],
                      "offset": 0, "nbytes": 16}],  # 128 floats are not 16 bytes
@@ -292,7 +292,7 @@ def test_prepare_auto_swaps_while_busy_and_reloads_while_idle(llm):
         try:
             time.sleep(0.7)  # no step for longer than the busy window (0.5 s)
             idle = pub.publish(new_weights(KIND, 61))
-            ranks = wait_applied(llm, idle, pub.publisher_id)
+            ranks = wait_until_applied(llm, idle, publisher_id=pub.publisher_id)
             assert ranks[0]["commits"][-1]["prepared"] is False
 
             engine = llm.llm_engine

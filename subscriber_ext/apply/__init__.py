@@ -1,0 +1,1 @@
+"""How tensors reach vLLM parameters: names, shapes, in place, reload, prepared swaps."""

@@ -1,0 +1,299 @@
+"""Write a set of checkpoint-named tensors into a live vLLM model, all or nothing.
+
+Why: the weights must change only after every tensor has been checked (name,
+shape, dtype), and the write must go through vLLM's own loaders so TP slicing,
+fused shards, GQA head replication, vocab padding and tied embeddings stay
+right. Two ways exist and are chosen per model/backend:
+
+* ``in_place``: call each parameter's own ``weight_loader`` on the live
+  parameter. Cheapest (one copy of the rank's shard), valid when the kernel
+  layout equals the checkpoint layout (unquantized GPU models).
+* ``reload``: vLLM's layerwise reload (``model_runner.reload_weights(...,
+  is_checkpoint_format=True)``), which re-runs ``process_weights_after_loading``.
+  Needed when parameters were repacked (CPU backend: linear weights show shape
+  ``[0]``) or quantized. A layer can only be reloaded whole, so ``check`` then
+  also demands every tensor of each touched layer.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+
+from subscriber_ext.apply.names import NameResolver, Target
+from subscriber_ext.apply.prepare import PreparedVersion, prepare_version
+from subscriber_ext.apply.shapes import (
+    expected_dtype,
+    expected_shape,
+    loader_shards,
+    original_tensor,
+)
+from weightpub_wire.errors import ApplyError, ConfigError
+
+__all__ = ["APPLY_MODES", "ApplyReport", "TensorSpec", "WeightApplier"]
+
+logger = logging.getLogger("weightpub.apply")
+
+ApplyMode = Literal["auto", "in_place", "reload"]
+APPLY_MODES: tuple[str, ...] = get_args(ApplyMode)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a tensor claims to be, before its bytes are looked at."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        return cls(name, tensor.dtype, tuple(tensor.shape))
+
+
+@dataclass
+class ApplyReport:
+    """Outcome of one ``apply`` call (also kept as ``WeightApplier.last_report``)."""
+
+    mode: str
+    seconds: float
+    applied: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+
+class WeightApplier:
+    """Checks and applies checkpoint-named tensors to one worker's model."""
+
+    def __init__(self, model_runner: Any, vllm_config: Any = None, apply_mode: str = "auto"):
+        if apply_mode not in APPLY_MODES:
+            raise ConfigError(f"apply_mode: expected one of {APPLY_MODES}, got {apply_mode!r}")
+        self.model_runner = model_runner
+        self.vllm_config = vllm_config if vllm_config is not None else model_runner.vllm_config
+        self.apply_mode = apply_mode
+        self._resolver: NameResolver | None = None
+        self._mode: str | None = None
+        self.last_report: ApplyReport | None = None
+        #: held while the live modules change (apply, swap) or are snapshot (prepare)
+        self.lock = threading.RLock()
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    @property
+    def resolver(self) -> NameResolver:
+        if self._resolver is None:
+            self._resolver = NameResolver(self.model)
+        return self._resolver
+
+    # ------------------------------------------------------------------ mode
+    def mode(self) -> str:
+        """The concrete mode (``in_place`` or ``reload``); ``auto`` is decided once."""
+        if self._mode is None:
+            self._mode = self.apply_mode if self.apply_mode != "auto" else self._detect_mode()
+            logger.info("weightpub apply mode: %s (option %s)", self._mode, self.apply_mode)
+        return self._mode
+
+    def _detect_mode(self) -> str:
+        model_config = getattr(self.vllm_config, "model_config", None)
+        if getattr(model_config, "quantization", None):
+            return "reload"
+        try:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                return "reload"  # CPU linear weights are repacked after loading
+        except ImportError:  # pragma: no cover
+            pass
+        if any(p.numel() == 0 for p in self.resolver.params.values()):
+            return "reload"  # some parameter lives in a kernel-only layout
+        return "in_place"
+
+    # ----------------------------------------------------------------- check
+    def check(
+        self, specs: Iterable[TensorSpec], *, whole_layers: bool | None = None
+    ) -> list[tuple[TensorSpec, Target | None]]:
+        """Validate every spec; raise ApplyError naming the first bad tensor. Touches nothing.
+
+        ``whole_layers`` (default: true in reload mode) also demands every tensor of
+        each touched layer.
+        """
+        resolver = self.resolver
+        out: list[tuple[TensorSpec, Target | None]] = []
+        seen: dict[tuple[str, Any], str] = {}
+        for spec in specs:
+            target = resolver.resolve(spec.name)
+            out.append((spec, target))
+            if target is None:
+                continue
+            key = (target.param_name, target.shard_id)
+            if key in seen and seen[key] != spec.name:
+                raise ApplyError(f"tensor {spec.name!r}: same target as {seen[key]!r}")
+            seen[key] = spec.name
+            module = self.model.get_submodule(target.module_name)
+            live = resolver.params[target.param_name]
+            want_dtype = expected_dtype(module, target.attr, live)
+            if spec.dtype != want_dtype:
+                raise ApplyError(
+                    f"tensor {spec.name!r}: dtype {spec.dtype} but the model expects {want_dtype}"
+                )
+            want_shape = expected_shape(module, target.attr, target.shard_id, live)
+            if want_shape is not None and tuple(spec.shape) != tuple(want_shape):
+                raise ApplyError(
+                    f"tensor {spec.name!r}: shape {tuple(spec.shape)} but the model expects "
+                    f"{tuple(want_shape)}"
+                )
+        if whole_layers if whole_layers is not None else self.mode() == "reload":
+            missing = self.missing_parts([t for _, t in out if t is not None])
+            for module_name, parts in missing.items():
+                raise ApplyError(
+                    f"tensor for {parts[0]!r} missing: reload mode replaces whole layers, "
+                    f"send every tensor of {module_name!r}"
+                )
+        return out
+
+    def missing_parts(self, targets: Iterable[Target]) -> dict[str, list[str]]:
+        """Per touched layer, the parameter parts (``name[shard]``) not among ``targets``."""
+        got: dict[str, set[tuple[str, Any]]] = {}
+        for t in targets:
+            got.setdefault(t.module_name, set()).add((t.attr, t.shard_id))
+        missing: dict[str, list[str]] = {}
+        for module_name, have in got.items():
+            module = self.model.get_submodule(module_name)
+            for attr, _ in module.named_parameters(recurse=False):
+                if original_tensor(module, attr) is None and attr != "bias":
+                    continue
+                for shard in loader_shards(module, attr):
+                    if (attr, shard) not in have:
+                        part = f"{module_name}.{attr}" + ("" if shard is None else f"[{shard}]")
+                        missing.setdefault(module_name, []).append(part)
+        return missing
+
+    # ----------------------------------------------------------------- apply
+    def apply(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+    ) -> ApplyReport:
+        """Check everything, then write it. On a check failure nothing has changed."""
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        checked = self.check(TensorSpec.of(n, t) for n, t in items)
+        mode = self.mode()
+        report = ApplyReport(mode=mode, seconds=0.0)
+        todo: list[tuple[Target, torch.Tensor]] = []
+        for (spec, target), (_, tensor) in zip(checked, items, strict=True):
+            if target is None:
+                report.ignored.append(spec.name)
+            else:
+                todo.append((target, tensor))
+                report.applied.append(spec.name)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad(), self.lock:
+                if mode == "in_place":
+                    self._apply_in_place(todo)
+                else:
+                    self._apply_reload(todo)
+        except ApplyError:
+            raise
+        except Exception as exc:
+            raise ApplyError(f"applying {len(todo)} tensors ({mode}) failed: {exc}") from exc
+        report.seconds = time.perf_counter() - start
+        self.last_report = report
+        logger.info("weightpub applied %d tensors (%s) in %.3f s", len(todo), mode, report.seconds)
+        return report
+
+    def prepare(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        publisher_id: str,
+    ) -> PreparedVersion:
+        """Check, then build kernel-format shadows of the touched layers (any thread).
+
+        Why: moves the loader + ``process_weights_after_loading`` work of reload mode
+        off the step path; ``swap`` later installs the result.
+        """
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        checked = self.check((TensorSpec.of(n, t) for n, t in items), whole_layers=True)
+        todo: list[tuple[Target, torch.Tensor]] = []
+        ignored: list[str] = []
+        for (spec, target), (_, tensor) in zip(checked, items, strict=True):
+            if target is None:
+                ignored.append(spec.name)
+            else:
+                todo.append((target, tensor))
+        prepared = prepare_version(
+            self.model, todo, version=version, publisher_id=publisher_id, model_lock=self.lock
+        )
+        prepared.applied = [t.checkpoint_name for t, _ in todo]
+        prepared.ignored = ignored
+        return prepared
+
+    def swap(self, prepared: PreparedVersion) -> ApplyReport:
+        """Install a prepared version: pointer swaps only (µs–ms)."""
+        start = time.perf_counter()
+        with self.lock:
+            prepared.swap()
+            self._resolver = None  # parameters are new objects
+        report = ApplyReport(mode="prepared", seconds=time.perf_counter() - start)
+        report.applied, report.ignored = prepared.applied, prepared.ignored
+        self.last_report = report
+        logger.info(
+            "weightpub swapped in %d prepared layers in %.6f s", len(prepared.swaps), report.seconds
+        )
+        return report
+
+    def _apply_in_place(self, todo: list[tuple[Target, torch.Tensor]]) -> None:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = self.resolver.params
+        for target, tensor in todo:
+            param = params[target.param_name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if target.shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, target.shard_id)
+
+    def _apply_reload(self, todo: list[tuple[Target, torch.Tensor]]) -> None:
+        # model.load_weights (inside reload_weights) does its own stacking; hand it the
+        # normalized checkpoint names. Silence the per-untouched-layer warning.
+        weights = [(t.checkpoint_name, tensor) for t, tensor in todo]
+        layerwise_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        inplace_log = logging.getLogger("vllm.model_executor.model_loader.reload.inplace")
+        old = layerwise_log.level, inplace_log.level
+        layerwise_log.setLevel(logging.ERROR)
+        inplace_log.setLevel(logging.ERROR)
+        try:
+            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+        finally:
+            layerwise_log.setLevel(old[0])
+            inplace_log.setLevel(old[1])
+        self._resolver = None  # parameters may be new objects after reload
+        self._reprocess_tied({t.module_name for t, _ in todo})
+
+    def _reprocess_tied(self, touched: set[str]) -> None:
+        """Re-run kernel processing of layers that share a reloaded tensor (tied lm_head).
+
+        Why: layerwise reload processes each layer once; a tied ``lm_head`` is not
+        loaded itself, so its CPU packed copy of the embedding would stay stale.
+        """
+        model = self.model
+        ptrs = set()
+        for name in touched:
+            for p in model.get_submodule(name).parameters(recurse=False):
+                if p.numel():
+                    ptrs.add(p.data_ptr())
+        for name, module in model.named_modules():
+            if name in touched:
+                continue
+            if any(p.numel() and p.data_ptr() in ptrs for p in module.parameters(recurse=False)):
+                qm = getattr(module, "quant_method", None)
+                if qm is not None and hasattr(qm, "process_weights_after_loading"):
+                    qm.process_weights_after_loading(module)

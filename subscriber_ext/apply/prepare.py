@@ -1,0 +1,407 @@
+"""Build a version's kernel-format weights off the step path; swap them in at commit.
+
+Why: on the CPU backend (and for quantized models) a commit must re-run each
+layer's ``process_weights_after_loading`` (oneDNN / sgl prepacking), which
+vLLM's layerwise reload does inside the commit, blocking the engine's step
+loop. Here a background thread builds, per touched layer, a *shadow*: a
+shallow copy of the live module whose parameters are fresh tensors created
+from vLLM's own reload metadata (``LAYERWISE_INFO[layer].restore_metadata``),
+filled through the layer's own ``weight_loader`` (TP slicing, fused shards,
+GQA replication, vocab padding) and processed by the layer's own
+``quant_method``. The commit then only moves the shadow's parameters, buffers
+and changed attributes (``cpu_linear``, ``weight``, ...) onto the live module:
+a few dict updates per layer. The shadow is never reachable from the model
+before the swap. Cost: one extra copy of the touched weights per rank while a
+version is prepared.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import torch
+
+from subscriber_ext.apply.names import Target
+from weightpub_wire.errors import ApplyError
+
+__all__ = ["ModuleSwap", "PreparedVersion", "Preparer", "prepare_version"]
+
+logger = logging.getLogger("weightpub.prepare")
+
+_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+def _rebind(tensor: torch.Tensor, old: Iterable[object], new: object) -> None:
+    """Point methods bound to ``old`` objects (a layer, vLLM's sentinel) at ``new``."""
+    olds = tuple(old)
+    for key, value in list(tensor.__dict__.items()):
+        if isinstance(value, MethodType) and any(value.__self__ is o for o in olds):
+            tensor.__dict__[key] = value.__func__.__get__(new)
+
+
+def _unwrap_loader(tensor: torch.Tensor) -> None:
+    """Drop vLLM's layerwise-reload wrappers from ``tensor.weight_loader``.
+
+    Why: a reload registers the metadata tensors themselves on the layer and wraps
+    their loaders (``online_process_loader``); the wrappers stay on the metadata
+    afterwards and would buffer our writes into the live layer's reload state
+    instead of loading the shadow.
+    """
+    for key in ("weight_loader", "_weight_loader"):  # BasevLLMParameter keeps the latter
+        loader = tensor.__dict__.get(key)
+        if loader is None:
+            continue
+        while getattr(loader, "__name__", "") == "online_process_loader":
+            loader = loader.__wrapped__
+        tensor.__dict__[key] = loader
+
+
+def _fresh_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A zeroed real tensor with ``meta``'s class, shape, strides and attributes."""
+    size, stride = tuple(meta.size()), tuple(meta.stride())
+    out = torch.empty_strided(size, stride, dtype=meta.dtype, device=device).zero_()
+    out.__class__ = meta.__class__
+    out.__dict__ = meta.__dict__.copy()
+    out.requires_grad_(False)
+    return out
+
+
+def _clone_param(live: torch.Tensor) -> torch.Tensor:
+    out = live.data.clone()
+    out.__class__ = live.__class__
+    out.__dict__ = live.__dict__.copy()
+    out.requires_grad_(False)
+    return out
+
+
+@dataclass
+class ModuleSwap:
+    """Everything the commit moves onto one live module."""
+
+    name: str
+    module: torch.nn.Module
+    params: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor | None]
+    non_persistent: set[str]
+    attrs: dict[str, Any]
+    removed: list[str]
+    #: the live state replaced by ``apply``; kept so freeing it happens off the step path
+    retired: list[Any] = field(default_factory=list)
+
+    def apply(self) -> None:
+        live = self.module
+        self.retired = [
+            dict(live._parameters),
+            dict(live._buffers),
+            [live.__dict__.get(k) for k in [*self.attrs, *self.removed]],
+        ]
+        live._parameters.clear()
+        live._parameters.update(self.params)  # type: ignore[arg-type]
+        live._buffers.clear()
+        live._buffers.update(self.buffers)
+        live._non_persistent_buffers_set.clear()
+        live._non_persistent_buffers_set.update(self.non_persistent)
+        live.__dict__.update(self.attrs)
+        for key in self.removed:
+            live.__dict__.pop(key, None)
+
+
+@dataclass
+class PreparedVersion:
+    """A version ready to swap in; holds its own copy of the touched weights."""
+
+    version: int
+    publisher_id: str
+    swaps: list[ModuleSwap] = field(default_factory=list)
+    nbytes: int = 0
+    seconds: float = 0.0
+    applied: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+
+    def swap(self) -> None:
+        for s in self.swaps:
+            s.apply()
+        self.nbytes = 0
+
+
+class _Shadow:
+    """A shallow copy of one live module with its own parameter containers."""
+
+    def __init__(self, name: str, live: torch.nn.Module) -> None:
+        self.name = name
+        self.live = live
+        self.snapshot = dict(live.__dict__)
+        mod = object.__new__(type(live))
+        mod.__dict__.update(self.snapshot)
+        mod.__dict__["_parameters"] = dict(live._parameters)
+        mod.__dict__["_buffers"] = {
+            k: (None if b is None else b.clone()) for k, b in live._buffers.items()
+        }
+        mod.__dict__["_modules"] = dict(live._modules)
+        mod.__dict__["_non_persistent_buffers_set"] = set(live._non_persistent_buffers_set)
+        self.module = mod
+
+    def fresh_params(self, shared: dict[str, torch.Tensor]) -> None:
+        """Replace every parameter by a new tensor; ``shared`` ones by the given objects."""
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
+
+        info = get_layerwise_info(self.live)
+        restore, _ = info.restore_metadata
+        params: dict[str, Any] = self.module._parameters
+        for attr, live_param in list(params.items()):
+            if attr in shared:
+                params[attr] = shared[attr]
+                continue
+            meta = restore.get(attr)
+            if meta is not None:
+                fresh = _fresh_like(meta, info.restore_device)
+            elif live_param is not None and live_param.numel() > 0:
+                fresh = _clone_param(live_param)
+            elif live_param is None:
+                continue
+            else:
+                raise ApplyError(f"{self.name}.{attr}: kernel-only parameter without metadata")
+            _unwrap_loader(fresh)
+            _rebind(fresh, (layer_ref_sentinel, self.live), self.module)
+            params[attr] = fresh
+        for attr in restore.keys() - params.keys():
+            raise ApplyError(f"{self.name}.{attr}: parameter in metadata but not on the layer")
+
+    def process(self) -> None:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+        mod = self.module
+        if is_deferred_attention_layer(mod):
+            raise ApplyError(f"{self.name}: attention layers are not prepared")
+        qm = getattr(mod, "quant_method", None)
+        if isinstance(qm, QuantizeMethodBase):
+            mod.__dict__.pop("_already_called_process_weights_after_loading", None)
+            qm.process_weights_after_loading(mod)
+            update = getattr(mod, "update_param_tp_status", None)
+            if callable(update):
+                update()
+
+    def to_swap(self) -> ModuleSwap:
+        """What changed versus the live module, with loaders re-bound to the live one."""
+        mod, live = self.module, self.live
+        d = mod.__dict__
+        for t in [*mod._parameters.values(), *mod._buffers.values()]:
+            if t is not None:
+                _rebind(t, (mod,), live)
+        attrs: dict[str, Any] = {}
+        for key, value in d.items():
+            if key in _CONTAINERS:
+                continue
+            if isinstance(value, MethodType) and value.__self__ is mod:
+                value = value.__func__.__get__(live)
+            if key not in self.snapshot or self.snapshot[key] is not value:
+                attrs[key] = value
+        removed = [k for k in self.snapshot if k not in d and k not in _CONTAINERS]
+        return ModuleSwap(
+            self.name, live, dict(mod._parameters), dict(mod._buffers),
+            set(mod._non_persistent_buffers_set), attrs, removed,
+        )
+
+
+def prepare_version(
+    model: torch.nn.Module,
+    todo: list[tuple[Target, torch.Tensor]],
+    *,
+    version: int,
+    publisher_id: str,
+    model_lock: threading.Lock | threading.RLock,
+) -> PreparedVersion:
+    """Build the shadows of every layer ``todo`` touches (and of layers tied to them).
+
+    ``todo`` must already be checked (``WeightApplier.check``, whole layers).
+    Only the live modules' attribute snapshot is taken under ``model_lock``;
+    loading and kernel processing run unlocked, on private tensors.
+    """
+    start = time.perf_counter()
+    by_module: dict[str, list[tuple[Target, torch.Tensor]]] = {}
+    for target, tensor in todo:
+        by_module.setdefault(target.module_name, []).append((target, tensor))
+    with model_lock:
+        shadows = {n: _Shadow(n, model.get_submodule(n)) for n in by_module}
+        owner: dict[int, tuple[str, str]] = {}  # storage ptr -> (module, attr) being replaced
+        for n, sh in shadows.items():
+            for attr, p in sh.live._parameters.items():
+                if p is not None and p.numel():
+                    if p.data_ptr() in owner:
+                        raise ApplyError(f"{n}.{attr}: shares storage with another sent tensor")
+                    owner[p.data_ptr()] = (n, attr)
+        tied: dict[str, tuple[_Shadow, dict[str, tuple[str, str]]]] = {}
+        for n, mod in model.named_modules():
+            if n in shadows:
+                continue
+            links = {
+                attr: owner[p.data_ptr()]
+                for attr, p in mod._parameters.items()
+                if p is not None and p.numel() and p.data_ptr() in owner
+            }
+            if links:
+                tied[n] = (_Shadow(n, mod), links)
+
+    from vllm.model_executor.model_loader.reload.meta import CopyCounter
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    with torch.no_grad():
+        for n, sh in shadows.items():
+            sh.fresh_params({})
+            params = sh.module._parameters
+            for target, tensor in by_module[n]:
+                param = params.get(target.attr)
+                if param is None:
+                    raise ApplyError(f"{target.param_name}: no such parameter on the layer")
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                with CopyCounter() as counter:  # thread-local dispatch mode
+                    if target.shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, target.shard_id)
+                if counter.copied_numel == 0:
+                    raise ApplyError(f"{target.checkpoint_name}: the layer's loader wrote nothing")
+            sh.process()
+        for n, (sh, links) in tied.items():
+            # the tied layer keeps sharing the (new) tensor; only its own state is rebuilt
+            shared = {a: shadows[m].module._parameters[src] for a, (m, src) in links.items()}
+            for attr in shared:
+                if shared[attr] is None:
+                    raise ApplyError(f"{n}.{attr}: tied tensor was removed by processing")
+            sh.fresh_params(shared)  # type: ignore[arg-type]
+            untied = set(sh.module._parameters) - set(shared)
+            if any(sh.module._parameters[a] is not None for a in untied):
+                raise ApplyError(f"{n}: partly tied layer; cannot prepare")
+            sh.process()
+    out = PreparedVersion(version, publisher_id)
+    sources = {t.untyped_storage().data_ptr() for _, t in todo}
+    for sh in [*shadows.values(), *(s for s, _ in tied.values())]:
+        swap = sh.to_swap()
+        for t in [*swap.params.values(), *swap.buffers.values()]:
+            if t is not None and t.numel() and t.untyped_storage().data_ptr() in sources:
+                # the staged buffer is reused after release; the shadow must own its bytes
+                raise ApplyError(f"{sh.name}: a loader kept a view of the sent tensor")
+        out.swaps.append(swap)
+        out.nbytes += sum(
+            p.numel() * p.element_size() for p in swap.params.values() if p is not None
+        )
+    out.seconds = time.perf_counter() - start
+    return out
+
+
+@dataclass
+class _Retired:
+    prepared: PreparedVersion
+
+
+class Preparer:
+    """One background thread preparing offered versions, newest wins.
+
+    ``build(staged)`` returns a ``PreparedVersion`` (or raises: the version is then
+    committed by the reload path). ``on_done(version)`` is called after each
+    attempt, success or not, so the coordinator can advertise the version.
+    """
+
+    def __init__(
+        self,
+        build: Callable[[Any], PreparedVersion],
+        on_done: Callable[[int], None],
+    ) -> None:
+        self._build = build
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._ready: dict[int, PreparedVersion] = {}
+        self._wanted: set[int] = set()
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self.failures = 0
+        self.last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="weightpub-prepare", daemon=True)
+        self._thread.start()
+
+    def submit(self, staged: Any) -> None:
+        with self._lock:
+            self._wanted.add(staged.version)
+        self._queue.put(staged)
+
+    def take(self, version: int, publisher_id: str | None) -> PreparedVersion | None:
+        """The prepared state of ``version`` (removed from here), or None."""
+        with self._lock:
+            self._wanted.discard(version)
+            got = self._ready.pop(version, None)
+        if got is not None and got.publisher_id != publisher_id:
+            return None
+        return got
+
+    def discard(self, version: int) -> None:
+        """Free the shadow of a superseded / failed version (or stop preparing it)."""
+        with self._lock:
+            self._wanted.discard(version)
+            self._ready.pop(version, None)
+
+    def discard_upto(self, version: int) -> None:
+        with self._lock:
+            self._wanted = {v for v in self._wanted if v > version}
+            for v in [v for v in self._ready if v <= version]:
+                del self._ready[v]
+
+    def retire(self, prepared: PreparedVersion) -> None:
+        """Drop a swapped-in version (and the old weights it holds) on this thread.
+
+        Why: freeing a model's worth of tensors and kernel handles takes tens of ms.
+        """
+        self._queue.put(_Retired(prepared))
+
+    def prepared_versions(self) -> list[int]:
+        with self._lock:
+            return sorted(self._ready)
+
+    def close(self) -> None:
+        with self._lock:
+            self._wanted.clear()
+            self._ready.clear()
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            staged = self._queue.get()
+            if staged is None:
+                return
+            if isinstance(staged, _Retired):
+                del staged
+                continue
+            version = staged.version
+            with self._lock:
+                if version not in self._wanted:
+                    continue
+            try:
+                prepared = self._build(staged)
+            except Exception as exc:
+                self.failures += 1
+                self.last_error = f"version {version}: {exc}"
+                logger.warning(
+                    "weightpub: preparing version %d failed, it will be reloaded at commit: %s",
+                    version, exc,
+                )
+                prepared = None
+            if prepared is not None:
+                with self._lock:
+                    if version in self._wanted:
+                        self._ready[version] = prepared
+                logger.info(
+                    "weightpub: prepared version %d (%d layers, %.1f MB) in %.3f s",
+                    version, len(prepared.swaps), prepared.nbytes / 1e6, prepared.seconds,
+                )
+            del prepared
+            try:
+                self._on_done(version)
+            except Exception:
+                logger.exception("weightpub: on_done of version %d failed", version)

@@ -1,0 +1,248 @@
+"""Every place weightpub patches vLLM, in one module (vLLM 0.32; see ``vllm_compat``).
+
+Three hooks, all installed by ``register`` (the ``vllm.general_plugins:
+weightpub`` entry point vLLM calls in every process: front end, engine core,
+workers) except the last, which the extension installs on its own worker:
+
+1. ``EngineCore`` (engine-core process): ``__init__`` creates the rank slot
+   table before workers spawn; ``step`` / ``step_with_batch_queue`` and our RPCs
+   commit first (``EngineDriver``); the blocking input-queue ``get`` wakes every
+   ``WEIGHTPUB_IDLE_POLL_S`` so an idle engine commits too;
+   ``_attach_weight_version`` tags outputs of batches queued before a commit
+   with the old version. ``WEIGHTPUB_ENGINE_DRIVER=0`` leaves the engine alone
+   (ranks then agree among themselves, ``strategies.RankAgreement``).
+2. ``WorkerWrapperBase.initialize_from_config`` (worker processes): once the
+   model is loaded and the KV cache sized, map the slot table and start the
+   subscriber named in ``--additional-config`` (an extension gets no init hook:
+   ``WorkerBase.__init__`` does not call ``super().__init__``).
+3. The worker's ``execute_model`` (an instance attribute wins over the class
+   method): the commit check before each step (``wrap_execute_model``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import queue
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from subscriber_ext.commit.engine_driver import EngineDriver
+from subscriber_ext.commit.shared_slots import ENV, SlotTable
+from subscriber_ext.vllm_compat import check_vllm
+
+__all__ = ["DRIVER_RPCS", "register", "wrap_execute_model"]
+
+logger = logging.getLogger("weightpub.engine")
+
+#: Worker RPCs the engine commits before forwarding (so they see the newest version).
+DRIVER_RPCS = frozenset({"weight_version", "commit_pending"})
+_PATCHED = "_weightpub_patched"
+_ORIGINAL: dict[str, Any] = {}
+
+
+# ------------------------------------------------------------------ 1. EngineCore
+def _driver(core: Any) -> EngineDriver | None:
+    return core.__dict__.get("_wp_driver")
+
+
+def _original_rpc(core: Any, method: str, args: tuple = ()) -> list[Any]:
+    return list(_ORIGINAL["collective_rpc"](core, method, None, args, None))
+
+
+def _init(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+    _setup(self, vllm_config)
+    _ORIGINAL["__init__"](self, vllm_config, *args, **kwargs)
+
+
+def _setup(core: Any, vllm_config: Any) -> None:
+    """Create the slot table and export it before ``core`` builds its executor (workers).
+
+    Why an env var: workers are spawned by this process (or live in it) while the
+    engine is constructing, and each maps the table at init (``_wp_attach_slots``).
+    """
+    if "_wp_driver" in core.__dict__ or os.environ.get("WEIGHTPUB_ENGINE_DRIVER", "1") == "0":
+        return
+    par = vllm_config.parallel_config
+    nslots = par.tensor_parallel_size * par.pipeline_parallel_size
+    if par.world_size != nslots:
+        logger.warning("weightpub: world size %d != TP x PP; ranks agree among themselves",
+                       par.world_size)
+        return
+    try:
+        table = SlotTable.create(nslots)
+    except OSError as exc:
+        logger.warning("weightpub: no slot table (%s); ranks agree among themselves", exc)
+        return
+    atexit.register(table.unlink)
+    os.environ[ENV] = table.env_value()
+    core._wp_driver = EngineDriver(table, _original_rpc)
+    _wrap_input_queue(core)
+
+
+def _constructing_core() -> tuple[Any, Any] | None:
+    """The ``EngineCore`` whose ``__init__`` is running below us, with its config.
+
+    Why: in a spawned engine-core process vLLM loads plugins from inside
+    ``EngineCore.__init__``, too late for a class patch of ``__init__`` but still
+    before the executor (and its workers) is created.
+    """
+    code = getattr(_ORIGINAL.get("__init__"), "__code__", None)
+    frame = sys._getframe(1)
+    for _ in range(32):
+        if frame is None:
+            return None
+        if frame.f_code is code:
+            loc = frame.f_locals
+            if "self" in loc and "vllm_config" in loc:
+                return loc["self"], loc["vllm_config"]
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _wrap_input_queue(core: Any) -> None:
+    """Let an idle engine commit: wake from the blocking input-queue wait every poll_s."""
+    q = getattr(core, "input_queue", None)
+    poll_s = float(os.environ.get("WEIGHTPUB_IDLE_POLL_S", "0.05"))
+    if not isinstance(q, queue.Queue) or poll_s <= 0:
+        return
+    get = q.get
+
+    def idle_get(block: bool = True, timeout: float | None = None) -> Any:
+        if not block or timeout is not None:
+            return get(block, timeout)
+        _idle_commit(core)  # also when client calls keep waking us before poll_s
+        while True:
+            try:
+                return get(True, poll_s)
+            except queue.Empty:
+                _idle_commit(core)
+
+    q.get = idle_get  # type: ignore[method-assign]
+
+
+def _idle_commit(core: Any) -> None:
+    driver = _driver(core)
+    if driver is None or _is_sleeping(core):
+        return
+    try:
+        driver.maybe_commit(core)
+    except Exception:
+        logger.exception("weightpub: idle commit failed")
+
+
+def _is_sleeping(core: Any) -> bool:
+    try:
+        return bool(core.is_sleeping())
+    except Exception:
+        return False
+
+
+def _step(self: Any) -> Any:
+    driver = _driver(self)
+    if driver is not None:
+        driver.maybe_commit(self)
+    return _ORIGINAL["step"](self)
+
+
+def _step_with_batch_queue(self: Any) -> Any:
+    driver = _driver(self)
+    if driver is not None:
+        driver.maybe_commit(self)
+    return _ORIGINAL["step_with_batch_queue"](self)
+
+
+def _attach_weight_version(self: Any, outputs: dict[int, Any]) -> None:
+    driver = _driver(self)
+    if driver is None or not driver.tag_lag:
+        return _ORIGINAL["_attach_weight_version"](self, outputs)
+    tag = driver.weight_version_tag(self._weight_version)
+    for eco in outputs.values():
+        eco.weight_version = tag
+
+
+def _collective_rpc(self: Any, method: Any, timeout: float | None = None, args: tuple = (),
+                    kwargs: dict[str, Any] | None = None) -> Any:
+    driver = _driver(self)
+    if driver is not None and method in DRIVER_RPCS and not _is_sleeping(self):
+        driver.maybe_commit(self)
+    return _ORIGINAL["collective_rpc"](self, method, timeout, args, kwargs)
+
+
+def _weightpub_driver_status(self: Any) -> dict[str, Any]:
+    """Engine-side state (``LLM.llm_engine.engine_core.call_utility`` / tests)."""
+    driver = _driver(self)
+    if driver is None:
+        return {"active": False}
+    return {
+        "active": True,
+        "applied": driver.applied,
+        "commits": list(driver.commits)[-16:],
+        "checks": driver.checks,
+        "check_s": driver.check_s,
+        "weight_version": self._weight_version,
+    }
+
+
+def _patch_engine_core() -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    if getattr(EngineCore, _PATCHED, False):
+        return
+    for name in ("__init__", "step", "step_with_batch_queue", "collective_rpc",
+                 "_attach_weight_version"):
+        _ORIGINAL[name] = getattr(EngineCore, name)
+    EngineCore.__init__ = _init
+    EngineCore.step = _step
+    EngineCore.step_with_batch_queue = _step_with_batch_queue
+    EngineCore.collective_rpc = _collective_rpc
+    EngineCore._attach_weight_version = _attach_weight_version
+    EngineCore.weightpub_driver_status = _weightpub_driver_status
+    setattr(EngineCore, _PATCHED, True)
+
+
+# ------------------------------------------------------------------ 2. worker init
+def _patch_worker_init() -> None:
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    original = WorkerWrapperBase.initialize_from_config
+    if getattr(original, _PATCHED, False):
+        return
+
+    def initialize_from_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        started = getattr(self.worker, "_wp_started", None)
+        if started is not None:  # only workers that carry our extension
+            started()
+        return out
+
+    setattr(initialize_from_config, _PATCHED, True)
+    WorkerWrapperBase.initialize_from_config = initialize_from_config
+
+
+# ------------------------------------------------------------------ 3. execute_model
+def wrap_execute_model(worker: Any, before_step: Callable[[Any], None]) -> None:
+    """Run ``before_step(scheduler_output)`` at the start of each of ``worker``'s steps."""
+    original = worker.execute_model  # bound method of the worker class
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        before_step(scheduler_output)
+        return original(scheduler_output, *args, **kwargs)
+
+    worker.execute_model = execute_model
+
+
+def register() -> None:
+    """vLLM plugin entry point: check vLLM, patch once per process (idempotent, cheap)."""
+    try:
+        import vllm.v1.engine.core  # noqa: F401
+    except ImportError:  # pragma: no cover - vLLM without the v1 engine
+        return
+    check_vllm()
+    _patch_engine_core()
+    _patch_worker_init()
+    found = _constructing_core()
+    if found is not None:
+        _setup(*found)

@@ -1,0 +1,1 @@
+"""Transport client: subscribe, fetch chunks with credit, verify, stage whole versions."""

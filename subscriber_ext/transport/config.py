@@ -1,0 +1,39 @@
+"""The subscriber's YAML section (``subscriber:`` inside replica and relay files)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator
+
+from weightpub_wire.config_file import StrictConfig, check_endpoint
+
+__all__ = ["SubscriberConfig"]
+
+
+class SubscriberConfig(StrictConfig):
+    """Inference side transport options (map onto ``SyncOptions``)."""
+
+    endpoint: str
+    request_timeout: float = Field(5.0, gt=0, le=600)
+    window_mib: int = Field(64, ge=1, le=65536)
+    max_chunk_retries: int = Field(5, ge=0, le=1000)
+    max_version_gib: float = Field(1024.0, gt=0)
+    curve_server_key_file: str | None = None  # the publisher's public key: turns on CurveZMQ
+    curve_secret_key_file: str | None = None  # this client's key pair (allow-listing)
+
+    _endpoint = field_validator("endpoint")(check_endpoint)
+
+    def subscriber_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``WeightSubscriber`` (JSON-able: they also travel in
+        vLLM's ``--additional-config``)."""
+        kwargs: dict[str, Any] = {
+            "request_timeout": self.request_timeout,
+            "window_bytes": self.window_mib << 20,
+            "max_chunk_retries": self.max_chunk_retries,
+            "max_version_bytes": int(self.max_version_gib * (1 << 30)),
+        }
+        if self.curve_server_key_file is not None:
+            kwargs["curve_server_key_file"] = self.curve_server_key_file
+            kwargs["curve_secret_key_file"] = self.curve_secret_key_file
+        return kwargs

@@ -1,0 +1,105 @@
+"""Staging: where a version's bytes land, are checked, and become usable tensors.
+
+A version is received straight into one preallocated flat buffer laid out as
+its manifest says, chunk by chunk (``recv_into``, no intermediate copy). Only
+when every chunk has matched its checksum does it become a ``StagedVersion``,
+whose tensors are zero-copy views into that buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from weightpub_wire.buffers import BufferPool, byte_view
+from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.dtypes import dtype_from_name
+from weightpub_wire.protocol import Manifest
+
+__all__ = ["Assembly", "StagedVersion"]
+
+
+@dataclass(slots=True)
+class StagedVersion:
+    """A complete, verified version. ``tensors`` are views into one host buffer.
+
+    Call ``release()`` once the tensors are applied or copied: the buffer is
+    then reused for a later version, so the views must not be used after it.
+    """
+
+    manifest: Manifest
+    buffer: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+    received_at: float
+    fetch_seconds: float
+    _pool: BufferPool | None = field(default=None, repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def publisher_id(self) -> str:
+        return self.manifest.publisher_id
+
+    @property
+    def total_bytes(self) -> int:
+        return self.manifest.total_bytes
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.tensors.items())
+
+    def release(self) -> None:
+        """Give the buffer back for reuse; idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self.tensors = {}
+        if self._pool is not None:
+            self._pool.give(self.buffer)
+
+
+class Assembly:
+    """A version being received: its buffer and which chunks are still missing."""
+
+    def __init__(self, manifest: Manifest, pool: BufferPool) -> None:
+        self.manifest = manifest
+        self.pool = pool
+        self.buffer = pool.take(manifest.total_bytes)
+        self.view = byte_view(self.buffer, manifest.total_bytes)
+        self.missing: set[int] = set(range(manifest.num_chunks))
+        self.started = time.monotonic()
+
+    @property
+    def done_fraction(self) -> float:
+        total = self.manifest.num_chunks
+        return 1.0 if total == 0 else 1.0 - len(self.missing) / total
+
+    def chunk_target(self, chunk: int) -> memoryview:
+        start, size = self.manifest.chunk_span(chunk)
+        return self.view[start: start + size]
+
+    def verify(self, chunk: int) -> bool:
+        """Check a received chunk against the manifest; mark it done when it matches."""
+        ok = chunk_checksum(self.chunk_target(chunk)) == self.manifest.checksums[chunk]
+        if ok:
+            self.missing.discard(chunk)
+        return ok
+
+    def abandon(self) -> None:
+        self.view.release()
+        self.pool.give(self.buffer)
+
+    def finish(self) -> StagedVersion:
+        self.view.release()
+        tensors: dict[str, torch.Tensor] = {}
+        for entry in self.manifest.tensors:
+            dtype = dtype_from_name(entry.dtype)
+            raw = self.buffer[entry.offset: entry.offset + entry.nbytes]
+            tensors[entry.name] = raw.view(dtype).view(entry.shape)
+        return StagedVersion(manifest=self.manifest, buffer=self.buffer, tensors=tensors,
+                             received_at=time.time(),
+                             fetch_seconds=time.monotonic() - self.started, _pool=self.pool)

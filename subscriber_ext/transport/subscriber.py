@@ -1,0 +1,266 @@
+"""``WeightSubscriber``: the inference-side API, usable without vLLM.
+
+It runs the protocol state machine (``SyncClient``) on one background thread
+and hands out complete, verified versions: blocking (``wait_for_version``),
+as an iterator (``versions``), or pushed to a callback (``on_version``, which
+runs on the subscriber thread and must return quickly).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import zmq
+
+from subscriber_ext.transport.staging import StagedVersion
+from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
+from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.errors import (
+    ApplyError,
+    ClosedError,
+    ConfigError,
+    WeightPubError,
+    WeightPubTimeout,
+)
+from weightpub_wire.protocol import Limits
+from weightpub_wire.security import curve_client_hook
+
+__all__ = ["WeightSubscriber"]
+
+log = logging.getLogger("weightpub.subscriber")
+
+
+class WeightSubscriber:
+    """Follow a ``WeightPublisher`` at ``endpoint`` and stage each new version.
+
+    The background thread starts at construction. Every blocking call takes a
+    timeout and raises ``WeightPubTimeout`` when it runs out. Options override
+    ``SyncOptions`` fields (``window_bytes``, ``request_timeout``, ...), plus
+    ``max_version_bytes`` (refuse larger manifests before allocating).
+    ``curve_server_key_file`` (the publisher's public key) turns on CurveZMQ.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        on_version: Callable[[StagedVersion], None] | None = None,
+        subscriber_id: str | None = None,
+        options: SyncOptions | None = None,
+        curve_server_key_file: str | None = None,
+        curve_secret_key_file: str | None = None,
+        socket_hooks: list[Callable[..., None]] | None = None,
+        context: zmq.Context | None = None,
+        **option_overrides: Any,
+    ) -> None:
+        parse_endpoint(endpoint)
+        base = options or SyncOptions()
+        max_bytes = option_overrides.pop("max_version_bytes", None)
+        if max_bytes is not None:
+            option_overrides["limits"] = Limits(max_total_bytes=int(max_bytes))
+        unknown = set(option_overrides) - set(SyncOptions.__slots__)
+        if unknown:
+            raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
+                              f"(known: {sorted(SyncOptions.__slots__)}, max_version_bytes)")
+        hooks = list(socket_hooks or [])
+        if curve_server_key_file is not None:
+            hooks.append(curve_client_hook(curve_server_key_file, curve_secret_key_file))
+        if option_overrides:
+            base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
+                                  **option_overrides})
+        self.endpoint = endpoint
+        self.subscriber_id = subscriber_id or f"{socket.gethostname()}-{os.getpid()}-" \
+                                              f"{uuid.uuid4().hex[:6]}"
+        self._on_version = on_version
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._cond = threading.Condition()
+        self._latest: StagedVersion | None = None
+        self._delivered = 0  # counts completed versions, for iterators
+        self._closed = False
+        self._wake_address = f"inproc://weightpub-sub-wake-{uuid.uuid4().hex}"
+        self._commands: list[Callable[[SyncClient], None]] = []
+        self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
+                                  self._deliver, hooks)
+        self._wake = self._ctx.socket(zmq.PULL)
+        self._wake.bind(self._wake_address)
+        self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- public API ----------------------------------------------------------------------------
+    def latest(self) -> StagedVersion | None:
+        """The newest complete version, without waiting."""
+        with self._cond:
+            return self._latest
+
+    def wait_for_version(self, min_version: int | None = None,
+                         timeout: float = 30.0) -> StagedVersion:
+        """Block until a complete version >= ``min_version`` (any, if None) is staged."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise ClosedError("subscriber is closed")
+                staged = self._latest
+                if staged is not None and (min_version is None or staged.version >= min_version):
+                    return staged
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    have = None if staged is None else staged.version
+                    raise WeightPubTimeout(
+                        f"no version >= {min_version} from {self.endpoint} within {timeout}s "
+                        f"(have {have}; state {self._client.state}; "
+                        f"last error {self._client.last_error!r})"
+                    )
+                self._cond.wait(left)
+
+    def versions(self, timeout: float = 60.0) -> Iterator[StagedVersion]:
+        """Yield each newly staged version (conflated to the newest) until closed.
+
+        Raises ``WeightPubTimeout`` if nothing new arrives within ``timeout``.
+        """
+        seen = 0
+        while True:
+            deadline = time.monotonic() + timeout
+            with self._cond:
+                while self._delivered == seen and not self._closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise WeightPubTimeout(f"no new version within {timeout}s")
+                    self._cond.wait(left)
+                if self._closed:
+                    return
+                seen = self._delivered
+                staged = self._latest
+            assert staged is not None
+            yield staged
+
+    def mark_applied(self, version: int, error: str | WeightPubError | None = None) -> None:
+        """Tell the publisher (back-channel) that ``version`` is live here.
+
+        ``version`` 0 with an ``error`` reports a version that could not be applied
+        (a string becomes an ``ApplyError``).
+        """
+        problem = ApplyError(error) if isinstance(error, str) else error
+        self._call(lambda client: client.mark_applied(version, problem))
+
+    def status(self) -> dict[str, Any]:
+        client = self._client
+        target = client.target
+        return {
+            "subscriber_id": self.subscriber_id,
+            "endpoint": self.endpoint,
+            "state": client.state,
+            "staged_version": client.current_version,
+            "applied_version": client.applied_version,
+            "fetching_version": None if target is None else target.manifest.version,
+            "fetching_fraction": None if target is None else round(target.done_fraction, 3),
+            "bad_messages": client.bad_messages,
+            "checksum_failures": client.checksum_failures,
+            "last_error": client.last_error,
+        }
+
+    def close(self) -> None:
+        """Stop the thread and close the sockets; idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._poke()
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            # stuck in an on_version callback: ctx.term() would wait for it forever; the
+            # thread closes its own sockets when the callback returns
+            log.warning("subscriber thread still busy after 10s; closing without waiting")
+            return
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> WeightSubscriber:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _call(self, command: Callable[[SyncClient], None]) -> None:
+        """Run ``command`` on the subscriber thread (the only one touching sockets)."""
+        with self._cond:
+            self._commands.append(command)
+        self._poke()
+
+    def _poke(self) -> None:
+        push = self._ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        try:
+            push.connect(self._wake_address)
+            push.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the loop also wakes on its own every 100 ms
+        finally:
+            push.close()
+
+    def _deliver(self, staged: StagedVersion) -> None:
+        with self._cond:
+            self._latest = staged
+            self._delivered += 1
+            self._cond.notify_all()
+        log.info("staged version %d (%d bytes in %.3fs)", staged.version, staged.total_bytes,
+                 staged.fetch_seconds)
+        if self._on_version is not None:
+            try:
+                self._on_version(staged)
+            except Exception:  # a consumer bug must not stop the subscriber
+                log.exception("on_version callback failed for version %d", staged.version)
+
+    def _survive(self, client: SyncClient, exc: BaseException) -> None:
+        log.exception("subscriber loop error (continuing)")
+        client.error = exc if isinstance(exc, WeightPubError) else WeightPubError(
+            f"{type(exc).__name__}: {exc}")
+        time.sleep(0.05)
+
+    def _step(self, client: SyncClient, poller: zmq.Poller) -> None:
+        wait = client.tick(time.monotonic())
+        events = dict(poller.poll(int(wait * 1000)))
+        if self._wake in events:
+            while self._wake.poll(0):
+                self._wake.recv()
+            with self._cond:
+                commands, self._commands = self._commands, []
+            for command in commands:
+                command(client)
+        for _ in range(256):  # drain, bounded so ticks still run
+            if not client.dealer.poll(0):
+                break
+            client.on_dealer()
+        while client.sub.poll(0):
+            client.on_sub()
+
+    def _run(self) -> None:
+        client = self._client
+        poller = zmq.Poller()
+        poller.register(client.dealer, zmq.POLLIN)
+        poller.register(client.sub, zmq.POLLIN)
+        poller.register(self._wake, zmq.POLLIN)
+        try:
+            while not self._closed:
+                try:
+                    self._step(client, poller)
+                except zmq.ZMQError as exc:
+                    if self._closed:
+                        break
+                    self._survive(client, exc)
+                except Exception as exc:  # one bad event must not stop the subscriber
+                    self._survive(client, exc)
+        finally:
+            client.close()
+            self._wake.close(linger=0)

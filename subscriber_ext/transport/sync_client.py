@@ -1,0 +1,409 @@
+"""The subscriber's protocol state machine, driven by one thread that owns the sockets.
+
+States (ZeroMQ Guide "Clone" client)::
+
+    INITIAL --latest request--> SYNCING --latest reply--> ACTIVE
+       ^                                                     |
+       +------------- publisher silent for ttl --------------+  (re-sync; DEALER reconnects)
+
+In ACTIVE it subscribes to manifests/heartbeats, pulls chunks of the newest
+version with a bounded number in flight (credit), receives each chunk
+straight into the staging buffer, verifies it, and re-requests what timed
+out or failed its checksum. Versions are conflated: a newer manifest replaces
+a target that is less than half received.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from subscriber_ext.transport.staging import Assembly, StagedVersion
+from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import BufferPool
+from weightpub_wire.endpoints import resolve_pub_endpoint
+from weightpub_wire.errors import (
+    ChecksumError,
+    ProtocolError,
+    VersionUnavailable,
+    WeightPubError,
+    WeightPubTimeout,
+)
+from weightpub_wire.sockets import configure_socket, connect
+
+__all__ = ["SyncClient", "SyncOptions"]
+
+log = logging.getLogger("weightpub.subscriber")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncOptions:
+    request_timeout: float = 5.0
+    window_bytes: int = 64 << 20
+    chunks_per_request: int = 4
+    max_chunk_retries: int = 5
+    switch_below_fraction: float = 0.5
+    report_interval: float = 2.0
+    limits: wire.Limits = field(default_factory=wire.Limits)
+
+
+@dataclass(slots=True)
+class _Request:
+    chunks: set[int]
+    sent_at: float
+
+
+class SyncClient:
+    """Plain-class protocol logic; ``WeightSubscriber`` runs it on a thread."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, subscriber_id: str, options: SyncOptions,
+                 on_complete: Callable[[StagedVersion], None],
+                 socket_hooks: list[Callable[..., None]] | None = None) -> None:
+        self.endpoint = endpoint
+        self.subscriber_id = subscriber_id
+        self.options = options
+        self.on_complete = on_complete
+        self.pool = BufferPool(max_buffers=2)
+        self.state = "INITIAL"
+        self.instance: tuple[float, str] | None = None
+        self.current_version = 0
+        self.applied_version = 0
+        self.error: WeightPubError | None = None  # the newest problem, as our exception
+        self.bad_messages = 0
+        self.checksum_failures = 0
+        self.target: Assembly | None = None
+        self.queued: wire.Manifest | None = None
+        self._ids = itertools.count(1)
+        self._requests: dict[int, _Request] = {}
+        self._retries: dict[int, int] = {}
+        self._failed: dict[tuple[tuple[float, str], int], tuple[int, float]] = {}
+        self._latest_req = 0
+        self._latest_sent = 0.0
+        self._last_heard = 0.0
+        self._ttl = 3.0
+        self._pub_endpoint = ""
+        self._next_report = 0.0
+        self._report_dirty = True
+        self._hooks = socket_hooks or []
+        self.dealer = ctx.socket(zmq.DEALER)
+        self.sub = ctx.socket(zmq.SUB)
+        for sock in (self.dealer, self.sub):
+            configure_socket(sock, heartbeat_interval=1.0)
+            for hook in self._hooks:
+                hook(sock, server=False)
+        self.dealer.setsockopt(zmq.IMMEDIATE, 1)
+        self.dealer.setsockopt(zmq.RCVHWM, 0)
+        # no frame larger than a chunk (or a control message) is ever accepted off the wire
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE, wire.MAX_CONTROL_BYTES))
+        self.sub.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        connect(self.dealer, endpoint)
+
+    @property
+    def last_error(self) -> str | None:
+        """``"<ErrorClass>: <what>"`` of the newest problem, or None."""
+        if self.error is None:
+            return None
+        return f"{type(self.error).__name__}: {self.error}"[: wire.MAX_ERROR_CHARS]
+
+    def close(self) -> None:
+        if self.target is not None:
+            self.target.abandon()
+            self.target = None
+        self.dealer.close(linger=0)
+        self.sub.close(linger=0)
+
+    # -- time-driven work ----------------------------------------------------------------------
+    def tick(self, now: float) -> float:
+        """Do whatever is due; return seconds until something is due again."""
+        if self.state != "ACTIVE" or now - self._last_heard > self._ttl:
+            if self.state == "ACTIVE":
+                log.warning("publisher silent for %.1fs; re-syncing", now - self._last_heard)
+                self.state = "SYNCING"
+            if now - self._latest_sent >= min(1.0, self.options.request_timeout):
+                self._request_latest(now)
+        self._expire_requests(now)
+        self._top_up(now)
+        if now >= self._next_report or self._report_dirty:
+            self._send_report(now)
+        return 0.1
+
+    def _request_latest(self, now: float) -> None:
+        self._latest_req = next(self._ids)
+        if self._send(wire.LatestRequest(req=self._latest_req)):
+            self._latest_sent = now
+            if self.state == "INITIAL":
+                self.state = "SYNCING"
+
+    def _send(self, message: wire.Message) -> bool:
+        try:
+            self.dealer.send(wire.encode(message), zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # not connected yet (IMMEDIATE): retried on a later tick
+            return False
+
+    def _send_report(self, now: float) -> None:
+        report = wire.Report(subscriber_id=self.subscriber_id,
+                             staged_version=self.current_version,
+                             applied_version=self.applied_version, last_error=self.last_error)
+        if self._send(report):
+            self._report_dirty = False
+            self._next_report = now + self.options.report_interval
+
+    def mark_applied(self, version: int, error: WeightPubError | None = None) -> None:
+        """``version`` 0 leaves the applied version as it is (e.g. to report an error)."""
+        if version:
+            self.applied_version = version
+        if error is not None:
+            self.error = error
+        self._report_dirty = True
+
+    # -- fetching ------------------------------------------------------------------------------
+    def _credit(self) -> int:
+        if self.target is None:
+            return 0
+        return max(1, self.options.window_bytes // self.target.manifest.chunk_size)
+
+    def _in_flight(self) -> int:
+        return sum(len(r.chunks) for r in self._requests.values())
+
+    def _top_up(self, now: float) -> None:
+        target = self.target
+        if target is None:
+            return
+        asked = set().union(*(r.chunks for r in self._requests.values())) if self._requests \
+            else set()
+        todo = sorted(target.missing - asked)
+        room = self._credit() - self._in_flight()
+        while todo and room > 0:
+            batch = todo[: min(room, self.options.chunks_per_request)]
+            todo = todo[len(batch):]
+            req = next(self._ids)
+            request = wire.FetchRequest(req=req, publisher_id=target.manifest.publisher_id,
+                                        version=target.manifest.version, chunks=tuple(batch))
+            if not self._send(request):
+                return
+            self._requests[req] = _Request(set(batch), now)
+            room -= len(batch)
+
+    def _expire_requests(self, now: float) -> None:
+        for req, request in list(self._requests.items()):
+            if now - request.sent_at < self.options.request_timeout:
+                continue
+            del self._requests[req]
+            for chunk in request.chunks:
+                if self._count_retry(chunk, "timed out", WeightPubTimeout):
+                    return
+
+    def _count_retry(self, chunk: int, why: str, error: type[WeightPubError]) -> bool:
+        """Count one more try of a chunk; abandon the version when it has failed too often."""
+        tries = self._retries.get(chunk, 0) + 1
+        self._retries[chunk] = tries
+        if tries <= self.options.max_chunk_retries or self.target is None:
+            return False
+        self._fail_target(error(f"chunk {chunk} of version {self.target.manifest.version} "
+                                f"{why} {tries} times"))
+        return True
+
+    def _fail_target(self, why: WeightPubError) -> None:
+        """Give a version up; it is retried only after a growing back-off (1 s .. 30 s)."""
+        log.warning("abandoning version: %s: %s", type(why).__name__, why)
+        if self.target is not None:
+            key = (self.target.manifest.instance, self.target.manifest.version)
+            count = self._failed.get(key, (0, 0.0))[0] + 1
+            self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
+        self.error = why
+        self._report_dirty = True
+        self._drop_target()
+        self._latest_sent = 0.0  # re-ask for the newest version right away
+        self.state = "SYNCING"
+
+    def _drop_target(self) -> None:
+        if self.target is not None:
+            self.target.abandon()
+        self.target = None
+        self._requests.clear()
+        self._retries.clear()
+
+    # -- choosing what to fetch ----------------------------------------------------------------
+    def consider(self, manifest: wire.Manifest) -> None:
+        """Decide whether a manifest becomes the target (conflation, publisher restarts)."""
+        if self.instance is not None and manifest.instance < self.instance:
+            return  # a stale publisher instance
+        new_instance = self.instance is None or manifest.instance > self.instance
+        if new_instance:
+            if self.instance is not None:
+                log.warning("publisher restarted (new instance %s); following it",
+                            manifest.publisher_id[:8])
+                self._drop_target()
+                self.queued = None
+            self.instance = manifest.instance
+            self.current_version = 0
+        elif manifest.version <= self.current_version:
+            return
+        backoff = self._failed.get((manifest.instance, manifest.version))
+        if backoff is not None and time.monotonic() < backoff[1]:
+            return  # failed recently; a newer version or the back-off expiring retries it
+        if self.target is not None:
+            if manifest.version <= self.target.manifest.version:
+                return
+            if self.target.done_fraction >= self.options.switch_below_fraction:
+                if self.queued is None or manifest.version > self.queued.version:
+                    self.queued = manifest
+                return
+            log.info("conflating: version %d replaces %d (%.0f%% received)", manifest.version,
+                     self.target.manifest.version, 100 * self.target.done_fraction)
+            self._drop_target()
+        self._start(manifest)
+
+    def _start(self, manifest: wire.Manifest) -> None:
+        self.target = Assembly(manifest, self.pool)
+        self._requests.clear()
+        self._retries.clear()
+        if not self.target.missing:
+            self._complete()
+        else:
+            self._top_up(time.monotonic())
+
+    def _complete(self) -> None:
+        assert self.target is not None
+        self._failed.pop((self.target.manifest.instance, self.target.manifest.version), None)
+        try:
+            staged = self.target.finish()
+        except Exception as exc:  # never stay stuck behind a version that cannot be staged
+            error = exc if isinstance(exc, WeightPubError) else WeightPubError(
+                f"version {self.target.manifest.version} cannot be staged: {exc}")
+            self._fail_target(error)
+            return
+        self.target = None
+        self._requests.clear()
+        self._retries.clear()
+        self.current_version = staged.version
+        self._report_dirty = True
+        self.on_complete(staged)
+        queued, self.queued = self.queued, None
+        if queued is not None:
+            self.consider(queued)
+
+    # -- incoming messages ---------------------------------------------------------------------
+    def on_sub(self) -> None:
+        frame = self.sub.recv(copy=False)
+        try:
+            message = wire.decode(frame.buffer, expect=(wire.Manifest, wire.Heartbeat),
+                                  limits=self.options.limits)
+        except ProtocolError as exc:
+            self._bad(ProtocolError(f"bad PUB message: {exc}"))
+            return
+        if isinstance(message, wire.Heartbeat):
+            self._on_heartbeat(message)
+        elif isinstance(message, wire.Manifest):
+            self.consider(message)
+
+    def _on_heartbeat(self, beat: wire.Heartbeat) -> None:
+        if self.instance is not None and (beat.started_at, beat.publisher_id) < self.instance:
+            return
+        self._last_heard = time.monotonic()
+        self._ttl = max(3.0, 3 * beat.interval)
+        newer_instance = self.instance is None or (beat.started_at, beat.publisher_id) > \
+            self.instance
+        behind = beat.latest_version > max(self.current_version,
+                                           self.target.manifest.version if self.target else 0)
+        if (newer_instance or behind) and time.monotonic() - self._latest_sent > 0.5:
+            self._request_latest(time.monotonic())  # we missed a manifest: repair
+
+    def on_dealer(self) -> None:
+        first = self.dealer.recv(copy=False)
+        more = self.dealer.getsockopt(zmq.RCVMORE)
+        try:
+            message = wire.decode(first.buffer, limits=self.options.limits,
+                                  expect=(wire.ChunkHeader, wire.LatestReply, wire.ErrorReply))
+        except ProtocolError as exc:
+            self._discard_rest(more)
+            self._bad(ProtocolError(f"bad reply: {exc}"))
+            return
+        self._last_heard = time.monotonic()
+        if isinstance(message, wire.ChunkHeader):
+            self._on_chunk(message, more)
+            return
+        self._discard_rest(more)
+        if isinstance(message, wire.LatestReply):
+            self._on_latest(message)
+        elif isinstance(message, wire.ErrorReply):
+            self._on_error(message)
+
+    def _discard_rest(self, more: int) -> None:
+        while more:
+            self.dealer.recv(copy=False)
+            more = self.dealer.getsockopt(zmq.RCVMORE)
+
+    def _bad(self, why: WeightPubError) -> None:
+        self.bad_messages += 1
+        self.error = why
+        self._report_dirty = True
+        log.warning("%s", why)
+
+    def _on_latest(self, reply: wire.LatestReply) -> None:
+        try:
+            pub = resolve_pub_endpoint(self.endpoint, reply.pub_endpoint)
+        except ProtocolError as exc:
+            self._bad(exc)
+            return
+        if pub != self._pub_endpoint:
+            if self._pub_endpoint:
+                self.sub.disconnect(self._pub_endpoint)
+            self.sub.connect(pub)
+            self._pub_endpoint = pub
+        self._ttl = max(3.0, 3 * reply.heartbeat_interval)
+        self.state = "ACTIVE"
+        if reply.manifest is not None:
+            self.consider(reply.manifest)
+        elif self.instance is None or (reply.started_at, reply.publisher_id) > self.instance:
+            self.instance = (reply.started_at, reply.publisher_id)
+            self.current_version = 0
+
+    def _on_error(self, error: wire.ErrorReply) -> None:
+        if error.req not in self._requests:
+            return  # a reply to a request we already gave up on
+        del self._requests[error.req]
+        if self.target is not None and error.version == self.target.manifest.version:
+            kind = VersionUnavailable if error.code == "version_unavailable" else ProtocolError
+            self._fail_target(kind(f"publisher: {error.message}"))
+
+    def _on_chunk(self, header: wire.ChunkHeader, more: int) -> None:
+        target = self.target
+        request = self._requests.get(header.req)
+        valid = (
+            more and target is not None and request is not None
+            and header.version == target.manifest.version and header.chunk in request.chunks
+            and header.size == target.manifest.chunk_span(header.chunk)[1]
+        )
+        if not valid:
+            self._discard_rest(more)
+            return  # stale (conflated / timed out) or not ours
+        assert target is not None and request is not None
+        size = self.dealer.recv_into(target.chunk_target(header.chunk))
+        extra = self.dealer.getsockopt(zmq.RCVMORE)
+        request.chunks.discard(header.chunk)
+        if not request.chunks:
+            del self._requests[header.req]
+        if size != header.size or extra:
+            self._discard_rest(extra)
+            self._bad(ProtocolError(f"chunk {header.chunk}: {size} bytes received, header said "
+                                    f"{header.size}"))
+            self._count_retry(header.chunk, "arrived truncated", ProtocolError)
+            return
+        if not target.verify(header.chunk):
+            self.checksum_failures += 1
+            self._bad(ChecksumError(f"chunk {header.chunk} of version {header.version}: "
+                                    "checksum mismatch, refetching"))
+            self._count_retry(header.chunk, "failed its checksum", ChecksumError)
+            return
+        if not target.missing:
+            self._complete()
+        else:
+            self._top_up(time.monotonic())

@@ -1,0 +1,148 @@
+"""The house keeps its shape: imports point down, no cycles, heavy libraries stay where they belong.
+
+Checked on the source itself (``ast``), every import statement, at module level or
+inside a function: an in-function import may defer a cost (vLLM, torch) but never
+reach a layer above, so it cannot hide a cycle either.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("weightpub_wire", "publisher", "subscriber_ext", "weightpub")
+
+#: (module prefix, layer): a module may import modules of a lower layer, or of its own
+#: group (the longest matching prefix names a module's group).
+LAYERS: list[tuple[str, int]] = [
+    ("weightpub_wire", 0),
+    ("subscriber_ext.vllm_compat", 1),
+    ("subscriber_ext.transport", 2),
+    ("subscriber_ext.apply", 2),
+    ("subscriber_ext.seed", 2),
+    ("publisher", 2),
+    ("subscriber_ext.commit", 3),
+    ("subscriber_ext", 4),  # worker_state, seed_rpcs, worker_extension, llm, __init__
+    ("weightpub", 5),
+]
+#: third-party packages a group must never import, even lazily
+FORBIDDEN = {
+    "weightpub_wire": ("vllm", "transformers"),
+    "publisher": ("vllm", "transformers"),
+    "subscriber_ext.transport": ("vllm", "transformers"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[tuple[str, int]]:
+    """Every imported module (absolute, relative resolved) with its line."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[str, int]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((base, node.lineno))
+            # ``from pkg import submodule`` imports the submodule too
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                if _source_of(candidate) is not None:
+                    found.append((candidate, node.lineno))
+    return found
+
+
+def _source_of(module: str) -> Path | None:
+    path = REPO.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def group(module: str) -> tuple[str, int]:
+    matches = [(p, layer) for p, layer in LAYERS if module == p or module.startswith(p + ".")]
+    return max(matches, key=lambda m: len(m[0]))
+
+
+SOURCES = sorted(p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py"))
+
+
+def test_every_module_has_a_layer() -> None:
+    assert SOURCES
+    for path in SOURCES:
+        group(module_name(path))  # raises ValueError on an unplaced module
+
+
+def violations(here: str, found: list[tuple[str, int]]) -> list[str]:
+    """What is wrong with module ``here`` importing ``found``."""
+    my_group, my_layer = group(here)
+    banned = {lib for prefix, libs in FORBIDDEN.items()
+              if here == prefix or here.startswith(prefix + ".") for lib in libs}
+    problems = []
+    for target, line in found:
+        top = target.split(".")[0]
+        if top in banned:
+            problems.append(f"{here}:{line} imports {target}, which {my_group} must not use")
+        if top not in PACKAGES:
+            continue
+        their_group, their_layer = group(target)
+        if their_group != my_group and their_layer >= my_layer:
+            problems.append(f"{here}:{line} imports {target}: layer {their_group} "
+                            f"({their_layer}) is not below {my_group} ({my_layer})")
+    return problems
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_imports_point_down(path: Path) -> None:
+    assert violations(module_name(path), imports(path)) == []
+
+
+def test_the_checker_can_fail() -> None:
+    """Upward and sideways imports, and vLLM in the trainer package, are all caught."""
+    assert violations("weightpub_wire.protocol", [("publisher", 3)])
+    assert violations("publisher.server", [("subscriber_ext.transport.staging", 1)])
+    assert violations("subscriber_ext.transport.sync_client", [("subscriber_ext.commit", 1)])
+    assert violations("publisher.snapshot", [("vllm.config", 9)])
+    assert not violations("subscriber_ext.commit.coordinator",
+                          [("subscriber_ext.apply.prepare", 1), ("weightpub_wire.errors", 2)])
+
+
+def test_no_import_cycles() -> None:
+    graph = {module_name(p): {t for t, _ in imports(p)
+                              if t.split(".")[0] in PACKAGES and _source_of(t) is not None}
+             for p in SOURCES}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == node:
+                continue
+            if state.get(nxt) == 1:
+                cycle = stack[stack.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)

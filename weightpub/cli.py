@@ -1,0 +1,116 @@
+"""``weightpub`` command line: demo, status, config checks, relays and replicas."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import msgspec
+import orjson
+
+from weightpub_wire.errors import WeightPubError
+
+__all__ = ["main"]
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.transport_only:
+        from weightpub.demos.transport import run_transport_demo
+
+        run_transport_demo(versions=args.versions)
+        return 0
+    from weightpub.demos.tiny_vllm import run_vllm_demo
+
+    return run_vllm_demo(steps=args.steps, publish_every=args.publish_every,
+                         tensor_parallel_size=args.tp)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from weightpub.status import fetch_status
+
+    reply = fetch_status(args.endpoint, timeout=args.timeout)
+    data = msgspec.to_builtins(reply)
+    if args.json:
+        sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    print(f"publisher {reply.publisher_id}  latest version {reply.latest_version}  "
+          f"holding {list(reply.versions)}")
+    for sub in reply.subscribers:
+        err = f"  error: {sub.last_error}" if sub.last_error else ""
+        print(f"  {sub.subscriber_id:<40} staged {sub.staged_version:>6}  "
+              f"applied {sub.applied_version:>6}{err}")
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    from weightpub.config import load_config
+
+    config = load_config(args.path)
+    print(f"{args.path}: ok ({type(config).__name__})")
+    return 0
+
+
+def _cmd_relay(args: argparse.Namespace) -> int:
+    from weightpub.config import load_relay_config
+    from weightpub.relay import run_relay
+
+    run_relay(load_relay_config(args.config))
+    return 0
+
+
+def _cmd_replica(args: argparse.Namespace) -> int:
+    from weightpub.config import load_replica_config
+    from weightpub.replica import serve_replica
+
+    return serve_replica(load_replica_config(args.config), dry_run=args.dry_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weightpub", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="end-to-end demo on a tiny model (CPU)")
+    demo.add_argument("--transport-only", action="store_true",
+                      help="publisher -> subscriber process only, no vLLM")
+    demo.add_argument("--versions", type=int, default=5, help="(transport-only) versions")
+    demo.add_argument("--steps", type=int, default=36, help="training steps")
+    demo.add_argument("--publish-every", type=int, default=3, help="publish every N steps")
+    demo.add_argument("--tp", type=int, default=1, help="replica tensor parallel size")
+    demo.set_defaults(func=_cmd_demo)
+
+    status = sub.add_parser("status", help="ask a publisher for its versions and fleet")
+    status.add_argument("endpoint")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(func=_cmd_status)
+
+    check = sub.add_parser("check-config", help="validate a YAML config file")
+    check.add_argument("path")
+    check.set_defaults(func=_cmd_check_config)
+
+    relay = sub.add_parser("relay", help="re-publish an upstream publisher locally")
+    relay.add_argument("config")
+    relay.set_defaults(func=_cmd_relay)
+
+    replica = sub.add_parser("replica", help="start a vLLM replica that follows a publisher")
+    replica.add_argument("config")
+    replica.add_argument("--dry-run", action="store_true", help="print the command only")
+    replica.set_defaults(func=_cmd_replica)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except WeightPubError as exc:
+        print(f"weightpub: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

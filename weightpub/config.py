@@ -1,0 +1,69 @@
+"""Deployment YAML files: which kinds exist and how each is loaded.
+
+Each side owns its section's schema (``publisher.PublisherConfig``,
+``subscriber_ext.SubscriberConfig``); replicas and relays, which only the
+application starts, are defined here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from publisher.config import PublisherConfig
+from subscriber_ext.transport.config import SubscriberConfig
+from weightpub_wire.config_file import StrictConfig, load_yaml_as, load_yaml_section
+
+__all__ = [
+    "KINDS",
+    "PublisherConfig",
+    "RelayConfig",
+    "ReplicaConfig",
+    "SubscriberConfig",
+    "load_config",
+    "load_relay_config",
+    "load_replica_config",
+]
+
+
+class ReplicaConfig(StrictConfig):
+    """A vLLM replica that follows a publisher."""
+
+    model: str
+    subscriber: SubscriberConfig
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    apply_mode: Literal["auto", "in_place", "reload"] = "auto"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=16)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    extra_args: list[str] = Field(default_factory=list)
+
+
+class RelayConfig(StrictConfig):
+    """Re-publishes an upstream publisher's versions to a local fan-out tier."""
+
+    upstream: SubscriberConfig
+    downstream: PublisherConfig
+
+
+KINDS: dict[str, type[BaseModel]] = {
+    "publisher": PublisherConfig,
+    "replica": ReplicaConfig,
+    "relay": RelayConfig,
+}
+
+
+def load_config(path: str | Path) -> BaseModel:
+    """Load any deployment file; its top-level key (``publisher:``, ...) names its kind."""
+    return load_yaml_section(path, KINDS)
+
+
+def load_replica_config(path: str | Path) -> ReplicaConfig:
+    return load_yaml_as(path, "replica", ReplicaConfig)
+
+
+def load_relay_config(path: str | Path) -> RelayConfig:
+    return load_yaml_as(path, "relay", RelayConfig)

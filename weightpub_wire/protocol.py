@@ -1,0 +1,404 @@
+"""The weightpub wire protocol: what the bytes mean (not how they move).
+
+Every control message is ONE msgpack frame holding a map with ``"t"`` (the
+message type) and ``"p"`` (the protocol version). Bulk data is raw bytes.
+
+Sockets and frames::
+
+    PUB    -> SUB     [ {t: "manifest" | "heartbeat"} ]
+    DEALER -> ROUTER  [ {t: "latest" | "fetch" | "status" | "report"} ]
+    ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error"} ]
+                    | [ {t: "chunk", req, version, chunk, size}, <size raw bytes> ]
+
+A version's tensors are laid out back to back (each offset aligned to
+``TENSOR_ALIGN``) in one flat byte buffer of ``total_bytes``; the buffer is
+cut into ``ceil(total_bytes / chunk_size)`` chunks, each with an xxh3-64
+checksum. A subscriber can therefore preallocate the whole version from the
+manifest and receive every chunk straight into place.
+
+Each message is a ``msgspec.Struct``: decoding validates types, ranges and
+lengths while it reads (an oversized list is refused at its header, before any
+element is built), then ``__post_init__`` checks what spans fields. Every
+violation raises ``ProtocolError`` naming the field
+(``manifest.tensors[3].nbytes: ...``). Limits that depend on the receiver
+(memory, its own caps) are checked by ``Manifest.check(limits)``. Never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
+from weightpub_wire.errors import ProtocolError
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "DEFAULT_LIMITS",
+    "MAX_CHUNK_SIZE",
+    "MAX_CONTROL_BYTES",
+    "MIN_CHUNK_SIZE",
+    "PROTOCOL_VERSION",
+    "TENSOR_ALIGN",
+    "ChunkHeader",
+    "ErrorReply",
+    "FetchRequest",
+    "Heartbeat",
+    "LatestReply",
+    "LatestRequest",
+    "Limits",
+    "Manifest",
+    "Message",
+    "Report",
+    "StatusReply",
+    "StatusRequest",
+    "TensorEntry",
+    "decode",
+    "decode_as",
+    "encode",
+]
+
+PROTOCOL_VERSION = 2
+CHECKSUM_ALGORITHM = "xxh3_64"
+TENSOR_ALIGN = 64
+MAX_CONTROL_BYTES = 256 << 20
+MAX_ERROR_CHARS = 4096
+
+# -- field types: every bound is checked while decoding ----------------------------------------
+U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+U64 = Annotated[int, Meta(ge=0)]  # msgpack holds at most 2**64 - 1
+Version = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+Seconds = Annotated[float, Meta(ge=0.0, le=1e12)]  # wall-clock timestamps; finite
+Interval = Annotated[float, Meta(gt=0.0, le=3600.0)]
+# names are printed in logs and status tables: no C0/C1 control characters (terminal escapes)
+Name = Annotated[str, Meta(min_length=1, max_length=1024, pattern="^[^\x00-\x1f\x7f-\x9f]+$")]
+Text = Annotated[str, Meta(max_length=1024)]
+ErrorText = Annotated[str, Meta(max_length=MAX_ERROR_CHARS)]
+MIN_CHUNK_SIZE = 4096
+MAX_CHUNK_SIZE = 1 << 30
+ChunkSize = Annotated[int, Meta(ge=MIN_CHUNK_SIZE, le=MAX_CHUNK_SIZE)]
+Shape = Annotated[tuple[Annotated[int, Meta(ge=0, le=1 << 50)], ...], Meta(max_length=16)]
+MAX_ELEMENTS = 1 << 56  # even an empty tensor's other dims must not overflow int64 numel
+MAX_TENSORS = 1_000_000
+MAX_CHUNKS = 10_000_000
+MAX_CHUNKS_PER_FETCH = 4096
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Receiver-side bounds, checked before anything a peer asked for is allocated.
+
+    By default a version may not exceed this machine's physical memory: a
+    subscriber stages whole versions in host RAM.
+    """
+
+    max_total_bytes: int = field(default_factory=_physical_memory)
+    max_tensors: int = MAX_TENSORS
+    max_chunks_per_fetch: int = MAX_CHUNKS_PER_FETCH
+
+
+DEFAULT_LIMITS = Limits()
+
+
+class _Message(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
+    """Common frame: ``t`` (the tag, set by each subclass) and ``p`` (protocol version)."""
+
+    p: int = PROTOCOL_VERSION
+
+    def __post_init__(self) -> None:
+        if self.p != PROTOCOL_VERSION:
+            raise ValueError(f"p: protocol version {self.p}, this side speaks {PROTOCOL_VERSION}")
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    """One tensor of a version: where its bytes sit in the version's flat buffer."""
+
+    name: Name
+    dtype: Annotated[str, Meta(max_length=32)]
+    shape: Shape
+    offset: U63
+    nbytes: U63
+
+    def __post_init__(self) -> None:
+        if math.prod(d for d in self.shape if d) > MAX_ELEMENTS:
+            raise ValueError(f"shape: {list(self.shape)} has too many elements")
+        dtype = DTYPE_BY_NAME.get(self.dtype)
+        if dtype is None:
+            allowed = ", ".join(sorted(DTYPE_BY_NAME))
+            raise ValueError(f"dtype: unsupported dtype {self.dtype!r} (allowed: {allowed})")
+        size = itemsize(dtype)
+        expected = math.prod(self.shape) * size
+        if self.nbytes != expected:
+            raise ValueError(
+                f"nbytes: {self.nbytes} does not match shape {list(self.shape)} x {self.dtype} "
+                f"({expected} bytes) for tensor {self.name!r}"
+            )
+        if self.offset % size:
+            raise ValueError(f"offset: {self.offset} is not aligned to {size} bytes")
+
+
+class Manifest(_Message, tag="manifest", kw_only=True, frozen=True):
+    """A complete, immutable description of one published version."""
+
+    publisher_id: Name
+    started_at: Seconds
+    version: Version
+    created_at: Seconds
+    model_id: Text = ""
+    chunk_size: ChunkSize
+    total_bytes: U63
+    tensors: Annotated[tuple[TensorEntry, ...], Meta(max_length=MAX_TENSORS)]
+    checksums: Annotated[tuple[U64, ...], Meta(max_length=MAX_CHUNKS)]
+    checksum_algorithm: Annotated[str, Meta(max_length=32)] = CHECKSUM_ALGORITHM
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.checksum_algorithm != CHECKSUM_ALGORITHM:
+            raise ValueError(f"checksum_algorithm: unsupported {self.checksum_algorithm!r}")
+        expected = -(-self.total_bytes // self.chunk_size)
+        if len(self.checksums) != expected:
+            raise ValueError(
+                f"checksums: {len(self.checksums)} entries, expected {expected} for "
+                f"{self.total_bytes} bytes in chunks of {self.chunk_size}"
+            )
+        seen: set[str] = set()
+        end = 0
+        for index, entry in enumerate(self.tensors):
+            where = f"tensors[{index}]"
+            if entry.name in seen:
+                raise ValueError(f"{where}.name: duplicate tensor name {entry.name!r}")
+            seen.add(entry.name)
+            if entry.offset < end:
+                raise ValueError(f"{where}.offset: {entry.offset} overlaps the previous tensor")
+            end = entry.offset + entry.nbytes
+            if end > self.total_bytes:
+                raise ValueError(f"{where}: tensor {entry.name!r} ends at byte {end}, past "
+                                 f"total_bytes {self.total_bytes}")
+
+    def check(self, limits: Limits) -> Manifest:
+        """Receiver-specific bounds (memory, tensor count); returns ``self``."""
+        if self.total_bytes > limits.max_total_bytes:
+            raise ProtocolError(
+                f"manifest.total_bytes: version {self.version} has {self.total_bytes} bytes, "
+                f"more than this receiver accepts ({limits.max_total_bytes})"
+            )
+        if len(self.tensors) > limits.max_tensors:
+            raise ProtocolError(f"manifest.tensors: {len(self.tensors)} tensors, more than "
+                                f"{limits.max_tensors}")
+        return self
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.checksums)
+
+    def chunk_span(self, chunk: int) -> tuple[int, int]:
+        """(offset, size) of a chunk in the flat buffer."""
+        start = chunk * self.chunk_size
+        return start, min(self.chunk_size, self.total_bytes - start)
+
+    def chunks_of(self, entry: TensorEntry) -> range:
+        """The chunk ids that hold a tensor's bytes."""
+        if entry.nbytes == 0:
+            return range(0)
+        first = entry.offset // self.chunk_size
+        last = (entry.offset + entry.nbytes - 1) // self.chunk_size
+        return range(first, last + 1)
+
+    @property
+    def instance(self) -> tuple[float, str]:
+        """Orders publisher instances: a restarted publisher has a later ``started_at``."""
+        return (self.started_at, self.publisher_id)
+
+
+class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
+    """Liveness plus the newest version, so a subscriber that missed a manifest notices."""
+
+    publisher_id: Name
+    started_at: Seconds
+    latest_version: U63
+    sent_at: Seconds
+    interval: Interval
+
+
+class LatestRequest(_Message, tag="latest", kw_only=True, frozen=True):
+    """Clone-pattern snapshot request: 'what is your newest version, and where is your PUB?'"""
+
+    req: U63
+
+
+class LatestReply(_Message, tag="latest_rep", kw_only=True, frozen=True):
+    """The newest manifest (or none yet) and the PUB address to subscribe to."""
+
+    req: U63
+    publisher_id: Name
+    started_at: Seconds
+    pub_endpoint: Text
+    heartbeat_interval: Interval
+    manifest: Manifest | None = None
+
+
+class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
+    """Ask for some chunks of one version; the count is the subscriber's credit."""
+
+    req: U63
+    publisher_id: Name
+    version: Version
+    chunks: Annotated[tuple[Annotated[int, Meta(ge=0, le=MAX_CHUNKS)], ...],
+                      Meta(max_length=MAX_CHUNKS_PER_FETCH)]
+
+
+class ChunkHeader(_Message, tag="chunk", kw_only=True, frozen=True):
+    """First frame of a chunk reply; the second frame carries exactly ``size`` bytes."""
+
+    req: U63
+    version: Version
+    chunk: Annotated[int, Meta(ge=0, le=MAX_CHUNKS)]
+    size: Annotated[int, Meta(ge=0, le=MAX_CHUNK_SIZE)]
+
+
+ERROR_CODES = ("version_unavailable", "bad_request")
+
+
+class ErrorReply(_Message, tag="error", kw_only=True, frozen=True):
+    """A request could not be served; ``code`` is machine-readable (``ERROR_CODES``)."""
+
+    req: U63
+    code: Annotated[str, Meta(max_length=64)]
+    message: ErrorText
+    version: U63 = 0
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.code not in ERROR_CODES:
+            raise ValueError(f"code: unknown code {self.code!r}")
+
+
+class Report(_Message, tag="report", kw_only=True, frozen=True):
+    """Back-channel: a subscriber tells the publisher what it staged and applied."""
+
+    subscriber_id: Name
+    staged_version: U63
+    applied_version: U63
+    last_error: ErrorText | None = None
+
+
+class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):
+    req: U63
+
+
+class StatusReply(_Message, tag="status_rep", kw_only=True, frozen=True):
+    """The publisher's view: versions held and the last report of each subscriber."""
+
+    req: U63
+    publisher_id: Name
+    started_at: Seconds
+    latest_version: U63
+    versions: Annotated[tuple[U63, ...], Meta(max_length=4096)]
+    subscribers: Annotated[tuple[Report, ...], Meta(max_length=100_000)]
+
+
+Message = (
+    Manifest | Heartbeat | LatestRequest | LatestReply | FetchRequest | ChunkHeader
+    | ErrorReply | Report | StatusRequest | StatusReply
+)
+ALL_TYPES: tuple[type[_Message], ...] = (
+    Manifest, Heartbeat, LatestRequest, LatestReply, FetchRequest, ChunkHeader, ErrorReply,
+    Report, StatusRequest, StatusReply,
+)
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+class _Tag(msgspec.Struct):
+    t: str
+
+
+def encode(message: Message) -> bytes:
+    """One msgpack frame: the message's fields plus ``t`` (type) and ``p`` (protocol)."""
+    return _ENCODER.encode(message)
+
+
+@lru_cache(maxsize=32)
+def _decoder(types: tuple[type[_Message], ...]) -> msgspec.msgpack.Decoder[Any]:
+    union: Any = types[0]
+    for cls in types[1:]:
+        union = union | cls
+    return msgspec.msgpack.Decoder(union)
+
+
+def decode(frame: bytes | memoryview, *, expect: tuple[type[_Message], ...] = ALL_TYPES,
+           limits: Limits | None = None) -> Message:
+    """Parse and validate one control frame; raises ``ProtocolError`` naming the field.
+
+    ``expect`` lists the message types this socket may receive; ``limits``
+    applies the receiver's bounds to manifests (``Manifest.check``).
+    """
+    if len(frame) > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"message: {len(frame)} bytes exceeds {MAX_CONTROL_BYTES}")
+    try:
+        message = _decoder(expect).decode(frame)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(_describe(frame, exc, expect)) from exc
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"message: not valid msgpack ({exc})") from exc
+    if limits is not None:
+        manifest = message if isinstance(message, Manifest) else getattr(message, "manifest", None)
+        if isinstance(manifest, Manifest):
+            manifest.check(limits)
+    return message
+
+
+M = TypeVar("M", bound=_Message)
+
+
+def decode_as(frame: bytes | memoryview, cls: type[M], *, limits: Limits | None = None) -> M:
+    """``decode`` for a socket that receives exactly one message type."""
+    message = decode(frame, expect=(cls,), limits=limits)
+    if not isinstance(message, cls):  # pragma: no cover - the decoder only builds ``cls``
+        raise ProtocolError(f"message.t: expected {cls.__name__}")
+    return message
+
+
+_FIELD = re.compile(r"^[A-Za-z_][\w.\[\]]*$")
+_LOCATED = re.compile(r"^(.*) - at `(key` in `)?\$(.*)`$", re.DOTALL)
+_MISSING = re.compile(r"^Object missing required field `(\w+)`$")
+
+
+def _describe(frame: bytes | memoryview, exc: msgspec.ValidationError,
+              expect: tuple[type[_Message], ...]) -> str:
+    """``<type>.<path>.<field>: <what>`` from msgspec's ``"<what> - at `$.<path>`"``."""
+    located = _LOCATED.match(str(exc))
+    what, path = (located.group(1), located.group(3)) if located else (str(exc), "")
+    if located and located.group(2):
+        what = f"a map key: {what}"
+    missing = _MISSING.match(what)
+    if missing:
+        path = f"{path}.{missing.group(1)}"
+    else:
+        head, colon, rest = what.partition(": ")
+        if colon and _FIELD.match(head):
+            path, what = f"{path}.{head}", rest  # a __post_init__ check named its field
+    try:
+        root: str | None = msgspec.msgpack.decode(frame, type=_Tag).t[:32]
+    except msgspec.DecodeError:
+        root = None
+    if path == ".t":
+        if root is None:
+            return "message.t: missing, or not a string"
+        wanted = ", ".join(sorted(str(c.__struct_config__.tag) for c in expect))
+        return f"message.t: unexpected {root!r} here (expected {wanted})"
+    return f"{root or 'message'}{path}: {what}"
