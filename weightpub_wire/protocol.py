@@ -124,6 +124,18 @@ class _Message(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
             raise ValueError(f"p: protocol version {self.p}, this side speaks {PROTOCOL_VERSION}")
 
 
+class _FromPublisher(_Message, kw_only=True, frozen=True):
+    """Sent by a publisher instance: which one, and when it started (orders restarts)."""
+
+    publisher_id: Name
+    started_at: Seconds
+
+    @property
+    def instance(self) -> tuple[float, str]:
+        """Orders publisher instances: a restarted publisher has a later ``started_at``."""
+        return (self.started_at, self.publisher_id)
+
+
 class TensorEntry(msgspec.Struct, frozen=True):
     """One tensor of a version: where its bytes sit in the version's flat buffer."""
 
@@ -151,11 +163,9 @@ class TensorEntry(msgspec.Struct, frozen=True):
             raise ValueError(f"offset: {self.offset} is not aligned to {size} bytes")
 
 
-class Manifest(_Message, tag="manifest", kw_only=True, frozen=True):
+class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     """A complete, immutable description of one published version."""
 
-    publisher_id: Name
-    started_at: Seconds
     version: Version
     created_at: Seconds
     model_id: Text = ""
@@ -218,17 +228,10 @@ class Manifest(_Message, tag="manifest", kw_only=True, frozen=True):
         last = (entry.offset + entry.nbytes - 1) // self.chunk_size
         return range(first, last + 1)
 
-    @property
-    def instance(self) -> tuple[float, str]:
-        """Orders publisher instances: a restarted publisher has a later ``started_at``."""
-        return (self.started_at, self.publisher_id)
 
-
-class Heartbeat(_Message, tag="heartbeat", kw_only=True, frozen=True):
+class Heartbeat(_FromPublisher, tag="heartbeat", kw_only=True, frozen=True):
     """Liveness plus the newest version, so a subscriber that missed a manifest notices."""
 
-    publisher_id: Name
-    started_at: Seconds
     latest_version: U63
     sent_at: Seconds
     interval: Interval
@@ -240,12 +243,10 @@ class LatestRequest(_Message, tag="latest", kw_only=True, frozen=True):
     req: U63
 
 
-class LatestReply(_Message, tag="latest_rep", kw_only=True, frozen=True):
+class LatestReply(_FromPublisher, tag="latest_rep", kw_only=True, frozen=True):
     """The newest manifest (or none yet) and the PUB address to subscribe to."""
 
     req: U63
-    publisher_id: Name
-    started_at: Seconds
     pub_endpoint: Text
     heartbeat_interval: Interval
     manifest: Manifest | None = None
@@ -300,12 +301,10 @@ class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):
     req: U63
 
 
-class StatusReply(_Message, tag="status_rep", kw_only=True, frozen=True):
+class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     """The publisher's view: versions held and the last report of each subscriber."""
 
     req: U63
-    publisher_id: Name
-    started_at: Seconds
     latest_version: U63
     versions: Annotated[tuple[U63, ...], Meta(max_length=4096)]
     subscribers: Annotated[tuple[Report, ...], Meta(max_length=100_000)]

@@ -136,11 +136,10 @@ class WeightSubscriber:
                     if left <= 0:
                         raise WeightPubTimeout(f"no new version within {timeout}s")
                     self._cond.wait(left)
-                if self._closed:
+                staged = self._latest
+                if self._closed or staged is None:  # None only before the first delivery
                     return
                 seen = self._delivered
-                staged = self._latest
-            assert staged is not None
             yield staged
 
     def mark_applied(self, version: int, error: str | WeightPubError | None = None) -> None:

@@ -262,22 +262,22 @@ class SyncClient:
         self._start(manifest)
 
     def _start(self, manifest: wire.Manifest) -> None:
-        self.target = Assembly(manifest, self.pool)
+        self.target = target = Assembly(manifest, self.pool)
         self._requests.clear()
         self._retries.clear()
-        if not self.target.missing:
-            self._complete()
+        if not target.missing:
+            self._complete(target)
         else:
             self._top_up(time.monotonic())
 
-    def _complete(self) -> None:
-        assert self.target is not None
-        self._failed.pop((self.target.manifest.instance, self.target.manifest.version), None)
+    def _complete(self, target: Assembly) -> None:
+        manifest = target.manifest
+        self._failed.pop((manifest.instance, manifest.version), None)
         try:
-            staged = self.target.finish()
+            staged = target.finish()
         except Exception as exc:  # never stay stuck behind a version that cannot be staged
             error = exc if isinstance(exc, WeightPubError) else WeightPubError(
-                f"version {self.target.manifest.version} cannot be staged: {exc}")
+                f"version {manifest.version} cannot be staged: {exc}")
             self._fail_target(error)
             return
         self.target = None
@@ -377,15 +377,13 @@ class SyncClient:
     def _on_chunk(self, header: wire.ChunkHeader, more: int) -> None:
         target = self.target
         request = self._requests.get(header.req)
-        valid = (
+        if not (
             more and target is not None and request is not None
             and header.version == target.manifest.version and header.chunk in request.chunks
             and header.size == target.manifest.chunk_span(header.chunk)[1]
-        )
-        if not valid:
+        ):
             self._discard_rest(more)
             return  # stale (conflated / timed out) or not ours
-        assert target is not None and request is not None
         size = self.dealer.recv_into(target.chunk_target(header.chunk))
         extra = self.dealer.getsockopt(zmq.RCVMORE)
         request.chunks.discard(header.chunk)
@@ -404,6 +402,6 @@ class SyncClient:
             self._count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
         if not target.missing:
-            self._complete()
+            self._complete(target)
         else:
             self._top_up(time.monotonic())

@@ -11,7 +11,7 @@ import zmq
 
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import WeightSubscriber
-from tests.transport.procs import as_bytes, det_weights
+from tests.transport.procs import as_bytes, det_weights, wait_until
 from weightpub_wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(60)
@@ -26,7 +26,8 @@ class CorruptingProxy(threading.Thread):
     requests, and flips one byte in the data frame of the ``nth`` chunk reply, once.
     """
 
-    def __init__(self, ctx: zmq.Context, upstream: str, nth: int = 3) -> None:
+    def __init__(self, ctx: zmq.Context, upstream: str, nth: int = 3,
+                 always: bool = False) -> None:
         super().__init__(name="test-mitm", daemon=True)
         self.frontend = ctx.socket(zmq.ROUTER)
         self.frontend.setsockopt(zmq.LINGER, 0)
@@ -36,6 +37,8 @@ class CorruptingProxy(threading.Thread):
         self.backend.setsockopt(zmq.LINGER, 0)
         self.backend.connect(upstream)
         self.nth = nth
+        self.always = always  # corrupt every chunk, so a version can never verify
+        self.corrupted = 0
         self.chunks_seen = 0
         self.flipped: tuple[int, int] | None = None  # (version, chunk)
         self.forwarded = 0
@@ -64,14 +67,15 @@ class CorruptingProxy(threading.Thread):
             self.backend.close()
 
     def _maybe_corrupt(self, frames: list[bytes]) -> None:
-        if self.flipped is not None or len(frames) != 2:
+        if (self.flipped is not None and not self.always) or len(frames) != 2:
             return
         try:
             header = wire.decode(frames[0], expect=(wire.ChunkHeader,))
         except ProtocolError:
             return
         self.chunks_seen += 1
-        if self.chunks_seen == self.nth and header.size:
+        if (self.always or self.chunks_seen == self.nth) and header.size:
+            self.corrupted += 1
             data = bytearray(frames[1])
             data[len(data) // 2] ^= 0x40
             frames[1] = bytes(data)
@@ -104,4 +108,27 @@ def test_flipped_byte_is_detected_and_refetched(
         proxy.stop.set()
         proxy.join(timeout=5)
         assert not proxy.is_alive()
+        ctx.term()
+
+
+def test_a_chunk_that_keeps_failing_ends_as_checksum_error(
+    make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    ctx = zmq.Context()
+    pub = make_pub(chunk_size=64 << 10)
+    proxy = CorruptingProxy(ctx, pub.endpoint, always=True)
+    proxy.start()
+    try:
+        version = pub.publish(det_weights(11, 2, SPEC))
+        sub = make_sub(proxy.endpoint, max_chunk_retries=2, request_timeout=1.0)
+        wait_until(lambda: "failed its checksum" in (sub.status()["last_error"] or ""), 30,
+                   "the version to be given up")
+        status = sub.status()
+        assert status["last_error"].startswith("ChecksumError: "), status
+        assert f"of version {version} failed its checksum 3 times" in status["last_error"]
+        assert sub.latest() is None and status["staged_version"] == 0
+        assert proxy.corrupted >= 3
+    finally:
+        proxy.stop.set()
+        proxy.join(timeout=5)
         ctx.term()

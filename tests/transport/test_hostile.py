@@ -162,6 +162,7 @@ class FakePublisher(threading.Thread):
         self.data: dict[int, bytes] = {}
         self.outbox: queue.Queue[bytes] = queue.Queue()
         self.latest_requests = 0
+        self.evicted: set[int] = set()  # fetches of these get a version_unavailable error
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -187,6 +188,12 @@ class FakePublisher(threading.Thread):
                      "heartbeat_interval": 1.0, "manifest": self.latest_manifest}
             self.router.send_multipart([identity, pack(reply)])
         elif isinstance(request, wire.FetchRequest):
+            if request.version in self.evicted:
+                error = wire.ErrorReply(req=request.req, code="version_unavailable",
+                                        message=f"version {request.version} was evicted",
+                                        version=request.version)
+                self.router.send_multipart([identity, wire.encode(error)])
+                return
             data = self.data[request.version]
             chunk_size = self.latest_manifest["chunk_size"] if self.latest_manifest else 0
             for chunk in request.chunks:
@@ -352,3 +359,34 @@ def test_oversized_frame_is_cut_off_before_it_is_buffered() -> None:
         assert pub._server.bad_messages == 0
         hostile.close()
         ctx.term()
+
+
+def test_a_version_the_publisher_no_longer_holds_is_reported_as_version_unavailable(
+    fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    weights = det_weights(12, 1, SPEC)
+    fake.latest_manifest = fake.manifest(weights, 1)
+    fake.evicted.add(1)
+    sub = make_sub(fake.endpoint, request_timeout=1.0)
+    wait_until(lambda: _error(sub).startswith("VersionUnavailable: "), 30, "the refusal")
+    assert "version 1 was evicted" in _error(sub)
+    assert sub.latest() is None
+    fake.evicted.clear()  # the back-off expires and the version is fetched after all
+    staged = sub.wait_for_version(1, timeout=30)
+    assert digests(staged.items()) == digests(weights.items())
+
+
+def test_publisher_manifest_raises_version_unavailable_once_evicted(
+    make_pub: Callable[..., WeightPublisher],
+) -> None:
+    from publisher import VersionUnavailable
+
+    pub = make_pub(keep_versions=1)
+    first = pub.publish(det_weights(13, 1, SPEC))
+    pub.wait_announced(first, timeout=30)
+    assert pub.manifest(first).version == first
+    second = pub.publish(det_weights(13, 2, SPEC))
+    pub.wait_announced(second, timeout=30)
+    assert pub.manifest().version == second
+    with pytest.raises(VersionUnavailable, match=rf"version {first} is not held"):
+        pub.manifest(first)

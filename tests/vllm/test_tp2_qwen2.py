@@ -90,8 +90,8 @@ def test_tp2_directory_source_is_a_version_source(llm, tmp_path):
     try:
         w = new_weights(KIND, 36)
         publish_to_dir(tmp_path, 1, w)
-        states = wait_until_applied(llm, 1, timeout=30)
-        assert all((1, None) in s["subscriber"]["marked"] for s in states), states
+        states = wait_until_applied(llm, 1, publisher_id=f"dir:{tmp_path}", timeout=30)
+        assert all([1, None] in map(list, s["subscriber"]["marked"]) for s in states), states
         _check(llm, w)
     finally:
         llm.collective_rpc("stop_weight_subscriber")
