@@ -23,6 +23,8 @@ class PublisherConfig(StrictConfig):
     first_version: int = Field(1, ge=1)
     curve_secret_key_file: str | None = None  # zmq certificate: turns on CurveZMQ
     curve_allowed_clients_dir: str | None = None  # only these client keys may connect
+    metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0: any)
+    metrics_host: str = "127.0.0.1"
 
     _endpoint = field_validator("endpoint")(check_endpoint)
 
@@ -36,6 +38,8 @@ class PublisherConfig(StrictConfig):
             "first_version": self.first_version,
             "curve_secret_key_file": self.curve_secret_key_file,
             "curve_allowed_clients_dir": self.curve_allowed_clients_dir,
+            "metrics_port": self.metrics_port,
+            "metrics_host": self.metrics_host,
         }
 
 

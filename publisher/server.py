@@ -60,6 +60,7 @@ class ServingThread(threading.Thread):
         self._error: BaseException | None = None
         self._deferred: list[tuple[bytes, int, PublishedVersion, int]] = []
         self.bad_messages = 0
+        self.served_bytes = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start_and_wait(self, timeout: float = 10.0) -> None:
@@ -261,6 +262,7 @@ class ServingThread(threading.Thread):
     def _send_chunk(self, router: zmq.Socket, identity: bytes, req: int,
                     version: PublishedVersion, chunk: int) -> None:
         data = version.chunk_view(chunk)
+        self.served_bytes += len(data)
         header = wire.ChunkHeader(req=req, version=version.manifest.version, chunk=chunk,
                                   size=len(data))
         router.send(identity, zmq.SNDMORE)

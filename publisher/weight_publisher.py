@@ -26,6 +26,7 @@ import torch
 import zmq
 
 from publisher.config import PublisherConfig, load_publisher_config
+from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.server import ServerOptions, ServingThread
 from publisher.snapshot import (
     ChunkHasher,
@@ -58,6 +59,7 @@ class WeightPublisher:
     ``tcp://0.0.0.0:5555`` (port 0 picks a free port; read ``.endpoint``).
     ``curve_secret_key_file`` turns on CurveZMQ encryption; with
     ``curve_allowed_clients_dir`` only clients whose public keys are there may connect.
+    ``metrics_port`` serves Prometheus metrics on ``metrics_host`` (loopback by default).
     """
 
     def __init__(
@@ -73,6 +75,8 @@ class WeightPublisher:
         curve_allowed_clients_dir: str | None = None,
         socket_hooks: list[Callable[..., None]] | None = None,
         context: zmq.Context | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         router = parse_endpoint(endpoint)
         if not wire.MIN_CHUNK_SIZE <= chunk_size <= wire.MAX_CHUNK_SIZE:
@@ -116,6 +120,15 @@ class WeightPublisher:
         self._preparer = threading.Thread(target=self._prepare_loop, name="weightpub-prepare",
                                           daemon=True)
         self._preparer.start()
+        self._versions_published = 0
+        self.metrics: MetricsServer | None = None
+        if metrics_port is not None:
+            try:
+                self.metrics = MetricsServer(PublisherCollector(self._figures), metrics_port,
+                                             metrics_host)
+            except BaseException:
+                self.close()
+                raise
         log.info("publisher %s serving on %s (PUB %s)", self.publisher_id[:8],
                  self.endpoint, self._server.pub_endpoint)
 
@@ -227,11 +240,18 @@ class WeightPublisher:
                 )
             time.sleep(0.02)
 
+    def _figures(self) -> PublisherFigures:
+        return PublisherFigures(latest_version=self._announced_version,
+                                versions_published=self._versions_published,
+                                served_bytes=self._server.served_bytes, fleet=self.fleet())
+
     def close(self) -> None:
         """Stop threads and close sockets; idempotent."""
         if self._closed:
             return
         self._closed = True
+        if self.metrics is not None:
+            self.metrics.close()
         self._pending.put(None)
         self._preparer.join(timeout=10)
         self._hash_executor.shutdown(wait=True)
@@ -283,6 +303,7 @@ class WeightPublisher:
         self._server.send_command(b"announce")
         with self._announced:
             self._announced_version = number
+            self._versions_published += 1
             self._announced.notify_all()
         log.debug("announced version %d (%d bytes, %d chunks)", number, snapshot.total_bytes,
                   manifest.num_chunks)

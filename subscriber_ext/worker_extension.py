@@ -21,6 +21,7 @@ import importlib
 import logging
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -29,6 +30,7 @@ from subscriber_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.commit.shared_slots import ENV, SlotTable, SlotWriter
 from subscriber_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
 from subscriber_ext.commit.vllm_patches import wrap_execute_model
+from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.seed_rpcs import SeedRpcs
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.vllm_compat import check_vllm
@@ -43,6 +45,7 @@ _EXT_OPTIONS = (
     "apply_mode", "keep", "subscriber_cls", "record_requests", "request_log_size", "prepare",
 )
 _DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
+STATUS_INTERVAL_S = 1.0  # how often each rank refreshes its status file for /metrics
 
 
 class BatchWeightSyncWorkerExtension(SeedRpcs):
@@ -79,21 +82,79 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             staged.tensors, version=staged.version, publisher_id=staged.publisher_id
         )
 
+    def _wp_on_version(self, staged: StagedLike) -> None:
+        """Subscriber thread: a complete, verified version arrived for this rank."""
+        st = self._wp()
+        fetch_seconds = getattr(staged, "fetch_seconds", None)
+        if isinstance(fetch_seconds, float):
+            st.metrics.observe("transfer_seconds", fetch_seconds)
+        if st.coordinator is not None:
+            st.coordinator.offer(staged)
+
     def _wp_report_applied(self, version: int) -> None:
         """Back-channel: tell the publisher this rank now runs ``version``."""
-        source = self._wp().source
-        if source is not None:
-            source.mark_applied(version)
+        st = self._wp()
+        if st.coordinator is not None and st.coordinator.commit_log:
+            entry = st.coordinator.commit_log[-1]
+            st.metrics.committed(entry["seconds"])
+            st.metrics.observe("apply_seconds", entry["apply_seconds"])
+        if st.source is not None:
+            st.source.mark_applied(version)
 
     def _wp_report_failed(self, version: int, error: Exception) -> None:
-        source = self._wp().source
-        if source is not None:
-            source.mark_applied(0, f"version {version}: {error}")
+        st = self._wp()
+        st.metrics.failed(type(error).__name__)
+        if st.source is not None:
+            st.source.mark_applied(0, f"version {version}: {error}")
+
+    def _wp_publish_status(self, board: StatusBoard) -> None:
+        """Writer thread: this rank's versions and metrics, for the front end's /metrics."""
+        st = self._wp()
+        while True:
+            try:
+                board.write(self.rank, self._wp_metrics_snapshot())
+            except Exception:  # never let metrics take a worker down
+                logger.exception("weightpub: status file write failed")
+            time.sleep(STATUS_INTERVAL_S)
+            if st.status_writer is None:
+                return
+
+    def _wp_metrics_snapshot(self) -> dict[str, Any]:
+        st = self._wp()
+        coord = st.coordinator
+        source = {}
+        if st.source is not None:
+            try:
+                source = st.source.status()
+            except Exception:
+                source = {}
+        metrics = st.metrics.to_json()
+        for name, count in (source.get("failures") or {}).items():
+            metrics["failures"][name] = metrics["failures"].get(name, 0) + int(count)
+        return {
+            "rank": self.rank,
+            "applied_version": coord.applied_version if coord else None,
+            "staged_version": coord.staged_version() if coord else None,
+            "publisher_latest_version": source.get("publisher_latest_version"),
+            "received_bytes": source.get("received_bytes", 0),
+            "data_path": "zmq",
+            "metrics": metrics,
+        }
 
     def _wp_started(self) -> None:
         """Once per worker, after vLLM loaded the model (``vllm_patches`` hook 2)."""
         self._wp_attach_slots()
+        self._wp_start_status_writer()
         self._wp_autostart()
+
+    def _wp_start_status_writer(self) -> None:
+        st = self._wp()
+        board = StatusBoard.from_env()
+        if board is None or st.status_writer is not None:
+            return
+        st.status_writer = threading.Thread(target=self._wp_publish_status, args=(board,),
+                                            name="weightpub-status", daemon=True)
+        st.status_writer.start()
 
     def _wp_attach_slots(self) -> None:
         """Map the engine core's slot table (``WEIGHTPUB_SLOTS``), if the plugin made one.
@@ -185,7 +246,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             st.prepare = prepare
             st.record_requests = bool(ext.get("record_requests", True))
             st.request_log_size = int(ext.get("request_log_size", st.request_log_size))
-            coord = self._wp_coordinator(keep=int(ext.get("keep", 2)))
+            self._wp_coordinator(keep=int(ext.get("keep", 2)))
+            self._wp_start_status_writer()
             cls = self._wp_source_class(ext.get("subscriber_cls", _DEFAULT_SOURCE))
             if not st.hooked:
                 wrap_execute_model(self, self._wp_before_step)
@@ -193,7 +255,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             if cls is WeightSubscriber:
                 options.setdefault("subscriber_id",
                                    f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}")
-            source = cls(endpoint, on_version=coord.offer, **options)
+            source = cls(endpoint, on_version=self._wp_on_version, **options)
             if not isinstance(source, VersionSource):
                 source.close()
                 raise ConfigError(f"subscriber_cls: {cls.__name__} lacks status/mark_applied/"

@@ -18,6 +18,7 @@ from subscriber_ext.apply.applier import WeightApplier
 from subscriber_ext.apply.names import Target
 from subscriber_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.commit.shared_slots import SlotTable
+from subscriber_ext.observe.metrics import RankMetrics
 from subscriber_ext.seed.communicator import WeightCommunicator
 from weightpub_wire.errors import WeightPubError
 
@@ -67,6 +68,8 @@ class WorkerState:
         self.step_check_s = 0.0
         self.slots: SlotTable | None = None  # engine-driven commit, see _wp_attach_slots
         self.slot_index = 0
+        self.metrics = RankMetrics()
+        self.status_writer: threading.Thread | None = None
 
     def record_step(self, scheduler_output: Any, version: int | None) -> None:
         """Remember, per request id, the first and last version its steps ran with."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from tests.transport.procs import wait_until
 from weightpub.config import (
     PublisherConfig,
     RelayConfig,
@@ -76,6 +78,30 @@ def test_status_cli_lists_versions_and_subscribers():
     status = json.loads(run.stdout)
     assert status["latest_version"] == version
     assert [s["staged_version"] for s in status["subscribers"]] == [version]
+
+
+@pytest.mark.timeout(60)
+def test_status_watch_redraws_the_fleet_table():
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        version = pub.publish({"w": torch.ones(8)})
+        with WeightSubscriber(pub.endpoint, report_interval=0.2, subscriber_id="replica-a") as sub:
+            sub.wait_for_version(version, timeout=20)
+            sub.mark_applied(0, "boom \x1b[2J\x1b]0;pwned\x07")  # error text is free-form
+            wait_until(lambda: any(r.last_error for r in pub.fleet()), 20, "the error report")
+            run = subprocess.run([sys.executable, "-m", "weightpub", "status", pub.endpoint,
+                                  "--watch", "--count", "3", "--interval", "0.1"],
+                                 capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "COLUMNS": "120"})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("latest version 1") >= 1
+    assert "subscriber" in run.stdout and "lag" in run.stdout
+    assert "replica-a" in run.stdout and "boom" in run.stdout
+    assert "\x1b[2J" not in run.stdout and "\x1b]0" not in run.stdout  # escapes stripped
+
+
+def test_subscriber_id_with_control_characters_is_refused_at_once():
+    with pytest.raises(ConfigError, match="subscriber_id"):
+        WeightSubscriber("tcp://127.0.0.1:9", subscriber_id="a\x1b[2Jb")
 
 
 def test_status_cli_times_out_cleanly():

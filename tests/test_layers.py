@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, int]] = [
     ("subscriber_ext.transport", 2),
     ("subscriber_ext.apply", 2),
     ("subscriber_ext.seed", 2),
+    ("subscriber_ext.observe", 2),
     ("publisher", 2),
     ("subscriber_ext.commit", 3),
     ("subscriber_ext", 4),  # worker_state, seed_rpcs, worker_extension, llm, __init__

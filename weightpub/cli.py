@@ -9,6 +9,7 @@ import sys
 import msgspec
 import orjson
 
+from weightpub_wire import protocol as wire
 from weightpub_wire.errors import WeightPubError
 
 __all__ = ["main"]
@@ -27,19 +28,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from weightpub.fleet_view import fleet_table, watch_fleet
     from weightpub.status import fetch_status
 
-    reply = fetch_status(args.endpoint, timeout=args.timeout)
-    data = msgspec.to_builtins(reply)
+    def fetch() -> wire.StatusReply:
+        return fetch_status(args.endpoint, timeout=args.timeout)
+
+    if args.watch:
+        try:
+            watch_fleet(fetch, interval=args.interval, count=args.count)
+        except KeyboardInterrupt:
+            pass
+        return 0
+    reply = fetch()
     if args.json:
+        data = msgspec.to_builtins(reply)
         sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
         return 0
-    print(f"publisher {reply.publisher_id}  latest version {reply.latest_version}  "
-          f"holding {list(reply.versions)}")
-    for sub in reply.subscribers:
-        err = f"  error: {sub.last_error}" if sub.last_error else ""
-        print(f"  {sub.subscriber_id:<40} staged {sub.staged_version:>6}  "
-              f"applied {sub.applied_version:>6}{err}")
+    Console().print(fleet_table(reply))
     return 0
 
 
@@ -84,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("endpoint")
     status.add_argument("--timeout", type=float, default=5.0)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--watch", action="store_true", help="a live table, refreshed in place")
+    status.add_argument("--interval", type=float, default=1.0, help="(--watch) seconds")
+    status.add_argument("--count", type=int, default=None,
+                        help="(--watch) refreshes before exiting (default: until Ctrl-C)")
     status.set_defaults(func=_cmd_status)
 
     check = sub.add_parser("check-config", help="validate a YAML config file")

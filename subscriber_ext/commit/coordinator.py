@@ -247,9 +247,13 @@ class CommitCoordinator:
                 _release(pinned)
             self._pinned.clear()
             self.commit_count += 1
-            self.commit_log.append({"step": self.step, "version": choice,
-                                    "seconds": self.last_commit_s,
-                                    "prepared": prepared is not None})
+            self.commit_log.append({
+                "step": self.step, "version": choice, "seconds": self.last_commit_s,
+                "prepared": prepared is not None,
+                # the work of turning staged bytes into weights, on or off the step path
+                "apply_seconds": prepared.seconds if prepared is not None
+                else self.last_commit_s,
+            })
             self._unready = {v for v in self._unready if v > choice}
             self._advertise_locked()
         logger.info("weightpub committed version %d before step %d in %.3f s", choice,

@@ -2,7 +2,9 @@
 
 Three hooks, all installed by ``register`` (the ``vllm.general_plugins:
 weightpub`` entry point vLLM calls in every process: front end, engine core,
-workers) except the last, which the extension installs on its own worker:
+workers) except the last, which the extension installs on its own worker.
+``register`` also exposes the replica's Prometheus metrics in the process that
+serves ``/metrics`` (``observe/``).
 
 1. ``EngineCore`` (engine-core process): ``__init__`` creates the rank slot
    table before workers spawn; ``step`` / ``step_with_batch_queue`` and our RPCs
@@ -31,6 +33,8 @@ from typing import Any
 
 from subscriber_ext.commit.engine_driver import EngineDriver
 from subscriber_ext.commit.shared_slots import ENV, SlotTable
+from subscriber_ext.observe.metrics import ReplicaCollector
+from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_compat import check_vllm
 
 __all__ = ["DRIVER_RPCS", "register", "wrap_execute_model"]
@@ -234,6 +238,17 @@ def wrap_execute_model(worker: Any, before_step: Callable[[Any], None]) -> None:
     worker.execute_model = execute_model
 
 
+def _expose_metrics() -> None:
+    """In a replica's first process (the ``vllm serve`` front end, or an ``LLM`` user's):
+    create the rank status board, exported to the engine and workers it spawns, and
+    serve it in the default Prometheus registry, which ``/metrics`` exposes."""
+    if StatusBoard.from_env() is not None:
+        return  # a child of a process that already did this
+    import prometheus_client
+
+    prometheus_client.REGISTRY.register(ReplicaCollector(StatusBoard.create()))
+
+
 def register() -> None:
     """vLLM plugin entry point: check vLLM, patch once per process (idempotent, cheap)."""
     try:
@@ -241,6 +256,7 @@ def register() -> None:
     except ImportError:  # pragma: no cover - vLLM without the v1 engine
         return
     check_vllm()
+    _expose_metrics()
     _patch_engine_core()
     _patch_worker_init()
     found = _constructing_core()

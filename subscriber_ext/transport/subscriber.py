@@ -17,10 +17,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import zmq
 
 from subscriber_ext.transport.staging import StagedVersion
 from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
+from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import (
     ApplyError,
@@ -78,6 +80,10 @@ class WeightSubscriber:
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id or f"{socket.gethostname()}-{os.getpid()}-" \
                                               f"{uuid.uuid4().hex[:6]}"
+        try:  # the id travels in every report: refuse here what the publisher would refuse
+            msgspec.convert(self.subscriber_id, wire.Name)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"subscriber_id: {exc}") from exc
         self._on_version = on_version
         self._own_context = context is None
         self._ctx = context or zmq.Context()
@@ -164,6 +170,9 @@ class WeightSubscriber:
             "fetching_fraction": None if target is None else round(target.done_fraction, 3),
             "bad_messages": client.bad_messages,
             "checksum_failures": client.checksum_failures,
+            "failures": dict(client.failures),
+            "received_bytes": client.received_bytes,
+            "publisher_latest_version": client.latest_seen,
             "last_error": client.last_error,
         }
 

@@ -76,6 +76,9 @@ class SyncClient:
         self.error: WeightPubError | None = None  # the newest problem, as our exception
         self.bad_messages = 0
         self.checksum_failures = 0
+        self.received_bytes = 0  # data-path bytes accepted into staging
+        self.latest_seen = 0  # newest version the current publisher instance announced
+        self.failures: dict[str, int] = {}  # problems by error class (a fixed, small set)
         self.target: Assembly | None = None
         self.queued: wire.Manifest | None = None
         self._ids = itertools.count(1)
@@ -210,8 +213,13 @@ class SyncClient:
                                 f"{why} {tries} times"))
         return True
 
+    def _count_failure(self, error: WeightPubError) -> None:
+        name = type(error).__name__
+        self.failures[name] = self.failures.get(name, 0) + 1
+
     def _fail_target(self, why: WeightPubError) -> None:
         """Give a version up; it is retried only after a growing back-off (1 s .. 30 s)."""
+        self._count_failure(why)
         log.warning("abandoning version: %s: %s", type(why).__name__, why)
         if self.target is not None:
             key = (self.target.manifest.instance, self.target.manifest.version)
@@ -244,7 +252,9 @@ class SyncClient:
                 self.queued = None
             self.instance = manifest.instance
             self.current_version = 0
-        elif manifest.version <= self.current_version:
+            self.latest_seen = 0
+        self.latest_seen = max(self.latest_seen, manifest.version)
+        if not new_instance and manifest.version <= self.current_version:
             return
         backoff = self._failed.get((manifest.instance, manifest.version))
         if backoff is not None and time.monotonic() < backoff[1]:
@@ -311,6 +321,8 @@ class SyncClient:
         self._ttl = max(3.0, 3 * beat.interval)
         newer_instance = self.instance is None or (beat.started_at, beat.publisher_id) > \
             self.instance
+        if not newer_instance:
+            self.latest_seen = max(self.latest_seen, beat.latest_version)
         behind = beat.latest_version > max(self.current_version,
                                            self.target.manifest.version if self.target else 0)
         if (newer_instance or behind) and time.monotonic() - self._latest_sent > 0.5:
@@ -342,6 +354,7 @@ class SyncClient:
             more = self.dealer.getsockopt(zmq.RCVMORE)
 
     def _bad(self, why: WeightPubError) -> None:
+        self._count_failure(why)
         self.bad_messages += 1
         self.error = why
         self._report_dirty = True
@@ -385,6 +398,7 @@ class SyncClient:
             self._discard_rest(more)
             return  # stale (conflated / timed out) or not ours
         size = self.dealer.recv_into(target.chunk_target(header.chunk))
+        self.received_bytes += size
         extra = self.dealer.getsockopt(zmq.RCVMORE)
         request.chunks.discard(header.chunk)
         if not request.chunks:

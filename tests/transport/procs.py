@@ -293,8 +293,10 @@ def run_publisher(args: dict[str, Any]) -> None:
 
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 1 << 20),
                           heartbeat_interval=args.get("heartbeat_interval", 0.2),
-                          model_id=args.get("model_id", "test"))
-    _emit(event="ready", endpoint=pub.endpoint, publisher_id=pub.publisher_id, pid=os.getpid())
+                          model_id=args.get("model_id", "test"),
+                          metrics_port=args.get("metrics_port"))
+    _emit(event="ready", endpoint=pub.endpoint, publisher_id=pub.publisher_id, pid=os.getpid(),
+          metrics_url=pub.metrics.url if pub.metrics is not None else None)
     commands = _commands()
     seed = args["seed"]
     while True:

@@ -63,6 +63,29 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 180) -> Non
     raise AssertionError("server did not become healthy")
 
 
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """One Prometheus scrape, parsed: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_metric(url: str, name: str, labels: dict[str, str], want: float,
+                timeout: float = 20) -> dict:
+    """Scrape until ``name{labels} == want`` (ranks refresh their status every second)."""
+    key = (name, tuple(sorted(labels.items())))
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape(url)
+        if samples.get(key) == want:
+            return samples
+        assert time.monotonic() < deadline, f"{key} = {samples.get(key)}, want {want}"
+        time.sleep(0.25)
+
+
 def test_replica_from_yaml_follows_publisher(tmp_path):
     model = tmp_path / "model"
     save_tiny(KIND, 0, model)
@@ -100,6 +123,19 @@ def test_replica_from_yaml_follows_publisher(tmp_path):
             # prepares the version off the step path before it commits it
             pub.wait_for_subscribers(version, 1, applied=True, timeout=60)
             assert complete(http_port, str(model)) == hf_greedy(KIND, second, N)[0][0]
+
+            # the server's own /metrics shows the replica's weights (scraped from outside)
+            rank = {"rank": "0"}
+            samples = wait_metric(f"http://127.0.0.1:{http_port}/metrics",
+                                  "weightpub_applied_version", rank, version)
+            assert samples[("weightpub_versions_behind", (("rank", "0"),))] == 0
+            assert samples[("weightpub_commits_total", (("rank", "0"),))] >= 2
+            received = samples[("weightpub_received_bytes_total", (("rank", "0"),))]
+            assert received >= 2 * sum(t.numel() * t.element_size() for t in second.values())
+            assert samples[("weightpub_transfer_seconds_count", (("rank", "0"),))] >= 2
+            assert samples[("weightpub_commit_pause_seconds_count", (("rank", "0"),))] >= 2
+            assert samples[("weightpub_data_path_info", (("path", "zmq"), ("rank", "0")))] == 1
+            assert any(name.startswith("vllm:") for name, _ in samples), "vLLM's own metrics"
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             try:

@@ -1,0 +1,91 @@
+"""Prometheus metrics of a publisher, on an optional HTTP port of its own.
+
+``WeightPublisher(..., metrics_port=P)`` (YAML ``metrics_port``) serves
+``/metrics`` from a registry of its own, so several publishers in one process
+do not collide. Values are read from the publisher at scrape time (no work on
+the publish path). ``metrics_host`` defaults to loopback: fleet reports name
+hosts, so exposing them is a deliberate choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from threading import Thread
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from weightpub_wire.errors import TransportError
+from weightpub_wire.protocol import Report
+
+__all__ = ["MetricsServer", "PublisherCollector", "PublisherFigures"]
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherFigures:
+    """What the collector reads from a publisher at scrape time."""
+
+    latest_version: int
+    versions_published: int
+    served_bytes: int
+    fleet: list[Report]
+
+
+class PublisherCollector(Collector):
+    """``weightpub_publisher_*`` families from a ``PublisherFigures`` source."""
+
+    def __init__(self, figures: Callable[[], PublisherFigures]) -> None:
+        self._figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        f = self._figures()
+        yield GaugeMetricFamily("weightpub_publisher_latest_version",
+                                "Newest version announced to subscribers", f.latest_version)
+        yield CounterMetricFamily("weightpub_publisher_versions_published",
+                                  "Versions published by this publisher", f.versions_published)
+        yield CounterMetricFamily("weightpub_publisher_served_bytes",
+                                  "Bytes served on the data path", f.served_bytes)
+        states = {"current": 0, "behind": 0, "error": 0}
+        lag = 0
+        for report in f.fleet:
+            behind = max(0, f.latest_version - report.applied_version)
+            lag = max(lag, behind)
+            state = "error" if report.last_error else ("behind" if behind else "current")
+            states[state] += 1
+        family = GaugeMetricFamily("weightpub_publisher_subscribers",
+                                   "Subscribers seen recently, by state", labels=["state"])
+        for state, count in states.items():
+            family.add_metric([state], count)
+        yield family
+        yield GaugeMetricFamily("weightpub_publisher_slowest_subscriber_lag_versions",
+                                "Versions the slowest subscriber's applied version is behind",
+                                lag)
+
+
+class MetricsServer:
+    """An HTTP ``/metrics`` endpoint for one collector; ``close()`` stops it."""
+
+    def __init__(self, collector: Collector, port: int, host: str = "127.0.0.1") -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(collector)
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise TransportError(f"cannot serve metrics on {host}:{port}: {exc}") from exc
+        self._server: Any = server
+        self._thread: Thread = thread
+        self.port = int(server.server_port)
+        self.host = host
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,164 @@
+"""Prometheus metrics of a replica: accumulated in each worker, exposed by the front end.
+
+Each worker rank keeps a ``RankMetrics`` (counters and fixed-bucket
+histograms, JSON-able) and writes it with its versions to the replica's
+``StatusBoard``; ``ReplicaCollector``, registered in the process that serves
+``/metrics`` (the ``vllm serve`` front end, or an ``LLM`` user's process),
+turns the files into metric families at scrape time. Names follow Prometheus
+conventions: ``weightpub_`` prefix, base units (seconds, bytes), ``_total`` for
+counters; every series carries the worker ``rank``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from subscriber_ext.observe.status_board import StatusBoard
+
+__all__ = ["HISTOGRAMS", "FixedHistogram", "RankMetrics", "ReplicaCollector"]
+
+#: name -> (help, bucket upper bounds in seconds)
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "transfer_seconds": (
+        "Time from a version's manifest to the version staged and verified on this node",
+        (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)),
+    "commit_pause_seconds": (
+        "Time the engine's step loop was blocked by a commit",
+        (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)),
+    "apply_seconds": (
+        "Time to turn staged tensors into the model's weights (prepare or reload)",
+        (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0)),
+}
+
+
+class FixedHistogram:
+    """Bucket counts for known upper bounds (the last bucket is +Inf)."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def to_json(self) -> dict[str, Any]:
+        return {"counts": list(self.counts), "sum": self.sum}
+
+
+class RankMetrics:
+    """One worker rank's counters and histograms (thread-safe; updated on events)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.histograms = {name: FixedHistogram(bounds)
+                           for name, (_, bounds) in HISTOGRAMS.items()}
+        self.commits = 0
+        self.failures: dict[str, int] = {}
+
+    def observe(self, histogram: str, seconds: float) -> None:
+        with self._lock:
+            self.histograms[histogram].observe(seconds)
+
+    def committed(self, pause_seconds: float) -> None:
+        with self._lock:
+            self.commits += 1
+            self.histograms["commit_pause_seconds"].observe(pause_seconds)
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            if reason in self.failures or len(self.failures) < 32:  # bounded label set
+                self.failures[reason] = self.failures.get(reason, 0) + 1
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "commits": self.commits,
+                "failures": dict(self.failures),
+                "histograms": {n: h.to_json() for n, h in self.histograms.items()},
+            }
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+        else None
+
+
+class ReplicaCollector(Collector):
+    """Reads every rank's status file at scrape time and yields the metric families."""
+
+    GAUGES = {
+        "applied_version": "Weight version this rank serves (0 before the first commit)",
+        "staged_version": "Newest complete, verified version staged for this rank",
+        "publisher_latest_version": "Newest version the publisher has announced",
+        "versions_behind": "Versions between the publisher's newest and the applied one",
+    }
+
+    def __init__(self, board: StatusBoard) -> None:
+        self.board = board
+
+    def collect(self) -> Iterator[Metric]:
+        ranks = sorted(self.board.read().items())
+        gauges = {name: GaugeMetricFamily(f"weightpub_{name}", text, labels=["rank"])
+                  for name, text in self.GAUGES.items()}
+        received = CounterMetricFamily("weightpub_received_bytes",
+                                       "Bytes received on the data path", labels=["rank"])
+        commits = CounterMetricFamily("weightpub_commits", "Versions committed",
+                                      labels=["rank"])
+        failures = CounterMetricFamily("weightpub_failures",
+                                       "Versions or transfers that failed, by reason",
+                                       labels=["rank", "reason"])
+        path = GaugeMetricFamily("weightpub_data_path_info",
+                                 "The data path that delivered the applied version (1)",
+                                 labels=["rank", "path"])
+        histograms = {name: HistogramMetricFamily(f"weightpub_{name}", text, labels=["rank"])
+                      for name, (text, _) in HISTOGRAMS.items()}
+        for rank, state in ranks:
+            label = [str(rank)]
+            applied = _number(state.get("applied_version")) or 0.0
+            latest = _number(state.get("publisher_latest_version"))
+            values = {
+                "applied_version": applied,
+                "staged_version": _number(state.get("staged_version")) or 0.0,
+                "publisher_latest_version": latest,
+                "versions_behind": None if latest is None else max(0.0, latest - applied),
+            }
+            for name, value in values.items():
+                if value is not None:
+                    gauges[name].add_metric(label, value)
+            received.add_metric(label, _number(state.get("received_bytes")) or 0.0)
+            metrics = state.get("metrics") or {}
+            commits.add_metric(label, _number(metrics.get("commits")) or 0.0)
+            for reason, count in sorted((metrics.get("failures") or {}).items()):
+                if _number(count) is not None:
+                    failures.add_metric([*label, str(reason)[:64]], float(count))
+            if isinstance(state.get("data_path"), str):
+                path.add_metric([*label, state["data_path"][:16]], 1.0)
+            for name, (_, bounds) in HISTOGRAMS.items():
+                data = (metrics.get("histograms") or {}).get(name) or {}
+                counts = data.get("counts")
+                if not isinstance(counts, list) or len(counts) != len(bounds) + 1:
+                    continue
+                cumulative, buckets = 0.0, []
+                for bound, count in zip([*map(str, bounds), "+Inf"], counts, strict=True):
+                    cumulative += _number(count) or 0.0
+                    buckets.append((bound, cumulative))
+                histograms[name].add_metric(label, buckets, _number(data.get("sum")) or 0.0)
+        yield from gauges.values()
+        yield received
+        yield commits
+        yield failures
+        yield path
+        yield from histograms.values()

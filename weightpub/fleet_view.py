@@ -1,0 +1,68 @@
+"""The fleet as a table for people: one row per subscriber, refreshed in place with ``--watch``.
+
+Every string a peer sent goes through ``printable`` (non-printable characters,
+escapes included, become U+FFFD) into a ``rich.text.Text``, never parsed as
+markup, so a stranger's report cannot move the cursor or recolour the screen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from weightpub_wire import protocol as wire
+from weightpub_wire.errors import WeightPubTimeout
+
+__all__ = ["fleet_table", "printable", "watch_fleet"]
+
+
+def printable(text: str, limit: int = 200, style: str = "") -> Text:
+    """Peer text made safe for a terminal, cut to ``limit`` characters."""
+    clean = "".join(c if c.isprintable() else "\ufffd" for c in text[:limit])
+    return Text(clean + ("…" if len(text) > limit else ""), style=style)
+
+
+def fleet_table(reply: wire.StatusReply) -> Group:
+    """A header line and a table of the publisher's subscribers."""
+    header = Text(f"publisher {reply.publisher_id[:12]}  latest version {reply.latest_version}"
+                  f"  holding {list(reply.versions)}")
+    table = Table(expand=False)
+    for column, justify in (("subscriber", "left"), ("staged", "right"), ("applied", "right"),
+                            ("lag", "right"), ("last error", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for report in sorted(reply.subscribers, key=lambda r: r.subscriber_id):
+        lag = max(0, reply.latest_version - report.applied_version)
+        table.add_row(
+            printable(report.subscriber_id),
+            str(report.staged_version),
+            str(report.applied_version),
+            Text(str(lag), style="yellow" if lag else "green"),
+            printable(report.last_error or "", style="red"),
+        )
+    return Group(header, table)
+
+
+def watch_fleet(fetch: Callable[[], wire.StatusReply], *, interval: float = 1.0,
+                count: int | None = None, console: Console | None = None) -> None:
+    """Redraw the table every ``interval`` s (``count`` times, or until Ctrl-C).
+
+    A publisher that stops answering shows as a line in the table's place; the
+    watch goes on and recovers when it answers again.
+    """
+    console = console or Console()
+    done = 0
+    with Live(console=console, auto_refresh=False) as live:
+        while count is None or done < count:
+            try:
+                view: Group | Text = fleet_table(fetch())
+            except WeightPubTimeout as exc:
+                view = Text(f"no answer: {exc}", style="red")
+            live.update(view, refresh=True)
+            done += 1
+            if count is None or done < count:
+                time.sleep(interval)
