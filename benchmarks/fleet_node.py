@@ -1,0 +1,114 @@
+"""One node of the fleet simulator, run inside a host namespace: publisher, relay or subscriber.
+
+Speaks JSON lines: commands on stdin, events on stdout (every event carries
+``time.time()``; all namespaces share the machine's clock, so times from
+different hosts compare). Weights are pseudo-random bytes derived from the
+version number, so every node can check what it received.
+
+    python -m benchmarks.fleet_node publisher|relay|subscriber '<json args>'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+import xxhash
+
+
+def emit(**event: Any) -> None:
+    event.setdefault("t", time.time())
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def weights(version: int, mib: int, tensors: int = 8) -> dict[str, torch.Tensor]:
+    """``mib`` MiB in ``tensors`` tensors whose bytes depend only on ``version``."""
+    gen = torch.Generator().manual_seed(version)
+    each = (mib << 20) // tensors
+    return {f"layer{i}.weight": torch.randint(0, 255, (each,), dtype=torch.uint8, generator=gen)
+            for i in range(tensors)}
+
+
+def digest(tensors: dict[str, torch.Tensor]) -> str:
+    state = xxhash.xxh3_64()
+    for name in sorted(tensors):
+        state.update(name.encode())
+        state.update(tensors[name].contiguous().view(torch.uint8).numpy())
+    return state.hexdigest()
+
+
+def commands() -> Any:
+    for line in sys.stdin:
+        if line.strip():
+            yield json.loads(line)
+
+
+def run_publisher(args: dict[str, Any]) -> None:
+    from publisher import WeightPublisher
+
+    pub = WeightPublisher(args["bind"], chunk_size=args.get("chunk_mib", 4) << 20,
+                          keep_versions=2, **args.get("publisher_options", {}))
+    emit(event="ready", endpoint=pub.endpoint)
+    for command in commands():
+        if command["cmd"] == "publish":
+            version, mib = command["version"], command["mib"]
+            data = weights(version, mib)
+            emit(event="digest", version=version, digest=digest(data))
+            start = time.time()
+            pub.publish(data, version=version)
+            emit(event="published", version=version, start=start)
+        elif command["cmd"] == "exit":
+            break
+    pub.close()
+
+
+def run_subscriber(args: dict[str, Any]) -> None:
+    from subscriber_ext import WeightSubscriber
+
+    def staged(version: Any) -> None:
+        emit(event="staged", version=version.version, digest=digest(dict(version.tensors)))
+        version.release()
+
+    sub = WeightSubscriber(args["connect"], on_version=staged,
+                           **args.get("subscriber_options", {}))
+    emit(event="ready", subscriber_id=sub.subscriber_id)
+    for command in commands():
+        if command["cmd"] == "exit":
+            break
+    sub.close()
+
+
+def run_relay(args: dict[str, Any]) -> None:
+    from publisher.config import PublisherConfig
+    from subscriber_ext.transport.config import SubscriberConfig
+    from weightpub.config import RelayConfig
+    from weightpub.relay import Relay
+
+    config = RelayConfig(upstream=SubscriberConfig(endpoint=args["connect"]),
+                         downstream=PublisherConfig(endpoint=args["bind"],
+                                                    **args.get("publisher_options", {})))
+    with Relay(config) as relay:
+        emit(event="ready", endpoint=relay.endpoint)
+        for command in commands():
+            if command["cmd"] == "exit":
+                break
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    role, raw = sys.argv[1], sys.argv[2]
+    {"publisher": run_publisher, "subscriber": run_subscriber, "relay": run_relay}[role](
+        json.loads(raw))
+    sys.stdout.flush()
+    os._exit(0)  # do not wait for daemon threads of a node that is done
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "fleet-node"
+    main()
