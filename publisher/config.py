@@ -21,6 +21,7 @@ class PublisherConfig(StrictConfig):
     chunk_mib: int = Field(4, ge=1, le=1024)
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     first_version: int = Field(1, ge=1)
+    delta_anchor_every: int = Field(1, ge=1, le=64)  # >1: deltas, a full version every N
     curve_secret_key_file: str | None = None  # zmq certificate: turns on CurveZMQ
     curve_allowed_clients_dir: str | None = None  # only these client keys may connect
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0: any)
@@ -36,6 +37,7 @@ class PublisherConfig(StrictConfig):
             "chunk_size": self.chunk_mib << 20,
             "heartbeat_interval": self.heartbeat_interval,
             "first_version": self.first_version,
+            "delta_anchor_every": self.delta_anchor_every,
             "curve_secret_key_file": self.curve_secret_key_file,
             "curve_allowed_clients_dir": self.curve_allowed_clients_dir,
             "metrics_port": self.metrics_port,

@@ -32,6 +32,7 @@ class PublisherFigures:
     versions_published: int
     served_bytes: int
     fleet: list[Report]
+    served_delta_bytes: int = 0  # the part of ``served_bytes`` sent as deltas
 
 
 class PublisherCollector(Collector):
@@ -48,6 +49,8 @@ class PublisherCollector(Collector):
                                   "Versions published by this publisher", f.versions_published)
         yield CounterMetricFamily("weightpub_publisher_served_bytes",
                                   "Bytes served on the data path", f.served_bytes)
+        yield CounterMetricFamily("weightpub_publisher_served_delta_bytes",
+                                  "Bytes of those served as deltas", f.served_delta_bytes)
         states = {"current": 0, "behind": 0, "error": 0}
         lag = 0
         for report in f.fleet:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from publisher.delta import DeltaPublisher
+from publisher.delta_server import DeltaServing
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError
@@ -43,7 +45,7 @@ class ServingThread(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, store: VersionStore, options: ServerOptions,
                  *, publisher_id: str, started_at: float,
-                 configure: list | None = None) -> None:
+                 configure: list | None = None, deltas: DeltaPublisher | None = None) -> None:
         super().__init__(name="weightpub-server", daemon=True)
         self.ctx = ctx
         self.store = store
@@ -60,7 +62,10 @@ class ServingThread(threading.Thread):
         self._error: BaseException | None = None
         self._deferred: list[tuple[bytes, int, PublishedVersion, int]] = []
         self.bad_messages = 0
-        self.served_bytes = 0
+        self.served_bytes = 0  # full chunks; delta chunks: delta_serving.bytes_sent
+        self.delta_serving = DeltaServing(  # answers fetches that name a delta base
+            deltas, store, publisher_id, max_chunks_per_request=options.max_chunks_per_request,
+            zero_copy_min_bytes=options.zero_copy_min_bytes)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start_and_wait(self, timeout: float = 10.0) -> None:
@@ -104,8 +109,8 @@ class ServingThread(threading.Thread):
                     self._heartbeat(pub)
                     next_beat = now + self.options.heartbeat_interval
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
-                if self._deferred:
-                    timeout_ms = min(timeout_ms, 1)  # a copy is finishing: check soon
+                if self._deferred or self.delta_serving.waiting:
+                    timeout_ms = min(timeout_ms, 1)  # a copy or an encoding is finishing
                 events = dict(poller.poll(timeout_ms))
                 if commands in events and not self._on_command(commands, pub):
                     return
@@ -113,6 +118,7 @@ class ServingThread(threading.Thread):
                     self._drain_router(router)
                 if self._deferred:
                     self._flush_deferred(router)
+                self.delta_serving.flush(router)
         finally:
             for sock in (router, pub, commands):
                 sock.close(linger=0)
@@ -221,10 +227,15 @@ class ServingThread(threading.Thread):
             req=req, publisher_id=self.publisher_id, started_at=self.started_at,
             latest_version=0 if latest is None else latest.manifest.version,
             versions=self.store.versions(), subscribers=reports,
+            bytes_sent_full=self.served_bytes,
+            bytes_sent_delta=self.delta_serving.bytes_sent,
         )
 
     def _serve_chunks(self, router: zmq.Socket, identity: bytes,
                       request: wire.FetchRequest) -> None:
+        if request.base:
+            self.delta_serving.serve(router, identity, request)
+            return
         version = self.store.get(request.version)
         if version is None or version.failed or request.publisher_id != self.publisher_id:
             error = wire.ErrorReply(req=request.req, code="version_unavailable",

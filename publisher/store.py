@@ -30,6 +30,7 @@ class PublishedVersion:
     view: memoryview
     snapshot: Snapshot | None = None
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
+    pins: list[object] = field(default_factory=list)  # readers besides ZeroMQ (delta encoder)
 
     def chunk_ready(self, chunk: int) -> bool:
         """Whether the chunk's bytes are final (the manifest may precede the copy's end)."""
@@ -53,7 +54,7 @@ class PublishedVersion:
 
     def in_flight(self) -> bool:
         self.trackers = [t for t in self.trackers if not t.done]
-        return bool(self.trackers)
+        return bool(self.trackers) or bool(self.pins)
 
 
 class VersionStore:

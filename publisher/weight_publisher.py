@@ -27,6 +27,7 @@ import zmq
 
 from publisher.config import PublisherConfig, load_publisher_config
 from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
+from publisher.delta import DeltaPublisher
 from publisher.server import ServerOptions, ServingThread
 from publisher.snapshot import (
     ChunkHasher,
@@ -60,6 +61,8 @@ class WeightPublisher:
     ``curve_secret_key_file`` turns on CurveZMQ encryption; with
     ``curve_allowed_clients_dir`` only clients whose public keys are there may connect.
     ``metrics_port`` serves Prometheus metrics on ``metrics_host`` (loopback by default).
+    ``delta_anchor_every`` > 1 also serves versions as deltas against the previous one
+    (``publisher.delta``), with a full anchor version every that many versions.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class WeightPublisher:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         heartbeat_interval: float = 1.0,
         first_version: int = 1,
+        delta_anchor_every: int = 1,
         curve_secret_key_file: str | None = None,
         curve_allowed_clients_dir: str | None = None,
         socket_hooks: list[Callable[..., None]] | None = None,
@@ -94,6 +98,7 @@ class WeightPublisher:
         self._pool = BufferPool(max_buffers=2)
         self._hash_executor = ThreadPoolExecutor(2, thread_name_prefix="weightpub-hash")
         self._store = VersionStore(keep_versions, self._pool)
+        self._deltas = DeltaPublisher(delta_anchor_every)
         hooks = list(socket_hooks or [])
         if curve_secret_key_file is not None:
             hooks.append(curve_server_hook(curve_secret_key_file))  # validates before any socket
@@ -107,7 +112,7 @@ class WeightPublisher:
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
                           heartbeat_interval=heartbeat_interval),
             publisher_id=self.publisher_id, started_at=self.started_at,
-            configure=hooks,
+            configure=hooks, deltas=self._deltas,
         )
         self._server.start_and_wait()
         self._pending: queue.Queue[
@@ -220,6 +225,18 @@ class WeightPublisher:
                 f"publisher {self.publisher_id[:8]} (held: {list(self._store.versions())})")
         return held.manifest
 
+    def data_stats(self) -> dict[str, float]:
+        """Chunk payload bytes sent (full vs delta) and the delta encoder's work so far."""
+        held = self._deltas.held()
+        return {
+            "bytes_sent_full": self._server.served_bytes,
+            "bytes_sent_delta": self._server.delta_serving.bytes_sent,
+            "delta_versions_encoded": self._deltas.encoded_versions,
+            "delta_encode_cpu_seconds": round(self._deltas.cpu_seconds, 4),
+            "deltas_held": held[0],
+            "delta_bytes_held": held[1],
+        }
+
     def fleet(self) -> list[wire.Report]:
         """The last report of each subscriber seen recently (staged/applied version, error)."""
         cutoff = time.time() - self._server.options.subscriber_ttl
@@ -241,9 +258,11 @@ class WeightPublisher:
             time.sleep(0.02)
 
     def _figures(self) -> PublisherFigures:
+        delta_bytes = self._server.delta_serving.bytes_sent
         return PublisherFigures(latest_version=self._announced_version,
                                 versions_published=self._versions_published,
-                                served_bytes=self._server.served_bytes, fleet=self.fleet())
+                                served_bytes=self._server.served_bytes + delta_bytes,
+                                served_delta_bytes=delta_bytes, fleet=self.fleet())
 
     def close(self) -> None:
         """Stop threads and close sockets; idempotent."""
@@ -255,6 +274,7 @@ class WeightPublisher:
         self._pending.put(None)
         self._preparer.join(timeout=10)
         self._hash_executor.shutdown(wait=True)
+        self._deltas.close()
         self._server.send_command(b"close")
         self._server.join(timeout=10)
         self._store.clear()
@@ -292,14 +312,19 @@ class WeightPublisher:
         if snapshot.failed:
             return
         view = byte_view(snapshot.buffer, snapshot.total_bytes)
+        previous = self._store.latest()
+        delta = self._deltas.plan(number, snapshot.entries, snapshot.total_bytes,
+                                  self.chunk_size, checksums, previous)
         manifest = wire.Manifest(
             publisher_id=self.publisher_id, started_at=self.started_at, version=number,
             created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
-            checksums=checksums,
+            checksums=checksums, delta=delta,
         )
-        self._store.add(PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
-                                         snapshot=snapshot))
+        published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
+                                     snapshot=snapshot)
+        self._store.add(published)
+        self._deltas.start(published, previous)  # in the background, after the announcement
         self._server.send_command(b"announce")
         with self._announced:
             self._announced_version = number

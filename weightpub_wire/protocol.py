@@ -10,6 +10,9 @@ Sockets and frames::
     ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error"} ]
                     | [ {t: "chunk", req, version, chunk, size}, <size raw bytes> ]
 
+A fetch that names a ``base`` gets each chunk as a delta payload instead
+(``weightpub_wire.delta_codec``); manifests of such versions carry ``delta``.
+
 A version's tensors are laid out back to back (each offset aligned to
 ``TENSOR_ALIGN``) in one flat byte buffer of ``total_bytes``; the buffer is
 cut into ``ceil(total_bytes / chunk_size)`` chunks, each with an xxh3-64
@@ -48,6 +51,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TENSOR_ALIGN",
     "ChunkHeader",
+    "DeltaBase",
+    "DeltaInfo",
     "ErrorReply",
     "FetchRequest",
     "Heartbeat",
@@ -89,6 +94,7 @@ MAX_ELEMENTS = 1 << 56  # even an empty tensor's other dims must not overflow in
 MAX_TENSORS = 1_000_000
 MAX_CHUNKS = 10_000_000
 MAX_CHUNKS_PER_FETCH = 4096
+MAX_DELTA_CHAIN = 64
 
 
 def _physical_memory() -> int:
@@ -163,8 +169,33 @@ class TensorEntry(msgspec.Struct, frozen=True):
             raise ValueError(f"offset: {self.offset} is not aligned to {size} bytes")
 
 
+class DeltaBase(msgspec.Struct, frozen=True):
+    """A version a delta starts from: its number and ``delta_codec.version_digest``."""
+
+    version: Version
+    digest: U64
+
+
+class DeltaInfo(msgspec.Struct, frozen=True):
+    """The version is also served as deltas (``FetchRequest.base``), see ``delta_codec``.
+
+    ``chain`` runs from the anchor (a full version) to the direct base: a
+    subscriber holding any of them fetches the deltas after it, in order.
+    """
+
+    chain: Annotated[tuple[DeltaBase, ...], Meta(min_length=1, max_length=MAX_DELTA_CHAIN)]
+
+    def __post_init__(self) -> None:
+        for index in range(1, len(self.chain)):
+            if self.chain[index].version <= self.chain[index - 1].version:
+                raise ValueError(f"chain[{index}].version: versions must increase")
+
+
 class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
-    """A complete, immutable description of one published version."""
+    """A complete, immutable description of one published version.
+
+    ``checksums`` always describe the full bytes, also when ``delta`` offers deltas.
+    """
 
     version: Version
     created_at: Seconds
@@ -174,9 +205,13 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     tensors: Annotated[tuple[TensorEntry, ...], Meta(max_length=MAX_TENSORS)]
     checksums: Annotated[tuple[U64, ...], Meta(max_length=MAX_CHUNKS)]
     checksum_algorithm: Annotated[str, Meta(max_length=32)] = CHECKSUM_ALGORITHM
+    delta: DeltaInfo | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
+        if self.delta is not None and self.delta.chain[-1].version >= self.version:
+            raise ValueError(f"delta: base version {self.delta.chain[-1].version} is not older "
+                             f"than version {self.version}")
         if self.checksum_algorithm != CHECKSUM_ALGORITHM:
             raise ValueError(f"checksum_algorithm: unsupported {self.checksum_algorithm!r}")
         expected = -(-self.total_bytes // self.chunk_size)
@@ -253,13 +288,18 @@ class LatestReply(_FromPublisher, tag="latest_rep", kw_only=True, frozen=True):
 
 
 class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
-    """Ask for some chunks of one version; the count is the subscriber's credit."""
+    """Ask for some chunks of one version; the count is the subscriber's credit.
+
+    ``base`` 0 asks for the version's bytes; otherwise for each chunk as a delta
+    against that version (the previous link of ``Manifest.delta.chain``).
+    """
 
     req: U63
     publisher_id: Name
     version: Version
     chunks: Annotated[tuple[Annotated[int, Meta(ge=0, le=MAX_CHUNKS)], ...],
                       Meta(max_length=MAX_CHUNKS_PER_FETCH)]
+    base: U63 = 0
 
 
 class ChunkHeader(_Message, tag="chunk", kw_only=True, frozen=True):
@@ -302,12 +342,15 @@ class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):
 
 
 class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
-    """The publisher's view: versions held and the last report of each subscriber."""
+    """The publisher's view: versions held, the last report of each subscriber, and the
+    chunk payload bytes sent so far (full versions and deltas: what deltas save)."""
 
     req: U63
     latest_version: U63
     versions: Annotated[tuple[U63, ...], Meta(max_length=4096)]
     subscribers: Annotated[tuple[Report, ...], Meta(max_length=100_000)]
+    bytes_sent_full: U64 = 0
+    bytes_sent_delta: U64 = 0
 
 
 Message = (

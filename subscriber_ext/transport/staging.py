@@ -8,7 +8,9 @@ whose tensors are zero-copy views into that buffer.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +38,8 @@ class StagedVersion:
     fetch_seconds: float
     _pool: BufferPool | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
+    _holds: int = field(default=1, repr=False)  # release() plus each retain()
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def version(self) -> int:
@@ -53,12 +57,31 @@ class StagedVersion:
         return list(self.tensors.items())
 
     def release(self) -> None:
-        """Give the buffer back for reuse; idempotent."""
+        """Give the buffer back for reuse (once no ``retain`` holds it either); idempotent."""
         if self._released:
             return
         self._released = True
         self.tensors = {}
-        if self._pool is not None:
+        self._let_go()
+
+    def retain(self) -> Callable[[], None]:
+        """Keep the bytes beyond ``release()`` (a delta base); call the result to let go."""
+        with self._lock:
+            self._holds += 1
+        done = threading.Event()
+
+        def let_go() -> None:
+            if not done.is_set():
+                done.set()
+                self._let_go()
+
+        return let_go
+
+    def _let_go(self) -> None:
+        with self._lock:
+            self._holds -= 1
+            last = self._holds == 0
+        if last and self._pool is not None:
             self._pool.give(self.buffer)
 
 
@@ -72,6 +95,8 @@ class Assembly:
         self.view = byte_view(self.buffer, manifest.total_bytes)
         self.missing: set[int] = set(range(manifest.num_chunks))
         self.started = time.monotonic()
+        self.fetch_version = manifest.version  # what FetchRequests name (deltas: each step)
+        self.fetch_base = 0  # FetchRequest.base: 0 = the version's own bytes
 
     @property
     def done_fraction(self) -> float:
@@ -82,7 +107,11 @@ class Assembly:
         start, size = self.manifest.chunk_span(chunk)
         return self.view[start: start + size]
 
-    def verify(self, chunk: int) -> bool:
+    def accepts(self, chunk: int, size: int) -> bool:
+        """Whether a chunk reply of ``size`` bytes can be what was asked for."""
+        return size == self.manifest.chunk_span(chunk)[1]
+
+    def verify(self, chunk: int, size: int | None = None) -> bool:
         """Check a received chunk against the manifest; mark it done when it matches."""
         ok = chunk_checksum(self.chunk_target(chunk)) == self.manifest.checksums[chunk]
         if ok:

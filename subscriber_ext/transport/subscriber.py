@@ -174,6 +174,7 @@ class WeightSubscriber:
             "received_bytes": client.received_bytes,
             "publisher_latest_version": client.latest_seen,
             "last_error": client.last_error,
+            **client.deltas.stats(),  # bytes received full vs delta, the delta base
         }
 
     def close(self) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
 from subscriber_ext.transport.staging import Assembly, StagedVersion
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
@@ -80,6 +81,7 @@ class SyncClient:
         self.latest_seen = 0  # newest version the current publisher instance announced
         self.failures: dict[str, int] = {}  # problems by error class (a fixed, small set)
         self.target: Assembly | None = None
+        self.deltas = DeltaState()  # the base held for deltas, bytes by path
         self.queued: wire.Manifest | None = None
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
@@ -118,6 +120,7 @@ class SyncClient:
         if self.target is not None:
             self.target.abandon()
             self.target = None
+        self.deltas.drop_base()
         self.dealer.close(linger=0)
         self.sub.close(linger=0)
 
@@ -188,7 +191,8 @@ class SyncClient:
             todo = todo[len(batch):]
             req = next(self._ids)
             request = wire.FetchRequest(req=req, publisher_id=target.manifest.publisher_id,
-                                        version=target.manifest.version, chunks=tuple(batch))
+                                        version=target.fetch_version, chunks=tuple(batch),
+                                        base=target.fetch_base)
             if not self._send(request):
                 return
             self._requests[req] = _Request(set(batch), now)
@@ -272,7 +276,8 @@ class SyncClient:
         self._start(manifest)
 
     def _start(self, manifest: wire.Manifest) -> None:
-        self.target = target = Assembly(manifest, self.pool)
+        target = self.deltas.assembly_for(manifest, self.pool) or Assembly(manifest, self.pool)
+        self.target = target
         self._requests.clear()
         self._retries.clear()
         if not target.missing:
@@ -293,12 +298,20 @@ class SyncClient:
         self.target = None
         self._requests.clear()
         self._retries.clear()
+        self.deltas.completed(target, staged)
         self.current_version = staged.version
         self._report_dirty = True
         self.on_complete(staged)
         queued, self.queued = self.queued, None
         if queued is not None:
             self.consider(queued)
+
+    def _delta_failed(self, target: DeltaAssembly, why: WeightPubError) -> None:
+        """A delta that is not served, does not decode or does not verify: fetch in full."""
+        self._bad(type(why)(f"{why}; fetching version {target.manifest.version} in full"))
+        self.deltas.refuse(target)
+        self._drop_target()
+        self._start(target.manifest)
 
     # -- incoming messages ---------------------------------------------------------------------
     def on_sub(self) -> None:
@@ -383,7 +396,9 @@ class SyncClient:
         if error.req not in self._requests:
             return  # a reply to a request we already gave up on
         del self._requests[error.req]
-        if self.target is not None and error.version == self.target.manifest.version:
+        if isinstance(self.target, DeltaAssembly) and error.version == self.target.fetch_version:
+            self._delta_failed(self.target, ProtocolError(f"delta: {error.message}"))
+        elif self.target is not None and error.version == self.target.manifest.version:
             kind = VersionUnavailable if error.code == "version_unavailable" else ProtocolError
             self._fail_target(kind(f"publisher: {error.message}"))
 
@@ -392,8 +407,8 @@ class SyncClient:
         request = self._requests.get(header.req)
         if not (
             more and target is not None and request is not None
-            and header.version == target.manifest.version and header.chunk in request.chunks
-            and header.size == target.manifest.chunk_span(header.chunk)[1]
+            and header.version == target.fetch_version and header.chunk in request.chunks
+            and target.accepts(header.chunk, header.size)
         ):
             self._discard_rest(more)
             return  # stale (conflated / timed out) or not ours
@@ -409,8 +424,12 @@ class SyncClient:
                                     f"{header.size}"))
             self._count_retry(header.chunk, "arrived truncated", ProtocolError)
             return
-        if not target.verify(header.chunk):
+        self.deltas.count(target, size)
+        if not target.verify(header.chunk, size):
             self.checksum_failures += 1
+            if isinstance(target, DeltaAssembly):
+                self._delta_failed(target, target.error or ChecksumError("delta chunk refused"))
+                return
             self._bad(ChecksumError(f"chunk {header.chunk} of version {header.version}: "
                                     "checksum mismatch, refetching"))
             self._count_retry(header.chunk, "failed its checksum", ChecksumError)

@@ -67,6 +67,24 @@ def det_weights(seed: int, version: int, spec: Spec) -> dict[str, torch.Tensor]:
             for name, dtype, shape in spec}
 
 
+def drift_weights(seed: int, version: int, spec: Spec, *, per_mille: int = 20
+                  ) -> dict[str, torch.Tensor]:
+    """Weights that drift like RL steps: version 0's bytes, then each step ``k <= version``
+    flips the low bit of the lowest byte of about ``per_mille``/1000 of the elements
+    (bool elements stay 0/1). Consecutive versions differ in few, scattered elements."""
+    weights = det_weights(seed, 0, spec)
+    for name, tensor in weights.items():
+        numel, size = tensor.numel(), tensor.element_size()
+        if not numel:
+            continue
+        low = tensor.reshape(-1).view(torch.uint8).view(numel, size)[:, 0]  # little endian
+        for step in range(1, version + 1):
+            key = seed * 31 + step * 1_000_003 + zlib.crc32(name.encode())
+            picked = det_bytes(key, numel * 2).view(torch.int16).to(torch.int32) & 1023
+            low[picked < per_mille * 1024 // 1000] ^= 1
+    return weights
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor as a flat uint8 tensor (works for 0-d and empty)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)
@@ -294,7 +312,8 @@ def run_publisher(args: dict[str, Any]) -> None:
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 1 << 20),
                           heartbeat_interval=args.get("heartbeat_interval", 0.2),
                           model_id=args.get("model_id", "test"),
-                          metrics_port=args.get("metrics_port"))
+                          metrics_port=args.get("metrics_port"),
+                          delta_anchor_every=args.get("delta_anchor_every", 1))
     _emit(event="ready", endpoint=pub.endpoint, publisher_id=pub.publisher_id, pid=os.getpid(),
           metrics_url=pub.metrics.url if pub.metrics is not None else None)
     commands = _commands()
@@ -306,12 +325,17 @@ def run_publisher(args: dict[str, Any]) -> None:
             break
         if cmd == "publish":
             version = command["version"]
-            weights = det_weights(seed, version, command["spec"])
+            make = drift_weights if command.get("drift") else det_weights
+            weights = make(seed, version, command["spec"])
             pub.publish(weights, version=version)
             del weights
             pub.wait_announced(version, timeout=60)
+            delta = pub.manifest(version).delta
             _emit(event="published", id=command.get("id"), version=version,
-                  publisher_id=pub.publisher_id)
+                  publisher_id=pub.publisher_id,
+                  delta_chain=None if delta is None else [b.version for b in delta.chain])
+        elif cmd == "stats":
+            _emit(event="stats", id=command.get("id"), stats=pub.data_stats())
         elif cmd == "fleet":
             _emit(event="fleet", id=command.get("id"),
                   reports=[msgspec.to_builtins(r) for r in pub.fleet()])
@@ -362,6 +386,10 @@ def run_subscriber(args: dict[str, Any]) -> None:
                 or staged.tensors[name].shape != want.shape
                 or not torch.equal(as_bytes(staged.tensors[name]), as_bytes(want))
             ) + sorted(set(staged.tensors) - set(expected))
+        if args.get("verify") == "drift":
+            want = digests(drift_weights(args["seed"], staged.version, args["spec"]).items())
+            event["mismatches"] = sorted(k for k in set(want) | set(event["digests"])
+                                         if want.get(k) != event["digests"].get(k))
         if args.get("mark_applied"):
             sub.mark_applied(staged.version)
         _emit(**event)

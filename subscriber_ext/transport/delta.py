@@ -1,0 +1,188 @@
+"""Delta versions, subscriber side: rebuild a version from the base this subscriber holds.
+
+The subscriber keeps its newest staged version as the *base* (``StagedVersion.retain``:
+the bytes stay put after the consumer releases them, until a newer version
+replaces the base). When a manifest offers deltas (``Manifest.delta``) and the
+base is one of its chain, the version is rebuilt in a fresh staging buffer,
+never in the live weights or the base: the first step reads the base, each
+later step (a subscriber that missed versions of the chain) is applied in
+place, step by step over the whole version. Every chunk of the last step is
+checked against the full version's checksum as it is written; only a version
+whose every chunk matched is staged. A payload that does not decode or a
+chunk that does not match makes the caller fetch the version in full instead.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from subscriber_ext.transport.staging import Assembly, StagedVersion
+from weightpub_wire.buffers import BufferPool, byte_view
+from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.delta_codec import decode_chunk, version_digest
+from weightpub_wire.errors import ChecksumError, ProtocolError, WeightPubError
+from weightpub_wire.protocol import Manifest
+
+__all__ = ["DeltaAssembly", "DeltaState", "HeldBase"]
+
+_REFUSED_KEEP = 16
+
+
+@dataclass(slots=True)
+class HeldBase:
+    """The version deltas can start from: its manifest, digest and bytes (kept by a hold)."""
+
+    manifest: Manifest
+    digest: int
+    buffer: torch.Tensor
+    view: memoryview
+    let_go: Callable[[], None]
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+class DeltaAssembly(Assembly):
+    """A version rebuilt from ``base`` through ``steps`` ((version, its base) per delta fetched).
+
+    Payloads are received into one scratch chunk, decoded into the staging
+    buffer, and (last step) checked. ``error`` says why a chunk was refused.
+    """
+
+    def __init__(self, manifest: Manifest, pool: BufferPool, base: HeldBase,
+                 steps: list[tuple[int, int]]) -> None:
+        super().__init__(manifest, pool)
+        self.base = base
+        self.steps = steps
+        self.step = 0
+        self.fetch_version, self.fetch_base = steps[0]
+        self.scratch = memoryview(bytearray(min(manifest.chunk_size, manifest.total_bytes)))
+        self.error: WeightPubError | None = None
+        self.decode_seconds = 0.0
+
+    @property
+    def done_fraction(self) -> float:
+        total = self.manifest.num_chunks * len(self.steps)
+        done = self.manifest.num_chunks * self.step + self.manifest.num_chunks - len(self.missing)
+        return 1.0 if total == 0 else done / total
+
+    def chunk_target(self, chunk: int) -> memoryview:
+        return self.scratch[: self.manifest.chunk_span(chunk)[1]]
+
+    def accepts(self, chunk: int, size: int) -> bool:
+        return size <= self.manifest.chunk_span(chunk)[1]
+
+    def verify(self, chunk: int, size: int | None = None) -> bool:
+        """Decode the payload in ``scratch`` into place; check it on the last step."""
+        start, span = self.manifest.chunk_span(chunk)
+        out = self.view[start: start + span]
+        source = self.base.view[start: start + span] if self.step == 0 else out
+        cpu = time.thread_time()
+        try:
+            decode_chunk(self.scratch[: span if size is None else size], source, out)
+        except ProtocolError as exc:
+            self.error = exc
+            return False
+        finally:
+            self.decode_seconds += time.thread_time() - cpu
+        if self.step == len(self.steps) - 1 and \
+                chunk_checksum(out) != self.manifest.checksums[chunk]:
+            self.error = ChecksumError(f"chunk {chunk} of version {self.manifest.version} rebuilt "
+                                       f"from base {self.base.version} fails its checksum")
+            return False
+        self.missing.discard(chunk)
+        if not self.missing and self.step < len(self.steps) - 1:  # next delta of the chain
+            self.step += 1
+            self.fetch_version, self.fetch_base = self.steps[self.step]
+            self.missing = set(range(self.manifest.num_chunks))
+        return True
+
+    def abandon(self) -> None:
+        self.scratch.release()
+        super().abandon()
+
+    def finish(self) -> StagedVersion:
+        self.scratch.release()
+        return super().finish()
+
+
+class DeltaState:
+    """The held base, the choice between a delta and a full fetch, and the byte counters."""
+
+    def __init__(self) -> None:
+        self.base: HeldBase | None = None
+        self._refused: OrderedDict[tuple[tuple[float, str], int], None] = OrderedDict()
+        self.bytes_received_full = 0
+        self.bytes_received_delta = 0
+        self.versions_full = 0
+        self.versions_delta = 0
+        self.fallbacks = 0
+        self.decode_seconds = 0.0
+
+    def assembly_for(self, manifest: Manifest, pool: BufferPool) -> DeltaAssembly | None:
+        """A delta rebuild of ``manifest`` if the held base is in its chain, else None."""
+        base, info = self.base, manifest.delta
+        if base is None or info is None or (manifest.instance, manifest.version) in self._refused:
+            return None
+        if (base.manifest.total_bytes, base.manifest.chunk_size) != \
+                (manifest.total_bytes, manifest.chunk_size):
+            return None
+        links = [(link.version, link.digest) for link in info.chain]
+        if (base.version, base.digest) not in links:
+            return None
+        first = links.index((base.version, base.digest))
+        versions = [v for v, _ in links[first:]] + [manifest.version]
+        steps = list(zip(versions[1:], versions[:-1], strict=True))
+        return DeltaAssembly(manifest, pool, base, steps)
+
+    def refuse(self, target: DeltaAssembly) -> None:
+        """The delta failed: the next start of this version fetches it in full."""
+        self.fallbacks += 1
+        self.decode_seconds += target.decode_seconds
+        self._refused[(target.manifest.instance, target.manifest.version)] = None
+        while len(self._refused) > _REFUSED_KEEP:
+            self._refused.popitem(last=False)
+
+    def count(self, target: Assembly, size: int) -> None:
+        """Payload bytes of one chunk reply, by the path it came on."""
+        if target.fetch_base:
+            self.bytes_received_delta += size
+        else:
+            self.bytes_received_full += size
+
+    def completed(self, target: Assembly, staged: StagedVersion) -> None:
+        """A version was staged: it becomes the base (the previous base is let go)."""
+        if isinstance(target, DeltaAssembly):
+            self.versions_delta += 1
+            self.decode_seconds += target.decode_seconds
+        else:
+            self.versions_full += 1
+        self.drop_base()
+        manifest = staged.manifest
+        self.base = HeldBase(
+            manifest=manifest,
+            digest=version_digest(manifest.total_bytes, manifest.chunk_size, manifest.checksums),
+            buffer=staged.buffer, view=byte_view(staged.buffer, manifest.total_bytes),
+            let_go=staged.retain())
+
+    def drop_base(self) -> None:
+        if self.base is not None:
+            base, self.base = self.base, None
+            base.let_go()
+
+    def stats(self) -> dict[str, int | float | None]:
+        return {
+            "bytes_received_full": self.bytes_received_full,
+            "bytes_received_delta": self.bytes_received_delta,
+            "versions_full": self.versions_full,
+            "versions_delta": self.versions_delta,
+            "delta_fallbacks": self.fallbacks,
+            "delta_decode_cpu_seconds": round(self.decode_seconds, 4),
+            "delta_base_version": None if self.base is None else self.base.version,
+        }
