@@ -25,6 +25,7 @@ base being read is pinned (kept out of the buffer pool) until its encoding ends.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -98,7 +99,7 @@ _Job = tuple[EncodedDelta, PublishedVersion, PublishedVersion, object]
 class DeltaPublisher:
     """Anchor policy, the bounded store of encoded deltas, and the background encoder."""
 
-    def __init__(self, anchor_every: int = 1, *, threads: int = 2) -> None:
+    def __init__(self, anchor_every: int = 1, *, threads: int | None = None) -> None:
         if not 1 <= anchor_every <= MAX_ANCHOR_EVERY:
             raise ConfigError(f"delta_anchor_every: {anchor_every} is outside "
                               f"[1, {MAX_ANCHOR_EVERY}] (1 = every version in full)")
@@ -113,6 +114,7 @@ class DeltaPublisher:
         self.encoded_versions = 0
         self.cpu_seconds = 0.0
         if anchor_every > 1:
+            threads = threads or max(2, min(8, (os.cpu_count() or 2) // 2))
             self._executor = ThreadPoolExecutor(threads, thread_name_prefix="weightpub-delta")
             self._thread = threading.Thread(target=self._encode_loop, name="weightpub-delta",
                                             daemon=True)
@@ -175,7 +177,7 @@ class DeltaPublisher:
         if self._thread is not None:
             self._thread.join(timeout=10)
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=True, cancel_futures=True)
 
     def _evict_locked(self, budget: int) -> None:
         """At most ``anchor_every - 1`` deltas, at most ``budget`` bytes; the newest is kept."""

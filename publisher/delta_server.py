@@ -3,12 +3,15 @@
 A chunk still being encoded is held back and sent once ready (checked every
 loop turn, like chunks still being copied); a chunk where the delta did not
 pay is sent from the version's full bytes, zero-copy. The held-back requests
-are bounded: past ``max_deferred`` a request gets a ``bad_request`` error.
+are bounded, per peer and in all: past either bound a request gets a
+``bad_request`` error (the subscriber then fetches the full version). They
+drain on their own: every encoding ends, or is cut short and served raw.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import zmq
 
@@ -26,12 +29,14 @@ class DeltaServing:
 
     def __init__(self, deltas: DeltaPublisher | None, store: VersionStore, publisher_id: str,
                  *, max_chunks_per_request: int = 256, max_deferred: int = 65_536,
-                 zero_copy_min_bytes: int = 64 << 10) -> None:
+                 max_deferred_per_peer: int = 4096, zero_copy_min_bytes: int = 64 << 10) -> None:
         self._deltas = deltas
         self._store = store
         self._publisher_id = publisher_id
         self._max_chunks = max_chunks_per_request
         self._max_deferred = max_deferred
+        self._max_per_peer = max_deferred_per_peer
+        self._per_peer: Counter[bytes] = Counter()
         self._zero_copy_min = zero_copy_min_bytes
         self._deferred: list[tuple[bytes, int, EncodedDelta, int]] = []
         self.bytes_sent = 0
@@ -55,19 +60,27 @@ class DeltaServing:
             self._error(router, identity, request, "bad_request",
                         "chunk ids out of range or too many in one request")
             return
-        if len(self._deferred) + len(request.chunks) > self._max_deferred:
+        if len(self._deferred) + len(request.chunks) > self._max_deferred or \
+                self._per_peer[identity] + len(request.chunks) > self._max_per_peer:
             self._error(router, identity, request, "bad_request",
-                        f"more than {self._max_deferred} delta chunks are waiting; retry later")
+                        "too many delta chunks are waiting to be encoded; fetch it in full")
             return
         for chunk in request.chunks:
             if not self._try_send(router, identity, request.req, delta, chunk):
                 self._deferred.append((identity, request.req, delta, chunk))
+                self._per_peer[identity] += 1
 
     def flush(self, router: zmq.Socket) -> None:
         """Send the held-back chunks that are encoded by now."""
-        if self._deferred:
-            self._deferred = [item for item in self._deferred
-                              if not self._try_send(router, *item)]
+        waiting = []
+        for item in self._deferred:
+            if self._try_send(router, *item):
+                self._per_peer[item[0]] -= 1
+                if not self._per_peer[item[0]]:
+                    del self._per_peer[item[0]]
+            else:
+                waiting.append(item)
+        self._deferred = waiting
 
     def _try_send(self, router: zmq.Socket, identity: bytes, req: int, delta: EncodedDelta,
                   chunk: int) -> bool:

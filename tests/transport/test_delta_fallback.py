@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -139,18 +139,25 @@ def test_a_spoiled_delta_falls_back_to_full_and_never_stages_wrong_bytes(
         ctx.term()
 
 
-def test_the_full_version_is_announced_and_served_while_its_delta_is_encoding(
-    monkeypatch: pytest.MonkeyPatch, make_pub: Callable[..., WeightPublisher],
-    make_sub: Callable[..., WeightSubscriber],
-) -> None:
-    gate = threading.Event()
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Holds the publisher's delta encoder back until set."""
+    event = threading.Event()
     real = publisher_delta.encode_chunk
 
     def held_back(new: memoryview, base: memoryview, width: int = 2) -> Any:
-        gate.wait(30)
+        event.wait(30)
         return real(new, base, width)
 
     monkeypatch.setattr(publisher_delta, "encode_chunk", held_back)
+    yield event
+    event.set()
+
+
+def test_the_full_version_is_announced_and_served_while_its_delta_is_encoding(
+    gate: threading.Event, make_pub: Callable[..., WeightPublisher],
+    make_sub: Callable[..., WeightSubscriber],
+) -> None:
     pub = make_pub(chunk_size=CHUNK, delta_anchor_every=8)
     holder = make_sub(pub.endpoint)
     pub.publish(drift_weights(SEED, 1, SPEC), version=1)
@@ -168,6 +175,48 @@ def test_the_full_version_is_announced_and_served_while_its_delta_is_encoding(
     assert digests(via_delta.items()) == expected(2)
     assert holder.status()["versions_delta"] == 1 and fresh.status()["versions_delta"] == 0
     assert fresh.status()["bytes_received_delta"] == 0
+
+
+def test_hostile_delta_fetches_get_errors_and_the_publisher_keeps_serving(
+    gate: threading.Event, make_pub: Callable[..., WeightPublisher],
+    make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, delta_anchor_every=8)
+    for version in (1, 2):
+        pub.publish(drift_weights(SEED, version, SPEC), version=version)
+    pub.wait_announced(2)
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect(pub.endpoint)
+
+    def ask(req: int, base: int, chunks: tuple[int, ...]) -> None:
+        peer.send(wire.encode(wire.FetchRequest(req=req, publisher_id=pub.publisher_id,
+                                                version=2, base=base, chunks=chunks)))
+
+    def error_reply() -> wire.ErrorReply:
+        while True:
+            assert peer.poll(10_000), "no reply"
+            frames = peer.recv_multipart()
+            reply = wire.decode(frames[0], expect=(wire.ErrorReply, wire.ChunkHeader))
+            if isinstance(reply, wire.ErrorReply):
+                return reply
+
+    try:
+        ask(1, 7, (0,))  # a base no delta is made against
+        assert error_reply().code == "version_unavailable"
+        ask(2, 1, (10_000,))  # past the last chunk
+        assert error_reply().code == "bad_request"
+        for req in range(3, 20):  # the same held-back chunk, over and over: a bounded queue
+            ask(req, 1, (0,) * 256)
+        reply = error_reply()
+        assert reply.code == "bad_request" and "too many delta chunks" in reply.message
+        fresh = make_sub(pub.endpoint)  # and the publisher still serves everyone else
+        assert digests(fresh.wait_for_version(2, timeout=30).items()) == expected(2)
+    finally:
+        gate.set()
+        peer.close()
+        ctx.term()
 
 
 def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublisher]) -> None:
