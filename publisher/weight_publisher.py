@@ -26,8 +26,8 @@ import torch
 import zmq
 
 from publisher.config import PublisherConfig, load_publisher_config
-from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.delta import DeltaPublisher
+from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.server import ServerOptions, ServingThread
 from publisher.snapshot import (
     ChunkHasher,

@@ -16,6 +16,7 @@ import publisher.delta as publisher_delta
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import StagedVersion, WeightSubscriber
 from tests.transport.procs import REPO, digests, drift_weights, spec_bytes
+from tests.transport.test_metrics import scrape
 from weightpub.config import RelayConfig
 from weightpub.relay import Relay
 from weightpub_wire import protocol as wire
@@ -220,7 +221,7 @@ def test_hostile_delta_fetches_get_errors_and_the_publisher_keeps_serving(
 
 
 def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublisher]) -> None:
-    trainer = make_pub(chunk_size=CHUNK, delta_anchor_every=8)
+    trainer = make_pub(chunk_size=CHUNK, delta_anchor_every=8, metrics_port=0)
     config = RelayConfig.model_validate({
         "upstream": {"endpoint": trainer.endpoint},
         "downstream": {"endpoint": "tcp://127.0.0.1:0", "chunk_mib": 1,
@@ -244,7 +245,15 @@ def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublishe
         reply = json.loads(run.stdout)
         assert reply["bytes_sent_delta"] == downstream["bytes_received_delta"]
         assert reply["bytes_sent_full"] == downstream["bytes_received_full"]
-        assert trainer.data_stats()["bytes_sent_delta"] == upstream["bytes_received_delta"]
+        sent = trainer.data_stats()
+        assert sent["bytes_sent_delta"] == upstream["bytes_received_delta"]
+        assert sent["bytes_sent_full"] == upstream["bytes_received_full"]
+        assert trainer.metrics is not None
+        samples = scrape(trainer.metrics.url)  # the same figures on the Prometheus endpoint
+        assert samples[("weightpub_publisher_served_delta_bytes_total", ())] == \
+            sent["bytes_sent_delta"]
+        assert samples[("weightpub_publisher_served_bytes_total", ())] == \
+            sent["bytes_sent_delta"] + sent["bytes_sent_full"]
 
 
 @pytest.mark.parametrize("value", [0, 65, "often"])
