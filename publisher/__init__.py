@@ -1,8 +1,12 @@
 """weightpub, trainer side: snapshot, version and serve weights over ZeroMQ.
 
 The wire protocol both sides speak lives in ``weightpub_wire``; the errors are
-re-exported here so trainer code catches one family.
+re-exported here so trainer code catches one family. ``PublishCallback`` (a
+transformers ``TrainerCallback``) is imported on first use, so ``import publisher``
+never pulls in transformers.
 """
+
+from typing import Any as _Any
 
 from publisher.config import PublisherConfig
 from publisher.snapshot import gather_full_tensors
@@ -28,6 +32,7 @@ __all__ = [
     "ConfigError",
     "Manifest",
     "ProtocolError",
+    "PublishCallback",
     "PublisherConfig",
     "Report",
     "TensorEntry",
@@ -38,3 +43,11 @@ __all__ = [
     "WeightPublisher",
     "gather_full_tensors",
 ]
+
+
+def __getattr__(name: str) -> _Any:
+    if name == "PublishCallback":
+        from publisher.callback import PublishCallback
+
+        return PublishCallback
+    raise AttributeError(name)

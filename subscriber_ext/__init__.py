@@ -6,12 +6,19 @@ lazily so that importing this package never pulls in vLLM.
 Layers (imports point down): ``worker_extension`` / ``seed_rpcs`` (the RPCs) ->
 ``commit/`` (when every rank switches) -> ``apply/`` (how tensors reach vLLM
 parameters) and ``seed/``; ``transport/`` (subscribe, fetch, verify, stage) ->
-``weightpub_wire``.
+``weightpub_wire``. ``staleness`` tells which policy versions produced a sample
+(for RL actors and learners).
 """
 
 from typing import Any as _Any
 
 from subscriber_ext.llm import WORKER_EXTENSION, wait_until_applied
+from subscriber_ext.staleness import (
+    VersionRange,
+    keep_fresh,
+    request_version_range,
+    version_range,
+)
 from subscriber_ext.transport.config import SubscriberConfig
 from subscriber_ext.transport.staging import StagedVersion
 from subscriber_ext.transport.subscriber import WeightSubscriber
@@ -23,7 +30,11 @@ __all__ = [
     "StagedVersion",
     "SubscriberConfig",
     "SyncOptions",
+    "VersionRange",
     "WeightSubscriber",
+    "keep_fresh",
+    "request_version_range",
+    "version_range",
     "wait_until_applied",
 ]
 

@@ -28,6 +28,7 @@ PUBLISHER_ALL = [
     "ConfigError",
     "Manifest",
     "ProtocolError",
+    "PublishCallback",
     "PublisherConfig",
     "Report",
     "TensorEntry",
@@ -40,12 +41,14 @@ PUBLISHER_ALL = [
 ]
 
 SUBSCRIBER_ALL = ["WORKER_EXTENSION", "BatchWeightSyncWorkerExtension", "StagedVersion",
-                  "SubscriberConfig", "SyncOptions", "WeightSubscriber", "wait_until_applied"]
+                  "SubscriberConfig", "SyncOptions", "VersionRange", "WeightSubscriber",
+                  "keep_fresh", "request_version_range", "version_range", "wait_until_applied"]
 
 WIRE_ALL = ["PROTOCOL_VERSION", "ApplyError", "ChecksumError", "ClosedError", "ConfigError",
             "Manifest", "ProtocolError", "Report", "TensorEntry", "TransportError",
             "VersionUnavailable", "WeightPubError", "WeightPubTimeout"]
 LAZY = {"BatchWeightSyncWorkerExtension"}  # resolved by module __getattr__, pulls in vLLM
+PUBLISHER_LAZY = {"PublishCallback"}  # resolved by module __getattr__, pulls in transformers
 
 
 def public_members(module: types.ModuleType) -> set[str]:
@@ -61,9 +64,20 @@ def public_members(module: types.ModuleType) -> set[str]:
 
 def test_publisher_all_is_pinned() -> None:
     assert publisher.__all__ == PUBLISHER_ALL
-    assert public_members(publisher) == set(publisher.__all__)
+    assert public_members(publisher) | PUBLISHER_LAZY == set(publisher.__all__)
     for name in publisher.__all__:
         assert getattr(publisher, name) is not None
+    with pytest.raises(AttributeError):
+        publisher.NoSuchName  # noqa: B018
+
+
+def test_publish_callback_is_a_trainer_callback() -> None:
+    from transformers import TrainerCallback
+
+    assert issubclass(publisher.PublishCallback, TrainerCallback)
+    from publisher import PublishCallback
+
+    assert PublishCallback is publisher.PublishCallback
 
 
 def test_subscriber_ext_all_is_pinned() -> None:
@@ -98,10 +112,11 @@ def test_all_entries_are_unique_and_errors_share_one_base() -> None:
     assert issubclass(publisher.WeightPubTimeout, TimeoutError)
 
 
-def test_importing_the_packages_does_not_import_vllm() -> None:
+def test_importing_the_packages_does_not_import_vllm_or_transformers() -> None:
     code = ("import sys, weightpub_wire, publisher, subscriber_ext; "
-            "bad = sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.') "
-            "or m == 'subscriber_ext.worker_extension'); print(bad); assert not bad")
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers') "
+            "or m in ('subscriber_ext.worker_extension', 'publisher.callback')); "
+            "print(bad); assert not bad")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

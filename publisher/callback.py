@@ -1,0 +1,130 @@
+"""``PublishCallback``: publish from a transformers ``Trainer`` (or any TRL trainer) in one line.
+
+::
+
+    trainer = Trainer(..., callbacks=[PublishCallback(publisher, every_n_steps=10)])
+
+After every ``every_n_steps`` optimizer steps (``on_step_end``, so gradient
+accumulation is already folded in) and once more when training ends, the model
+is published. Only the world process zero publishes; the other ranks must run
+the same callback (with ``publisher=None``) because gathering sharded weights
+is a collective:
+
+- FSDP2 / tensor parallel (``DTensor`` parameters): rank 0 ``publish(model)``,
+  the others ``gather_full_tensors(model)`` at the same moment;
+- DeepSpeed ZeRO-3 (partitioned parameters): every rank enters
+  ``deepspeed.zero.GatheredParameters`` (all parameters at once, so each rank
+  briefly holds the full model) and rank 0 publishes inside it;
+- FSDP1 wrappers: refused with a clear error (the callback is handed the
+  unwrapped module, whose state dict is not the model's); use FSDP2.
+
+This is the one module of ``publisher`` that imports transformers; ``import
+publisher`` loads it only when ``PublishCallback`` is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from publisher.snapshot import WeightsLike, gather_full_tensors
+from publisher.weight_publisher import WeightPublisher
+from weightpub_wire.errors import ConfigError
+
+__all__ = ["PublishCallback"]
+
+log = logging.getLogger("weightpub.publisher")
+
+
+class PublishCallback(TrainerCallback):
+    """A ``transformers.TrainerCallback`` that publishes the model every N optimizer steps.
+
+    ``publisher`` is the ``WeightPublisher`` on the world process zero and ``None``
+    on every other rank. ``weights`` maps the model to what is published (default:
+    the model itself, i.e. its ``state_dict()``; e.g. merge LoRA adapters here).
+    ``step_as_version`` numbers versions by ``state.global_step``, so a resumed run
+    keeps its numbers monotonic. ``published`` lists ``(global_step, version)``.
+    """
+
+    def __init__(self, publisher: WeightPublisher | None, every_n_steps: int = 1, *,
+                 publish_on_train_end: bool = True, step_as_version: bool = False,
+                 weights: Callable[[torch.nn.Module], WeightsLike] | None = None) -> None:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) \
+                or every_n_steps < 1:
+            raise ConfigError(f"every_n_steps: {every_n_steps!r} must be an int >= 1")
+        if publisher is not None and not isinstance(publisher, WeightPublisher):
+            raise ConfigError(f"publisher: expected a WeightPublisher or None, got "
+                              f"{type(publisher).__name__}")
+        self.publisher = publisher
+        self.every_n_steps = every_n_steps
+        self.publish_on_train_end = publish_on_train_end
+        self.step_as_version = step_as_version
+        self.weights = weights
+        self.published: list[tuple[int, int]] = []
+        self._last_step = -1
+
+    # ---------------------------------------------------------------- trainer events
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero and self.publisher is None:
+            raise ConfigError("PublishCallback: the world process zero needs a WeightPublisher "
+                              "(publisher=None is for the other ranks)")
+        model = kwargs.get("model")
+        if model is not None:
+            _refuse_fsdp1(model)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step % self.every_n_steps == 0:
+            self._publish(state, kwargs.get("model"))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.publish_on_train_end and state.global_step != self._last_step:
+            self._publish(state, kwargs.get("model"))
+
+    # ---------------------------------------------------------------- publishing
+    def _publish(self, state: Any, model: torch.nn.Module | None) -> None:
+        if model is None:
+            raise ConfigError("PublishCallback: the trainer passed no model to the callback")
+        step = int(state.global_step)
+        self._last_step = step
+        with _gathered(model):
+            weights = model if self.weights is None else self.weights(model)
+            if not state.is_world_process_zero:
+                gather_full_tensors(weights)  # take part in the DTensor collectives
+                return
+            assert self.publisher is not None  # checked at on_train_begin
+            version = self.publisher.publish(
+                weights, version=step if self.step_as_version else None)
+        self.published.append((step, version))
+        log.info("published version %d at step %d", version, step)
+
+
+def _is_zero3(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
+@contextlib.contextmanager
+def _gathered(model: torch.nn.Module) -> Iterator[None]:
+    """DeepSpeed ZeRO-3: every rank gathers the partitioned parameters for the publish."""
+    if not _is_zero3(model):
+        yield
+        return
+    import deepspeed  # only present (and only needed) when the model is partitioned
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield
+
+
+def _refuse_fsdp1(model: torch.nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ConfigError("PublishCallback: FSDP1 (FullyShardedDataParallel) wrappers are not "
+                          "supported; use FSDP2 (fsdp_version: 2), whose DTensor "
+                          "parameters are gathered on every rank")
