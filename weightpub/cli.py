@@ -19,9 +19,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.rl:
         from weightpub.demos.rl import run_rl_demo
 
-        run_rl_demo(steps=args.steps or 80, max_staleness=args.max_staleness,
-                    replicas=args.replicas, seed=args.seed, json_out=args.json,
-                    quiet=not args.verbose, log_dir=args.log_dir)
+        run_rl_demo(steps=80 if args.steps is None else args.steps,
+                    max_staleness=args.max_staleness, replicas=args.replicas, seed=args.seed,
+                    json_out=args.json, quiet=not args.verbose, log_dir=args.log_dir)
         return 0
     if args.transport_only:
         from weightpub.demos.transport import run_transport_demo
@@ -30,8 +30,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return 0
     from weightpub.demos.tiny_vllm import run_vllm_demo
 
-    return run_vllm_demo(steps=args.steps or 36, publish_every=args.publish_every,
-                         tensor_parallel_size=args.tp)
+    return run_vllm_demo(steps=36 if args.steps is None else args.steps,
+                         publish_every=args.publish_every, tensor_parallel_size=args.tp)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -96,3 +96,25 @@ def test_grpo_pushes_the_policy_toward_better_answers() -> None:
         loss.backward()
         optimizer.step()
     assert logprob_of(good) > before + 0.1
+
+
+def test_bad_demo_options_are_refused_before_anything_starts(capsys) -> None:
+    from weightpub.cli import main
+
+    assert main(["demo", "--rl", "--steps", "0"]) == 2
+    assert "steps: 0 must be >= 1" in capsys.readouterr().err
+    assert main(["demo", "--rl", "--max-staleness", "-1"]) == 2
+    assert "max_staleness" in capsys.readouterr().err
+
+
+def test_an_actor_that_cannot_start_is_reported_with_its_error(tmp_path) -> None:
+    """A real actor process whose engine cannot load the model: the learner names it."""
+    from weightpub.demos.rl_pool import ActorPool
+    from weightpub_wire.errors import WeightPubError
+
+    with ActorPool(1, model_dir=tmp_path / "no-such-model", publisher="tcp://127.0.0.1:1",
+                   log_dir=tmp_path, seed=0, prompts_per_batch=1, group_size=2,
+                   credit=1) as pool:
+        pool.start()
+        with pytest.raises(WeightPubError, match="actor0 (failed|exited)"):
+            pool.wait_ready(timeout=120)

@@ -39,7 +39,7 @@ class ActorConfig(msgspec.Struct, kw_only=True, frozen=True):
     seed: int
     prompts_per_batch: int = 4
     group_size: int = 8
-    credit: int = 2
+    credit: int = 1
     quiet: bool = True
 
 

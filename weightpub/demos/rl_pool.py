@@ -78,9 +78,17 @@ class ActorPool:
             self._receive(0.5)
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Ask every actor to stop; kill the process groups of those that do not."""
-        for i in self.ready:
-            self.sock.send_multipart([self.names[i].encode(), msg.STOP])
+        """Ask every actor to stop; kill the process groups of those that do not.
+
+        A ready actor gets ``stop`` (it finishes its batch and shuts its engine
+        down); one still starting its engine reads no messages yet and gets SIGTERM,
+        which vLLM handles by shutting the engine down.
+        """
+        for i, proc in enumerate(self.procs):
+            if i in self.ready:
+                self.sock.send_multipart([self.names[i].encode(), msg.STOP])
+            elif proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for proc in self.procs:
             try:
