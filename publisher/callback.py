@@ -46,7 +46,8 @@ class PublishCallback(TrainerCallback):
 
     ``publisher`` is the ``WeightPublisher`` on the world process zero and ``None``
     on every other rank. ``weights`` maps the model to what is published (default:
-    the model itself, i.e. its ``state_dict()``; e.g. merge LoRA adapters here).
+    the model itself, i.e. its ``state_dict()``; e.g. merge LoRA adapters here); it
+    runs on every rank, so collectives inside it line up.
     ``step_as_version`` numbers versions by ``state.global_step``, so a resumed run
     keeps its numbers monotonic. ``published`` lists ``(global_step, version)``.
     """
