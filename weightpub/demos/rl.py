@@ -44,8 +44,8 @@ def _check(steps: int, max_staleness: int, replicas: int) -> None:
         raise ConfigError(f"replicas: {replicas} is outside [1, 8]")
 
 
-def run_rl_demo(*, steps: int = 80, max_staleness: int = 2, replicas: int = 2, seed: int = 0,
-                lr: float = 3e-3, groups_per_step: int = 8, prompts_per_batch: int = 4,
+def run_rl_demo(*, steps: int = 50, max_staleness: int = 2, replicas: int = 2, seed: int = 0,
+                lr: float = 3e-3, groups_per_step: int = 16, prompts_per_batch: int = 8,
                 group_size: int = 8, credit: int = 1, json_out: bool = False,
                 quiet: bool = True, log_dir: str | None = None,
                 console: Console | None = None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class ActorConfig(msgspec.Struct, kw_only=True, frozen=True):
     learner: str  # the learner's ROUTER endpoint for rollouts
     cpus: str  # VLLM_CPU_OMP_THREADS_BIND for this engine's worker, e.g. "0"
     seed: int
-    prompts_per_batch: int = 4
+    prompts_per_batch: int = 8
     group_size: int = 8
     credit: int = 1
     quiet: bool = True
