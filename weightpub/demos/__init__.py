@@ -1,1 +1,2 @@
-"""Demos: the transport alone, and a trainer teaching a tiny model while vLLM follows it."""
+"""Demos: the transport alone, a trainer teaching a tiny model while vLLM follows it, and
+asynchronous RL (a GRPO learner and vLLM actors, ``rl*.py``)."""
