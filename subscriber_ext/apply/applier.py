@@ -31,8 +31,9 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from subscriber_ext.apply.experts import ExpertIndex
 from subscriber_ext.apply.layout import CheckpointLayout
-from subscriber_ext.apply.loaders import first_load_processing, load_into
+from subscriber_ext.apply.loaders import first_load_processing, in_place_safe, load_into
 from subscriber_ext.apply.names import NameResolver, Target
 from subscriber_ext.apply.prepare import PreparedVersion, prepare_version
 from subscriber_ext.apply.shapes import (
@@ -99,6 +100,7 @@ class WeightApplier:
         self.vllm_config = vllm_config if vllm_config is not None else model_runner.vllm_config
         self.apply_mode = apply_mode
         self._resolver: NameResolver | None = None
+        self._experts: ExpertIndex | None = None
         self._layout: CheckpointLayout | None = None
         self._mode: str | None = None
         self.last_report: ApplyReport | None = None
@@ -112,7 +114,8 @@ class WeightApplier:
     @property
     def resolver(self) -> NameResolver:
         if self._resolver is None:
-            self._resolver = NameResolver(self.model)
+            self._resolver = NameResolver(self.model, self._experts)
+            self._experts = self._resolver.experts
         return self._resolver
 
     @property
@@ -120,8 +123,7 @@ class WeightApplier:
         """Converts published tensors to checkpoint tensors (kept: holds a skeleton)."""
         if self._layout is None:
             hf_config = getattr(getattr(self.vllm_config, "model_config", None), "hf_config", None)
-            self._layout = CheckpointLayout(self.resolver, hf_config)
-        self._layout.resolver = self.resolver
+            self._layout = CheckpointLayout(hf_config)
         return self._layout
 
     # ------------------------------------------------------------------ mode
@@ -145,6 +147,8 @@ class WeightApplier:
             pass
         if any(p.numel() == 0 for p in self.resolver.params.values()):
             return "reload"  # some parameter lives in a kernel-only layout
+        if any(not in_place_safe(layer.module) for layer in self.resolver.experts):
+            return "reload"  # MoE experts shuffled/packed for their kernel
         return "in_place"
 
     # ----------------------------------------------------------------- check
@@ -157,7 +161,7 @@ class WeightApplier:
         published one). ``whole_layers`` (default: true in reload mode) also demands
         every tensor of each touched layer.
         """
-        converted = self.layout.to_checkpoint((s.name, s.meta()) for s in specs)
+        converted = self.layout.to_checkpoint(((s.name, s.meta()) for s in specs), self.resolver)
         return self._check(
             [TensorSpec.of(c.name, c.tensor, c.source) for c in converted], whole_layers
         )
@@ -170,7 +174,7 @@ class WeightApplier:
     ) -> list[CheckedTensor]:
         """``check`` on real tensors: the checkpoint tensors (views) with their targets."""
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        converted = self.layout.to_checkpoint(items)
+        converted = self.layout.to_checkpoint(items, self.resolver)
         specs = [TensorSpec.of(c.name, c.tensor, c.source) for c in converted]
         checked = self._check(specs, whole_layers)
         return [(spec, target, c.tensor) for (spec, target), c in zip(checked, converted,
@@ -204,6 +208,11 @@ class WeightApplier:
                     f"tensor {spec.label}: dtype {spec.dtype} but the model expects {want_dtype}"
                 )
             experts = resolver.experts.layers.get(target.module_name)
+            if experts is not None and self.mode() == "in_place" and not in_place_safe(module):
+                raise ApplyError(
+                    f"tensor {spec.label}: {target.module_name!r} keeps its experts in a "
+                    "kernel layout that in-place writes cannot reach; use apply_mode 'reload'"
+                )
             want_shape = expected_shape(module, target.attr, target.shard_id, live, experts)
             if want_shape is not None and tuple(spec.shape) != tuple(want_shape):
                 what = "" if target.expert is None else f" for one expert ({target.shard_id})"

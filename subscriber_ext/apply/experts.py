@@ -65,18 +65,16 @@ class ExpertLayer:
             self.per_expert.setdefault(weight_name, []).append((param, physical, shard))
         #: every (param prefix, shard, logical expert) a complete load of the layer needs
         self.parts: dict[str, set[tuple[str, int]]] = {}
+        self.logical: set[int] = set()  # the layer's logical expert ids
         for weight_name, entries in self.per_expert.items():
             expert = _logical_id(weight_name)
+            self.logical.add(expert)
             for param, _, shard in entries:
                 self.parts.setdefault(_strip(param, self.leaf), set()).add((shard, expert))
         self.fused: dict[str, list[tuple[str, int, str]]] = {}
         for param, weight_name, index, shard in mod.get_expert_mapping(include_fused=True):
             if _EXPERT_ID.search(weight_name + ".") is None:  # fused: every expert at once
                 self.fused.setdefault(weight_name, []).append((param, index, shard))
-
-    @property
-    def num_experts(self) -> int:
-        return int(self.module.moe_config.num_logical_experts)
 
     def local_name(self, name: str) -> str | None:
         """``name`` relative to the layer (``experts.3.gate_proj.weight``), or None."""
@@ -93,12 +91,12 @@ class ExpertLayer:
         entries = self.per_expert.get(stem + ".")
         if entries is None:
             match = _EXPERT_ID.match(local)
-            if match is not None:
+            if match is not None and int(match.group(1)) not in self.logical:
                 raise ApplyError(
                     f"tensor {name!r}: expert {int(match.group(1))} does not exist in "
-                    f"{self.parent!r} ({self.num_experts} experts)"
+                    f"{self.parent!r} ({len(self.logical)} experts)"
                 )
-            return None
+            return None  # not an expert tensor, or a projection the layer lacks
         param, _, shard = entries[0]
         attr = _strip(param, self.leaf) + suffix
         if attr not in self.module._parameters:
@@ -173,16 +171,20 @@ class ExpertLayer:
 
 
 class ExpertIndex:
-    """Every fused-expert layer of a model, found by module type."""
+    """Every fused-expert layer of a model, found by module type (built once: the
+    modules and their mappings outlive the parameter objects a reload replaces)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cls = routed_experts_class()
-        self.layers: dict[str, ExpertLayer] = {}
+        self.layers: dict[str, ExpertLayer] = {}  # by RoutedExperts path
+        self.by_parent: dict[str, ExpertLayer] = {}  # by the path checkpoint names use
         if cls is None:
             return
         for path, module in model.named_modules():
             if isinstance(module, cls):
-                self.layers[path] = ExpertLayer(path, module)
+                layer = ExpertLayer(path, module)
+                self.layers[path] = layer
+                self.by_parent[layer.parent] = layer
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -192,13 +194,12 @@ class ExpertIndex:
 
     def layer_of(self, name: str) -> ExpertLayer | None:
         """The layer whose checkpoint names ``name`` falls under (longest match)."""
-        best: ExpertLayer | None = None
-        for layer in self.layers.values():
-            if name.startswith(layer.parent + ".") and (
-                best is None or len(layer.parent) > len(best.parent)
-            ):
-                best = layer
-        return best
+        end = len(name)
+        while (end := name.rfind(".", 0, end)) > 0:
+            layer = self.by_parent.get(name[:end])
+            if layer is not None:
+                return layer
+        return None
 
     def place(self, name: str) -> tuple[ExpertLayer, ExpertSlot] | None:
         layer = self.layer_of(name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -62,33 +63,32 @@ def build_skeleton(hf_config: Any) -> torch.nn.Module:
 
 
 class CheckpointLayout:
-    """Converts published tensors to checkpoint names/layouts for one served model."""
+    """Converts published tensors to checkpoint names/layouts for one served model.
 
-    def __init__(self, resolver: NameResolver, hf_config: Any) -> None:
-        self.resolver = resolver
+    Kept for the model's life (it holds the skeleton); the resolver is passed per
+    call because a reload replaces the parameters it indexes.
+    """
+
+    def __init__(self, hf_config: Any) -> None:
         self.hf_config = hf_config
         self._skeleton: torch.nn.Module | None = None
         self._skeleton_failed = False
+        self._lock = threading.Lock()
 
-    def placeable(self, name: str) -> bool:
-        try:
-            self.resolver.resolve(name)
-        except ApplyError:
-            return False
-        return True
-
-    def to_checkpoint(self, items: Iterable[tuple[str, torch.Tensor]]) -> list[Converted]:
+    def to_checkpoint(
+        self, items: Iterable[tuple[str, torch.Tensor]], resolver: NameResolver
+    ) -> list[Converted]:
         """Every published tensor as checkpoint tensors (unplaceable ones unchanged)."""
         out: list[Converted] = []
         for name, tensor in items:
             ckpt = normalize_checkpoint_name(name)
-            if self.placeable(ckpt):
+            if _placeable(resolver, ckpt):
                 out.append(Converted(ckpt, tensor))
                 continue
             for new_name, new_tensor in self._revert(name, ckpt, tensor):
                 split = None
-                if not self.placeable(new_name):
-                    split = self._split_fused(new_name, new_tensor)
+                if not _placeable(resolver, new_name):
+                    split = _split_fused(resolver, new_name, new_tensor)
                 if split is None:
                     src = None if new_name == ckpt else name
                     out.append(Converted(new_name, new_tensor, src))
@@ -98,27 +98,31 @@ class CheckpointLayout:
 
     # ------------------------------------------------------------ transformers
     def skeleton(self) -> torch.nn.Module | None:
-        if self._skeleton is None and not self._skeleton_failed:
-            try:
-                from transformers.conversion_mapping import get_model_conversion_mapping
-                from transformers.core_model_loading import PrefixChange
-
-                skeleton = build_skeleton(self.hf_config)
-                # what revert_weight_conversion computes per call for a model built from
-                # scratch, computed once (it walks every module)
-                conversions = get_model_conversion_mapping(skeleton, add_legacy=False)
-                skeleton._weight_conversions = [  # type: ignore[assignment]
-                    c for c in conversions if not isinstance(c, PrefixChange)
-                ]
-                self._skeleton = skeleton
-            except Exception as exc:
-                self._skeleton_failed = True
-                logger.warning(
-                    "weightpub: no transformers skeleton for %s (%s); tensors in "
-                    "transformers' in-memory layout cannot be converted",
-                    getattr(self.hf_config, "architectures", None), exc,
-                )
+        with self._lock:  # the commit path and the preparer thread may both ask
+            if self._skeleton is None and not self._skeleton_failed:
+                self._build_skeleton()
         return self._skeleton
+
+    def _build_skeleton(self) -> None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+
+            skeleton = build_skeleton(self.hf_config)
+            # what revert_weight_conversion computes per call for a model built from
+            # scratch (it walks every module), computed once
+            conversions = get_model_conversion_mapping(skeleton, add_legacy=False)
+            skeleton._weight_conversions = [  # type: ignore[assignment]
+                c for c in conversions if not isinstance(c, PrefixChange)
+            ]
+            self._skeleton = skeleton
+        except Exception as exc:
+            self._skeleton_failed = True
+            logger.warning(
+                "weightpub: no transformers skeleton for %s (%s); tensors in "
+                "transformers' in-memory layout cannot be converted",
+                getattr(self.hf_config, "architectures", None), exc,
+            )
 
     def _revert(
         self, name: str, ckpt: str, tensor: torch.Tensor
@@ -137,17 +141,25 @@ class CheckpointLayout:
             ) from exc
         return list(reverted.items())
 
-    # ------------------------------------------------------------------- vLLM
-    def _split_fused(
-        self, ckpt: str, tensor: torch.Tensor
-    ) -> list[tuple[str, torch.Tensor]] | None:
-        experts = self.resolver.experts
-        if not experts:
-            return None
-        for cand, _ in self.resolver.vllm_names(ckpt) or []:
-            layer = experts.layer_of(cand)
-            if layer is not None:
-                split = layer.split_fused(cand, ckpt, tensor)
-                if split is not None:
-                    return split
+
+def _placeable(resolver: NameResolver, name: str) -> bool:
+    try:
+        resolver.resolve(name)
+    except ApplyError:
+        return False
+    return True
+
+
+def _split_fused(
+    resolver: NameResolver, ckpt: str, tensor: torch.Tensor
+) -> list[tuple[str, torch.Tensor]] | None:
+    """vLLM's fused checkpoint layout, per expert, by the layer's own mapping."""
+    if not resolver.experts:
         return None
+    for cand, _ in resolver.vllm_names(ckpt) or []:
+        layer = resolver.experts.layer_of(cand)
+        if layer is not None:
+            split = layer.split_fused(cand, ckpt, tensor)
+            if split is not None:
+                return split
+    return None

@@ -29,8 +29,8 @@ import torch
 
 from subscriber_ext.apply.names import Target
 
-__all__ = ["first_load_processing", "load_into", "needs_first_load_processing",
-           "private_quant_method"]
+__all__ = ["first_load_processing", "in_place_safe", "load_into",
+           "needs_first_load_processing", "private_quant_method"]
 
 
 def load_into(param: torch.Tensor, target: Target, tensor: torch.Tensor) -> bool:
@@ -71,6 +71,30 @@ def needs_first_load_processing(layer: torch.nn.Module) -> bool:
     experts = getattr(kernel, "fused_experts", None)
     step = getattr(type(experts), "process_weights_after_loading", None)
     return step is not None and step is not FusedMoEExperts.process_weights_after_loading
+
+
+def in_place_safe(layer: torch.nn.Module) -> bool:
+    """True if a MoE layer's live expert weights are in checkpoint layout.
+
+    Why: only then can the loader write them in place; other backends shuffle
+    (FlashInfer: ``[w3; w1]``, block layouts; ROCm AITER), pack (CPU) or quantize
+    them after loading, which only a reload or a prepared shadow re-runs.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+            UnquantizedMoeBackend,
+        )
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+    except ImportError:  # pragma: no cover
+        return False
+    qm = getattr(layer, "quant_method", None)
+    if not isinstance(qm, UnquantizedFusedMoEMethod):
+        return False
+    backend = getattr(qm, "unquantized_backend", None)
+    plain = (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.BATCHED_TRITON)
+    return backend in plain and not needs_first_load_processing(layer)
 
 
 @contextmanager

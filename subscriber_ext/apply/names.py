@@ -98,14 +98,14 @@ def _stacked_from_packed(packed: Mapping[str, list[str]]) -> list[tuple[str, str
 class NameResolver:
     """Resolve checkpoint names against one loaded vLLM model (built once, reused)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, experts: ExpertIndex | None = None) -> None:
         self.model = model
         self.params: dict[str, torch.nn.Parameter] = dict(
             model.named_parameters(remove_duplicate=False)
         )
         self.mapper = getattr(model, "hf_to_vllm_mapper", None)
         self.stacked = _stacked_from_packed(getattr(model, "packed_modules_mapping", {}) or {})
-        self.experts = ExpertIndex(model)
+        self.experts = experts if experts is not None else ExpertIndex(model)
 
     def _find_param(self, name: str) -> str | None:
         if name in self.params:

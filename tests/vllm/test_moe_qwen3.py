@@ -24,5 +24,5 @@ def test_three_versions_per_expert_names_then_publish_model_then_prepared(llm):
     three_versions(llm, KIND, seed=11)
 
 
-def test_malformed_expert_tensor_rejected_weights_unchanged(llm):
-    malformed_expert_rejected(llm, KIND, seed=21)
+def test_malformed_expert_tensor_rejected_weights_unchanged(llm, request):
+    malformed_expert_rejected(llm, KIND, seed=21, tp=request.node.callspec.params["llm"])
