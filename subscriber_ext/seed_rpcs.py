@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from subscriber_ext.apply.applier import TensorSpec
 from subscriber_ext.seed.communicator import WeightCommunicator
 from subscriber_ext.seed.tensor_bytes import decode_many, decode_one
 from subscriber_ext.worker_state import StateAccess
@@ -108,12 +107,12 @@ class SeedRpcs(StateAccess):
     def _wp_set_many(self, named: list[tuple[str, torch.Tensor]], flush: bool = True) -> None:
         st = self._wp()
         applier = self._wp_applier()
-        checked = applier.check([TensorSpec.of(n, t) for n, t in named], whole_layers=False)
+        checked = applier.checked_tensors(named, whole_layers=False)
         st.seed_tensors += len(named)
         if applier.mode() == "in_place":
             applier.apply(named)
             return
-        for (spec, target), (_, tensor) in zip(checked, named, strict=True):
+        for spec, target, tensor in checked:  # checkpoint names (MoE experts: one per expert)
             if target is not None:
                 st.seed_pending[spec.name] = (target, tensor.to("cpu", copy=True))
         if flush:

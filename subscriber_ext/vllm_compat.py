@@ -46,6 +46,7 @@ class Internal:
 
 _CORE = "vllm.v1.engine.core"
 _RELOAD = "vllm.model_executor.model_loader.reload"
+_MOE = "vllm.model_executor.layers.fused_moe"
 INTERNALS: tuple[Internal, ...] = (
     Internal(_CORE, "EngineCore.__init__", ("self", "vllm_config"), "create the slot table"),
     Internal(_CORE, "EngineCore.step", ("self",), "commit before a step is scheduled"),
@@ -71,6 +72,18 @@ INTERNALS: tuple[Internal, ...] = (
              "load parameters without their own loader"),
     Internal("vllm.model_executor.models.utils", "is_pp_missing_parameter", None,
              "tensors owned by another PP stage"),
+    Internal(f"{_MOE}.routed_experts", "RoutedExperts.get_expert_mapping",
+             ("self", "ckpt_gate_proj_name", "ckpt_down_proj_name", "ckpt_up_proj_name",
+              "include_fused"), "where each checkpoint expert tensor goes"),
+    Internal(f"{_MOE}.routed_experts", "RoutedExperts.weight_loader",
+             ("self", "param", "loaded_weight", "weight_name", "shard_id", "expert_id",
+              "return_success"), "load one expert (TP slicing, EP placement)"),
+    Internal(f"{_MOE}.unquantized_fused_moe_method", "UnquantizedFusedMoEMethod", None,
+             "MoE kernels re-packed on reprocessing (moe_kernel reset)"),
+    Internal(f"{_MOE}.modular_kernel", "FusedMoEExperts.process_weights_after_loading",
+             ("self", "layer"), "which experts kernels re-pack weights"),
+    Internal(f"{_MOE}.oracle.unquantized", "UnquantizedMoeBackend", None,
+             "MoE backends whose live weights are in checkpoint layout"),
     Internal("vllm.distributed.parallel_state", "get_tp_group", None, "rank within the replica"),
     Internal("vllm.distributed.utils", "stateless_init_torch_distributed_process_group", None,
              "the seed API's gloo group"),

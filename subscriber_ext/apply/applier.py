@@ -12,7 +12,12 @@ right. Two ways exist and are chosen per model/backend:
   is_checkpoint_format=True)``), which re-runs ``process_weights_after_loading``.
   Needed when parameters were repacked (CPU backend: linear weights show shape
   ``[0]``) or quantized. A layer can only be reloaded whole, so ``check`` then
-  also demands every tensor of each touched layer.
+  also demands every tensor of each touched layer (for a fused-expert layer:
+  every projection of every expert).
+
+Tensors are first brought to checkpoint names and layouts (``layout.py``:
+transformers' in-memory MoE layout -> per-expert checkpoint tensors), so a
+trainer may publish ``model.state_dict()`` of a transformers model as it is.
 """
 
 from __future__ import annotations
@@ -26,17 +31,20 @@ from typing import Any, Literal, get_args
 
 import torch
 
+from subscriber_ext.apply.experts import ExpertIndex
+from subscriber_ext.apply.layout import CheckpointLayout
+from subscriber_ext.apply.loaders import first_load_processing, in_place_safe, load_into
 from subscriber_ext.apply.names import NameResolver, Target
 from subscriber_ext.apply.prepare import PreparedVersion, prepare_version
 from subscriber_ext.apply.shapes import (
     expected_dtype,
     expected_shape,
-    loader_shards,
+    loader_parts,
     original_tensor,
 )
 from weightpub_wire.errors import ApplyError, ConfigError
 
-__all__ = ["APPLY_MODES", "ApplyReport", "TensorSpec", "WeightApplier"]
+__all__ = ["APPLY_MODES", "ApplyReport", "CheckedTensor", "TensorSpec", "WeightApplier"]
 
 logger = logging.getLogger("weightpub.apply")
 
@@ -51,10 +59,25 @@ class TensorSpec:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    source: str | None = None  # the published name, when the layout was converted
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name, tensor.dtype, tuple(tensor.shape))
+    def of(cls, name: str, tensor: torch.Tensor, source: str | None = None) -> TensorSpec:
+        return cls(name, tensor.dtype, tuple(tensor.shape), source)
+
+    @property
+    def label(self) -> str:
+        """How errors name the tensor: as published (and as converted, if it was)."""
+        if self.source is None:
+            return repr(self.name)
+        return f"{self.source!r} (checkpoint tensor {self.name!r})"
+
+    def meta(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+
+#: a checked checkpoint tensor: what it is, where it goes (None: ignored), its data
+CheckedTensor = tuple[TensorSpec, Target | None, torch.Tensor]
 
 
 @dataclass
@@ -77,6 +100,8 @@ class WeightApplier:
         self.vllm_config = vllm_config if vllm_config is not None else model_runner.vllm_config
         self.apply_mode = apply_mode
         self._resolver: NameResolver | None = None
+        self._experts: ExpertIndex | None = None
+        self._layout: CheckpointLayout | None = None
         self._mode: str | None = None
         self.last_report: ApplyReport | None = None
         #: held while the live modules change (apply, swap) or are snapshot (prepare)
@@ -89,8 +114,17 @@ class WeightApplier:
     @property
     def resolver(self) -> NameResolver:
         if self._resolver is None:
-            self._resolver = NameResolver(self.model)
+            self._resolver = NameResolver(self.model, self._experts)
+            self._experts = self._resolver.experts
         return self._resolver
+
+    @property
+    def layout(self) -> CheckpointLayout:
+        """Converts published tensors to checkpoint tensors (kept: holds a skeleton)."""
+        if self._layout is None:
+            hf_config = getattr(getattr(self.vllm_config, "model_config", None), "hf_config", None)
+            self._layout = CheckpointLayout(hf_config)
+        return self._layout
 
     # ------------------------------------------------------------------ mode
     def mode(self) -> str:
@@ -113,6 +147,8 @@ class WeightApplier:
             pass
         if any(p.numel() == 0 for p in self.resolver.params.values()):
             return "reload"  # some parameter lives in a kernel-only layout
+        if any(not in_place_safe(layer.module) for layer in self.resolver.experts):
+            return "reload"  # MoE experts shuffled/packed for their kernel
         return "in_place"
 
     # ----------------------------------------------------------------- check
@@ -121,57 +157,96 @@ class WeightApplier:
     ) -> list[tuple[TensorSpec, Target | None]]:
         """Validate every spec; raise ApplyError naming the first bad tensor. Touches nothing.
 
-        ``whole_layers`` (default: true in reload mode) also demands every tensor of
-        each touched layer.
+        Returns the checkpoint tensors the specs convert to (``spec.source`` names the
+        published one). ``whole_layers`` (default: true in reload mode) also demands
+        every tensor of each touched layer.
         """
+        converted = self.layout.to_checkpoint(((s.name, s.meta()) for s in specs), self.resolver)
+        return self._check(
+            [TensorSpec.of(c.name, c.tensor, c.source) for c in converted], whole_layers
+        )
+
+    def checked_tensors(
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        whole_layers: bool | None = None,
+    ) -> list[CheckedTensor]:
+        """``check`` on real tensors: the checkpoint tensors (views) with their targets."""
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        converted = self.layout.to_checkpoint(items, self.resolver)
+        specs = [TensorSpec.of(c.name, c.tensor, c.source) for c in converted]
+        checked = self._check(specs, whole_layers)
+        return [(spec, target, c.tensor) for (spec, target), c in zip(checked, converted,
+                                                                         strict=True)]
+
+    def _check(
+        self, specs: list[TensorSpec], whole_layers: bool | None
+    ) -> list[tuple[TensorSpec, Target | None]]:
         resolver = self.resolver
         out: list[tuple[TensorSpec, Target | None]] = []
-        seen: dict[tuple[str, Any], str] = {}
+        seen: dict[tuple[str, Any, Any], TensorSpec] = {}
         for spec in specs:
-            target = resolver.resolve(spec.name)
+            try:
+                target = resolver.resolve(spec.name)
+            except ApplyError as exc:
+                if spec.source is None:
+                    raise
+                raise ApplyError(f"{exc} (published as {spec.source!r})") from None
             out.append((spec, target))
             if target is None:
                 continue
-            key = (target.param_name, target.shard_id)
-            if key in seen and seen[key] != spec.name:
-                raise ApplyError(f"tensor {spec.name!r}: same target as {seen[key]!r}")
-            seen[key] = spec.name
+            key = (target.param_name, target.shard_id, target.expert)
+            if key in seen and seen[key].name != spec.name:
+                raise ApplyError(f"tensor {spec.label}: same target as {seen[key].label}")
+            seen[key] = spec
             module = self.model.get_submodule(target.module_name)
             live = resolver.params[target.param_name]
             want_dtype = expected_dtype(module, target.attr, live)
             if spec.dtype != want_dtype:
                 raise ApplyError(
-                    f"tensor {spec.name!r}: dtype {spec.dtype} but the model expects {want_dtype}"
+                    f"tensor {spec.label}: dtype {spec.dtype} but the model expects {want_dtype}"
                 )
-            want_shape = expected_shape(module, target.attr, target.shard_id, live)
-            if want_shape is not None and tuple(spec.shape) != tuple(want_shape):
+            experts = resolver.experts.layers.get(target.module_name)
+            if experts is not None and self.mode() == "in_place" and not in_place_safe(module):
                 raise ApplyError(
-                    f"tensor {spec.name!r}: shape {tuple(spec.shape)} but the model expects "
-                    f"{tuple(want_shape)}"
+                    f"tensor {spec.label}: {target.module_name!r} keeps its experts in a "
+                    "kernel layout that in-place writes cannot reach; use apply_mode 'reload'"
+                )
+            want_shape = expected_shape(module, target.attr, target.shard_id, live, experts)
+            if want_shape is not None and tuple(spec.shape) != tuple(want_shape):
+                what = "" if target.expert is None else f" for one expert ({target.shard_id})"
+                raise ApplyError(
+                    f"tensor {spec.label}: shape {tuple(spec.shape)} but the model expects "
+                    f"{tuple(want_shape)}{what}"
                 )
         if whole_layers if whole_layers is not None else self.mode() == "reload":
             missing = self.missing_parts([t for _, t in out if t is not None])
             for module_name, parts in missing.items():
+                more = f" and {len(parts) - 1} more" if len(parts) > 1 else ""
                 raise ApplyError(
-                    f"tensor for {parts[0]!r} missing: reload mode replaces whole layers, "
-                    f"send every tensor of {module_name!r}"
+                    f"tensor for {parts[0]!r}{more} missing: reload mode replaces whole "
+                    f"layers, send every tensor of {module_name!r}"
                 )
         return out
 
     def missing_parts(self, targets: Iterable[Target]) -> dict[str, list[str]]:
         """Per touched layer, the parameter parts (``name[shard]``) not among ``targets``."""
-        got: dict[str, set[tuple[str, Any]]] = {}
+        got: dict[str, set[tuple[str, Any, Any]]] = {}
         for t in targets:
-            got.setdefault(t.module_name, set()).add((t.attr, t.shard_id))
+            got.setdefault(t.module_name, set()).add(t.part)
+        experts = self.resolver.experts.layers
         missing: dict[str, list[str]] = {}
         for module_name, have in got.items():
             module = self.model.get_submodule(module_name)
             for attr, _ in module.named_parameters(recurse=False):
                 if original_tensor(module, attr) is None and attr != "bias":
                     continue
-                for shard in loader_shards(module, attr):
-                    if (attr, shard) not in have:
-                        part = f"{module_name}.{attr}" + ("" if shard is None else f"[{shard}]")
+                for shard, expert in loader_parts(module, attr, experts.get(module_name)):
+                    if (attr, shard, expert) not in have:
+                        where = [] if shard is None else [str(shard)]
+                        where += [] if expert is None else [f"expert {expert}"]
+                        part = f"{module_name}.{attr}" + (f"[{', '.join(where)}]" if where else "")
                         missing.setdefault(module_name, []).append(part)
         return missing
 
@@ -180,12 +255,11 @@ class WeightApplier:
         self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
     ) -> ApplyReport:
         """Check everything, then write it. On a check failure nothing has changed."""
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        checked = self.check(TensorSpec.of(n, t) for n, t in items)
+        checked = self.checked_tensors(named_tensors)
         mode = self.mode()
         report = ApplyReport(mode=mode, seconds=0.0)
         todo: list[tuple[Target, torch.Tensor]] = []
-        for (spec, target), (_, tensor) in zip(checked, items, strict=True):
+        for spec, target, tensor in checked:
             if target is None:
                 report.ignored.append(spec.name)
             else:
@@ -219,11 +293,10 @@ class WeightApplier:
         Why: moves the loader + ``process_weights_after_loading`` work of reload mode
         off the step path; ``swap`` later installs the result.
         """
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        checked = self.check((TensorSpec.of(n, t) for n, t in items), whole_layers=True)
+        checked = self.checked_tensors(named_tensors, whole_layers=True)
         todo: list[tuple[Target, torch.Tensor]] = []
         ignored: list[str] = []
-        for (spec, target), (_, tensor) in zip(checked, items, strict=True):
+        for spec, target, tensor in checked:
             if target is None:
                 ignored.append(spec.name)
             else:
@@ -250,16 +323,9 @@ class WeightApplier:
         return report
 
     def _apply_in_place(self, todo: list[tuple[Target, torch.Tensor]]) -> None:
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
         params = self.resolver.params
         for target, tensor in todo:
-            param = params[target.param_name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            if target.shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, target.shard_id)
+            load_into(params[target.param_name], target, tensor)
 
     def _apply_reload(self, todo: list[tuple[Target, torch.Tensor]]) -> None:
         # model.load_weights (inside reload_weights) does its own stacking; hand it the
@@ -270,8 +336,13 @@ class WeightApplier:
         old = layerwise_log.level, inplace_log.level
         layerwise_log.setLevel(logging.ERROR)
         inplace_log.setLevel(logging.ERROR)
+        model = self.model
+        touched = [model.get_submodule(n) for n in {t.module_name for t, _ in todo}]
         try:
-            self.model_runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            with first_load_processing(touched):
+                self.model_runner.reload_weights(
+                    weights_iterator=weights, is_checkpoint_format=True
+                )
         finally:
             layerwise_log.setLevel(old[0])
             inplace_log.setLevel(old[1])

@@ -6,7 +6,8 @@ q/k/v and gate/up separately, and vLLM fuses them (``qkv_proj`` with shard ids
 ``q``/``k``/``v``, ``gate_up_proj`` with shard 0/1) and may itself wrap a
 module for LoRA (``qkv_proj.base_layer.weight``). The model's own
 ``hf_to_vllm_mapper`` / ``packed_modules_mapping`` are used first; the tables
-here are only fallbacks.
+here are only fallbacks. Per-expert MoE tensors are placed by the fused-expert
+layer's own mapping (``experts.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from subscriber_ext.apply.experts import ExpertIndex
 from weightpub_wire.errors import ApplyError
 
 __all__ = [
@@ -70,6 +72,16 @@ class Target:
     module_name: str  # owning module of the parameter
     attr: str  # attribute name of the parameter on that module
     shard_id: ShardId  # fused shard id for the parameter's weight_loader, or None
+    #: MoE experts: the logical expert (as named in the checkpoint), the physical
+    #: expert ids holding it, and the ``weight_name`` the layer's loader expects
+    expert: int | None = None
+    physical: tuple[int, ...] = ()
+    loader_name: str = ""
+
+    @property
+    def part(self) -> tuple[str, ShardId, int | None]:
+        """What this tensor fills: (parameter attr, shard, expert)."""
+        return (self.attr, self.shard_id, self.expert)
 
 
 def _stacked_from_packed(packed: Mapping[str, list[str]]) -> list[tuple[str, str, ShardId]]:
@@ -86,13 +98,14 @@ def _stacked_from_packed(packed: Mapping[str, list[str]]) -> list[tuple[str, str
 class NameResolver:
     """Resolve checkpoint names against one loaded vLLM model (built once, reused)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, experts: ExpertIndex | None = None) -> None:
         self.model = model
         self.params: dict[str, torch.nn.Parameter] = dict(
             model.named_parameters(remove_duplicate=False)
         )
         self.mapper = getattr(model, "hf_to_vllm_mapper", None)
         self.stacked = _stacked_from_packed(getattr(model, "packed_modules_mapping", {}) or {})
+        self.experts = experts if experts is not None else ExpertIndex(model)
 
     def _find_param(self, name: str) -> str | None:
         if name in self.params:
@@ -110,24 +123,41 @@ class NameResolver:
                 return name.replace(token, f".{fused}.", 1), sid
         return name, None
 
-    def resolve(self, name: str) -> Target | None:
-        """Return the target of ``name``; ``None`` if vLLM ignores it; raise if unknown."""
-        ckpt = normalize_checkpoint_name(name)
-        if ckpt.endswith(IGNORED_SUFFIXES):
-            return None
-        candidates: list[tuple[str, ShardId]] = []
+    def vllm_names(self, ckpt: str) -> list[tuple[str, ShardId]] | None:
+        """Candidate vLLM names of a checkpoint name, before stacking (None: dropped)."""
+        names: list[tuple[str, ShardId]] = []
         if self.mapper is not None:
             mapped = self.mapper._map_name_with_shard(ckpt)
             if mapped is None:
                 return None  # the model's own mapper drops this tensor
             m_name, m_shard = mapped
             if isinstance(m_shard, list):
-                raise ApplyError(f"tensor {name!r}: multi-shard targets are not supported")
-            candidates.append(self._apply_stacked(m_name, m_shard))
-        candidates.append(self._apply_stacked(ckpt, None))
+                raise ApplyError(f"tensor {ckpt!r}: multi-shard targets are not supported")
+            names.append((m_name, m_shard))
+        names.append((ckpt, None))
         for old, new in VLM_PREFIX_REMAPS:
             if ckpt.startswith(old):
-                candidates.append(self._apply_stacked(new + ckpt[len(old) :], None))
+                names.append((new + ckpt[len(old) :], None))
+        return names
+
+    def resolve(self, name: str) -> Target | None:
+        """Return the target of ``name``; ``None`` if vLLM ignores it; raise if unknown."""
+        ckpt = normalize_checkpoint_name(name)
+        if ckpt.endswith(IGNORED_SUFFIXES):
+            return None
+        names = self.vllm_names(ckpt)
+        if names is None:
+            return None
+        if self.experts:
+            for cand, _ in names:
+                placed = self.experts.place(cand)
+                if placed is not None:
+                    layer, slot = placed
+                    return Target(
+                        ckpt, f"{layer.path}.{slot.attr}", layer.path, slot.attr, slot.shard,
+                        expert=slot.expert, physical=slot.physical, loader_name=slot.loader_name,
+                    )
+        candidates = [self._apply_stacked(cand, shard) for cand, shard in names]
         for cand, shard in candidates:
             found = self._find_param(cand)
             if found is not None:

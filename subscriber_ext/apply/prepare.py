@@ -13,6 +13,11 @@ and changed attributes (``cpu_linear``, ``weight``, ...) onto the live module:
 a few dict updates per layer. The shadow is never reachable from the model
 before the swap. Cost: one extra copy of the touched weights per rank while a
 version is prepared.
+
+Fused-expert (MoE) layers are prepared too: each expert tensor goes through the
+layer's loader with its expert id, and the shadow gets a private copy of the
+layer's ``quant_method`` that processes like a first load (a new experts
+kernel, weights packed for it; see ``loaders.py``), swapped in with the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 
+from subscriber_ext.apply.loaders import load_into, private_quant_method
 from subscriber_ext.apply.names import Target
 from weightpub_wire.errors import ApplyError
 
@@ -92,6 +98,8 @@ class ModuleSwap:
     non_persistent: set[str]
     attrs: dict[str, Any]
     removed: list[str]
+    #: submodules replaced on the shadow (a MoE layer's private ``quant_method``)
+    modules: dict[str, torch.nn.Module | None] = field(default_factory=dict)
     #: the live state replaced by ``apply``; kept so freeing it happens off the step path
     retired: list[Any] = field(default_factory=list)
 
@@ -101,6 +109,7 @@ class ModuleSwap:
             dict(live._parameters),
             dict(live._buffers),
             [live.__dict__.get(k) for k in [*self.attrs, *self.removed]],
+            [live._modules.get(k) for k in self.modules],
         ]
         live._parameters.clear()
         live._parameters.update(self.params)  # type: ignore[arg-type]
@@ -108,6 +117,7 @@ class ModuleSwap:
         live._buffers.update(self.buffers)
         live._non_persistent_buffers_set.clear()
         live._non_persistent_buffers_set.update(self.non_persistent)
+        live._modules.update(self.modules)
         live.__dict__.update(self.attrs)
         for key in self.removed:
             live.__dict__.pop(key, None)
@@ -206,9 +216,10 @@ class _Shadow:
             if key not in self.snapshot or self.snapshot[key] is not value:
                 attrs[key] = value
         removed = [k for k in self.snapshot if k not in d and k not in _CONTAINERS]
+        modules = {k: m for k, m in mod._modules.items() if live._modules.get(k) is not m}
         return ModuleSwap(
             self.name, live, dict(mod._parameters), dict(mod._buffers),
-            set(mod._non_persistent_buffers_set), attrs, removed,
+            set(mod._non_persistent_buffers_set), attrs, removed, modules,
         )
 
 
@@ -252,23 +263,19 @@ def prepare_version(
                 tied[n] = (_Shadow(n, mod), links)
 
     from vllm.model_executor.model_loader.reload.meta import CopyCounter
-    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
     with torch.no_grad():
         for n, sh in shadows.items():
             sh.fresh_params({})
+            private_quant_method(sh.module)
             params = sh.module._parameters
             for target, tensor in by_module[n]:
                 param = params.get(target.attr)
                 if param is None:
                     raise ApplyError(f"{target.param_name}: no such parameter on the layer")
-                loader = getattr(param, "weight_loader", default_weight_loader)
                 with CopyCounter() as counter:  # thread-local dispatch mode
-                    if target.shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, target.shard_id)
-                if counter.copied_numel == 0:
+                    here = load_into(param, target, tensor)
+                if here and counter.copied_numel == 0:
                     raise ApplyError(f"{target.checkpoint_name}: the layer's loader wrote nothing")
             sh.process()
         for n, (sh, links) in tied.items():

@@ -4,17 +4,21 @@ Why: a replica must reject a bad tensor *before* it touches any weight, and a
 TP rank only holds a shard of each fused parameter, so the live shape says
 little about the checkpoint shape. The full shape is rebuilt from the layer's
 own bookkeeping (``input_size``/``output_size``, ``output_sizes``, head counts,
-``org_vocab_size``), and the dtype is taken from the pre-processing metadata
-vLLM records for layerwise reload (the live tensor may be repacked to ``[0]``).
+``org_vocab_size``, a MoE layer's ``moe_config``), and the dtype is taken from
+the pre-processing metadata vLLM records for layerwise reload (the live tensor
+may be repacked to ``[0]``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from subscriber_ext.apply.experts import ExpertLayer
 from subscriber_ext.apply.names import ShardId
 
-__all__ = ["expected_dtype", "expected_shape", "loader_shards", "original_tensor"]
+__all__ = ["expected_dtype", "expected_shape", "loader_parts", "original_tensor"]
+
+Part = tuple[ShardId, int | None]  # (fused shard, expert) one checkpoint tensor fills
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -46,9 +50,18 @@ def _is_unquantized(layer: torch.nn.Module) -> bool:
 
 
 def expected_shape(
-    module: torch.nn.Module, attr: str, shard: ShardId, live: torch.Tensor
+    module: torch.nn.Module,
+    attr: str,
+    shard: ShardId,
+    live: torch.Tensor,
+    experts: ExpertLayer | None = None,
 ) -> tuple[int, ...] | None:
-    """Full checkpoint shape for (module.attr, shard), or None when it cannot be told."""
+    """Full checkpoint shape for (module.attr, shard), or None when it cannot be told.
+
+    ``experts``: the module is a fused-expert layer; the shape is one expert's.
+    """
+    if experts is not None:
+        return experts.expected_shape(attr, str(shard))
     from vllm.model_executor.layers.linear import (
         LinearBase,
         MergedColumnParallelLinear,
@@ -90,13 +103,18 @@ def expected_shape(
     return None
 
 
-def loader_shards(module: torch.nn.Module, attr: str) -> list[ShardId]:
-    """Every shard id a complete load of module.attr needs (``[None]`` if not fused)."""
+def loader_parts(
+    module: torch.nn.Module, attr: str, experts: ExpertLayer | None = None
+) -> list[Part]:
+    """Every (shard, expert) a complete load of module.attr needs (``[(None, None)]``
+    if not fused)."""
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
+    if experts is not None:
+        return list(experts.needed_parts(attr))
     layer = _unwrap(module)
     if isinstance(layer, QKVParallelLinear):
-        return ["q", "k", "v"]
+        return [("q", None), ("k", None), ("v", None)]
     if isinstance(layer, MergedColumnParallelLinear):
-        return list(range(len(layer.output_sizes)))
-    return [None]
+        return [(i, None) for i in range(len(layer.output_sizes))]
+    return [(None, None)]

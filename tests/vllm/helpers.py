@@ -20,8 +20,13 @@ PROMPTS = [[5, 17, 42, 99, 7, 3], [300, 12, 450, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9]
 LOGPROB_ATOL = 2e-3
 
 
+#: tiny Mixture-of-Experts models: 4 experts, top-2, intermediate 64 (32 per rank at
+#: TP=2: the CPU grouped-GEMM MoE kernel wants multiples of 32)
+MOE_KINDS = ("qwen3_moe", "mixtral", "qwen2_moe")
+
+
 def tiny_config(kind: str) -> Any:
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(
         hidden_size=128,
@@ -38,6 +43,14 @@ def tiny_config(kind: str) -> Any:
         return Qwen2Config(**common, tie_word_embeddings=False)
     if kind == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True)
+    moe = dict(common, head_dim=64, tie_word_embeddings=False, num_experts_per_tok=2)
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(**moe, moe_intermediate_size=64, num_experts=4, norm_topk_prob=True)
+    if kind == "mixtral":
+        return MixtralConfig(**dict(moe, intermediate_size=64), num_local_experts=4)
+    if kind == "qwen2_moe":  # plus a shared expert and its sigmoid gate
+        return Qwen2MoeConfig(**moe, moe_intermediate_size=64, num_experts=4,
+                              shared_expert_intermediate_size=96)
     raise ValueError(kind)
 
 
@@ -55,10 +68,20 @@ def save_tiny(kind: str, seed: int, path: Path) -> Path:
 
 
 def new_weights(kind: str, seed: int) -> dict[str, torch.Tensor]:
-    """Checkpoint-named state dict of a fresh model (what a trainer would publish)."""
+    """State dict of a fresh model (what a trainer would publish); transformers' in-memory
+    names and layouts (MoE: fused ``mlp.experts.gate_up_proj``), which ``hf_greedy`` takes."""
     sd = build_hf(kind, seed).state_dict()
     model_tied = tiny_config(kind).tie_word_embeddings
     return {k: v.contiguous() for k, v in sd.items() if not (model_tied and k == "lm_head.weight")}
+
+
+def checkpoint_form(kind: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` under the checkpoint's names and layouts, as ``save_pretrained`` writes
+    them (MoE: one tensor per expert and projection, Mixtral ``block_sparse_moe``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(build_hf(kind, 0), dict(weights))
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 @torch.no_grad()
@@ -67,7 +90,8 @@ def hf_greedy(
 ) -> list[tuple[list, list]]:
     """Greedy tokens and their logprobs from transformers with ``weights``."""
     model = build_hf(kind, 0)
-    model.load_state_dict(weights, strict=False)
+    loaded = model.load_state_dict(weights, strict=False)
+    assert not loaded.unexpected_keys, f"the oracle ignored {loaded.unexpected_keys}"
     if tiny_config(kind).tie_word_embeddings:
         model.tie_weights()
     out = []
