@@ -36,7 +36,10 @@ def test_wire_and_rpc_share_names_and_refuse_alike() -> None:
 
 def test_installed_vllm_is_one_we_support() -> None:
     from subscriber_ext import vllm_compat
+    from subscriber_ext.commit import vllm_patches
 
+    assert vllm_compat.problems() == []
+    vllm_patches.register()  # our own patches keep the signatures the check reads
     assert vllm_compat.problems() == []
 
 

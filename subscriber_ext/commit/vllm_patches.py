@@ -24,6 +24,7 @@ serves ``/metrics`` (``observe/``).
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import queue
@@ -215,6 +216,7 @@ def _patch_worker_init() -> None:
     if getattr(original, _PATCHED, False):
         return
 
+    @functools.wraps(original)  # keeps vLLM's signature visible (``vllm_compat`` reads it)
     def initialize_from_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         started = getattr(self.worker, "_wp_started", None)
