@@ -26,6 +26,7 @@ class PublisherConfig(StrictConfig):
     curve_allowed_clients_dir: str | None = None  # only these client keys may connect
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0: any)
     metrics_host: str = "127.0.0.1"
+    insecure: bool = False  # allow a non-loopback bind without CURVE (trusted networks only)
 
     _endpoint = field_validator("endpoint")(check_endpoint)
 
@@ -42,6 +43,7 @@ class PublisherConfig(StrictConfig):
             "curve_allowed_clients_dir": self.curve_allowed_clients_dir,
             "metrics_port": self.metrics_port,
             "metrics_host": self.metrics_host,
+            "insecure": self.insecure,
         }
 
 

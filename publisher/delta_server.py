@@ -6,38 +6,44 @@ pay is sent from the version's full bytes, zero-copy. The held-back requests
 are bounded, per peer and in all: past either bound a request gets a
 ``bad_request`` error (the subscriber then fetches the full version). They
 drain on their own: every encoding ends, or is cut short and served raw.
+Every frame goes out through the server's per-peer credit (``publisher/peers.py``):
+a chunk a peer has no room for waits here like one still being encoded.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-
-import zmq
+from collections.abc import Callable
 
 from publisher.delta import RAW, DeltaPublisher, EncodedDelta
-from publisher.store import VersionStore
+from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 
 __all__ = ["DeltaServing"]
 
 log = logging.getLogger("weightpub.publisher")
 
+#: (identity, header frames, body, version the body points into) -> sent (or peer gone)
+Send = Callable[[bytes, list[bytes], "memoryview | bytes", "PublishedVersion | None"], bool]
+Reply = Callable[[bytes, bytes], bool]
+
 
 class DeltaServing:
     """Answers delta fetches; owned by ``ServingThread`` and used only on its thread."""
 
     def __init__(self, deltas: DeltaPublisher | None, store: VersionStore, publisher_id: str,
-                 *, max_chunks_per_request: int = 256, max_deferred: int = 65_536,
-                 max_deferred_per_peer: int = 4096, zero_copy_min_bytes: int = 64 << 10) -> None:
+                 send: Send, reply: Reply, *, max_chunks_per_request: int = 256,
+                 max_deferred: int = 65_536, max_deferred_per_peer: int = 4096) -> None:
         self._deltas = deltas
+        self._send = send
+        self._reply = reply
         self._store = store
         self._publisher_id = publisher_id
         self._max_chunks = max_chunks_per_request
         self._max_deferred = max_deferred
         self._max_per_peer = max_deferred_per_peer
         self._per_peer: Counter[bytes] = Counter()
-        self._zero_copy_min = zero_copy_min_bytes
         self._deferred: list[tuple[bytes, int, EncodedDelta, int]] = []
         self.bytes_sent = 0
 
@@ -46,35 +52,35 @@ class DeltaServing:
         """Whether chunks are held back until encoded (the loop then polls often)."""
         return bool(self._deferred)
 
-    def serve(self, router: zmq.Socket, identity: bytes, request: wire.FetchRequest) -> None:
+    def serve(self, identity: bytes, request: wire.FetchRequest) -> None:
         delta = None
         if self._deltas is not None and request.publisher_id == self._publisher_id:
             delta = self._deltas.lookup(request.version, request.base)
         if delta is None:
-            self._error(router, identity, request, "version_unavailable",
+            self._error(identity, request, "version_unavailable",
                         f"no delta of version {request.version} against version {request.base} "
                         "is held here; fetch it in full")
             return
         if len(request.chunks) > self._max_chunks or \
                 any(c >= len(delta.payloads) for c in request.chunks):
-            self._error(router, identity, request, "bad_request",
+            self._error(identity, request, "bad_request",
                         "chunk ids out of range or too many in one request")
             return
         if len(self._deferred) + len(request.chunks) > self._max_deferred or \
                 self._per_peer[identity] + len(request.chunks) > self._max_per_peer:
-            self._error(router, identity, request, "bad_request",
+            self._error(identity, request, "bad_request",
                         "too many delta chunks are waiting to be encoded; fetch it in full")
             return
         for chunk in request.chunks:
-            if not self._try_send(router, identity, request.req, delta, chunk):
+            if not self._try_send(identity, request.req, delta, chunk):
                 self._deferred.append((identity, request.req, delta, chunk))
                 self._per_peer[identity] += 1
 
-    def flush(self, router: zmq.Socket) -> None:
-        """Send the held-back chunks that are encoded by now."""
+    def flush(self) -> None:
+        """Send the held-back chunks that are encoded (and have credit) by now."""
         waiting = []
         for item in self._deferred:
-            if self._try_send(router, *item):
+            if self._try_send(*item):
                 self._per_peer[item[0]] -= 1
                 if not self._per_peer[item[0]]:
                     del self._per_peer[item[0]]
@@ -82,8 +88,7 @@ class DeltaServing:
                 waiting.append(item)
         self._deferred = waiting
 
-    def _try_send(self, router: zmq.Socket, identity: bytes, req: int, delta: EncodedDelta,
-                  chunk: int) -> bool:
+    def _try_send(self, identity: bytes, req: int, delta: EncodedDelta, chunk: int) -> bool:
         """Send one chunk if its payload is final; False to try again later."""
         payload = delta.payload(chunk)
         if payload is None:
@@ -95,26 +100,20 @@ class DeltaServing:
             if version is None or version.failed:
                 error = wire.ErrorReply(req=req, code="version_unavailable", version=delta.version,
                                         message=f"version {delta.version} is no longer held")
-                router.send_multipart([identity, wire.encode(error)])
+                self._reply(identity, wire.encode(error))
                 return True
             if not version.chunk_ready(chunk):
                 return False
             data = version.chunk_view(chunk)
         header = wire.ChunkHeader(req=req, version=delta.version, chunk=chunk, size=len(data))
-        router.send(identity, zmq.SNDMORE)
-        router.send(wire.encode(header), zmq.SNDMORE)
-        if version is not None and len(data) >= self._zero_copy_min:
-            version.track(router.send(data, copy=False, track=True))
-        elif len(data) >= self._zero_copy_min:  # an immutable payload: ZeroMQ keeps a reference
-            router.send(data, copy=False)
-        else:
-            router.send(data, copy=True)
+        # zero-copy either way: a delta payload is immutable, a raw chunk is tracked
+        if not self._send(identity, [wire.encode(header)], data, version):
+            return False
         self.bytes_sent += len(data)
         return True
 
-    @staticmethod
-    def _error(router: zmq.Socket, identity: bytes, request: wire.FetchRequest, code: str,
+    def _error(self, identity: bytes, request: wire.FetchRequest, code: str,
                message: str) -> None:
         error = wire.ErrorReply(req=request.req, code=code, message=message,
                                 version=request.version)
-        router.send_multipart([identity, wire.encode(error)])
+        self._reply(identity, wire.encode(error))

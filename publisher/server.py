@@ -3,7 +3,14 @@
 All ZeroMQ sockets live on this one thread (sockets are not thread-safe);
 other threads talk to it through an inproc PULL socket. A request that fails
 validation gets an ``error`` reply or is dropped, never an exception that
-stops the loop.
+stops the loop. Each loop iteration does a bounded amount of work (at most
+``max_requests_per_loop`` requests), so heartbeats go out on time whatever a
+peer sends.
+
+What a peer may make this thread hold is bounded in three places:
+``connections.py`` (bytes ZeroMQ buffers for a connection, connection count),
+``peers.py`` (replies queued for a peer, chunks it has outstanding, stalled
+readers) and ``reports.py`` (back-channel rows). Warnings are rate-limited.
 """
 
 from __future__ import annotations
@@ -12,20 +19,39 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
+from publisher.connections import ConnectionGuard, GuardLimits
 from publisher.delta import DeltaPublisher
 from publisher.delta_server import DeltaServing
+from publisher.peers import Peer, PeerLimits, PeerTable
+from publisher.reports import ReportLimits, ReportTable
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
+from weightpub_wire.allow_list import AllowList
 from weightpub_wire.errors import ProtocolError
+from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.sockets import bind, configure_socket
 
-__all__ = ["ServerOptions", "ServingThread"]
+__all__ = ["ServerLimits", "ServerOptions", "ServingThread"]
 
 log = logging.getLogger("weightpub.publisher")
+_REQUESTS = (wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Every bound the serving thread enforces (see docs/RELIABILITY.md)."""
+
+    max_request_bytes: int = 64 << 10  # one request frame (ZeroMQ MAXMSGSIZE)
+    max_chunks_per_request: int = 256
+    max_requests_per_loop: int = 1000
+    router_rcvhwm: int = 256  # complete requests ZeroMQ queues per peer
+    peers: PeerLimits = field(default_factory=PeerLimits)
+    reports: ReportLimits = field(default_factory=ReportLimits)
+    connections: GuardLimits = field(default_factory=GuardLimits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +59,9 @@ class ServerOptions:
     router_bind: str
     pub_bind: str
     heartbeat_interval: float = 1.0
-    subscriber_ttl: float = 30.0
-    max_subscribers: int = 10_000
-    max_request_bytes: int = 16 << 20
-    max_chunks_per_request: int = 256
-    zero_copy_min_bytes: int = 64 << 10
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    curve: bool = False  # requests carry the client's CURVE key (User-Id)
+    allow_list: AllowList | None = None  # checked on every request, not only at connect
 
 
 class ServingThread(threading.Thread):
@@ -50,22 +74,24 @@ class ServingThread(threading.Thread):
         self.ctx = ctx
         self.store = store
         self.options = options
+        self.limits = options.limits
         self.publisher_id = publisher_id
         self.started_at = started_at
         self.command_address = f"inproc://weightpub-cmd-{uuid.uuid4().hex}"
         self.router_endpoint = ""
         self.pub_endpoint = ""
         self._configure = configure or []
-        self._reports: dict[str, tuple[wire.Report, float]] = {}
-        self._reports_lock = threading.Lock()
+        self.reports = ReportTable(self.limits.reports)
+        self.peers: PeerTable | None = None
+        self.guard: ConnectionGuard | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
-        self._deferred: list[tuple[bytes, int, PublishedVersion, int]] = []
+        self._warn = RateLimitedLog(log)
         self.bad_messages = 0
-        self.served_bytes = 0  # full chunks; delta chunks: delta_serving.bytes_sent
+        self.refused_reports = 0
         self.delta_serving = DeltaServing(  # answers fetches that name a delta base
-            deltas, store, publisher_id, max_chunks_per_request=options.max_chunks_per_request,
-            zero_copy_min_bytes=options.zero_copy_min_bytes)
+            deltas, store, publisher_id, self._send_to, self._reply_to,
+            max_chunks_per_request=self.limits.max_chunks_per_request)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start_and_wait(self, timeout: float = 10.0) -> None:
@@ -85,9 +111,22 @@ class ServingThread(threading.Thread):
         finally:
             push.close()
 
-    def subscriber_reports(self) -> list[tuple[wire.Report, float]]:
-        with self._reports_lock:
-            return list(self._reports.values())
+    def fleet(self) -> list[wire.Report]:
+        return self.reports.live(time.time())
+
+    @property
+    def served_bytes(self) -> int:
+        """Full-version chunk bytes sent (delta chunks: ``delta_serving.bytes_sent``)."""
+        return 0 if self.peers is None else self.peers.chunk_bytes
+
+    def _send_to(self, identity: bytes, head: list[bytes], body: memoryview | bytes,
+                 version: PublishedVersion | None) -> bool:
+        assert self.peers is not None
+        return self.peers.send_to(identity, head, body, version)
+
+    def _reply_to(self, identity: bytes, body: bytes) -> bool:
+        assert self.peers is not None
+        return self.peers.reply_to(identity, body)
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
@@ -97,10 +136,13 @@ class ServingThread(threading.Thread):
             self._error = exc
             self._ready.set()
             return
+        guard = self.guard = ConnectionGuard({"router": router, "pub": pub},
+                                             self.limits.connections)
+        peers = self.peers = PeerTable(router, self.limits.peers, guard, self._is_held)
         self._ready.set()
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(commands, zmq.POLLIN)
+        for sock in (router, commands, *guard.monitors):
+            poller.register(sock, zmq.POLLIN)
         next_beat = 0.0
         try:
             while True:
@@ -109,17 +151,22 @@ class ServingThread(threading.Thread):
                     self._heartbeat(pub)
                     next_beat = now + self.options.heartbeat_interval
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
-                if self._deferred or self.delta_serving.waiting:
-                    timeout_ms = min(timeout_ms, 1)  # a copy or an encoding is finishing
+                timeout_ms = min(timeout_ms, int(self.limits.connections.check_interval * 1000))
+                if peers.busy() or self.delta_serving.waiting:
+                    timeout_ms = min(timeout_ms, 1)  # a copy/encoding finishes, a peer drains
                 events = dict(poller.poll(timeout_ms))
                 if commands in events and not self._on_command(commands, pub):
                     return
+                guard.on_events()
                 if router in events:
-                    self._drain_router(router)
-                if self._deferred:
-                    self._flush_deferred(router)
-                self.delta_serving.flush(router)
+                    self._drain_router(router, peers, guard)
+                now = time.monotonic()
+                peers.pump(now)
+                self.delta_serving.flush()
+                guard.check(now)
+                self._warn.tick()
         finally:
+            guard.close()
             for sock in (router, pub, commands):
                 sock.close(linger=0)
 
@@ -130,14 +177,18 @@ class ServingThread(threading.Thread):
         pub = self.ctx.socket(zmq.PUB)
         for sock in (router, pub):
             configure_socket(sock, heartbeat_interval=self.options.heartbeat_interval)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
             for hook in self._configure:
                 hook(sock, server=True)
-        router.setsockopt(zmq.SNDHWM, 100_000)
-        router.setsockopt(zmq.RCVHWM, 100_000)
+        limits = self.limits
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a silent drop
+        router.setsockopt(zmq.SNDHWM, limits.peers.max_pending_chunks + 1024)
+        router.setsockopt(zmq.RCVHWM, limits.router_rcvhwm)
         # requests are small; ZeroMQ drops a peer that sends a bigger frame before
-        # allocating it, so a hostile client cannot make us buffer gigabytes
-        router.setsockopt(zmq.MAXMSGSIZE, self.options.max_request_bytes)
+        # allocating it (a message of many frames is bounded by connections.py)
+        router.setsockopt(zmq.MAXMSGSIZE, limits.max_request_bytes)
         pub.setsockopt(zmq.SNDHWM, 10_000)
+        pub.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscribers send only subscriptions
         try:
             self.router_endpoint = bind(router, self.options.router_bind)
             self.pub_endpoint = bind(pub, self.options.pub_bind)
@@ -170,29 +221,51 @@ class ServingThread(threading.Thread):
         pub.send(wire.encode(beat))
         self.store.recycle()
 
-    def _drain_router(self, router: zmq.Socket) -> None:
-        for _ in range(1000):  # bounded so heartbeats are never starved
+    def _is_held(self, version: PublishedVersion) -> bool:
+        return self.store.get(version.manifest.version) is version
+
+    def _bad(self, kind: str, text: str) -> None:
+        self.bad_messages += 1
+        self._warn.warning(kind, text)
+
+    # -- requests ------------------------------------------------------------------------------
+    def _drain_router(self, router: zmq.Socket, peers: PeerTable,
+                      guard: ConnectionGuard) -> None:
+        for _ in range(self.limits.max_requests_per_loop):  # bounded: heartbeats never starve
             try:
                 frames = router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            body_frame = frames[-1]
+            fd = _property(body_frame, zmq.SRCFD)
+            guard.delivered(fd if isinstance(fd, int) else None)
             if len(frames) != 2:
-                self.bad_messages += 1
-                log.warning("dropped a request of %d frames (expected 2)", len(frames))
+                self._bad("frames", f"dropped a request of {len(frames)} frames (expected 2)")
                 continue
-            identity, body = frames[0].bytes, frames[1].buffer
+            client_key = _property(body_frame, "User-Id") if self.options.curve else None
+            if self.options.allow_list is not None and (
+                    not isinstance(client_key, str)
+                    or not self.options.allow_list.allowed(client_key.encode())):
+                self._bad("revoked", f"dropped a request from CURVE key {client_key}: not in "
+                                     "the allow-list (any more); connection cut")
+                guard.cut(fd if isinstance(fd, int) else None, "CURVE key revoked")
+                continue
             try:
-                request = wire.decode(body, expect=(wire.LatestRequest, wire.FetchRequest,
-                                                    wire.StatusRequest, wire.Report))
+                request = wire.decode(frames[1].buffer, expect=_REQUESTS)
             except ProtocolError as exc:
-                self.bad_messages += 1
-                log.warning("dropped a bad request: %s", exc)
+                self._bad("decode", f"dropped a bad request: {exc}")
                 continue
-            self._handle(router, identity, request)
+            peer = peers.peer(frames[0].bytes, fd if isinstance(fd, int) else None,
+                              time.monotonic())
+            if peer is None:
+                continue
+            self._handle(peers, peer, request, body_frame,
+                         client_key if isinstance(client_key, str) else None)
 
-    def _handle(self, router: zmq.Socket, identity: bytes, request: wire.Message) -> None:
+    def _handle(self, peers: PeerTable, peer: Peer, request: wire.Message,
+                frame: zmq.Frame, client_key: str | None) -> None:
         if isinstance(request, wire.FetchRequest):
-            self._serve_chunks(router, identity, request)
+            self._fetch(peers, peer, request)
         elif isinstance(request, wire.LatestRequest):
             latest = self.store.latest()
             reply = wire.LatestReply(
@@ -201,40 +274,29 @@ class ServingThread(threading.Thread):
                 heartbeat_interval=self.options.heartbeat_interval,
                 manifest=None if latest is None else latest.manifest,
             )
-            router.send_multipart([identity, wire.encode(reply)])
+            peers.reply(peer, wire.encode(reply))
         elif isinstance(request, wire.StatusRequest):
-            router.send_multipart([identity, wire.encode(self._status(request.req))])
+            peers.reply(peer, wire.encode(self._status(request.req)))
         elif isinstance(request, wire.Report):
-            now = time.time()
-            with self._reports_lock:
-                if request.subscriber_id not in self._reports and \
-                        len(self._reports) >= self.options.max_subscribers:
-                    cutoff = now - self.options.subscriber_ttl
-                    self._reports = {k: v for k, v in self._reports.items() if v[1] >= cutoff}
-                    if len(self._reports) >= self.options.max_subscribers:
-                        self.bad_messages += 1
-                        log.warning("dropped a report: %d live subscribers already tracked",
-                                    len(self._reports))
-                        return
-                self._reports[request.subscriber_id] = (request, now)
+            address = _property(frame, "Peer-Address")
+            client = client_key or f"addr:{address or 'local'}"
+            refused = self.reports.record(request, client, time.time(), client_key)
+            if refused is not None:
+                self.refused_reports += 1
+                self._warn.warning("report", f"refused a report from {client[:48]}: {refused}")
 
     def _status(self, req: int) -> wire.StatusReply:
         latest = self.store.latest()
-        cutoff = time.time() - self.options.subscriber_ttl
-        with self._reports_lock:
-            reports = tuple(r for r, seen in self._reports.values() if seen >= cutoff)
         return wire.StatusReply(
             req=req, publisher_id=self.publisher_id, started_at=self.started_at,
             latest_version=0 if latest is None else latest.manifest.version,
-            versions=self.store.versions(), subscribers=reports,
-            bytes_sent_full=self.served_bytes,
-            bytes_sent_delta=self.delta_serving.bytes_sent,
+            versions=self.store.versions(), subscribers=self.reports.for_status(time.time()),
+            bytes_sent_full=self.served_bytes, bytes_sent_delta=self.delta_serving.bytes_sent,
         )
 
-    def _serve_chunks(self, router: zmq.Socket, identity: bytes,
-                      request: wire.FetchRequest) -> None:
+    def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:
         if request.base:
-            self.delta_serving.serve(router, identity, request)
+            self.delta_serving.serve(peer.identity, request)
             return
         version = self.store.get(request.version)
         if version is None or version.failed or request.publisher_id != self.publisher_id:
@@ -243,42 +305,22 @@ class ServingThread(threading.Thread):
                                             f"{request.publisher_id} is not held here "
                                             f"(held: {list(self.store.versions())})",
                                     version=request.version)
-            router.send_multipart([identity, wire.encode(error)])
+            peers.reply(peer, wire.encode(error))
             return
-        if len(request.chunks) > self.options.max_chunks_per_request or any(
+        if len(request.chunks) > self.limits.max_chunks_per_request or any(
             c >= version.manifest.num_chunks for c in request.chunks
         ):
             error = wire.ErrorReply(req=request.req, code="bad_request",
                                     message="chunk ids out of range or too many in one request",
                                     version=request.version)
-            router.send_multipart([identity, wire.encode(error)])
+            peers.reply(peer, wire.encode(error))
             return
-        for chunk in request.chunks:
-            if version.chunk_ready(chunk):
-                self._send_chunk(router, identity, request.req, version, chunk)
-            else:  # announced before its copy ended: send once the bytes are final
-                self._deferred.append((identity, request.req, version, chunk))
+        peers.fetch(peer, request.req, version, request.chunks, time.monotonic())
 
-    def _flush_deferred(self, router: zmq.Socket) -> None:
-        waiting = []
-        for identity, req, version, chunk in self._deferred:
-            if version.failed:
-                continue  # the subscriber times out and asks for the latest version
-            if version.chunk_ready(chunk):
-                self._send_chunk(router, identity, req, version, chunk)
-            else:
-                waiting.append((identity, req, version, chunk))
-        self._deferred = waiting
 
-    def _send_chunk(self, router: zmq.Socket, identity: bytes, req: int,
-                    version: PublishedVersion, chunk: int) -> None:
-        data = version.chunk_view(chunk)
-        self.served_bytes += len(data)
-        header = wire.ChunkHeader(req=req, version=version.manifest.version, chunk=chunk,
-                                  size=len(data))
-        router.send(identity, zmq.SNDMORE)
-        router.send(wire.encode(header), zmq.SNDMORE)
-        if len(data) >= self.options.zero_copy_min_bytes:
-            version.track(router.send(data, copy=False, track=True))
-        else:
-            router.send(data, copy=True)
+def _property(frame: zmq.Frame, name: str | int) -> object:
+    """A frame's metadata (``User-Id``, ``Peer-Address``, ``SRCFD``), or None if unset."""
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:
+        return None

@@ -5,10 +5,10 @@ version number; a preparing thread hashes the copy and hands it to the serving
 thread, which announces the manifest on PUB and serves chunks on ROUTER.
 
 Versions are strictly increasing within one publisher instance. A restarted
-publisher is a new instance (new ``publisher_id``, later ``started_at``);
-subscribers follow the newest instance even if its version numbers restart,
-so pass ``first_version`` (e.g. the trainer step) to keep numbers monotonic
-across restarts.
+publisher is a new instance (new ``publisher_id``); subscribers follow it once
+the endpoint's ROUTER announces it, even if its version numbers restart (no
+clocks are compared), so pass ``first_version`` (e.g. the trainer step) to keep
+numbers monotonic across restarts.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import zmq
 from publisher.config import PublisherConfig, load_publisher_config
 from publisher.delta import DeltaPublisher
 from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
-from publisher.server import ServerOptions, ServingThread
+from publisher.reports import counts_for
+from publisher.server import ServerLimits, ServerOptions, ServingThread
 from publisher.snapshot import (
     ChunkHasher,
     Snapshot,
@@ -40,11 +41,12 @@ from publisher.snapshot import (
 )
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
+from weightpub_wire.allow_list import AllowList, start_authenticator
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.checksums import pieces_checksum
 from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
-from weightpub_wire.security import curve_server_hook, start_authenticator
+from weightpub_wire.security import check_bind_allowed, curve_server_hook
 
 __all__ = ["WeightPublisher"]
 
@@ -63,6 +65,10 @@ class WeightPublisher:
     ``metrics_port`` serves Prometheus metrics on ``metrics_host`` (loopback by default).
     ``delta_anchor_every`` > 1 also serves versions as deltas against the previous one
     (``publisher.delta``), with a full anchor version every that many versions.
+    ``curve_allowed_clients_dir`` only clients whose public keys are there may connect
+    (re-read while running: removing a key file revokes it). Binding a non-loopback
+    address without CURVE raises ``ConfigError`` unless ``insecure=True``.
+    ``limits`` overrides the serving thread's bounds (``ServerLimits``).
     """
 
     def __init__(
@@ -77,12 +83,17 @@ class WeightPublisher:
         delta_anchor_every: int = 1,
         curve_secret_key_file: str | None = None,
         curve_allowed_clients_dir: str | None = None,
+        insecure: bool = False,
+        limits: ServerLimits | None = None,
         socket_hooks: list[Callable[..., None]] | None = None,
         context: zmq.Context | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
     ) -> None:
         router = parse_endpoint(endpoint)
+        curve = curve_secret_key_file is not None
+        check_bind_allowed(router, curve=curve, insecure=insecure,
+                           allowed_clients_dir=curve_allowed_clients_dir)
         if not wire.MIN_CHUNK_SIZE <= chunk_size <= wire.MAX_CHUNK_SIZE:
             raise ConfigError(f"chunk_size: {chunk_size} is outside [{wire.MIN_CHUNK_SIZE}, "
                               f"{wire.MAX_CHUNK_SIZE}]")
@@ -100,21 +111,33 @@ class WeightPublisher:
         self._store = VersionStore(keep_versions, self._pool)
         self._deltas = DeltaPublisher(delta_anchor_every)
         hooks = list(socket_hooks or [])
+        allow_list = None
         if curve_secret_key_file is not None:
             hooks.append(curve_server_hook(curve_secret_key_file))  # validates before any socket
+            if curve_allowed_clients_dir is not None:
+                allow_list = AllowList(curve_allowed_clients_dir)
         self._own_context = context is None
         self._ctx = context or zmq.Context()
-        self._authenticator = None
-        if curve_secret_key_file is not None and curve_allowed_clients_dir is not None:
-            self._authenticator = start_authenticator(self._ctx, curve_allowed_clients_dir)
+        # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
+        # request its client's key (User-Id), which reports are filed under
+        self._authenticator = start_authenticator(self._ctx, allow_list) if curve else None
         self._server = ServingThread(
             self._ctx, self._store,
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
-                          heartbeat_interval=heartbeat_interval),
+                          heartbeat_interval=heartbeat_interval,
+                          limits=limits or ServerLimits(), curve=curve, allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
             configure=hooks, deltas=self._deltas,
         )
-        self._server.start_and_wait()
+        try:
+            self._server.start_and_wait()
+        except BaseException:
+            self._deltas.close()
+            if self._authenticator is not None:
+                self._authenticator.stop()
+            if self._own_context:
+                self._ctx.term()
+            raise
         self._pending: queue.Queue[
             tuple[int, Snapshot, Callable[[], tuple[int, ...]], float] | None
         ] = queue.Queue()
@@ -238,17 +261,26 @@ class WeightPublisher:
         }
 
     def fleet(self) -> list[wire.Report]:
-        """The last report of each subscriber seen recently (staged/applied version, error)."""
-        cutoff = time.time() - self._server.options.subscriber_ttl
-        return [r for r, seen in self._server.subscriber_reports() if seen >= cutoff]
+        """The last report of each subscriber seen recently (staged/applied version, error).
+
+        With CURVE each report's ``client_key`` is the key its connection authenticated
+        with; without CURVE anyone who reaches the endpoint can add rows (bounded).
+        """
+        return self._server.fleet()
 
     def wait_for_subscribers(self, version: int, count: int, *, applied: bool = True,
                              timeout: float = 60.0) -> list[wire.Report]:
-        """Block until ``count`` subscribers report ``version`` (or newer) applied/staged."""
+        """Block until ``count`` subscribers report ``version`` (or newer) applied/staged.
+
+        Only reports about this instance's versions count, and none above the newest
+        version it announced (a forged "applied 2**63-1" is not a quorum).
+        """
         deadline = time.monotonic() + timeout
         while True:
+            announced = self._announced_version
             done = [r for r in self.fleet()
-                    if (r.applied_version if applied else r.staged_version) >= version]
+                    if counts_for(r, publisher_id=self.publisher_id, announced=announced,
+                                  version=version, applied=applied)]
             if len(done) >= count:
                 return done
             if time.monotonic() >= deadline:

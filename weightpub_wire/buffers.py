@@ -20,17 +20,27 @@ class BufferPool:
 
     ``pinned`` (default: whether CUDA is available) pins new buffers so host <->
     device copies run at full PCIe speed; ``take(..., pinned=)`` overrides it.
+    Page-locked memory cannot be swapped or reclaimed, so a buffer larger than
+    ``max_pinned_bytes`` is never pinned (a peer announcing a huge version gets,
+    at most, pageable memory within the receiver's ``Limits``).
     """
 
-    def __init__(self, max_buffers: int = 2, *, pinned: bool | None = None) -> None:
+    def __init__(self, max_buffers: int = 2, *, pinned: bool | None = None,
+                 max_pinned_bytes: int | None = None) -> None:
         self._free: list[torch.Tensor] = []
         self._max = max_buffers
         self._pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.max_pinned_bytes = max_pinned_bytes
         self._lock = threading.Lock()
+
+    def will_pin(self, nbytes: int, pinned: bool | None = None) -> bool:
+        """Whether ``take(nbytes, pinned=pinned)`` returns page-locked memory."""
+        pin = self._pinned if pinned is None else pinned
+        return pin and (self.max_pinned_bytes is None or nbytes <= self.max_pinned_bytes)
 
     def take(self, nbytes: int, *, pinned: bool | None = None) -> torch.Tensor:
         """A flat uint8 buffer of exactly ``nbytes`` (a view of a maybe larger one)."""
-        pin = self._pinned if pinned is None else pinned
+        pin = self.will_pin(nbytes, pinned)
         with self._lock:
             best = None
             for index, buf in enumerate(self._free):

@@ -45,6 +45,7 @@ from weightpub_wire.errors import ProtocolError
 __all__ = [
     "CHECKSUM_ALGORITHM",
     "DEFAULT_LIMITS",
+    "MAX_CHUNKS_IN_FLIGHT",
     "MAX_CHUNK_SIZE",
     "MAX_CONTROL_BYTES",
     "MIN_CHUNK_SIZE",
@@ -95,6 +96,7 @@ MAX_TENSORS = 1_000_000
 MAX_CHUNKS = 10_000_000
 MAX_CHUNKS_PER_FETCH = 4096
 MAX_DELTA_CHAIN = 64
+MAX_CHUNKS_IN_FLIGHT = 1024  # a subscriber's credit, whatever its window (publishers rely on it)
 
 
 def _physical_memory() -> int:
@@ -104,17 +106,26 @@ def _physical_memory() -> int:
         return 1 << 40
 
 
+def _pinned_default() -> int:
+    return _physical_memory() // 4
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """Receiver-side bounds, checked before anything a peer asked for is allocated.
 
     By default a version may not exceed this machine's physical memory: a
-    subscriber stages whole versions in host RAM.
+    subscriber stages whole versions in host RAM. ``max_control_bytes`` bounds
+    one control frame (ZeroMQ refuses bigger frames before reading them, and
+    ``decode`` before parsing); ``max_pinned_bytes`` bounds one page-locked
+    staging buffer on CUDA machines (larger versions are staged in pageable memory).
     """
 
     max_total_bytes: int = field(default_factory=_physical_memory)
     max_tensors: int = MAX_TENSORS
     max_chunks_per_fetch: int = MAX_CHUNKS_PER_FETCH
+    max_control_bytes: int = 64 << 20
+    max_pinned_bytes: int = field(default_factory=_pinned_default)
 
 
 DEFAULT_LIMITS = Limits()
@@ -131,15 +142,16 @@ class _Message(msgspec.Struct, frozen=True, tag_field="t", kw_only=True):
 
 
 class _FromPublisher(_Message, kw_only=True, frozen=True):
-    """Sent by a publisher instance: which one, and when it started (orders restarts)."""
+    """Sent by a publisher instance: which one, and when it says it started.
+
+    ``started_at`` is the sender's wall clock, for people reading status; nothing
+    orders instances by it (clocks of two hosts need not agree). A subscriber
+    follows a new ``publisher_id`` only when the ROUTER it dialled confirms it in
+    a ``latest`` reply.
+    """
 
     publisher_id: Name
     started_at: Seconds
-
-    @property
-    def instance(self) -> tuple[float, str]:
-        """Orders publisher instances: a restarted publisher has a later ``started_at``."""
-        return (self.started_at, self.publisher_id)
 
 
 class TensorEntry(msgspec.Struct, frozen=True):
@@ -329,12 +341,20 @@ class ErrorReply(_Message, tag="error", kw_only=True, frozen=True):
 
 
 class Report(_Message, tag="report", kw_only=True, frozen=True):
-    """Back-channel: a subscriber tells the publisher what it staged and applied."""
+    """Back-channel: a subscriber tells the publisher what it staged and applied.
+
+    ``publisher_id`` names the instance whose versions these are: a publisher
+    counts a report towards ``wait_for_subscribers`` only for its own instance
+    and versions it announced. ``client_key`` is filled in by the publisher (the
+    CURVE key the report arrived with), never trusted from the wire.
+    """
 
     subscriber_id: Name
     staged_version: U63
     applied_version: U63
     last_error: ErrorText | None = None
+    publisher_id: Name | None = None
+    client_key: Annotated[str, Meta(max_length=64)] | None = None
 
 
 class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):
@@ -389,8 +409,10 @@ def decode(frame: bytes | memoryview, *, expect: tuple[type[_Message], ...] = AL
     ``expect`` lists the message types this socket may receive; ``limits``
     applies the receiver's bounds to manifests (``Manifest.check``).
     """
-    if len(frame) > MAX_CONTROL_BYTES:
-        raise ProtocolError(f"message: {len(frame)} bytes exceeds {MAX_CONTROL_BYTES}")
+    bound = MAX_CONTROL_BYTES if limits is None else min(MAX_CONTROL_BYTES,
+                                                         limits.max_control_bytes)
+    if len(frame) > bound:
+        raise ProtocolError(f"message: {len(frame)} bytes exceeds {bound}")
     try:
         message = _decoder(expect).decode(frame)
     except msgspec.ValidationError as exc:

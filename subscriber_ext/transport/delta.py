@@ -117,7 +117,7 @@ class DeltaState:
 
     def __init__(self) -> None:
         self.base: HeldBase | None = None
-        self._refused: OrderedDict[tuple[tuple[float, str], int], None] = OrderedDict()
+        self._refused: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.bytes_received_full = 0
         self.bytes_received_delta = 0
         self.versions_full = 0
@@ -128,7 +128,8 @@ class DeltaState:
     def assembly_for(self, manifest: Manifest, pool: BufferPool) -> DeltaAssembly | None:
         """A delta rebuild of ``manifest`` if the held base is in its chain, else None."""
         base, info = self.base, manifest.delta
-        if base is None or info is None or (manifest.instance, manifest.version) in self._refused:
+        refused = (manifest.publisher_id, manifest.version) in self._refused
+        if base is None or info is None or refused:
             return None
         if (base.manifest.total_bytes, base.manifest.chunk_size) != \
                 (manifest.total_bytes, manifest.chunk_size):
@@ -145,7 +146,7 @@ class DeltaState:
         """The delta failed: the next start of this version fetches it in full."""
         self.fallbacks += 1
         self.decode_seconds += target.decode_seconds
-        self._refused[(target.manifest.instance, target.manifest.version)] = None
+        self._refused[(target.manifest.publisher_id, target.manifest.version)] = None
         while len(self._refused) > _REFUSED_KEEP:
             self._refused.popitem(last=False)
 

@@ -8,6 +8,7 @@ runs on the subscriber thread and must return quickly).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -31,8 +32,7 @@ from weightpub_wire.errors import (
     WeightPubError,
     WeightPubTimeout,
 )
-from weightpub_wire.protocol import Limits
-from weightpub_wire.security import curve_client_hook
+from weightpub_wire.security import curve_client_hook, is_local
 
 __all__ = ["WeightSubscriber"]
 
@@ -66,7 +66,9 @@ class WeightSubscriber:
         base = options or SyncOptions()
         max_bytes = option_overrides.pop("max_version_bytes", None)
         if max_bytes is not None:
-            option_overrides["limits"] = Limits(max_total_bytes=int(max_bytes))
+            limits = option_overrides.get("limits", base.limits)
+            option_overrides["limits"] = dataclasses.replace(limits,
+                                                             max_total_bytes=int(max_bytes))
         unknown = set(option_overrides) - set(SyncOptions.__slots__)
         if unknown:
             raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
@@ -74,6 +76,13 @@ class WeightSubscriber:
         hooks = list(socket_hooks or [])
         if curve_server_key_file is not None:
             hooks.append(curve_client_hook(curve_server_key_file, curve_secret_key_file))
+        elif curve_secret_key_file is not None:
+            raise ConfigError(
+                "curve_secret_key_file: given without curve_server_key_file (the publisher's "
+                "public key); CURVE needs both, and this client key would be ignored")
+        elif not is_local(parse_endpoint(endpoint)):
+            log.warning("subscribing to %s without CURVE: the weights travel in plaintext "
+                        "(checksums catch corruption, not a forger)", endpoint)
         if option_overrides:
             base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
                                   **option_overrides})
@@ -173,6 +182,9 @@ class WeightSubscriber:
             "failures": dict(client.failures),
             "received_bytes": client.received_bytes,
             "publisher_latest_version": client.latest_seen,
+            "ignored_manifests": client.ignored_manifests,
+            "handshake_failures": client.handshake_failures,
+            "publisher_id": client.instance,
             "last_error": client.last_error,
             **client.deltas.stats(),  # bytes received full vs delta, the delta base
         }
@@ -240,6 +252,8 @@ class WeightSubscriber:
     def _step(self, client: SyncClient, poller: zmq.Poller) -> None:
         wait = client.tick(time.monotonic())
         events = dict(poller.poll(int(wait * 1000)))
+        if client.monitor in events:
+            client.on_monitor()
         if self._wake in events:
             while self._wake.poll(0):
                 self._wake.recv()
@@ -251,7 +265,9 @@ class WeightSubscriber:
             if not client.dealer.poll(0):
                 break
             client.on_dealer()
-        while client.sub.poll(0):
+        for _ in range(256):  # a flood on SUB cannot starve chunks or ticks
+            if not client.sub.poll(0):
+                break
             client.on_sub()
 
     def _run(self) -> None:
@@ -260,6 +276,7 @@ class WeightSubscriber:
         poller.register(client.dealer, zmq.POLLIN)
         poller.register(client.sub, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
+        poller.register(client.monitor, zmq.POLLIN)
         try:
             while not self._closed:
                 try:

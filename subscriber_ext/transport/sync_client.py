@@ -11,6 +11,13 @@ version with a bounded number in flight (credit), receives each chunk
 straight into the staging buffer, verifies it, and re-requests what timed
 out or failed its checksum. Versions are conflated: a newer manifest replaces
 a target that is less than half received.
+
+Which publisher instance to follow is decided by the ROUTER this client
+dialled, never by clocks: a manifest or heartbeat from another instance only
+makes the client ask that ROUTER for its latest version, and it switches when
+the reply names the new instance (a restarted publisher). Manifests it ignores
+are counted and named in ``last_error``. A CURVE refusal is read off a socket
+monitor and reported as a ``TransportError`` naming the cause.
 """
 
 from __future__ import annotations
@@ -31,10 +38,13 @@ from weightpub_wire.endpoints import resolve_pub_endpoint
 from weightpub_wire.errors import (
     ChecksumError,
     ProtocolError,
+    TransportError,
     VersionUnavailable,
     WeightPubError,
     WeightPubTimeout,
 )
+from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events
+from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.sockets import configure_socket, connect
 
 __all__ = ["SyncClient", "SyncOptions"]
@@ -69,9 +79,9 @@ class SyncClient:
         self.subscriber_id = subscriber_id
         self.options = options
         self.on_complete = on_complete
-        self.pool = BufferPool(max_buffers=2)
+        self.pool = BufferPool(max_buffers=2, max_pinned_bytes=options.limits.max_pinned_bytes)
         self.state = "INITIAL"
-        self.instance: tuple[float, str] | None = None
+        self.instance: str | None = None  # the publisher_id followed (confirmed by the ROUTER)
         self.current_version = 0
         self.applied_version = 0
         self.error: WeightPubError | None = None  # the newest problem, as our exception
@@ -80,13 +90,16 @@ class SyncClient:
         self.received_bytes = 0  # data-path bytes accepted into staging
         self.latest_seen = 0  # newest version the current publisher instance announced
         self.failures: dict[str, int] = {}  # problems by error class (a fixed, small set)
+        self.ignored_manifests = 0
+        self.handshake_failures = 0
+        self.warn = RateLimitedLog(log)
         self.target: Assembly | None = None
         self.deltas = DeltaState()  # the base held for deltas, bytes by path
         self.queued: wire.Manifest | None = None
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._retries: dict[int, int] = {}
-        self._failed: dict[tuple[tuple[float, str], int], tuple[int, float]] = {}
+        self._failed: dict[tuple[str, int], tuple[int, float]] = {}
         self._latest_req = 0
         self._latest_sent = 0.0
         self._last_heard = 0.0
@@ -103,10 +116,17 @@ class SyncClient:
                 hook(sock, server=False)
         self.dealer.setsockopt(zmq.IMMEDIATE, 1)
         self.dealer.setsockopt(zmq.RCVHWM, 0)
+        # a refused or silent handshake is given up (and reported) after request_timeout
+        self.dealer.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(options.request_timeout * 1000)))
         # no frame larger than a chunk (or a control message) is ever accepted off the wire
-        self.dealer.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE, wire.MAX_CONTROL_BYTES))
-        self.sub.setsockopt(zmq.MAXMSGSIZE, wire.MAX_CONTROL_BYTES)
+        self.dealer.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE,
+                                                   options.limits.max_control_bytes))
+        self.sub.setsockopt(zmq.MAXMSGSIZE, options.limits.max_control_bytes)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.monitor = open_monitor(self.dealer, zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                    | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         connect(self.dealer, endpoint)
 
     @property
@@ -121,8 +141,24 @@ class SyncClient:
             self.target.abandon()
             self.target = None
         self.deltas.drop_base()
+        self.monitor.close(linger=0)
         self.dealer.close(linger=0)
         self.sub.close(linger=0)
+
+    def on_monitor(self) -> None:
+        """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
+        for event in read_events(self.monitor):
+            if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if isinstance(self.error, TransportError):
+                    self.error = None  # the refusal is over (e.g. the key was allowed)
+                    self._report_dirty = True
+                continue
+            why = describe_handshake_failure(event, client=True)
+            if why is not None:
+                self.handshake_failures += 1
+                self.error = TransportError(why)
+                self._report_dirty = True
+                self.warn.warning("handshake", why)
 
     # -- time-driven work ----------------------------------------------------------------------
     def tick(self, now: float) -> float:
@@ -137,6 +173,7 @@ class SyncClient:
         self._top_up(now)
         if now >= self._next_report or self._report_dirty:
             self._send_report(now)
+        self.warn.tick()
         return 0.1
 
     def _request_latest(self, now: float) -> None:
@@ -156,7 +193,8 @@ class SyncClient:
     def _send_report(self, now: float) -> None:
         report = wire.Report(subscriber_id=self.subscriber_id,
                              staged_version=self.current_version,
-                             applied_version=self.applied_version, last_error=self.last_error)
+                             applied_version=self.applied_version, last_error=self.last_error,
+                             publisher_id=self.instance)
         if self._send(report):
             self._report_dirty = False
             self._next_report = now + self.options.report_interval
@@ -173,7 +211,8 @@ class SyncClient:
     def _credit(self) -> int:
         if self.target is None:
             return 0
-        return max(1, self.options.window_bytes // self.target.manifest.chunk_size)
+        chunks = self.options.window_bytes // self.target.manifest.chunk_size
+        return max(1, min(chunks, wire.MAX_CHUNKS_IN_FLIGHT))
 
     def _in_flight(self) -> int:
         return sum(len(r.chunks) for r in self._requests.values())
@@ -224,9 +263,9 @@ class SyncClient:
     def _fail_target(self, why: WeightPubError) -> None:
         """Give a version up; it is retried only after a growing back-off (1 s .. 30 s)."""
         self._count_failure(why)
-        log.warning("abandoning version: %s: %s", type(why).__name__, why)
+        self.warn.warning("abandon", f"abandoning version: {type(why).__name__}: {why}")
         if self.target is not None:
-            key = (self.target.manifest.instance, self.target.manifest.version)
+            key = (self.target.manifest.publisher_id, self.target.manifest.version)
             count = self._failed.get(key, (0, 0.0))[0] + 1
             self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
         self.error = why
@@ -243,24 +282,21 @@ class SyncClient:
         self._retries.clear()
 
     # -- choosing what to fetch ----------------------------------------------------------------
-    def consider(self, manifest: wire.Manifest) -> None:
-        """Decide whether a manifest becomes the target (conflation, publisher restarts)."""
-        if self.instance is not None and manifest.instance < self.instance:
-            return  # a stale publisher instance
-        new_instance = self.instance is None or manifest.instance > self.instance
-        if new_instance:
-            if self.instance is not None:
-                log.warning("publisher restarted (new instance %s); following it",
-                            manifest.publisher_id[:8])
-                self._drop_target()
-                self.queued = None
-            self.instance = manifest.instance
-            self.current_version = 0
-            self.latest_seen = 0
+    def consider(self, manifest: wire.Manifest, *, confirmed: bool = False) -> None:
+        """Decide whether a manifest becomes the target (conflation, publisher restarts).
+
+        ``confirmed``: it came in a ``latest`` reply from the ROUTER this client dialled,
+        which is the only thing that may make it follow another publisher instance.
+        """
+        if manifest.publisher_id != self.instance:
+            if not confirmed:
+                self._unknown_instance(manifest.publisher_id, f"manifest v{manifest.version}")
+                return
+            self._follow(manifest.publisher_id)
         self.latest_seen = max(self.latest_seen, manifest.version)
-        if not new_instance and manifest.version <= self.current_version:
+        if manifest.version <= self.current_version:
             return
-        backoff = self._failed.get((manifest.instance, manifest.version))
+        backoff = self._failed.get((manifest.publisher_id, manifest.version))
         if backoff is not None and time.monotonic() < backoff[1]:
             return  # failed recently; a newer version or the back-off expiring retries it
         if self.target is not None:
@@ -287,7 +323,7 @@ class SyncClient:
 
     def _complete(self, target: Assembly) -> None:
         manifest = target.manifest
-        self._failed.pop((manifest.instance, manifest.version), None)
+        self._failed.pop((manifest.publisher_id, manifest.version), None)
         try:
             staged = target.finish()
         except Exception as exc:  # never stay stuck behind a version that cannot be staged
@@ -327,18 +363,39 @@ class SyncClient:
         elif isinstance(message, wire.Manifest):
             self.consider(message)
 
+    def _follow(self, publisher_id: str) -> None:
+        """Switch to the instance the ROUTER named (first contact, or a restart)."""
+        if self.instance is not None:
+            log.warning("publisher restarted (new instance %s); following it", publisher_id[:16])
+            self._drop_target()
+            self.queued = None
+        self.instance = publisher_id
+        self.current_version = 0
+        self.latest_seen = 0
+        self.applied_version = 0  # an applied version of the old instance means nothing here
+        self._report_dirty = True
+
+    def _unknown_instance(self, publisher_id: str, what: str) -> None:
+        """Something from an instance the ROUTER has not confirmed: ignore it, ask the ROUTER."""
+        self.ignored_manifests += what.startswith("manifest")
+        self._report_dirty = True
+        self.error = ProtocolError(
+            f"ignored {what} of publisher instance {publisher_id[:32]} (following "
+            f"{(self.instance or 'none')[:32]}); asking {self.endpoint} which one is current")
+        self.warn.warning("instance", str(self.error))
+        if time.monotonic() - self._latest_sent > 1.0:
+            self._request_latest(time.monotonic())
+
     def _on_heartbeat(self, beat: wire.Heartbeat) -> None:
-        if self.instance is not None and (beat.started_at, beat.publisher_id) < self.instance:
+        if beat.publisher_id != self.instance:
+            self._unknown_instance(beat.publisher_id, "heartbeat")
             return
         self._last_heard = time.monotonic()
         self._ttl = max(3.0, 3 * beat.interval)
-        newer_instance = self.instance is None or (beat.started_at, beat.publisher_id) > \
-            self.instance
-        if not newer_instance:
-            self.latest_seen = max(self.latest_seen, beat.latest_version)
+        self.latest_seen = max(self.latest_seen, beat.latest_version)
         behind = beat.latest_version > max(self.current_version,
                                            self.target.manifest.version if self.target else 0)
-        if (newer_instance or behind) and time.monotonic() - self._latest_sent > 0.5:
+        if behind and time.monotonic() - self._latest_sent > 0.5:
             self._request_latest(time.monotonic())  # we missed a manifest: repair
 
     def on_dealer(self) -> None:
@@ -371,9 +428,11 @@ class SyncClient:
         self.bad_messages += 1
         self.error = why
         self._report_dirty = True
-        log.warning("%s", why)
+        self.warn.warning(type(why).__name__, str(why))
 
     def _on_latest(self, reply: wire.LatestReply) -> None:
+        if reply.req != self._latest_req:
+            return  # an answer to an older question: the newest one decides
         try:
             pub = resolve_pub_endpoint(self.endpoint, reply.pub_endpoint)
         except ProtocolError as exc:
@@ -385,12 +444,16 @@ class SyncClient:
             self.sub.connect(pub)
             self._pub_endpoint = pub
         self._ttl = max(3.0, 3 * reply.heartbeat_interval)
+        self._last_heard = time.monotonic()
         self.state = "ACTIVE"
+        if reply.publisher_id != self.instance:
+            self._follow(reply.publisher_id)
         if reply.manifest is not None:
-            self.consider(reply.manifest)
-        elif self.instance is None or (reply.started_at, reply.publisher_id) > self.instance:
-            self.instance = (reply.started_at, reply.publisher_id)
-            self.current_version = 0
+            if reply.manifest.publisher_id != reply.publisher_id:
+                self._bad(ProtocolError("latest_rep.manifest.publisher_id: differs from the "
+                                        "replying instance"))
+                return
+            self.consider(reply.manifest, confirmed=True)
 
     def _on_error(self, error: wire.ErrorReply) -> None:
         if error.req not in self._requests:

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zmq.auth
 
 from publisher import WeightPublisher, WeightPubTimeout
 from subscriber_ext import WeightSubscriber
 from weightpub_wire.errors import ConfigError
+from weightpub_wire.keys import create_key_pair
 
 
 @pytest.fixture()
 def keys(tmp_path):
     allowed = tmp_path / "allowed"
     allowed.mkdir()
-    server_public, server_secret = zmq.auth.create_certificates(tmp_path, "server")
-    _, client_secret = zmq.auth.create_certificates(allowed, "client")
-    _, stranger_secret = zmq.auth.create_certificates(tmp_path, "stranger")
+    server_public, server_secret = create_key_pair(tmp_path, "server")
+    _, client_secret = create_key_pair(allowed, "client")
+    _, stranger_secret = create_key_pair(tmp_path, "stranger")
     return {"server_public": server_public, "server_secret": server_secret, "allowed": allowed,
             "client_secret": client_secret, "stranger_secret": stranger_secret}
 

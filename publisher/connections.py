@@ -1,0 +1,211 @@
+"""Per-connection bounds ZeroMQ does not give: bytes held for a peer, connection count.
+
+ZeroMQ keeps the frames of a multipart message in memory until its last frame
+arrives, and never shows an incomplete message to the application: a peer that
+sends one message that never ends (raw ZMTP, frame after frame with MORE set)
+grows the publisher without bound, and ``MAXMSGSIZE`` only bounds each frame.
+
+So the serving thread watches each accepted TCP connection from outside
+ZeroMQ: the kernel counts the bytes received on it (``TCP_INFO``), the monitor
+gives its file descriptor, and every request delivered from it carries that
+descriptor (``SRCFD``). Bytes received since the last delivered request are
+bytes ZeroMQ holds for an incomplete message (or protocol chatter: heartbeats,
+a few bytes a second). A connection holding more than ``max_held_bytes`` is
+cut (``shutdown``; ZeroMQ then frees what it held and a well-behaved peer
+reconnects). The same rule bounds subscriber connections to the PUB socket,
+where legitimate peers send nothing but a subscription and heartbeats.
+
+Linux only (``TCP_INFO``); elsewhere only the connection count is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from weightpub_wire.monitor import (
+    MonitorEvent,
+    describe_handshake_failure,
+    open_monitor,
+    read_events,
+)
+from weightpub_wire.ratelog import RateLimitedLog
+
+__all__ = ["ConnectionGuard", "GuardLimits", "cut_connection"]
+
+log = logging.getLogger("weightpub.publisher")
+_BYTES_RECEIVED = 128  # offsetof(struct tcp_info, tcpi_bytes_received), Linux >= 4.1
+
+
+@dataclass(frozen=True, slots=True)
+class GuardLimits:
+    max_held_bytes: int = 4 << 20  # per connection, received but not delivered
+    max_connections: int = 1024  # per socket (ROUTER, PUB)
+    check_interval: float = 0.2
+
+
+@dataclass(slots=True)
+class _Connection:
+    kind: str
+    peer: str
+    baseline: int = 0
+    tcp: bool = True
+
+
+def _dup(fd: int) -> socket.socket | None:
+    try:
+        return socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+
+
+def _peer_name(fd: int) -> str:
+    sock = _dup(fd)
+    if sock is None:
+        return ""
+    try:
+        return str(sock.getpeername())
+    except OSError:
+        return ""
+    finally:
+        sock.close()
+
+
+def _bytes_received(fd: int) -> int | None:
+    sock = _dup(fd)
+    if sock is None:
+        return None
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    except (OSError, AttributeError):
+        return None
+    finally:
+        sock.close()
+    if len(info) < _BYTES_RECEIVED + 8:
+        return None
+    return int(struct.unpack_from("=Q", info, _BYTES_RECEIVED)[0])
+
+
+def cut_connection(fd: int, peer: str) -> bool:
+    """Shut a peer's TCP connection down under ZeroMQ (it notices and frees the pipe).
+
+    ``peer`` (from accept time) guards against a descriptor number reused since.
+    """
+    sock = _dup(fd)
+    if sock is None:
+        return False
+    try:
+        if peer and str(sock.getpeername()) != peer:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+class ConnectionGuard:
+    """Watches the ROUTER's and PUB's connections; runs on the serving thread."""
+
+    def __init__(self, sockets: dict[str, zmq.Socket], limits: GuardLimits) -> None:
+        self.limits = limits
+        self._monitors = {kind: open_monitor(sock) for kind, sock in sockets.items()}
+        self._conns: dict[int, _Connection] = {}
+        self._next_check = 0.0
+        self._warn = RateLimitedLog(log)
+        self.cut_count = 0
+        self.handshake_failures = 0
+
+    @property
+    def monitors(self) -> list[zmq.Socket]:
+        return list(self._monitors.values())
+
+    def close(self) -> None:
+        for monitor in self._monitors.values():
+            monitor.close(linger=0)
+
+    def connections(self, kind: str | None = None) -> int:
+        return sum(1 for c in self._conns.values() if kind is None or c.kind == kind)
+
+    def fd_peer(self, fd: int) -> str | None:
+        conn = self._conns.get(fd)
+        return None if conn is None else conn.peer
+
+    def on_events(self) -> None:
+        for kind, monitor in self._monitors.items():
+            for event in read_events(monitor):
+                self._on_event(kind, event)
+
+    def _on_event(self, kind: str, event: MonitorEvent) -> None:
+        if event.event == zmq.EVENT_ACCEPTED:
+            fd = event.value
+            conn = _Connection(kind, _peer_name(fd))
+            received = _bytes_received(fd)
+            conn.tcp = received is not None
+            conn.baseline = received or 0
+            if self.connections(kind) >= self.limits.max_connections:
+                self._cut(fd, conn, f"{kind} already has {self.limits.max_connections} "
+                                    "connections (max_connections)")
+                return
+            self._conns[fd] = conn
+        elif event.event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+            self._conns.pop(event.value, None)
+        else:
+            why = describe_handshake_failure(event, client=False)
+            if why is not None:
+                self.handshake_failures += 1
+                self._warn.warning(f"handshake-{kind}", f"{kind}: {why}")
+
+    def delivered(self, fd: int | None) -> None:
+        """A complete request arrived on ``fd``: nothing before it is held any more."""
+        if fd is None:
+            return
+        conn = self._conns.get(fd)
+        if conn is not None and conn.tcp and conn.kind == "router":
+            received = _bytes_received(fd)
+            if received is not None:
+                conn.baseline = received
+
+    def check(self, now: float | None = None) -> None:
+        """Cut connections that hold more than ``max_held_bytes``; cheap, rate-limited."""
+        now = time.monotonic() if now is None else now
+        if now < self._next_check:
+            return
+        self._next_check = now + self.limits.check_interval
+        for fd, conn in list(self._conns.items()):
+            if not conn.tcp:
+                continue
+            received = _bytes_received(fd)
+            if received is None:
+                continue
+            held = received - conn.baseline
+            if held > self.limits.max_held_bytes:
+                self._cut(fd, conn, f"{held} bytes received but no complete message "
+                                    f"(max_held_bytes {self.limits.max_held_bytes})")
+
+    def cut(self, fd: int | None, why: str) -> bool:
+        """Cut the connection a request came from (a peer over its bounds)."""
+        if fd is None:
+            return False
+        conn = self._conns.get(fd)
+        if conn is None:
+            return False
+        return self._cut(fd, conn, why)
+
+    def _cut(self, fd: int, conn: _Connection, why: str) -> bool:
+        done = cut_connection(fd, conn.peer)
+        self._conns.pop(fd, None)
+        if done:
+            self.cut_count += 1
+            self._warn.warning(f"cut-{why.split()[0]}",
+                               f"cut {conn.kind} connection from {conn.peer or 'a peer'}: {why}")
+        return done

@@ -1,0 +1,254 @@
+"""Per-peer credit on the ROUTER: what one client may make the publisher hold.
+
+Every reply to a peer is sent tracked (``zmq.MessageTracker`` says when ZeroMQ
+has written the frame to the kernel), so for each peer the serving thread knows
+the bytes it handed to ZeroMQ that have not left yet. Chunk frames point into a
+version's buffer (zero-copy), so those bytes also pin that version in memory.
+
+Bounds, per peer (a ROUTER identity):
+
+- ``max_queued_bytes``: beyond it, chunks wait in the peer's own deferred queue
+  (sent as the peer drains) and control replies (latest, status) are dropped;
+  ``max_total_queued_bytes`` does the same across all peers;
+- ``max_pending_chunks``: a fetch that would take a peer past it is refused and
+  the peer's connection is cut (a well-behaved subscriber keeps at most
+  ``MAX_CREDIT_CHUNKS`` in flight);
+- ``stall_timeout``: a peer with bytes queued and no progress for this long (it
+  never reads) is cut; ZeroMQ then drops its queue and the pinned versions are freed;
+- deferred chunks of a version that was evicted are dropped with a
+  ``version_unavailable`` reply, so nothing deferred pins an old version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from publisher.connections import ConnectionGuard
+from publisher.store import PublishedVersion
+from weightpub_wire import protocol as wire
+from weightpub_wire.ratelog import RateLimitedLog
+
+__all__ = ["MAX_CREDIT_CHUNKS", "Peer", "PeerLimits", "PeerTable"]
+
+log = logging.getLogger("weightpub.publisher")
+
+MAX_CREDIT_CHUNKS = wire.MAX_CHUNKS_IN_FLIGHT  # a subscriber never has more in flight
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLimits:
+    max_queued_bytes: int = 256 << 20
+    max_total_queued_bytes: int = 2 << 30
+    max_pending_chunks: int = 4 * MAX_CREDIT_CHUNKS
+    stall_timeout: float = 30.0
+    max_peers: int = 4096
+    idle_forget: float = 120.0
+
+
+@dataclass(slots=True)
+class Peer:
+    identity: bytes
+    fd: int | None
+    last_seen: float
+    last_progress: float
+    queue: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
+    queued_bytes: int = 0
+    deferred: deque[tuple[int, PublishedVersion, int]] = field(default_factory=deque)
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue) + len(self.deferred)
+
+
+class PeerTable:
+    """Runs on the serving thread only (it sends on the ROUTER)."""
+
+    def __init__(self, router: zmq.Socket, limits: PeerLimits, guard: ConnectionGuard | None,
+                 is_held: Callable[[PublishedVersion], bool]) -> None:
+        self.router = router
+        self.limits = limits
+        self.guard = guard
+        self.is_held = is_held
+        self._peers: OrderedDict[bytes, Peer] = OrderedDict()
+        self.total_queued = 0
+        self.chunk_bytes = 0  # full-version chunk bytes handed to ZeroMQ
+        self.dropped_replies = 0
+        self.cut_peers = 0
+        self._warn = RateLimitedLog(log)
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def queued_bytes(self, identity: bytes) -> int:
+        peer = self._peers.get(identity)
+        return 0 if peer is None else peer.queued_bytes
+
+    # -- who is asking -------------------------------------------------------------------------
+    def peer(self, identity: bytes, fd: int | None, now: float) -> Peer | None:
+        """The peer's state (created on first sight); None when too many peers are busy."""
+        peer = self._peers.get(identity)
+        if peer is None:
+            if len(self._peers) >= self.limits.max_peers and not self._forget_idle(now, 1):
+                self._warn.warning("peers", f"ignoring a new peer: {len(self._peers)} busy "
+                                            "peers already (max_peers)")
+                return None
+            peer = Peer(identity, fd, now, now)
+            self._peers[identity] = peer
+        else:
+            self._peers.move_to_end(identity)
+        peer.last_seen = now
+        if fd is not None:
+            peer.fd = fd
+        return peer
+
+    def _forget_idle(self, now: float, wanted: int | None = None) -> int:
+        gone = 0
+        for identity, peer in list(self._peers.items()):
+            idle = not peer.queue and not peer.deferred
+            if idle and (wanted is not None or now - peer.last_seen > self.limits.idle_forget):
+                del self._peers[identity]
+                gone += 1
+                if wanted is not None and gone >= wanted:
+                    break
+        return gone
+
+    # -- sending -------------------------------------------------------------------------------
+    def _send(self, peer: Peer, head: list[bytes], body: memoryview | bytes) -> bool:
+        """Send ``head`` frames then the tracked ``body``; False if ZeroMQ refused it."""
+        try:
+            self.router.send(peer.identity, zmq.SNDMORE | zmq.NOBLOCK)
+        except zmq.Again:  # the peer's pipe is at its high-water mark: try again later
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EHOSTUNREACH:  # the peer has gone (ROUTER_MANDATORY)
+                self._drop(peer)
+                return False
+            raise
+        for frame in head:
+            self.router.send(frame, zmq.SNDMORE)
+        tracker = self.router.send(body, copy=False, track=True)
+        peer.queue.append((tracker, len(body)))
+        peer.queued_bytes += len(body)
+        self.total_queued += len(body)
+        return True
+
+    def _room(self, peer: Peer, nbytes: int) -> bool:
+        return (peer.queued_bytes + nbytes <= self.limits.max_queued_bytes or not peer.queue) \
+            and self.total_queued + nbytes <= self.limits.max_total_queued_bytes
+
+    def reply(self, peer: Peer, body: bytes) -> bool:
+        """A control reply (latest, status, error); dropped when the peer is not reading."""
+        if not self._room(peer, len(body)):
+            self.dropped_replies += 1
+            self._warn.warning("reply", f"dropped a reply: peer has {peer.queued_bytes} bytes "
+                                        "unread (max_queued_bytes)")
+            return False
+        return self._send(peer, [], body)
+
+    def send_to(self, identity: bytes, head: list[bytes], body: memoryview | bytes,
+                version: PublishedVersion | None) -> bool:
+        """Send for another server part (delta chunks) under the same credit.
+
+        False: no room now, try again later. True: sent, or the peer is gone (drop it).
+        """
+        peer = self._peers.get(identity)
+        if peer is None:
+            return True
+        if not self._room(peer, len(body)):
+            return False
+        if not self._send(peer, head, body):
+            return identity not in self._peers
+        if version is not None:
+            version.track(peer.queue[-1][0])
+        return True
+
+    def reply_to(self, identity: bytes, body: bytes) -> bool:
+        peer = self._peers.get(identity)
+        return True if peer is None else self.reply(peer, body)
+
+    def fetch(self, peer: Peer, req: int, version: PublishedVersion,
+              chunks: tuple[int, ...], now: float) -> None:
+        """Queue a validated fetch: send what credit allows now, defer the rest."""
+        if peer.pending + len(chunks) > self.limits.max_pending_chunks:
+            error = wire.ErrorReply(req=req, code="bad_request", version=version.manifest.version,
+                                    message=f"more than {self.limits.max_pending_chunks} chunks "
+                                            "outstanding; connection closed")
+            self._send(peer, [], wire.encode(error))
+            self.cut(peer, f"{peer.pending + len(chunks)} chunks outstanding "
+                           f"(max_pending_chunks {self.limits.max_pending_chunks})")
+            return
+        for chunk in chunks:
+            peer.deferred.append((req, version, chunk))
+        self._flush(peer, now)
+
+    def _flush(self, peer: Peer, now: float) -> None:
+        while peer.deferred:
+            req, version, chunk = peer.deferred[0]
+            if version.failed or not self.is_held(version):
+                peer.deferred.popleft()
+                self._unavailable(peer, req, version)
+                continue
+            if not version.chunk_ready(chunk):
+                return  # announced before its copy ended: sent once the bytes are final
+            data = version.chunk_view(chunk)
+            if not self._room(peer, len(data)):
+                return
+            header = wire.ChunkHeader(req=req, version=version.manifest.version, chunk=chunk,
+                                      size=len(data))
+            if not self._send(peer, [wire.encode(header)], data):
+                return
+            version.track(peer.queue[-1][0])
+            self.chunk_bytes += len(data)
+            peer.deferred.popleft()
+
+    def _unavailable(self, peer: Peer, req: int, version: PublishedVersion) -> None:
+        # one reply per request, not per chunk (a request's chunks are queued together)
+        if peer.deferred and peer.deferred[0][0] == req:
+            return
+        number = version.manifest.version
+        error = wire.ErrorReply(req=req, code="version_unavailable", version=number,
+                                message=f"version {number} was evicted while chunks waited")
+        self.reply(peer, wire.encode(error))
+
+    # -- progress ------------------------------------------------------------------------------
+    def pump(self, now: float) -> None:
+        """Account for frames ZeroMQ has sent, send deferred chunks, cut stalled peers."""
+        for peer in list(self._peers.values()):
+            progressed = False
+            while peer.queue and peer.queue[0][0].done:
+                _, nbytes = peer.queue.popleft()
+                peer.queued_bytes -= nbytes
+                self.total_queued -= nbytes
+                progressed = True
+            if progressed or not peer.queue:
+                peer.last_progress = now
+            elif now - peer.last_progress > self.limits.stall_timeout:
+                self.cut(peer, f"{peer.queued_bytes} bytes unread for "
+                               f"{now - peer.last_progress:.0f}s (stall_timeout)")
+                continue
+            if peer.deferred:
+                self._flush(peer, now)
+        self._forget_idle(now)
+
+    def busy(self) -> bool:
+        """Whether some peer has deferred chunks (the loop should come back soon)."""
+        return any(peer.deferred for peer in self._peers.values())
+
+    def cut(self, peer: Peer, why: str) -> None:
+        """Stop serving a peer: forget its deferred chunks and close its connection."""
+        self.cut_peers += 1
+        peer.deferred.clear()
+        if self.guard is not None:
+            self.guard.cut(peer.fd, why)
+        self._warn.warning(f"cut-{why.split()[-1]}", f"cut off a peer: {why}")
+        self._drop(peer)
+
+    def _drop(self, peer: Peer) -> None:
+        # its queued frames stay tracked by their versions until ZeroMQ frees them
+        self.total_queued -= peer.queued_bytes
+        self._peers.pop(peer.identity, None)
