@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
 import msgspec
-import orjson
 
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import WeightPubError
@@ -41,7 +41,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from weightpub.status import fetch_status
 
     def fetch() -> wire.StatusReply:
-        return fetch_status(args.endpoint, timeout=args.timeout)
+        return fetch_status(args.endpoint, timeout=args.timeout,
+                            curve_server_key_file=args.curve_server_key_file,
+                            curve_secret_key_file=args.curve_secret_key_file)
 
     if args.watch:
         try:
@@ -50,11 +52,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
             pass
         return 0
     reply = fetch()
-    if args.json:
+    if args.json:  # ASCII-only JSON: every control or format character arrives escaped
         data = msgspec.to_builtins(reply)
-        sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
+        sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=True) + "\n")
         return 0
     Console().print(fleet_table(reply))
+    return 0
+
+
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from weightpub_wire.keys import create_key_pair
+
+    public, secret = create_key_pair(args.dir, args.name)
+    print(f"public key: {public} (give it to peers; a publisher's allow-list holds clients')")
+    print(f"secret key: {secret} (mode 0600; keep it on this host)")
     return 0
 
 
@@ -113,7 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--interval", type=float, default=1.0, help="(--watch) seconds")
     status.add_argument("--count", type=int, default=None,
                         help="(--watch) refreshes before exiting (default: until Ctrl-C)")
+    status.add_argument("--curve-server-key-file", help="the publisher's public key (CURVE)")
+    status.add_argument("--curve-secret-key-file", help="this client's key pair (allow-list)")
     status.set_defaults(func=_cmd_status)
+
+    keys = sub.add_parser("keys", help="CurveZMQ key pairs")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    create = keys_sub.add_parser("create", help="write NAME.key and NAME.key_secret (0600)")
+    create.add_argument("name", help="e.g. server, or a replica's name")
+    create.add_argument("--dir", default=".", help="where to write them (default: .)")
+    create.set_defaults(func=_cmd_keys)
 
     check = sub.add_parser("check-config", help="validate a YAML config file")
     check.add_argument("path")

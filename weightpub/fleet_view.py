@@ -29,7 +29,8 @@ def printable(text: str, limit: int = 200, style: str = "") -> Text:
 
 def fleet_table(reply: wire.StatusReply) -> Group:
     """A header line and a table of the publisher's subscribers."""
-    header = Text(f"publisher {reply.publisher_id[:12]}  latest version {reply.latest_version}"
+    header = Text(f"publisher {printable(reply.publisher_id, 12)}  "
+                  f"latest version {reply.latest_version}"
                   f"  holding {list(reply.versions)}  sent {reply.bytes_sent_full} bytes in full,"
                   f" {reply.bytes_sent_delta} as deltas")
     table = Table(expand=False)

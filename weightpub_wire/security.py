@@ -61,8 +61,6 @@ def check_secret_key_file(path: str | Path) -> None:
 
 def load_key_file(path: str | Path, *, need_secret: bool) -> tuple[bytes, bytes | None]:
     """(public, secret) z85 keys of a certificate file; ``ConfigError`` names the file."""
-    if need_secret:
-        check_secret_key_file(path)
     try:
         public, secret = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
@@ -70,6 +68,8 @@ def load_key_file(path: str | Path, *, need_secret: bool) -> tuple[bytes, bytes 
     if need_secret and not secret:
         raise ConfigError(f"curve key file {path}: has no secret key (give the "
                           "'.key_secret' file, not the public '.key')")
+    if secret:
+        check_secret_key_file(path)
     return public, secret
 
 
