@@ -1,0 +1,185 @@
+"""Child processes of the fault matrix: publishers and relays that die by SIGKILL on cue.
+
+Children are forked from a ``forkserver`` that has already imported torch and
+the packages, so starting one costs milliseconds, not an interpreter start.
+A ``kill_at`` point makes the child send itself SIGKILL at an exact place in
+the real code (a patched function calls ``os.kill(os.getpid(), SIGKILL)``):
+a real ``kill -9``, with no chance to clean up, at a deterministic moment.
+``clock_offset`` shifts the child's wall clock (``time.time``) only.
+
+Kill points (``kill_at``):
+
+- ``announce``: a version is snapshotted and hashed, killed before its manifest is sent
+- ``announce_cmd``: the manifest is in the store, killed before PUB sends it
+- ``copy:<f>``: after fraction ``f`` of a version's bytes were copied (manifest may be out)
+- ``chunk:<n>``: when about to send chunk frame number ``n`` (counting from the first
+  version's); ``chunk_after:<n>``: just after sending it
+- ``latest:<n>``: when answering the n-th ``latest`` request
+- ``report:<n>``, ``status:<n>``: when handling the n-th report / status request
+- ``forward``: (relay) an upstream version is staged, killed before republishing it
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+from typing import Any
+
+from tests.transport.procs import det_weights
+
+__all__ = ["mp_context", "publisher_child", "relay_child"]
+
+_CONTEXT: Any = None
+
+
+def mp_context() -> Any:
+    """The forkserver context (preloads torch and the packages once)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = multiprocessing.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "zmq", "msgspec", "publisher",
+                                         "subscriber_ext", "weightpub.relay",
+                                         "tests.transport.faults.children"])
+    return _CONTEXT
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(10)  # never reached
+
+
+def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
+    """Patch the real code so the process SIGKILLs itself at ``kill_at``."""
+    if not kill_at:
+        return
+    point, _, arg = kill_at.partition(":")
+    from publisher import peers, server, snapshot, weight_publisher
+
+    if point == "announce":
+        original_announce = weight_publisher.WeightPublisher._announce
+
+        def announce(self: Any, number: int, *a: Any, **k: Any) -> None:
+            if number >= first_chunk_version:
+                _die()
+            original_announce(self, number, *a, **k)
+
+        weight_publisher.WeightPublisher._announce = announce  # type: ignore[method-assign]
+    elif point == "announce_cmd":
+        original_cmd = server.ServingThread._on_command
+        seen = {"n": 0}
+
+        def on_command(self: Any, commands: Any, pub: Any) -> bool:
+            latest = self.store.latest()
+            if latest is not None and latest.manifest.version >= first_chunk_version:
+                _die()
+            seen["n"] += 1
+            return bool(original_cmd(self, commands, pub))
+
+        server.ServingThread._on_command = on_command  # type: ignore[method-assign]
+    elif point == "copy":
+        fraction = float(arg)
+        original_advance = snapshot._advance
+
+        def advance(snap: Any, offset: int, progress: Any) -> None:
+            if snap.total_bytes > 1 << 20 and offset >= fraction * snap.total_bytes:
+                _die()
+            original_advance(snap, offset, progress)
+
+        snapshot._advance = advance
+    elif point in ("chunk", "chunk_after"):
+        target = int(arg)
+        original_send = peers.PeerTable._send
+        count = {"n": 0}
+
+        def send(self: Any, peer: Any, head: list[bytes], body: Any) -> bool:
+            if head:  # a chunk (control replies have no header frame)
+                count["n"] += 1
+                if count["n"] >= target and point == "chunk":
+                    _die()
+            sent = bool(original_send(self, peer, head, body))
+            if head and count["n"] >= target:
+                time.sleep(0.05)  # let ZeroMQ's I/O thread write it
+                _die()
+            return sent
+
+        peers.PeerTable._send = send  # type: ignore[method-assign]
+    elif point in ("latest", "report", "status"):
+        from weightpub_wire import protocol as wire
+
+        kind = {"latest": wire.LatestRequest, "report": wire.Report,
+                "status": wire.StatusRequest}[point]
+        nth = int(arg)
+        original_handle = server.ServingThread._handle
+        count = {"n": 0}
+
+        def handle(self: Any, peers_: Any, peer: Any, request: Any, *a: Any) -> None:
+            if isinstance(request, kind):
+                count["n"] += 1
+                if count["n"] >= nth:
+                    _die()
+            original_handle(self, peers_, peer, request, *a)
+
+        server.ServingThread._handle = handle  # type: ignore[method-assign]
+    elif point != "forward":
+        raise ValueError(f"unknown kill point {kill_at!r}")
+
+
+def _shift_clock(offset: float) -> None:
+    if offset:
+        real = time.time
+        time.time = lambda: real() + offset  # this process only
+
+
+def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]) -> None:
+    """Commands over ``conn``: ("publish", version, spec) -> ("published", version); "exit"."""
+    _shift_clock(args.get("clock_offset", 0.0))
+    _install(args.get("kill_at"))
+    from publisher import WeightPublisher
+
+    pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 128 << 10),
+                          heartbeat_interval=args.get("heartbeat_interval", 0.2),
+                          keep_versions=args.get("keep_versions", 2))
+    conn.send(("ready", pub.endpoint, pub.publisher_id, pub.started_at, os.getpid()))
+    seed = args["seed"]
+    while True:
+        if not conn.poll(600):
+            break
+        command = conn.recv()
+        if command[0] == "exit":
+            break
+        if command[0] == "publish":
+            _, version, spec = command
+            pub.publish(det_weights(seed, version, spec), version=version)
+            pub.wait_announced(version, timeout=60)
+            conn.send(("published", version))
+    pub.close()
+
+
+def relay_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]) -> None:
+    """A relay (``weightpub.relay.Relay``) between ``upstream`` and ``endpoint``."""
+    _install(args.get("kill_at"))
+    from weightpub.config import RelayConfig
+    from weightpub.relay import Relay
+
+    if args.get("kill_at") == "forward":
+        original = Relay._forward
+
+        def forward(self: Any, staged: Any) -> None:
+            if staged.version >= 2:
+                _die()
+            original(self, staged)
+
+        Relay._forward = forward  # type: ignore[method-assign]
+    config = RelayConfig.model_validate({
+        "upstream": {"endpoint": args["upstream"], "request_timeout": 1.0},
+        "downstream": {"endpoint": args["endpoint"], "chunk_mib": 1,
+                       "heartbeat_interval": 0.2}})
+    relay = Relay(config)
+    conn.send(("ready", relay.endpoint, relay.publisher.publisher_id, 0.0, os.getpid()))
+    while conn.poll(600):
+        if conn.recv()[0] == "exit":
+            break
+    relay.close()
