@@ -133,15 +133,28 @@ def _shift_clock(offset: float) -> None:
         time.time = lambda: real() + offset  # this process only
 
 
+def _exact_rss() -> None:
+    """Make glibc return freed big buffers to the OS at once (fixed mmap threshold), so the
+    RSS the tests read is what the process still holds, not what the allocator kept."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+
+
 def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]) -> None:
     """Commands over ``conn``: ("publish", version, spec) -> ("published", version); "exit"."""
     _shift_clock(args.get("clock_offset", 0.0))
+    if args.get("exact_rss"):
+        _exact_rss()
     _install(args.get("kill_at"))
     from publisher import WeightPublisher
+    from publisher.peers import PeerLimits
+    from publisher.server import ServerLimits
 
+    limits = ServerLimits(peers=PeerLimits(stall_timeout=args.get("stall_timeout", 30.0)))
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 128 << 10),
                           heartbeat_interval=args.get("heartbeat_interval", 0.2),
-                          keep_versions=args.get("keep_versions", 2))
+                          keep_versions=args.get("keep_versions", 2), limits=limits)
     conn.send(("ready", pub.endpoint, pub.publisher_id, pub.started_at, os.getpid()))
     seed = args["seed"]
     while True:
