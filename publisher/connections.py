@@ -95,7 +95,10 @@ def _tcp_family(fd: int) -> int:
 
 def _bytes_received(fd: int, family: int) -> int | None:
     """tcpi_bytes_received of ZeroMQ's socket: one getsockopt, no dup (checked often)."""
-    sock = socket.socket(family, socket.SOCK_STREAM, 0, fileno=fd)
+    try:  # ZeroMQ may have closed it since (its DISCONNECTED event is on its way)
+        sock = socket.socket(family, socket.SOCK_STREAM, 0, fileno=fd)
+    except OSError:
+        return None
     try:
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
     except OSError:

@@ -157,13 +157,18 @@ class ServingThread(threading.Thread):
                 events = dict(poller.poll(timeout_ms))
                 if commands in events and not self._on_command(commands, pub):
                     return
-                guard.on_events()
-                if router in events:
-                    self._drain_router(router, peers, guard)
-                now = time.monotonic()
-                peers.pump(now)
-                self.delta_serving.flush()
-                guard.check(now)
+                try:
+                    guard.on_events()
+                    if router in events:
+                        self._drain_router(router, peers, guard)
+                    now = time.monotonic()
+                    peers.pump(now)
+                    self.delta_serving.flush()
+                    guard.check(now)
+                except Exception as exc:  # one peer's surprise must not stop the service
+                    self._warn.warning("loop", f"serving loop error (continuing): "
+                                               f"{type(exc).__name__}: {exc}")
+                    log.debug("serving loop error", exc_info=True)
                 self._warn.tick()
         finally:
             guard.close()
