@@ -282,6 +282,12 @@ class Child:
                 self.proc.wait(timeout=10)
         self._reader.join(timeout=5)
         self._stderr.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                try:
+                    pipe.close()
+                except OSError:
+                    pass
         return self.proc.returncode
 
 
