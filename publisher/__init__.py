@@ -9,6 +9,7 @@ never pulls in transformers.
 from typing import Any as _Any
 
 from publisher.config import PublisherConfig
+from publisher.server import ServerLimits
 from publisher.snapshot import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import (
@@ -35,6 +36,7 @@ __all__ = [
     "PublishCallback",
     "PublisherConfig",
     "Report",
+    "ServerLimits",
     "TensorEntry",
     "TransportError",
     "VersionUnavailable",

@@ -35,7 +35,8 @@ from weightpub_wire.errors import ProtocolError
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.sockets import bind, configure_socket
 
-__all__ = ["ServerLimits", "ServerOptions", "ServingThread"]
+__all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerOptions",
+           "ServingThread"]
 
 log = logging.getLogger("weightpub.publisher")
 _REQUESTS = (wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report)

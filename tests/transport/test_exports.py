@@ -31,6 +31,7 @@ PUBLISHER_ALL = [
     "PublishCallback",
     "PublisherConfig",
     "Report",
+    "ServerLimits",
     "TensorEntry",
     "TransportError",
     "VersionUnavailable",

@@ -21,6 +21,7 @@ Kill points (``kill_at``):
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -143,6 +144,7 @@ def _exact_rss() -> None:
 
 def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]) -> None:
     """Commands over ``conn``: ("publish", version, spec) -> ("published", version); "exit"."""
+    faulthandler.dump_traceback_later(30, exit=True)  # a start that hangs shows where
     _shift_clock(args.get("clock_offset", 0.0))
     if args.get("exact_rss"):
         _exact_rss()
@@ -156,6 +158,7 @@ def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str,
                           heartbeat_interval=args.get("heartbeat_interval", 0.2),
                           keep_versions=args.get("keep_versions", 2), limits=limits)
     conn.send(("ready", pub.endpoint, pub.publisher_id, pub.started_at, os.getpid()))
+    faulthandler.cancel_dump_traceback_later()
     seed = args["seed"]
     while True:
         if not conn.poll(600):
@@ -173,6 +176,7 @@ def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str,
 
 def relay_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]) -> None:
     """A relay (``weightpub.relay.Relay``) between ``upstream`` and ``endpoint``."""
+    faulthandler.dump_traceback_later(30, exit=True)
     _install(args.get("kill_at"))
     from weightpub.config import RelayConfig
     from weightpub.relay import Relay
@@ -192,6 +196,7 @@ def relay_child(conn: multiprocessing.connection.Connection, args: dict[str, Any
                        "heartbeat_interval": 0.2}})
     relay = Relay(config)
     conn.send(("ready", relay.endpoint, relay.publisher.publisher_id, 0.0, os.getpid()))
+    faulthandler.cancel_dump_traceback_later()
     while conn.poll(600):
         if conn.recv()[0] == "exit":
             break

@@ -261,3 +261,34 @@ def test_kill9_matrix() -> None:
     assert not failed, f"{len(failed)} cases failed: {sorted(failed)}"
     assert len(CASES) >= 20
     assert after - before < 400, f"test process RSS grew {after - before:.0f} MiB"
+
+
+def test_repeated_restarts_with_clocks_that_disagree() -> None:
+    """Six instances in a row on one endpoint, each killed mid-transfer, their clocks
+    jumping back and forth by up to a day: the subscriber follows every one of them."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    recorder = Recorder(seeds={}, specs=SPECS)
+    sub = _subscriber(endpoint, recorder)
+    offsets = [0.0, -30.0, -86400.0, 5.0, -3600.0, 0.0]
+    try:
+        for round_, offset in enumerate(offsets):
+            seed = 100 + round_
+            last = round_ == len(offsets) - 1
+            proc = Proc("publisher", endpoint=endpoint, seed=seed, clock_offset=offset,
+                        kill_at=None if last else "chunk:20")
+            try:
+                recorder.seeds[proc.publisher_id] = seed
+                proc.publish(1, SMALL)  # every instance starts its numbering again
+                wait_until(lambda p=proc: recorder.got(p.publisher_id, 1), 40,
+                           f"v1 of instance {round_}")
+                if not last:
+                    proc.publish(2, BIG, wait=False)
+                    proc.wait_killed()
+                    assert not recorder.got(proc.publisher_id, 2)
+            finally:
+                proc.close()
+        assert recorder.problems == []
+        assert [v for _, v in recorder.delivered] == [1] * len(offsets)
+        assert sub._thread.is_alive()
+    finally:
+        sub.close()

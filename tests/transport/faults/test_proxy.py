@@ -71,7 +71,10 @@ def rig() -> Iterator[dict[str, Any]]:
         receive(header, more)
 
     client._on_chunk = paced
+    before = rss_mib()
     yield {"pub": pub, "proxy": proxy, "sub": sub, "recorder": recorder}
+    grown = rss_mib() - before
+    assert grown < 200, f"RSS grew {grown:.0f} MiB"  # two 8 MiB versions per side, plus noise
     start = time.monotonic()
     sub.close()
     assert time.monotonic() - start < 15
