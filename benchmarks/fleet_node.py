@@ -52,8 +52,10 @@ def commands() -> Any:
 def run_publisher(args: dict[str, Any]) -> None:
     from publisher import WeightPublisher
 
+    # simulated hosts bind namespace addresses of a network only this benchmark can reach
+    options = {"insecure": True, **args.get("publisher_options", {})}
     pub = WeightPublisher(args["bind"], chunk_size=args.get("chunk_mib", 4) << 20,
-                          keep_versions=2, **args.get("publisher_options", {}))
+                          keep_versions=2, **options)
     emit(event="ready", endpoint=pub.endpoint)
     for command in commands():
         if command["cmd"] == "publish":
@@ -91,8 +93,8 @@ def run_relay(args: dict[str, Any]) -> None:
     from weightpub.relay import Relay
 
     config = RelayConfig(upstream=SubscriberConfig(endpoint=args["connect"]),
-                         downstream=PublisherConfig(endpoint=args["bind"],
-                                                    **args.get("publisher_options", {})))
+                         downstream=PublisherConfig(endpoint=args["bind"], **{
+                             "insecure": True, **args.get("publisher_options", {})}))
     with Relay(config) as relay:
         emit(event="ready", endpoint=relay.endpoint)
         for command in commands():

@@ -75,6 +75,8 @@ class PeerTable:
         self.guard = guard
         self.is_held = is_held
         self._peers: OrderedDict[bytes, Peer] = OrderedDict()
+        self._active: set[bytes] = set()  # peers with frames queued or chunks deferred
+        self._next_forget = 0.0
         self.total_queued = 0
         self.chunk_bytes = 0  # full-version chunk bytes handed to ZeroMQ
         self.dropped_replies = 0
@@ -132,6 +134,7 @@ class PeerTable:
         for frame in head:
             self.router.send(frame, zmq.SNDMORE)
         tracker = self.router.send(body, copy=False, track=True)
+        self._active.add(peer.identity)
         peer.queue.append((tracker, len(body)))
         peer.queued_bytes += len(body)
         self.total_queued += len(body)
@@ -184,6 +187,7 @@ class PeerTable:
             return
         for chunk in chunks:
             peer.deferred.append((req, version, chunk))
+        self._active.add(peer.identity)
         self._flush(peer, now)
 
     def _flush(self, peer: Peer, now: float) -> None:
@@ -217,8 +221,15 @@ class PeerTable:
 
     # -- progress ------------------------------------------------------------------------------
     def pump(self, now: float) -> None:
-        """Account for frames ZeroMQ has sent, send deferred chunks, cut stalled peers."""
-        for peer in list(self._peers.values()):
+        """Account for frames ZeroMQ has sent, send deferred chunks, cut stalled peers.
+
+        Only peers with something queued or deferred are visited (cost: the busy peers).
+        """
+        for identity in list(self._active):
+            peer = self._peers.get(identity)
+            if peer is None:
+                self._active.discard(identity)
+                continue
             progressed = False
             while peer.queue and peer.queue[0][0].done:
                 _, nbytes = peer.queue.popleft()
@@ -233,11 +244,15 @@ class PeerTable:
                 continue
             if peer.deferred:
                 self._flush(peer, now)
-        self._forget_idle(now)
+            if not peer.queue and not peer.deferred:
+                self._active.discard(identity)
+        if now >= self._next_forget:
+            self._next_forget = now + 1.0
+            self._forget_idle(now)
 
     def busy(self) -> bool:
         """Whether some peer has deferred chunks (the loop should come back soon)."""
-        return any(peer.deferred for peer in self._peers.values())
+        return any(self._peers[i].deferred for i in self._active if i in self._peers)
 
     def cut(self, peer: Peer, why: str) -> None:
         """Stop serving a peer: forget its deferred chunks and close its connection."""
@@ -252,3 +267,4 @@ class PeerTable:
         # its queued frames stay tracked by their versions until ZeroMQ frees them
         self.total_queued -= peer.queued_bytes
         self._peers.pop(peer.identity, None)
+        self._active.discard(peer.identity)
