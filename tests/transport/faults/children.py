@@ -14,8 +14,9 @@ Kill points (``kill_at``):
 - ``copy:<f>``: after fraction ``f`` of a version's bytes were copied (manifest may be out)
 - ``chunk:<n>``: when about to send chunk frame number ``n`` (counting from the first
   version's); ``chunk_after:<n>``: just after sending it
-- ``latest:<n>``: when answering the n-th ``latest`` request
-- ``report:<n>``, ``status:<n>``: when handling the n-th report / status request
+- ``latest:<n>``: the n-th ``latest`` request of a peer that first spoke after version 2
+  was out (a late joiner); ``report:<n>``: the n-th report once version 2 is out;
+  ``status:<n>``: the n-th status request
 - ``forward``: (relay) an upstream version is staged, killed before republishing it
 """
 
@@ -115,9 +116,18 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
         nth = int(arg)
         original_handle = server.ServingThread._handle
         count = {"n": 0}
+        early: set[bytes] = set()  # peers seen before v2: not the late joiner
 
         def handle(self: Any, peers_: Any, peer: Any, request: Any, *a: Any) -> None:
-            if isinstance(request, kind):
+            latest = self.store.latest()
+            # latest/report: armed once v2 is out, so v1 always gets through first;
+            # latest: only a peer that first spoke after v2 (the late joiner) counts
+            armed = point == "status" or (latest is not None and latest.manifest.version >= 2)
+            if not armed:
+                early.add(peer.identity)
+            elif point == "latest" and peer.identity in early:
+                armed = False
+            if isinstance(request, kind) and armed:
                 count["n"] += 1
                 if count["n"] >= nth:
                     _die()

@@ -64,7 +64,7 @@ CASES = [
     Case("transfer_90pct", kill_at="chunk:59"),
     Case("transfer_last_chunk", kill_at="chunk:66"),
     Case("after_last_chunk", kill_at="chunk_after:66", v2_impossible=False),
-    Case("serving_a_late_joiner", kind="late_joiner", kill_at="latest:2", v2_impossible=False),
+    Case("serving_a_late_joiner", kind="late_joiner", kill_at="latest:1", v2_impossible=False),
     Case("handling_a_report", kill_at="report:4", v2_impossible=False),
     Case("handling_a_status_request", kind="status", kill_at="status:1",
          v2_impossible=False),
@@ -129,7 +129,7 @@ def run_case(case: Case) -> dict[str, Any]:
         sub = _subscriber(endpoint, recorder, slow=case.kind == "external")
         first.publish(1, SMALL)
         wait_until(lambda: recorder.got(first.publisher_id, 1), 30, "v1")
-        if case.kind == "late_joiner":  # its 'latest' is the publisher's second one
+        if case.kind == "late_joiner":  # killed while answering the joiner's 'latest'
             first.publish(2, BIG)
             wait_until(lambda: recorder.got(first.publisher_id, 2), 30, "v2")
             late = Recorder(seeds={first.publisher_id: A}, specs=SPECS)
