@@ -87,7 +87,8 @@ def test_soak_rss_and_fds_stay_flat(spawn: Callable[..., Child]) -> None:
         child.event("staged", timeout=60, version=VERSIONS)
         assert recorder.problems == [], recorder.problems[:5]
         fleet = pub.fleet()
-        assert len(fleet) <= 6, [r.subscriber_id for r in fleet]  # rows do not pile up
+        # rows do not pile up: four slots (restarts reuse their id) and three processes
+        assert len(fleet) <= 7, [r.subscriber_id for r in fleet]
     finally:
         for sub in slots:
             if sub is not None:
