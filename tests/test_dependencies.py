@@ -21,6 +21,9 @@ from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parent.parent
 RUNTIME = ("weightpub_wire", "publisher", "subscriber_ext/transport")
+#: modules a user imports only with a library of their own (loaded on first use, never by
+#: ``publish()``); the child process below proves nothing else pulls them in
+OPTIONAL = {"publisher/callback.py"}  # transformers' TrainerCallback (and deepspeed)
 pytestmark = pytest.mark.timeout(120)
 
 
@@ -54,6 +57,8 @@ def third_party_imports(folder: Path) -> dict[str, str]:
     ours = {"weightpub_wire", "publisher", "subscriber_ext", "weightpub", "tests"}
     found: dict[str, str] = {}
     for path in sorted(folder.rglob("*.py")):
+        if path.is_relative_to(REPO) and str(path.relative_to(REPO)) in OPTIONAL:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names: list[str] = []
             if isinstance(node, ast.Import):
