@@ -176,7 +176,11 @@ class ConnectionGuard:
             why = describe_handshake_failure(event, client=False)
             if why is not None:
                 self.handshake_failures += 1
-                self._warn.warning(f"handshake-{kind}", f"{kind}: {why}")
+                # a refusal (ZAP, wrong key, mechanism) is a WARNING; a peer that just went
+                # away mid-handshake (no detail) is routine
+                level = logging.INFO if event.event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL \
+                    else logging.WARNING
+                self._warn.log(level, f"handshake-{kind}-{event.event}", f"{kind}: {why}")
 
     def delivered(self, fd: int | None) -> None:
         """A complete request arrived on ``fd``: nothing before it is held any more."""
