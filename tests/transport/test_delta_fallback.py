@@ -15,7 +15,7 @@ import zmq
 import publisher.delta as publisher_delta
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import StagedVersion, WeightSubscriber
-from tests.transport.procs import REPO, digests, drift_weights, spec_bytes
+from tests.transport.procs import REPO, digests, drift_weights, spec_bytes, wait_until
 from tests.transport.test_metrics import scrape
 from weightpub.config import RelayConfig
 from weightpub.relay import Relay
@@ -41,6 +41,10 @@ class Recorder:
 
     def __call__(self, staged: StagedVersion) -> None:
         self.seen[staged.version] = digests(staged.items())
+
+    def wait(self, version: int) -> None:
+        """``wait_for_version`` may return before the callback ran: wait for the callback."""
+        wait_until(lambda: version in self.seen, 30, f"on_version for version {version}")
 
 
 class DeltaTamperingProxy(threading.Thread):
@@ -127,6 +131,7 @@ def test_a_spoiled_delta_falls_back_to_full_and_never_stages_wrong_bytes(
         for version in (1, 2, 3):
             pub.publish(drift_weights(SEED, version, SPEC), version=version)
             sub.wait_for_version(version, timeout=30)
+            recorder.wait(version)
         assert proxy.spoiled >= 1
         assert recorder.seen == {v: expected(v) for v in (1, 2, 3)}  # never a wrong version
         status = sub.status()
@@ -233,6 +238,7 @@ def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublishe
         for version in range(1, 5):
             trainer.publish(drift_weights(SEED, version, SPEC), version=version)
             replica.wait_for_version(version, timeout=30)
+            recorder.wait(version)
         assert recorder.seen == {v: expected(v) for v in range(1, 5)}
         full = spec_bytes(SPEC)
         upstream, downstream = relay.subscriber.status(), replica.status()
