@@ -85,6 +85,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MOE}.oracle.unquantized", "UnquantizedMoeBackend", None,
              "MoE backends whose live weights are in checkpoint layout"),
     Internal("vllm.distributed.parallel_state", "get_tp_group", None, "rank within the replica"),
+    Internal("vllm.v1.worker.worker_base", "WorkerBase.__init__",
+             ("self", "vllm_config", "local_rank", "rank", "distributed_init_method"),
+             "node staging: the engine's rendezvous address names the replica's node channel"),
     Internal("vllm.distributed.utils", "stateless_init_torch_distributed_process_group", None,
              "the seed API's gloo group"),
 )

@@ -7,8 +7,9 @@ add names (vLLM asserts on a clash); everything here is prefixed ``_wp`` or is a
 public RPC name. Each method runs on every rank through ``collective_rpc``,
 between two steps (a worker serves RPCs and ``execute_model`` from one queue).
 
-A version's way through a worker: the ``WeightSubscriber`` thread stages it
-(``transport/``) and offers it to the ``CommitCoordinator`` (``commit/``), which
+A version's way through a worker: the node's one ``WeightSubscriber`` (on the
+first local rank to start, ``transport/node_staging.py``) stages it in shared
+memory and offers it to every local rank's ``CommitCoordinator`` (``commit/``), which
 may prepare it off the step path (``apply/prepare.py``); the coordinator's
 strategy decides when it is committed on every rank (the engine core with our
 plugin, else the ranks' own agreement before ``execute_model``); the commit
@@ -32,6 +33,7 @@ from subscriber_ext.commit.strategies import CommitStrategy, EngineDriven, RankA
 from subscriber_ext.commit.vllm_patches import wrap_execute_model
 from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.seed_rpcs import SeedRpcs
+from subscriber_ext.transport.node_staging import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.vllm_compat import check_vllm
 from subscriber_ext.worker_state import VersionSource
@@ -43,6 +45,7 @@ logger = logging.getLogger("weightpub.worker")
 
 _EXT_OPTIONS = (
     "apply_mode", "keep", "subscriber_cls", "record_requests", "request_log_size", "prepare",
+    "node_staging",
 )
 _DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
 STATUS_INTERVAL_S = 1.0  # how often each rank refreshes its status file for /metrics
@@ -131,13 +134,15 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
         metrics = st.metrics.to_json()
         for name, count in (source.get("failures") or {}).items():
             metrics["failures"][name] = metrics["failures"].get(name, 0) + int(count)
+        # a follower shows its node owner's subscription; its own bytes come from shared memory
+        follower = (source.get("node_staging") or {}).get("role") == "follower"
         return {
             "rank": self.rank,
             "applied_version": coord.applied_version if coord else None,
             "staged_version": coord.staged_version() if coord else None,
             "publisher_latest_version": source.get("publisher_latest_version"),
-            "received_bytes": source.get("received_bytes", 0),
-            "data_path": "zmq",
+            "received_bytes": 0 if follower else source.get("received_bytes", 0),
+            "data_path": "node-shm" if follower else "zmq",
             "metrics": metrics,
         }
 
@@ -221,7 +226,11 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
         and off while it is idle, where a direct reload is sooner; ``True`` always;
         costs one extra copy of the weights per rank), ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``),
-        ``record_requests``. Everything else goes to the subscriber.
+        ``record_requests``, ``node_staging`` (default: on when the replica has
+        more than one rank: the ranks of this replica on one node share one
+        subscription and one staged copy in shared memory; a single-rank replica
+        keeps private, on CUDA pinned, staging; True/False force it). Everything
+        else goes to the subscriber (e.g. ``staging_budget_bytes``).
         """
         check_vllm()
         st = self._wp()
@@ -255,7 +264,21 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             if cls is WeightSubscriber:
                 options.setdefault("subscriber_id",
                                    f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}")
-            source = cls(endpoint, on_version=self._wp_on_version, **options)
+            node_staging = ext.get("node_staging")
+            if node_staging is None:
+                node_staging = self.vllm_config.parallel_config.world_size > 1
+            node_key = self._wp_node_key(endpoint) if cls is WeightSubscriber and \
+                node_staging else None
+            if node_key is not None:
+                WeightSubscriber.check_options(endpoint, **options)  # same error on every rank
+                source = join_node_staging(
+                    node_key, rank=self.rank, on_version=self._wp_on_version,
+                    subscribe=lambda on_version, allocator: WeightSubscriber(
+                        endpoint, on_version=on_version, allocator=allocator, **options))
+            else:
+                source = cls(endpoint, on_version=self._wp_on_version, **options)
+                if isinstance(source, WeightSubscriber):
+                    source.set_ranks((self.rank,))
             if not isinstance(source, VersionSource):
                 source.close()
                 raise ConfigError(f"subscriber_cls: {cls.__name__} lacks status/mark_applied/"
@@ -264,6 +287,15 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             st.endpoint = endpoint
             logger.info("weightpub: rank %s subscribed to %s", self.rank, endpoint)
         return self._wp_status()
+
+    def _wp_node_key(self, endpoint: str) -> str | None:
+        """What every local rank of this replica (and no other replica) shares: vLLM's
+        rendezvous address for this engine's ranks, and the endpoint followed."""
+        rendezvous = getattr(self, "distributed_init_method", None)
+        if not rendezvous:
+            logger.warning("weightpub: no distributed_init_method; each rank subscribes alone")
+            return None
+        return f"{rendezvous}|{endpoint}"
 
     def stop_weight_subscriber(self) -> None:
         """Close the subscriber; staged but uncommitted versions are dropped."""
@@ -324,7 +356,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             "applied_version": coord.applied_version if coord else None,
             "staged_version": coord.staged_version() if coord else None,
             "publisher_id": coord.publisher_id if coord else None,
-            "last_error": (coord.last_error if coord else None) or st.last_error,
+            "last_error": (coord.last_error if coord else None)
+            or (source_status or {}).get("refused") or st.last_error,
             "apply_mode": applier.mode() if applier else st.apply_mode,
             "last_apply_s": report.seconds if report else None,
             # the newest few: this dict crosses the RPC boundary on every poll

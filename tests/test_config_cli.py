@@ -44,6 +44,10 @@ def test_shipped_configs_load(name, kind):
      "replica.subscriber.window_mib"),
     ("replica:\n  model: m\n  apply_mode: sometimes\n  subscriber: {endpoint: 'tcp://h:1'}\n",
      "replica.apply_mode"),
+    ("replica:\n  model: m\n  subscriber: {endpoint: 'tcp://h:1', staging_budget_bytes: 0}\n",
+     "replica.subscriber.staging_budget_bytes"),
+    ("replica:\n  model: m\n  node_staging: perhaps\n  subscriber: {endpoint: 'tcp://h:1'}\n",
+     "replica.node_staging"),
     ("nonsense: {}\n", "unknown top-level key 'nonsense'"),
     ("publisher: [unclosed\n", "not valid YAML"),
 ])
@@ -135,7 +139,19 @@ def test_replica_command_carries_endpoint_in_additional_config():
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra["weightpub"]["endpoint"] == config.subscriber.endpoint
+    assert "node_staging" not in extra["weightpub"]  # the replica decides (on when TP > 1)
+    assert "staging_budget_bytes" not in extra["weightpub"]  # derived by the replica
     assert "--worker-extension-cls" in argv
+
+
+def test_staging_budget_and_node_staging_reach_the_replica_command():
+    replica = ReplicaConfig.model_validate({
+        "model": "m", "node_staging": False,
+        "subscriber": {"endpoint": "tcp://h:1", "staging_budget_bytes": 3 << 30}})
+    argv = replica_command(replica)
+    extra = json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]
+    assert extra["staging_budget_bytes"] == 3 << 30
+    assert extra["node_staging"] is False
 
 
 @pytest.mark.timeout(60)

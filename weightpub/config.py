@@ -35,6 +35,8 @@ class ReplicaConfig(StrictConfig):
     subscriber: SubscriberConfig
     tensor_parallel_size: int = Field(1, ge=1, le=64)
     apply_mode: Literal["auto", "in_place", "reload"] = "auto"
+    # the ranks on one node share one subscription and staged copy (None: when TP x PP > 1)
+    node_staging: bool | None = None
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_model_len: int | None = Field(None, ge=16)
     host: str = "127.0.0.1"

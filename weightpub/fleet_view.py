@@ -34,13 +34,14 @@ def fleet_table(reply: wire.StatusReply) -> Group:
                   f"  holding {list(reply.versions)}  sent {reply.bytes_sent_full} bytes in full,"
                   f" {reply.bytes_sent_delta} as deltas")
     table = Table(expand=False)
-    for column, justify in (("subscriber", "left"), ("staged", "right"), ("applied", "right"),
-                            ("lag", "right"), ("last error", "left")):
+    for column, justify in (("subscriber", "left"), ("ranks", "left"), ("staged", "right"),
+                            ("applied", "right"), ("lag", "right"), ("last error", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for report in sorted(reply.subscribers, key=lambda r: r.subscriber_id):
         lag = max(0, reply.latest_version - report.applied_version)
         table.add_row(
             printable(report.subscriber_id),
+            ",".join(map(str, report.ranks)),  # a replica's ranks on that node (ours: ints)
             str(report.staged_version),
             str(report.applied_version),
             Text(str(lag), style="yellow" if lag else "green"),

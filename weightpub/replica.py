@@ -15,6 +15,7 @@ import sys
 import orjson
 
 from subscriber_ext import WORKER_EXTENSION
+from subscriber_ext.observe.status_board import ENV as STATUS_ENV
 from weightpub.config import ReplicaConfig
 
 __all__ = ["replica_command", "serve_replica"]
@@ -25,6 +26,8 @@ def replica_command(config: ReplicaConfig) -> list[str]:
     sub = config.subscriber
     weightpub = {"endpoint": sub.endpoint, "apply_mode": config.apply_mode,
                  **sub.subscriber_kwargs()}
+    if config.node_staging is not None:
+        weightpub["node_staging"] = config.node_staging
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", config.model,
@@ -46,5 +49,8 @@ def serve_replica(config: ReplicaConfig, *, dry_run: bool = False) -> int:
     if dry_run:
         print(shlex.join(argv))
         return 0
+    # a new replica is a front end of its own: never write into the status board of the
+    # process that started us (the variable is inherited, e.g. from an ``LLM`` user)
+    os.environ.pop(STATUS_ENV, None)
     os.execv(argv[0], argv)
     return 0  # not reached

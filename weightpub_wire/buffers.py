@@ -3,16 +3,56 @@
 Why a pool: fresh host memory costs a page fault per 4 KiB (about 0.5 s/GB
 here), so a publisher's snapshot buffers and a subscriber's staging buffers
 are reused from one version to the next.
+
+Why a budget: a subscriber stages whole versions in host memory, several at a
+time (one arriving, the ones its consumer still holds). A pool with
+``budget_bytes`` counts every buffer it made that is still alive (handed out
+or kept for reuse) and refuses, before allocating, a buffer that would take it
+past the budget: ``room_for`` says whether to wait (the consumer still holds
+buffers that will come back) or raises ``StagingBudgetError`` (never fits).
+
+Where the memory comes from is the allocator's business: ``HostAllocator``
+(plain or pinned host memory, the default) or a shared-memory allocator
+(``subscriber_ext.transport.shared_segments``) whose buffers other processes map.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
-__all__ = ["BufferPool", "byte_view", "flat_bytes"]
+from weightpub_wire.errors import StagingBudgetError
+
+__all__ = ["Allocator", "BufferPool", "HostAllocator", "byte_view", "flat_bytes"]
+
+
+class Allocator(Protocol):
+    """Makes flat uint8 buffers for a ``BufferPool`` and is told when one is dropped."""
+
+    def allocate(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        """A new flat uint8 CPU tensor of exactly ``nbytes`` (>= 1)."""
+        ...
+
+    def free(self, key: int) -> None:
+        """The pool dropped the buffer whose ``data_ptr()`` is ``key``; its memory goes
+        once the last view of it is gone."""
+        ...
+
+
+class HostAllocator:
+    """Private host memory (pinned on request: host <-> device copies at full PCIe speed)."""
+
+    def allocate(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+    def free(self, key: int) -> None:
+        return None
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
 
 
 class BufferPool:
@@ -23,40 +63,117 @@ class BufferPool:
     Page-locked memory cannot be swapped or reclaimed, so a buffer larger than
     ``max_pinned_bytes`` is never pinned (a peer announcing a huge version gets,
     at most, pageable memory within the receiver's ``Limits``).
+    ``budget_bytes`` (None: unlimited) bounds the bytes of all live buffers.
     """
 
     def __init__(self, max_buffers: int = 2, *, pinned: bool | None = None,
-                 max_pinned_bytes: int | None = None) -> None:
+                 max_pinned_bytes: int | None = None, allocator: Allocator | None = None,
+                 budget_bytes: int | None = None,
+                 budget_name: str = "staging_budget_bytes") -> None:
         self._free: list[torch.Tensor] = []
         self._max = max_buffers
         self._pinned = torch.cuda.is_available() if pinned is None else pinned
         self.max_pinned_bytes = max_pinned_bytes
+        self._allocator: Allocator = allocator or HostAllocator()
+        self.budget_bytes = budget_bytes
+        self._budget_name = budget_name
+        self._out: dict[int, int] = {}  # data_ptr -> bytes, handed out and not given back
         self._lock = threading.Lock()
 
+    # -- accounting ------------------------------------------------------------------------
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of every live buffer of this pool: handed out, or kept for reuse."""
+        with self._lock:
+            return self._held_locked()
+
+    def _held_locked(self) -> int:
+        return sum(self._out.values()) + sum(b.numel() for b in self._free)
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether ``take(nbytes)`` fits the budget now (dropping idle buffers if needed).
+
+        Raises ``StagingBudgetError`` when ``nbytes`` alone exceeds the budget; returns
+        False when it fits only once handed-out buffers come back.
+        """
+        budget = self.budget_bytes
+        if budget is None:
+            return True
+        if nbytes > budget:
+            raise StagingBudgetError(
+                f"{nbytes} bytes ({_gib(nbytes)}) of staging needed, more than the budget "
+                f"of {budget} bytes ({_gib(budget)}; {self._budget_name})")
+        dropped: list[int] = []
+        with self._lock:
+            if self._best_free_locked(nbytes, self.will_pin(nbytes)) is not None:
+                return True
+            self._free.sort(key=lambda b: b.numel())
+            while self._free and self._held_locked() + nbytes > budget:
+                dropped.append(self._free.pop().data_ptr())  # the largest idle one first
+            fits = self._held_locked() + nbytes <= budget
+        for key in dropped:
+            self._allocator.free(key)
+        return fits
+
+    # -- take and give ---------------------------------------------------------------------
     def will_pin(self, nbytes: int, pinned: bool | None = None) -> bool:
         """Whether ``take(nbytes, pinned=pinned)`` returns page-locked memory."""
         pin = self._pinned if pinned is None else pinned
         return pin and (self.max_pinned_bytes is None or nbytes <= self.max_pinned_bytes)
 
+    def _best_free_locked(self, nbytes: int, pin: bool) -> int | None:
+        best = None
+        for index, buf in enumerate(self._free):
+            if buf.numel() >= nbytes and buf.is_pinned() == pin and (
+                    best is None or buf.numel() < self._free[best].numel()):
+                best = index
+        return best
+
     def take(self, nbytes: int, *, pinned: bool | None = None) -> torch.Tensor:
-        """A flat uint8 buffer of exactly ``nbytes`` (a view of a maybe larger one)."""
+        """A flat uint8 buffer of exactly ``nbytes`` (a view of a maybe larger one).
+
+        With a budget, raises ``StagingBudgetError`` instead of allocating past it
+        (call ``room_for`` first to tell waiting from never).
+        """
         pin = self.will_pin(nbytes, pinned)
         with self._lock:
-            best = None
-            for index, buf in enumerate(self._free):
-                if buf.numel() >= nbytes and buf.is_pinned() == pin and (
-                        best is None or buf.numel() < self._free[best].numel()):
-                    best = index
+            best = self._best_free_locked(nbytes, pin)
             if best is not None:
-                return self._free.pop(best)[:nbytes]
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pin)[:nbytes]
+                buf = self._free.pop(best)
+                self._out[buf.data_ptr()] = buf.numel()
+                return buf[:nbytes]
+            size = max(nbytes, 1)
+            if self.budget_bytes is not None and \
+                    self._held_locked() + size > self.budget_bytes:
+                raise StagingBudgetError(
+                    f"{size} bytes of staging needed but {self._held_locked()} of the "
+                    f"{self.budget_bytes}-byte budget are in use ({self._budget_name})")
+        buf = self._allocator.allocate(size, pinned=pin)
+        with self._lock:
+            self._out[buf.data_ptr()] = buf.numel()
+        return buf[:nbytes]
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer from ``take`` (its whole allocation is kept)."""
         base = buf if buf._base is None else buf._base
+        key = base.data_ptr()
         with self._lock:
-            if len(self._free) < self._max and not any(b is base for b in self._free):
+            self._out.pop(key, None)
+            if any(b is base for b in self._free):
+                return
+            keep = len(self._free) < self._max
+            if keep:
                 self._free.append(base)
+        if not keep:
+            self._allocator.free(key)
+
+    def forget(self, key: int) -> None:
+        """A handed-out buffer (``data_ptr()`` ``key``) will never come back: stop counting
+        it. Its memory is freed by whoever still holds views of it."""
+        with self._lock:
+            known = self._out.pop(key, None) is not None
+        if known:
+            self._allocator.free(key)
 
 
 def byte_view(buffer: torch.Tensor, nbytes: int | None = None) -> memoryview:

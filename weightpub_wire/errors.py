@@ -10,6 +10,7 @@
      ├── VersionUnavailable   the publisher no longer holds that version
      ├── ConfigError          a config file or option is invalid (names the key)
      ├── ApplyError           a staged version cannot be applied to the model
+     ├── StagingBudgetError   a version does not fit the host-memory budget for staging
      └── ClosedError          the object was used after ``close()``
 
 Lower-level errors (msgpack, zmq, torch) are re-raised as one of these with
@@ -24,6 +25,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "ProtocolError",
+    "StagingBudgetError",
     "TransportError",
     "VersionUnavailable",
     "WeightPubError",
@@ -61,6 +63,11 @@ class ConfigError(WeightPubError, ValueError):
 
 class ApplyError(WeightPubError):
     """A staged version does not fit the model; the message names the tensor."""
+
+
+class StagingBudgetError(WeightPubError):
+    """A version needs more staging memory than the budget allows; refused before
+    allocating (the live weights stay as they are)."""
 
 
 class ClosedError(WeightPubError):

@@ -97,6 +97,8 @@ MAX_CHUNKS = 10_000_000
 MAX_CHUNKS_PER_FETCH = 4096
 MAX_DELTA_CHAIN = 64
 MAX_CHUNKS_IN_FLIGHT = 1024  # a subscriber's credit, whatever its window (publishers rely on it)
+MAX_REPORTED_RANKS = 1024  # ranks of one replica on one node that one subscriber serves
+Rank = Annotated[int, Meta(ge=0, le=1 << 20)]
 
 
 def _physical_memory() -> int:
@@ -347,6 +349,9 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
     counts a report towards ``wait_for_subscribers`` only for its own instance
     and versions it announced. ``client_key`` is filled in by the publisher (the
     CURVE key the report arrived with), never trusted from the wire.
+    ``ranks``: the replica ranks this subscriber stages for (all ranks of a replica
+    on one node share one subscription); empty for a subscriber outside vLLM.
+    ``applied_version`` is then the version every one of those ranks runs.
     """
 
     subscriber_id: Name
@@ -355,6 +360,7 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
     last_error: ErrorText | None = None
     publisher_id: Name | None = None
     client_key: Annotated[str, Meta(max_length=64)] | None = None
+    ranks: Annotated[tuple[Rank, ...], Meta(max_length=MAX_REPORTED_RANKS)] = ()
 
 
 class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):

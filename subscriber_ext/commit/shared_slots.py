@@ -14,7 +14,8 @@ Each slot has one writer (the rank's ``CommitCoordinator`` under its lock); a
 sequence counter (odd while writing) lets the reader detect torn reads.
 ``intent`` is the version the engine is about to commit: a rank does not release
 it (see ``CommitCoordinator``). The file lives in ``/dev/shm`` and is unlinked by
-the engine as soon as its workers have mapped it, so nothing leaks on a crash.
+the engine as soon as its workers have mapped it; a table left behind by an
+engine killed before that is removed by the next engine's ``create``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import secrets
 import tempfile
 import threading
@@ -43,6 +45,7 @@ _MAGIC = 0x57505331  # "WPS1"
 _HDR = 4
 _SLOT = 3 + KEEP
 _fence_lock = threading.Lock()
+_TABLE_NAME = re.compile(r"^weightpub-(\d+)-[0-9a-f]{12}$")
 
 
 def fence() -> None:
@@ -86,6 +89,7 @@ class SlotTable:
     @classmethod
     def create(cls, nslots: int) -> SlotTable:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        reap_stale_tables(base)
         path = os.path.join(base, f"weightpub-{os.getpid()}-{secrets.token_hex(6)}")
         return cls(path, nslots, create=True)
 
@@ -114,6 +118,32 @@ class SlotTable:
     @intent.setter
     def intent(self, version: int) -> None:
         self.words[2] = version
+
+
+def reap_stale_tables(directory: str) -> list[str]:
+    """Unlink slot tables whose engine process is gone (killed before it unlinked its own)."""
+    reaped: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return reaped
+    for name in names:
+        match = _TABLE_NAME.match(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # its engine is alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # someone else's process, or not a pid
+        try:
+            os.unlink(os.path.join(directory, name))
+            reaped.append(name)
+        except OSError:
+            pass
+    return reaped
 
 
 class SlotWriter:

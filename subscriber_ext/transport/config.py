@@ -20,6 +20,8 @@ class SubscriberConfig(StrictConfig):
     max_chunk_retries: int = Field(5, ge=0, le=1000)
     # refuse manifests larger than this without allocating; default: this machine's memory
     max_version_gib: float | None = Field(None, gt=0)
+    # host memory for staged versions (all alive at once); None: half of what is available
+    staging_budget_bytes: int | None = Field(None, gt=0)
     curve_server_key_file: str | None = None  # the publisher's public key: turns on CurveZMQ
     curve_secret_key_file: str | None = None  # this client's key pair (allow-listing)
 
@@ -42,6 +44,8 @@ class SubscriberConfig(StrictConfig):
         }
         if self.max_version_gib is not None:
             kwargs["max_version_bytes"] = int(self.max_version_gib * (1 << 30))
+        if self.staging_budget_bytes is not None:
+            kwargs["staging_budget_bytes"] = self.staging_budget_bytes
         if self.curve_server_key_file is not None:
             kwargs["curve_server_key_file"] = self.curve_server_key_file
         if self.curve_secret_key_file is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,15 +21,31 @@ from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.protocol import Manifest
 
-__all__ = ["Assembly", "StagedVersion"]
+__all__ = ["Assembly", "SharedView", "StagedVersion", "tensor_views"]
+
+_RELEASED = torch.empty(0, dtype=torch.uint8)
 
 
-@dataclass(slots=True)
+def tensor_views(manifest: Manifest, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Every tensor of ``manifest`` as a zero-copy view into its flat ``buffer``."""
+    if buffer.numel() < manifest.total_bytes:
+        raise ValueError(f"buffer of {buffer.numel()} bytes is smaller than version "
+                         f"{manifest.version} ({manifest.total_bytes} bytes)")
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in manifest.tensors:
+        raw = buffer[entry.offset: entry.offset + entry.nbytes]
+        tensors[entry.name] = raw.view(dtype_from_name(entry.dtype)).view(entry.shape)
+    return tensors
+
+
+@dataclass(slots=True, weakref_slot=True)
 class StagedVersion:
     """A complete, verified version. ``tensors`` are views into one host buffer.
 
     Call ``release()`` once the tensors are applied or copied: the buffer is
     then reused for a later version, so the views must not be used after it.
+    A version dropped without ``release()`` stops counting against the staging
+    budget when it is garbage-collected (its buffer is then never reused).
     """
 
     manifest: Manifest
@@ -40,6 +57,7 @@ class StagedVersion:
     _released: bool = field(default=False, repr=False)
     _holds: int = field(default=1, repr=False)  # release() plus each retain()
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _finalizer: weakref.finalize | None = field(default=None, repr=False)
 
     @property
     def version(self) -> int:
@@ -81,8 +99,13 @@ class StagedVersion:
         with self._lock:
             self._holds -= 1
             last = self._holds == 0
-        if last and self._pool is not None:
-            self._pool.give(self.buffer)
+        if not last:
+            return
+        buffer, self.buffer = self.buffer, _RELEASED  # kept alive by nobody but the pool
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._pool is not None:
+            self._pool.give(buffer)
 
 
 class Assembly:
@@ -124,11 +147,40 @@ class Assembly:
 
     def finish(self) -> StagedVersion:
         self.view.release()
-        tensors: dict[str, torch.Tensor] = {}
-        for entry in self.manifest.tensors:
-            dtype = dtype_from_name(entry.dtype)
-            raw = self.buffer[entry.offset: entry.offset + entry.nbytes]
-            tensors[entry.name] = raw.view(dtype).view(entry.shape)
-        return StagedVersion(manifest=self.manifest, buffer=self.buffer, tensors=tensors,
-                             received_at=time.time(),
-                             fetch_seconds=time.monotonic() - self.started, _pool=self.pool)
+        tensors = tensor_views(self.manifest, self.buffer)
+        staged = StagedVersion(manifest=self.manifest, buffer=self.buffer, tensors=tensors,
+                               received_at=time.time(),
+                               fetch_seconds=time.monotonic() - self.started, _pool=self.pool)
+        staged._finalizer = weakref.finalize(staged, self.pool.forget, self.buffer.data_ptr())
+        return staged
+
+
+class SharedView:
+    """One local rank's hold on a version staged once per node (``node_staging.py``).
+
+    Same surface as ``StagedVersion`` for a consumer (``version``, ``publisher_id``,
+    ``tensors``, ``total_bytes``, ``release``); the buffer behind ``tensors`` is
+    shared with the node's other ranks and reused only after every rank released it.
+    """
+
+    __slots__ = ("_on_release", "fetch_seconds", "publisher_id", "tensors", "total_bytes",
+                 "version")
+
+    def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor],
+                 on_release: Callable[[], None], fetch_seconds: float | None = None) -> None:
+        self.version = manifest.version
+        self.fetch_seconds = fetch_seconds  # how long the node took to receive it
+        self.publisher_id = manifest.publisher_id
+        self.total_bytes = manifest.total_bytes
+        self.tensors = tensors
+        self._on_release: Callable[[], None] | None = on_release
+
+    def items(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.tensors.items())
+
+    def release(self) -> None:
+        """Drop this rank's views and tell the owner; idempotent."""
+        on_release, self._on_release = self._on_release, None
+        self.tensors = {}
+        if on_release is not None:
+            on_release()

@@ -21,9 +21,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from subscriber_ext.transport.memory import derive_staging_budget
 from subscriber_ext.transport.staging import StagedVersion
 from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
 from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import Allocator, BufferPool
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import (
     ApplyError,
@@ -37,6 +39,8 @@ from weightpub_wire.security import curve_client_hook, is_local
 __all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("weightpub.subscriber")
+_CONSTRUCTOR_KEYWORDS = ("on_version", "subscriber_id", "curve_server_key_file",
+                         "curve_secret_key_file", "socket_hooks", "context", "allocator")
 
 
 class WeightSubscriber:
@@ -47,6 +51,13 @@ class WeightSubscriber:
     ``SyncOptions`` fields (``window_bytes``, ``request_timeout``, ...), plus
     ``max_version_bytes`` (refuse larger manifests before allocating).
     ``curve_server_key_file`` (the publisher's public key) turns on CurveZMQ.
+
+    ``staging_budget_bytes`` bounds the host memory of all staged versions alive
+    at once (default: half of the memory available at start, see
+    ``transport/memory.py``); a version that can never fit is refused before
+    anything is allocated, one that fits once you ``release()`` what you hold
+    waits. ``allocator`` chooses where staging buffers live (default: private
+    host memory; node staging passes shared memory).
     """
 
     def __init__(
@@ -60,19 +71,11 @@ class WeightSubscriber:
         curve_secret_key_file: str | None = None,
         socket_hooks: list[Callable[..., None]] | None = None,
         context: zmq.Context | None = None,
+        staging_budget_bytes: int | None = None,
+        allocator: Allocator | None = None,
         **option_overrides: Any,
     ) -> None:
-        parse_endpoint(endpoint)
-        base = options or SyncOptions()
-        max_bytes = option_overrides.pop("max_version_bytes", None)
-        if max_bytes is not None:
-            limits = option_overrides.get("limits", base.limits)
-            option_overrides["limits"] = dataclasses.replace(limits,
-                                                             max_total_bytes=int(max_bytes))
-        unknown = set(option_overrides) - set(SyncOptions.__slots__)
-        if unknown:
-            raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
-                              f"(known: {sorted(SyncOptions.__slots__)}, max_version_bytes)")
+        base = self.check_options(endpoint, options, staging_budget_bytes, **option_overrides)
         hooks = list(socket_hooks or [])
         if curve_server_key_file is not None:
             hooks.append(curve_client_hook(curve_server_key_file, curve_secret_key_file))
@@ -83,9 +86,6 @@ class WeightSubscriber:
         elif not is_local(parse_endpoint(endpoint)):
             log.warning("subscribing to %s without CURVE: the weights travel in plaintext "
                         "(checksums catch corruption, not a forger)", endpoint)
-        if option_overrides:
-            base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
-                                  **option_overrides})
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id or f"{socket.gethostname()}-{os.getpid()}-" \
                                               f"{uuid.uuid4().hex[:6]}"
@@ -102,13 +102,46 @@ class WeightSubscriber:
         self._closed = False
         self._wake_address = f"inproc://weightpub-sub-wake-{uuid.uuid4().hex}"
         self._commands: list[Callable[[SyncClient], None]] = []
+        budget = derive_staging_budget() if staging_budget_bytes is None else staging_budget_bytes
+        pool = BufferPool(max_buffers=2, allocator=allocator, budget_bytes=budget,
+                          pinned=None if allocator is None else False,
+                          max_pinned_bytes=base.limits.max_pinned_bytes)
         self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
-                                  self._deliver, hooks)
+                                  self._deliver, hooks, pool)
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
         self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",
                                         daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def check_options(endpoint: str, options: SyncOptions | None = None,
+                      staging_budget_bytes: int | None = None,
+                      **option_overrides: Any) -> SyncOptions:
+        """Validate the constructor's arguments without starting anything (``ConfigError``)."""
+        parse_endpoint(endpoint)
+        for keyword in _CONSTRUCTOR_KEYWORDS:  # checked where they are used
+            option_overrides.pop(keyword, None)
+        if staging_budget_bytes is not None and (
+                isinstance(staging_budget_bytes, bool) or not isinstance(staging_budget_bytes, int)
+                or staging_budget_bytes <= 0):
+            raise ConfigError(f"staging_budget_bytes: {staging_budget_bytes!r} is not a "
+                              "positive number of bytes")
+        base = options or SyncOptions()
+        max_bytes = option_overrides.pop("max_version_bytes", None)
+        if max_bytes is not None:
+            limits = option_overrides.get("limits", base.limits)
+            option_overrides["limits"] = dataclasses.replace(limits,
+                                                             max_total_bytes=int(max_bytes))
+        unknown = set(option_overrides) - set(SyncOptions.__slots__)
+        if unknown:
+            raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
+                              f"(known: {sorted(SyncOptions.__slots__)}, max_version_bytes, "
+                              "staging_budget_bytes)")
+        if option_overrides:
+            base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
+                                  **option_overrides})
+        return base
 
     # -- public API ----------------------------------------------------------------------------
     def latest(self) -> StagedVersion | None:
@@ -166,6 +199,10 @@ class WeightSubscriber:
         problem = ApplyError(error) if isinstance(error, str) else error
         self._call(lambda client: client.mark_applied(version, problem))
 
+    def set_ranks(self, ranks: tuple[int, ...]) -> None:
+        """The replica ranks this subscription stages for (in the report to the publisher)."""
+        self._call(lambda client: client.set_ranks(tuple(ranks)))
+
     def status(self) -> dict[str, Any]:
         client = self._client
         target = client.target
@@ -187,6 +224,12 @@ class WeightSubscriber:
             "publisher_id": client.instance,
             "last_error": client.last_error,
             **client.deltas.stats(),  # bytes received full vs delta, the delta base
+            "refused": None if client.gate.refused is None else
+            f"StagingBudgetError: {client.gate.refused}",
+            "waiting_for_memory": None if client.gate.waiting is None else
+            client.gate.waiting.version,
+            "staging_budget_bytes": client.pool.budget_bytes,
+            "staging_bytes": client.pool.held_bytes,
         }
 
     def close(self) -> None:

@@ -18,6 +18,10 @@ makes the client ask that ROUTER for its latest version, and it switches when
 the reply names the new instance (a restarted publisher). Manifests it ignores
 are counted and named in ``last_error``. A CURVE refusal is read off a socket
 monitor and reported as a ``TransportError`` naming the cause.
+
+Before a version's buffer is allocated, the staging budget decides
+(``budget_gate.py``): start, wait for held buffers to come back, or refuse
+(``StagingBudgetError`` in ``last_error`` and the report).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
 from subscriber_ext.transport.staging import Assembly, StagedVersion
 from weightpub_wire import protocol as wire
@@ -74,12 +79,15 @@ class SyncClient:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, subscriber_id: str, options: SyncOptions,
                  on_complete: Callable[[StagedVersion], None],
-                 socket_hooks: list[Callable[..., None]] | None = None) -> None:
+                 socket_hooks: list[Callable[..., None]] | None = None,
+                 pool: BufferPool | None = None) -> None:
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id
         self.options = options
         self.on_complete = on_complete
-        self.pool = BufferPool(max_buffers=2, max_pinned_bytes=options.limits.max_pinned_bytes)
+        self.pool = pool or BufferPool(max_buffers=2,
+                                       max_pinned_bytes=options.limits.max_pinned_bytes)
+        self.ranks: tuple[int, ...] = ()  # replica ranks served (reported to the publisher)
         self.state = "INITIAL"
         self.instance: str | None = None  # the publisher_id followed (confirmed by the ROUTER)
         self.current_version = 0
@@ -95,6 +103,7 @@ class SyncClient:
         self.warn = RateLimitedLog(log)
         self.target: Assembly | None = None
         self.deltas = DeltaState()  # the base held for deltas, bytes by path
+        self.gate = BudgetGate(self.pool, self.deltas)  # the staging budget
         self.queued: wire.Manifest | None = None
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
@@ -171,6 +180,9 @@ class SyncClient:
                 self._request_latest(now)
         self._expire_requests(now)
         self._top_up(now)
+        waiting = self.gate.take_waiting() if self.target is None else None
+        if waiting is not None:
+            self.consider(waiting)  # a released buffer may have made room
         if now >= self._next_report or self._report_dirty:
             self._send_report(now)
         self.warn.tick()
@@ -194,10 +206,15 @@ class SyncClient:
         report = wire.Report(subscriber_id=self.subscriber_id,
                              staged_version=self.current_version,
                              applied_version=self.applied_version, last_error=self.last_error,
-                             publisher_id=self.instance)
+                             publisher_id=self.instance,
+                             ranks=self.ranks[: wire.MAX_REPORTED_RANKS])
         if self._send(report):
             self._report_dirty = False
             self._next_report = now + self.options.report_interval
+
+    def set_ranks(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = tuple(sorted(ranks))
+        self._report_dirty = True
 
     def mark_applied(self, version: int, error: WeightPubError | None = None) -> None:
         """``version`` 0 leaves the applied version as it is (e.g. to report an error)."""
@@ -294,8 +311,11 @@ class SyncClient:
                 return
             self._follow(manifest.publisher_id)
         self.latest_seen = max(self.latest_seen, manifest.version)
-        if manifest.version <= self.current_version:
+        if manifest.version <= max(self.current_version,
+                                   self.gate.waiting.version if self.gate.waiting else 0):
             return
+        if self.gate.is_refused(manifest):
+            return  # does not fit the budget; it never will
         backoff = self._failed.get((manifest.publisher_id, manifest.version))
         if backoff is not None and time.monotonic() < backoff[1]:
             return  # failed recently; a newer version or the back-off expiring retries it
@@ -312,6 +332,11 @@ class SyncClient:
         self._start(manifest)
 
     def _start(self, manifest: wire.Manifest) -> None:
+        if not self.gate.admit(manifest):
+            if self.gate.is_refused(manifest):  # never fits: say so; the live weights stay
+                self.error = self.gate.refused
+                self._report_dirty = True
+            return
         target = self.deltas.assembly_for(manifest, self.pool) or Assembly(manifest, self.pool)
         self.target = target
         self._requests.clear()
@@ -336,6 +361,9 @@ class SyncClient:
         self._retries.clear()
         self.deltas.completed(target, staged)
         self.current_version = staged.version
+        refused = self.gate.staged()  # a newer version fits: the refusal is history
+        if refused is not None and self.error is refused:
+            self.error = None
         self._report_dirty = True
         self.on_complete(staged)
         queued, self.queued = self.queued, None
@@ -372,6 +400,7 @@ class SyncClient:
         self.instance = publisher_id
         self.current_version = 0
         self.latest_seen = 0
+        self.gate.take_waiting()  # a version of the old instance no longer waits
         self.applied_version = 0  # an applied version of the old instance means nothing here
         self._report_dirty = True
 
@@ -393,8 +422,9 @@ class SyncClient:
         self._last_heard = time.monotonic()
         self._ttl = max(3.0, 3 * beat.interval)
         self.latest_seen = max(self.latest_seen, beat.latest_version)
-        behind = beat.latest_version > max(self.current_version,
-                                           self.target.manifest.version if self.target else 0)
+        behind = beat.latest_version > max(
+            self.current_version, self.target.manifest.version if self.target else 0,
+            self.gate.held_back(self.instance))
         if behind and time.monotonic() - self._latest_sent > 0.5:
             self._request_latest(time.monotonic())  # we missed a manifest: repair
 

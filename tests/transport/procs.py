@@ -4,7 +4,7 @@ Weights are derived from ``(seed, version, name)`` by a cheap integer hash, so
 any process can recompute the exact bytes a publisher sent. Children speak JSON
 lines: commands on stdin, events on stdout (logging goes to stderr, a file).
 
-Run as ``python -m tests.transport.procs publisher|subscriber '<json args>'``.
+Run as ``python -m tests.transport.procs publisher|subscriber|node_rank '<json args>'``.
 """
 
 from __future__ import annotations
@@ -407,6 +407,11 @@ def main() -> None:
     torch.set_num_threads(1)
     role, raw = sys.argv[1], sys.argv[2]
     args = json.loads(raw)
+    if role == "node_rank":
+        from tests.transport.node_procs import run_node_rank
+
+        run_node_rank(args)
+        return
     {"publisher": run_publisher, "subscriber": run_subscriber}[role](args)
 
 

@@ -32,6 +32,7 @@ PUBLISHER_ALL = [
     "PublisherConfig",
     "Report",
     "ServerLimits",
+    "StagingBudgetError",
     "TensorEntry",
     "TransportError",
     "VersionUnavailable",
@@ -46,8 +47,8 @@ SUBSCRIBER_ALL = ["WORKER_EXTENSION", "BatchWeightSyncWorkerExtension", "StagedV
                   "keep_fresh", "request_version_range", "version_range", "wait_until_applied"]
 
 WIRE_ALL = ["PROTOCOL_VERSION", "ApplyError", "ChecksumError", "ClosedError", "ConfigError",
-            "Manifest", "ProtocolError", "Report", "TensorEntry", "TransportError",
-            "VersionUnavailable", "WeightPubError", "WeightPubTimeout"]
+            "Manifest", "ProtocolError", "Report", "StagingBudgetError", "TensorEntry",
+            "TransportError", "VersionUnavailable", "WeightPubError", "WeightPubTimeout"]
 LAZY = {"BatchWeightSyncWorkerExtension"}  # resolved by module __getattr__, pulls in vLLM
 PUBLISHER_LAZY = {"PublishCallback"}  # resolved by module __getattr__, pulls in transformers
 

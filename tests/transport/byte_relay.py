@@ -1,0 +1,101 @@
+"""A byte-counting TCP relay: measures what a publisher serves from outside both ends.
+
+Put it in front of a publisher's ROUTER port and point subscribers at the relay:
+every byte the publisher sends down (chunks, replies) is counted per accepted
+connection. Manifests and heartbeats travel on the PUB socket, which
+subscribers reach directly, so the count is the data path (plus small replies).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass, field
+
+__all__ = ["ByteRelay"]
+
+
+@dataclass
+class _Link:
+    down: int = 0  # publisher -> subscriber
+    up: int = 0
+    sockets: list[socket.socket] = field(default_factory=list)
+
+
+class ByteRelay:
+    """``tcp://127.0.0.1:<port>`` forwarding to ``upstream`` ("host", port)."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.links: list[_Link] = []
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def in_front_of(cls, endpoint: str) -> ByteRelay:
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        return cls((host, int(port)))
+
+    @property
+    def bytes_down(self) -> int:
+        with self._lock:
+            return sum(link.down for link in self.links)
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self.links)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            try:
+                server = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            link = _Link(sockets=[client, server])
+            with self._lock:
+                self.links.append(link)
+            for src, dst, down in ((server, client, True), (client, server, False)):
+                threading.Thread(target=self._pump, args=(src, dst, link, down),
+                                 daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, link: _Link, down: bool) -> None:
+        src.settimeout(None)
+        try:
+            while True:
+                data = src.recv(1 << 20)
+                if not data:
+                    break
+                with self._lock:  # counted before forwarding: never behind what arrived
+                    if down:
+                        link.down += len(data)
+                    else:
+                        link.up += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in link.sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(timeout=2)
+        self._listener.close()
+        with self._lock:
+            for link in self.links:
+                for sock in link.sockets:
+                    sock.close()
