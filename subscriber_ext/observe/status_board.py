@@ -7,7 +7,9 @@ snapshot of its state into one directory (in ``/dev/shm``), atomically
 (write, then rename); the front end reads the directory when scraped. The
 directory is created by the first process of a replica (the front end) and
 named in ``WEIGHTPUB_STATUS_DIR``, which the engine core and workers inherit.
-Files are bounded (``MAX_FILE_BYTES``) and removed with the directory at exit.
+Files are bounded (``MAX_FILE_BYTES``) and removed with the directory at exit;
+a directory left by a front end that was killed (no exit handler ran) carries its
+pid in the name and is removed by the next replica's ``create``.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENV", "MAX_FILE_BYTES", "STALE_AFTER_S", "StatusBoard"]
+__all__ = ["ENV", "MAX_FILE_BYTES", "STALE_AFTER_S", "StatusBoard", "reap_orphaned_boards"]
 
 ENV = "WEIGHTPUB_STATUS_DIR"
+_PREFIX = "weightpub-status-"
+_NAME = re.compile(rf"^{_PREFIX}(\d+)-")
 MAX_FILE_BYTES = 64 << 10
 #: a rank that has not written for this long is gone (writers refresh every second)
 STALE_AFTER_S = 30.0
@@ -38,8 +43,9 @@ class StatusBoard:
     @classmethod
     def create(cls) -> StatusBoard:
         """A fresh directory, removed at exit, exported to child processes."""
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        board = cls(tempfile.mkdtemp(prefix="weightpub-status-", dir=base))
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        reap_orphaned_boards(base)
+        board = cls(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=base))
         atexit.register(shutil.rmtree, board.path, True)
         os.environ[ENV] = str(board.path)
         return board
@@ -81,3 +87,22 @@ class StatusBoard:
             if isinstance(state, dict):
                 out[rank] = state
         return out
+
+
+def reap_orphaned_boards(directory: str) -> None:
+    """Remove status directories whose front-end process is gone (it was killed)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        match = _NAME.match(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # its front end is alive
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        except (PermissionError, OverflowError):
+            continue

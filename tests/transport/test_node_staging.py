@@ -129,11 +129,13 @@ def test_killed_ranks_pin_nothing_and_leave_nothing_mapped(
     assert our_shm_files() == shm_before  # nothing of ours in /dev/shm either
 
 
-def test_slot_tables_of_killed_engines_are_reaped_at_the_next_start(tmp_path: Path) -> None:
-    """The only named file weightpub puts in /dev/shm is the engine's slot table, unlinked
-    once its workers mapped it; one left by an engine killed before that is removed by
-    the next engine's ``SlotTable.create``."""
+def test_shm_entries_of_killed_engines_are_reaped_at_the_next_start(tmp_path: Path) -> None:
+    """weightpub's named /dev/shm entries: the engine's slot table (unlinked once its workers
+    mapped it) and the front end's status directory (removed at exit). One left by a
+    process killed before that is removed by the next engine's ``SlotTable.create`` /
+    the next front end's ``StatusBoard.create``; staging itself has no name (memfd)."""
     from subscriber_ext.commit.shared_slots import reap_stale_tables
+    from subscriber_ext.observe.status_board import reap_orphaned_boards
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)
@@ -142,5 +144,12 @@ def test_slot_tables_of_killed_engines_are_reaped_at_the_next_start(tmp_path: Pa
     other = tmp_path / "vllm_dist_something"
     for path in (stale, live, other):
         path.write_bytes(b"x")
+    stale_board = tmp_path / f"weightpub-status-{dead.pid}-k3j2h1"
+    live_board = tmp_path / f"weightpub-status-{os.getpid()}-k3j2h1"
+    for board in (stale_board, live_board):
+        board.mkdir()
+        (board / "rank0.json").write_text("{}")
     assert reap_stale_tables(str(tmp_path)) == [stale.name]
+    reap_orphaned_boards(str(tmp_path))
     assert not stale.exists() and live.exists() and other.exists()
+    assert not stale_board.exists() and live_board.exists()
