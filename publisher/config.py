@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from weightpub_wire.config_file import StrictConfig, check_endpoint, load_yaml_as
 
@@ -27,8 +27,22 @@ class PublisherConfig(StrictConfig):
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0: any)
     metrics_host: str = "127.0.0.1"
     insecure: bool = False  # allow a non-loopback bind without CURVE (trusted networks only)
+    # also send every version by a group broadcast to the subscribers that ask (None: off)
+    collective: Literal["gloo", "nccl", "cuda_ipc"] | None = None
+    collective_bucket_mib: int = Field(64, ge=1, le=1024)  # a multiple of chunk_mib
+    collective_timeout: float = Field(30.0, gt=1.0, le=3600)  # any rendezvous or collective
+    collective_port: int = Field(0, ge=0, le=65535)  # the rendezvous (0: any free port)
+    collective_host: str | None = None  # where members reach us (default: endpoint's host)
+    collective_device: str | None = None  # nccl / cuda_ipc: e.g. "cuda:0"
 
     _endpoint = field_validator("endpoint")(check_endpoint)
+
+    @model_validator(mode="after")
+    def _buckets_are_whole_chunks(self) -> PublisherConfig:
+        if self.collective_bucket_mib % self.chunk_mib:
+            raise ValueError(f"collective_bucket_mib {self.collective_bucket_mib} is not a "
+                             f"multiple of chunk_mib {self.chunk_mib}")
+        return self
 
     def publisher_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``WeightPublisher`` (besides the endpoint)."""
@@ -44,6 +58,12 @@ class PublisherConfig(StrictConfig):
             "metrics_port": self.metrics_port,
             "metrics_host": self.metrics_host,
             "insecure": self.insecure,
+            "collective": self.collective,
+            "collective_bucket_bytes": self.collective_bucket_mib << 20,
+            "collective_timeout": self.collective_timeout,
+            "collective_port": self.collective_port,
+            "collective_host": self.collective_host,
+            "collective_device": self.collective_device,
         }
 
 

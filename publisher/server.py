@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from publisher.collective import CollectivePublisher
 from publisher.connections import ConnectionGuard, GuardLimits
 from publisher.delta import DeltaPublisher
 from publisher.delta_server import DeltaServing
@@ -39,7 +40,8 @@ __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerO
            "ServingThread"]
 
 log = logging.getLogger("weightpub.publisher")
-_REQUESTS = (wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report)
+_REQUESTS = (wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report,
+             wire.CollectivePoll)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +72,10 @@ class ServingThread(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, store: VersionStore, options: ServerOptions,
                  *, publisher_id: str, started_at: float,
-                 configure: list | None = None, deltas: DeltaPublisher | None = None) -> None:
+                 configure: list | None = None, deltas: DeltaPublisher | None = None,
+                 collective: CollectivePublisher | None = None) -> None:
         super().__init__(name="weightpub-server", daemon=True)
+        self.collective = collective  # answers polls; its own thread does the rest
         self.ctx = ctx
         self.store = store
         self.options = options
@@ -279,17 +283,27 @@ class ServingThread(threading.Thread):
                 pub_endpoint=self.pub_endpoint,
                 heartbeat_interval=self.options.heartbeat_interval,
                 manifest=None if latest is None else latest.manifest,
+                collective=None if self.collective is None else self.collective.announce(),
             )
             peers.reply(peer, wire.encode(reply))
         elif isinstance(request, wire.StatusRequest):
             peers.reply(peer, wire.encode(self._status(request.req)))
+        elif isinstance(request, wire.CollectivePoll):
+            peers.reply(peer, wire.encode(self._collective_reply(request, frame, client_key)))
         elif isinstance(request, wire.Report):
-            address = _property(frame, "Peer-Address")
-            client = client_key or f"addr:{address or 'local'}"
+            client = _client(frame, client_key)
             refused = self.reports.record(request, client, time.time(), client_key)
             if refused is not None:
                 self.refused_reports += 1
                 self._warn.warning("report", f"refused a report from {client[:48]}: {refused}")
+
+    def _collective_reply(self, poll: wire.CollectivePoll, frame: zmq.Frame,
+                          client_key: str | None) -> wire.CollectiveReply:
+        if self.collective is None:
+            return wire.CollectiveReply(req=poll.req, publisher_id=self.publisher_id,
+                                        started_at=self.started_at, state="off",
+                                        reason="this publisher serves no collective path")
+        return self.collective.on_poll(_client(frame, client_key), poll)
 
     def _status(self, req: int) -> wire.StatusReply:
         latest = self.store.latest()
@@ -298,6 +312,7 @@ class ServingThread(threading.Thread):
             latest_version=0 if latest is None else latest.manifest.version,
             versions=self.store.versions(), subscribers=self.reports.for_status(time.time()),
             bytes_sent_full=self.served_bytes, bytes_sent_delta=self.delta_serving.bytes_sent,
+            collective=None if self.collective is None else self.collective.status(),
         )
 
     def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:
@@ -322,6 +337,12 @@ class ServingThread(threading.Thread):
             peers.reply(peer, wire.encode(error))
             return
         peers.fetch(peer, request.req, version, request.chunks, time.monotonic())
+
+
+def _client(frame: zmq.Frame, client_key: str | None) -> str:
+    """Who sent a request: its CURVE key, or its address without CURVE (rows are filed
+    under it, so a stranger cannot overwrite another client's rows)."""
+    return client_key or f"addr:{_property(frame, 'Peer-Address') or 'local'}"
 
 
 def _property(frame: zmq.Frame, name: str | int) -> object:

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 import zmq
 
+from publisher.collective import CollectiveOptions, CollectivePublisher
 from publisher.config import PublisherConfig, load_publisher_config
 from publisher.delta import DeltaPublisher
 from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
@@ -44,9 +45,10 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList, start_authenticator
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.checksums import pieces_checksum
+from weightpub_wire.collective import GroupStatus
 from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
-from weightpub_wire.security import check_bind_allowed, curve_server_hook
+from weightpub_wire.security import check_bind_allowed, curve_server_hook, is_local
 
 __all__ = ["WeightPublisher"]
 
@@ -69,6 +71,14 @@ class WeightPublisher:
     (re-read while running: removing a key file revokes it). Binding a non-loopback
     address without CURVE raises ``ConfigError`` unless ``insecure=True``.
     ``limits`` overrides the serving thread's bounds (``ServerLimits``).
+
+    ``collective`` (``"gloo"`` on CPUs, ``"nccl"`` on GPUs, ``"cuda_ipc"`` for a replica
+    on this process's GPU, or None) also serves every version by a collective broadcast
+    in packed buckets of ``collective_bucket_bytes`` to the subscribers that ask to join
+    (``publisher.collective``); manifests announce it, ZeroMQ frames stay the fallback.
+    Its rendezvous binds ``collective_host`` (default: the endpoint's host) on
+    ``collective_port`` (0: any free port); ``collective_timeout`` bounds every
+    rendezvous and collective wait; ``collective_device`` is the GPU (nccl, cuda_ipc).
     """
 
     def __init__(
@@ -89,6 +99,12 @@ class WeightPublisher:
         context: zmq.Context | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        collective: str | None = None,
+        collective_bucket_bytes: int = 64 << 20,
+        collective_timeout: float = 30.0,
+        collective_port: int = 0,
+        collective_host: str | None = None,
+        collective_device: str | None = None,
     ) -> None:
         router = parse_endpoint(endpoint)
         curve = curve_secret_key_file is not None
@@ -116,6 +132,19 @@ class WeightPublisher:
             hooks.append(curve_server_hook(curve_secret_key_file))  # validates before any socket
             if curve_allowed_clients_dir is not None:
                 allow_list = AllowList(curve_allowed_clients_dir)
+        self._collective: CollectivePublisher | None = None
+        if collective is not None:
+            host = collective_host or (router.host if router.scheme == "tcp" else "127.0.0.1")
+            self._collective = CollectivePublisher(
+                CollectiveOptions(backend=collective, host="0.0.0.0" if host == "*" else host,
+                                  port=collective_port, bucket_bytes=collective_bucket_bytes,
+                                  timeout=collective_timeout, device=collective_device),
+                publisher_id=self.publisher_id, started_at=self.started_at,
+                chunk_size=chunk_size)
+            if not is_local(router) or collective_host is not None:
+                log.warning("collective path %s: gloo/NCCL traffic and its rendezvous are "
+                            "neither encrypted nor authenticated (only join requests pass "
+                            "CURVE); use it on a trusted fabric", collective)
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
@@ -127,12 +156,14 @@ class WeightPublisher:
                           heartbeat_interval=heartbeat_interval,
                           limits=limits or ServerLimits(), curve=curve, allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
-            configure=hooks, deltas=self._deltas,
+            configure=hooks, deltas=self._deltas, collective=self._collective,
         )
         try:
             self._server.start_and_wait()
         except BaseException:
             self._deltas.close()
+            if self._collective is not None:
+                self._collective.close()
             if self._authenticator is not None:
                 self._authenticator.stop()
             if self._own_context:
@@ -258,7 +289,13 @@ class WeightPublisher:
             "delta_encode_cpu_seconds": round(self._deltas.cpu_seconds, 4),
             "deltas_held": held[0],
             "delta_bytes_held": held[1],
+            "bytes_sent_collective": 0 if self._collective is None
+            else self._collective.bytes_sent,
         }
+
+    def collective_status(self) -> GroupStatus | None:
+        """The collective path's group (backend, epoch, members, rounds), or None."""
+        return None if self._collective is None else self._collective.status()
 
     def fleet(self) -> list[wire.Report]:
         """The last report of each subscriber seen recently (staged/applied version, error).
@@ -307,6 +344,8 @@ class WeightPublisher:
         self._preparer.join(timeout=10)
         self._hash_executor.shutdown(wait=True)
         self._deltas.close()
+        if self._collective is not None:
+            self._collective.close()  # bounded by collective_timeout
         self._server.send_command(b"close")
         self._server.join(timeout=10)
         self._store.clear()
@@ -352,12 +391,15 @@ class WeightPublisher:
             created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
             checksums=checksums, delta=delta,
+            collective=None if self._collective is None else self._collective.announce(),
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)
         self._store.add(published)
         self._deltas.start(published, previous)  # in the background, after the announcement
         self._server.send_command(b"announce")
+        if self._collective is not None:
+            self._collective.announced(published)  # its own thread broadcasts it
         with self._announced:
             self._announced_version = number
             self._versions_published += 1

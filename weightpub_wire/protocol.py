@@ -6,9 +6,13 @@ message type) and ``"p"`` (the protocol version). Bulk data is raw bytes.
 Sockets and frames::
 
     PUB    -> SUB     [ {t: "manifest" | "heartbeat"} ]
-    DEALER -> ROUTER  [ {t: "latest" | "fetch" | "status" | "report"} ]
-    ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error"} ]
+    DEALER -> ROUTER  [ {t: "latest" | "fetch" | "status" | "report" | "coll_poll"} ]
+    ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error" | "coll_rep"} ]
                     | [ {t: "chunk", req, version, chunk, size}, <size raw bytes> ]
+
+A publisher with a collective data path announces it in manifests and ``latest``
+replies (``collective``); ``coll_poll`` / ``coll_rep`` are how a subscriber asks to
+join its group and learns its rank (``weightpub_wire.collective``).
 
 A fetch that names a ``base`` gets each chunk as a delta payload instead
 (``weightpub_wire.delta_codec``); manifests of such versions carry ``delta``.
@@ -39,6 +43,14 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 from msgspec import Meta
 
+from weightpub_wire.collective import (
+    BACKENDS,
+    DATA_PATHS,
+    MAX_MEMBERS,
+    CollectiveAnnounce,
+    GroupStatus,
+    IpcHandle,
+)
 from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
 from weightpub_wire.errors import ProtocolError
 
@@ -52,11 +64,16 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TENSOR_ALIGN",
     "ChunkHeader",
+    "CollectiveAnnounce",
+    "CollectivePoll",
+    "CollectiveReply",
     "DeltaBase",
     "DeltaInfo",
     "ErrorReply",
     "FetchRequest",
+    "GroupStatus",
     "Heartbeat",
+    "IpcHandle",
     "LatestReply",
     "LatestRequest",
     "Limits",
@@ -99,6 +116,7 @@ MAX_DELTA_CHAIN = 64
 MAX_CHUNKS_IN_FLIGHT = 1024  # a subscriber's credit, whatever its window (publishers rely on it)
 MAX_REPORTED_RANKS = 1024  # ranks of one replica on one node that one subscriber serves
 Rank = Annotated[int, Meta(ge=0, le=1 << 20)]
+DataPath = Annotated[str, Meta(max_length=16)]
 
 
 def _physical_memory() -> int:
@@ -220,9 +238,13 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     checksums: Annotated[tuple[U64, ...], Meta(max_length=MAX_CHUNKS)]
     checksum_algorithm: Annotated[str, Meta(max_length=32)] = CHECKSUM_ALGORITHM
     delta: DeltaInfo | None = None
+    collective: CollectiveAnnounce | None = None  # also served by a group broadcast
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
+        if self.collective is not None and self.collective.bucket_bytes % self.chunk_size:
+            raise ValueError(f"collective.bucket_bytes: {self.collective.bucket_bytes} is not "
+                             f"a multiple of chunk_size {self.chunk_size}")
         if self.delta is not None and self.delta.chain[-1].version >= self.version:
             raise ValueError(f"delta: base version {self.delta.chain[-1].version} is not older "
                              f"than version {self.version}")
@@ -299,6 +321,7 @@ class LatestReply(_FromPublisher, tag="latest_rep", kw_only=True, frozen=True):
     pub_endpoint: Text
     heartbeat_interval: Interval
     manifest: Manifest | None = None
+    collective: CollectiveAnnounce | None = None
 
 
 class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
@@ -361,6 +384,12 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
     publisher_id: Name | None = None
     client_key: Annotated[str, Meta(max_length=64)] | None = None
     ranks: Annotated[tuple[Rank, ...], Meta(max_length=MAX_REPORTED_RANKS)] = ()
+    data_path: DataPath = ""  # how the applied version's bytes reached the node
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.data_path not in ("", *DATA_PATHS):
+            raise ValueError(f"data_path: unknown data path {self.data_path!r}")
 
 
 class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):
@@ -377,15 +406,71 @@ class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     subscribers: Annotated[tuple[Report, ...], Meta(max_length=100_000)]
     bytes_sent_full: U64 = 0
     bytes_sent_delta: U64 = 0
+    collective: GroupStatus | None = None  # the collective path's group, if announced
+
+
+POLL_STATES = ("free", "joining", "member", "leaving")
+REPLY_STATES = ("off", "idle", "waiting", "forming", "active", "refused")
+
+
+class CollectivePoll(_Message, tag="coll_poll", kw_only=True, frozen=True):
+    """A subscriber that may use the collective path: where it stands, what it wants.
+
+    ``state``: ``free`` (wants a group, its receiver is idle; ``epoch`` is the last
+    one it was in), ``joining``/``member`` (of ``epoch``), ``leaving`` (closing).
+    Sent every few hundred ms while the path is announced; a member that stops
+    polling is dropped from the next group. ``ipc_done``: the newest version
+    a ``cuda_ipc`` member has finished copying (the publisher may free older ones).
+    """
+
+    req: U63
+    subscriber_id: Name
+    state: Annotated[str, Meta(max_length=16)]
+    epoch: U63 = 0
+    backend: Annotated[str, Meta(max_length=16)]
+    device_uuid: Annotated[str, Meta(max_length=64)] = ""
+    ipc_done: U63 = 0
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.state not in POLL_STATES:
+            raise ValueError(f"state: unknown state {self.state!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: unknown backend {self.backend!r}")
+
+
+class CollectiveReply(_FromPublisher, tag="coll_rep", kw_only=True, frozen=True):
+    """The publisher's answer to a poll: the group epoch and this subscriber's rank in it.
+
+    ``rank`` 0 means "not in this epoch's group" (the publisher itself is rank 0);
+    ``state`` says why (``waiting`` for the next re-form, ``refused`` with ``reason``,
+    ``off`` when no collective path is served). ``ipc``: the newest version's
+    device buffer, for a ``cuda_ipc`` subscriber.
+    """
+
+    req: U63
+    state: Annotated[str, Meta(max_length=16)]
+    epoch: U63 = 0
+    rank: Annotated[int, Meta(ge=0, le=MAX_MEMBERS)] = 0
+    world_size: Annotated[int, Meta(ge=0, le=MAX_MEMBERS + 1)] = 0
+    reason: Text = ""
+    ipc: IpcHandle | None = None
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.state not in REPLY_STATES:
+            raise ValueError(f"state: unknown state {self.state!r}")
+        if self.rank and self.rank >= self.world_size:
+            raise ValueError(f"rank: {self.rank} is not below world_size {self.world_size}")
 
 
 Message = (
     Manifest | Heartbeat | LatestRequest | LatestReply | FetchRequest | ChunkHeader
-    | ErrorReply | Report | StatusRequest | StatusReply
+    | ErrorReply | Report | StatusRequest | StatusReply | CollectivePoll | CollectiveReply
 )
 ALL_TYPES: tuple[type[_Message], ...] = (
     Manifest, Heartbeat, LatestRequest, LatestReply, FetchRequest, ChunkHeader, ErrorReply,
-    Report, StatusRequest, StatusReply,
+    Report, StatusRequest, StatusReply, CollectivePoll, CollectiveReply,
 )
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -81,6 +81,7 @@ class Offer(_NodeMessage, tag="offer", frozen=True, kw_only=True):
     fd_attached: bool
     manifest: wire.Manifest
     fetch_seconds: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0
+    data_path: wire.DataPath = "zmq"
 
 
 class Release(_NodeMessage, tag="release", frozen=True, kw_only=True):

@@ -195,7 +195,7 @@ class NodeStagingFollower:
                                 f"{offer.segment} was never sent")
         try:
             view = SharedView(offer.manifest, tensor_views(offer.manifest, mapped), release,
-                              offer.fetch_seconds)
+                              offer.fetch_seconds, offer.data_path)
         except ValueError:
             release()
             raise

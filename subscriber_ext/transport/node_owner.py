@@ -133,7 +133,7 @@ class NodeStagingOwner:
             log.error("version %d is not in a shared segment; not offered to other ranks",
                       staged.version)
             self._on_version(SharedView(staged.manifest, staged.tensors, staged.release,
-                                        staged.fetch_seconds))
+                                        staged.fetch_seconds, staged.data_path))
             return
         with self._lock:
             share = _Share(next(self._ids), staged, segment, {OWN})
@@ -144,7 +144,8 @@ class NodeStagingOwner:
             self._last_status = None  # followers see the new staged version at once
         self._wake()
         view = SharedView(staged.manifest, tensor_views(staged.manifest, staged.buffer),
-                          lambda: self._release(share.share_id, OWN), staged.fetch_seconds)
+                          lambda: self._release(share.share_id, OWN), staged.fetch_seconds,
+                          staged.data_path)
         try:
             self._on_version(view)
         except BaseException:
@@ -161,7 +162,8 @@ class NodeStagingOwner:
         offer = Offer(share=share.share_id, segment=segment.segment_id,
                       segment_bytes=segment.nbytes, fd_attached=fd is not None,
                       manifest=share.staged.manifest,
-                      fetch_seconds=max(0.0, share.staged.fetch_seconds))
+                      fetch_seconds=max(0.0, share.staged.fetch_seconds),
+                      data_path=share.staged.data_path)
         self._outbox.append((follower.conn_id, offer, fd))
 
     def _release(self, share_id: int, holder: int) -> None:

@@ -53,6 +53,7 @@ class StagedVersion:
     tensors: dict[str, torch.Tensor]
     received_at: float
     fetch_seconds: float
+    data_path: str = "zmq"  # how the bytes came: "zmq", "gloo", "nccl", "cuda_ipc"
     _pool: BufferPool | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
     _holds: int = field(default=1, repr=False)  # release() plus each retain()
@@ -120,6 +121,7 @@ class Assembly:
         self.started = time.monotonic()
         self.fetch_version = manifest.version  # what FetchRequests name (deltas: each step)
         self.fetch_base = 0  # FetchRequest.base: 0 = the version's own bytes
+        self.data_path = "zmq"  # a collective round sets its backend
 
     @property
     def done_fraction(self) -> float:
@@ -150,7 +152,8 @@ class Assembly:
         tensors = tensor_views(self.manifest, self.buffer)
         staged = StagedVersion(manifest=self.manifest, buffer=self.buffer, tensors=tensors,
                                received_at=time.time(),
-                               fetch_seconds=time.monotonic() - self.started, _pool=self.pool)
+                               fetch_seconds=time.monotonic() - self.started,
+                               data_path=self.data_path, _pool=self.pool)
         staged._finalizer = weakref.finalize(staged, self.pool.forget, self.buffer.data_ptr())
         return staged
 
@@ -163,12 +166,14 @@ class SharedView:
     shared with the node's other ranks and reused only after every rank released it.
     """
 
-    __slots__ = ("_on_release", "fetch_seconds", "publisher_id", "tensors", "total_bytes",
-                 "version")
+    __slots__ = ("_on_release", "data_path", "fetch_seconds", "publisher_id", "tensors",
+                 "total_bytes", "version")
 
     def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                 on_release: Callable[[], None], fetch_seconds: float | None = None) -> None:
+                 on_release: Callable[[], None], fetch_seconds: float | None = None,
+                 data_path: str = "zmq") -> None:
         self.version = manifest.version
+        self.data_path = data_path  # how the node received it
         self.fetch_seconds = fetch_seconds  # how long the node took to receive it
         self.publisher_id = manifest.publisher_id
         self.total_bytes = manifest.total_bytes

@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from subscriber_ext.transport.collective import CollectiveMember
 from subscriber_ext.transport.memory import derive_staging_budget
 from subscriber_ext.transport.staging import StagedVersion
 from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
@@ -58,6 +59,11 @@ class WeightSubscriber:
     anything is allocated, one that fits once you ``release()`` what you hold
     waits. ``allocator`` chooses where staging buffers live (default: private
     host memory; node staging passes shared memory).
+
+    ``collective=True`` lets it join the publisher's collective data path when the
+    manifests announce one (gloo; NCCL or CUDA IPC on ``collective_device``): the
+    versions then arrive by broadcast into the same staging, verified the same way,
+    and any failure of that path fetches the version over ZeroMQ frames.
     """
 
     def __init__(
@@ -108,6 +114,10 @@ class WeightSubscriber:
                           max_pinned_bytes=base.limits.max_pinned_bytes)
         self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
                                   self._deliver, hooks, pool)
+        if base.collective:
+            self._client.collective = CollectiveMember(
+                self.subscriber_id, endpoint=endpoint, device=base.collective_device,
+                run_on_client=self._call, limits=base.limits)
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
         self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",
@@ -230,6 +240,8 @@ class WeightSubscriber:
             client.gate.waiting.version,
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
+            "data_path": client.applied_path or None,  # how the applied version came
+            "collective": None if client.collective is None else client.collective.status(),
         }
 
     def close(self) -> None:
@@ -239,6 +251,8 @@ class WeightSubscriber:
                 return
             self._closed = True
             self._cond.notify_all()
+        if self._client.collective is not None:
+            self._client.collective.close()  # bounded: the next keepalive ends its wait
         self._poke()
         self._thread.join(timeout=10)
         if self._thread.is_alive():

@@ -22,6 +22,10 @@ monitor and reported as a ``TransportError`` naming the cause.
 Before a version's buffer is allocated, the staging budget decides
 (``budget_gate.py``): start, wait for held buffers to come back, or refuse
 (``StagingBudgetError`` in ``last_error`` and the report).
+
+With a collective member (``collective.py``) attached, a version the publisher
+will broadcast to this node's group is not fetched here unless that round fails;
+the member hands the assembled version back through ``deliver``.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -66,6 +72,8 @@ class SyncOptions:
     switch_below_fraction: float = 0.5
     report_interval: float = 2.0
     limits: wire.Limits = field(default_factory=wire.Limits)
+    collective: bool = False  # join the publisher's collective path if it announces one
+    collective_device: str | None = None  # nccl / cuda_ipc: this node's GPU ("cuda:0")
 
 
 @dataclass(slots=True)
@@ -92,6 +100,9 @@ class SyncClient:
         self.instance: str | None = None  # the publisher_id followed (confirmed by the ROUTER)
         self.current_version = 0
         self.applied_version = 0
+        self.applied_path = ""  # data path of the applied version (for the report)
+        self.staged_paths: OrderedDict[int, str] = OrderedDict()  # newest few versions
+        self.collective: Any = None  # a ``CollectiveMember`` when the option is on
         self.error: WeightPubError | None = None  # the newest problem, as our exception
         self.bad_messages = 0
         self.checksum_failures = 0
@@ -180,6 +191,8 @@ class SyncClient:
                 self._request_latest(now)
         self._expire_requests(now)
         self._top_up(now)
+        if self.collective is not None:
+            self.collective.tick(self, now)
         waiting = self.gate.take_waiting() if self.target is None else None
         if waiting is not None:
             self.consider(waiting)  # a released buffer may have made room
@@ -207,7 +220,8 @@ class SyncClient:
                              staged_version=self.current_version,
                              applied_version=self.applied_version, last_error=self.last_error,
                              publisher_id=self.instance,
-                             ranks=self.ranks[: wire.MAX_REPORTED_RANKS])
+                             ranks=self.ranks[: wire.MAX_REPORTED_RANKS],
+                             data_path=self.applied_path)
         if self._send(report):
             self._report_dirty = False
             self._next_report = now + self.options.report_interval
@@ -220,9 +234,34 @@ class SyncClient:
         """``version`` 0 leaves the applied version as it is (e.g. to report an error)."""
         if version:
             self.applied_version = version
+            self.applied_path = self.staged_paths.get(version, self.applied_path)
         if error is not None:
             self.error = error
         self._report_dirty = True
+
+    def send(self, message: wire.Message) -> bool:
+        """Send a request on the DEALER (the subscriber thread only; False: retry later)."""
+        return self._send(message)
+
+    def deliver(self, assembly: Assembly) -> None:
+        """A version assembled and verified by another data path (a collective round):
+        stage it exactly like a fetched one. An older fetch in progress gives way."""
+        if assembly.manifest.version <= self.current_version:
+            assembly.abandon()
+            return
+        if self.target is not None and self.target.manifest.version <= assembly.manifest.version:
+            self._drop_target()
+        self._complete(assembly)
+
+    def yield_target(self, version: int) -> bool:
+        """Give up an ongoing fetch older than ``version`` (a broadcast brings a newer one);
+        False when the fetch in progress is of ``version`` or newer."""
+        if self.target is None:
+            return True
+        if self.target.manifest.version >= version:
+            return False
+        self._drop_target()
+        return True
 
     # -- fetching ------------------------------------------------------------------------------
     def _credit(self) -> int:
@@ -319,6 +358,8 @@ class SyncClient:
         backoff = self._failed.get((manifest.publisher_id, manifest.version))
         if backoff is not None and time.monotonic() < backoff[1]:
             return  # failed recently; a newer version or the back-off expiring retries it
+        if self.collective is not None and self.collective.defer(self, manifest):
+            return  # this node's group will receive it (fetched here only if that fails)
         if self.target is not None:
             if manifest.version <= self.target.manifest.version:
                 return
@@ -356,11 +397,15 @@ class SyncClient:
                 f"version {manifest.version} cannot be staged: {exc}")
             self._fail_target(error)
             return
-        self.target = None
-        self._requests.clear()
-        self._retries.clear()
+        if self.target is target:
+            self.target = None
+            self._requests.clear()
+            self._retries.clear()
         self.deltas.completed(target, staged)
         self.current_version = staged.version
+        self.staged_paths[staged.version] = staged.data_path
+        while len(self.staged_paths) > 16:
+            self.staged_paths.popitem(last=False)
         refused = self.gate.staged()  # a newer version fits: the refusal is history
         if refused is not None and self.error is refused:
             self.error = None
@@ -400,6 +445,8 @@ class SyncClient:
         self.instance = publisher_id
         self.current_version = 0
         self.latest_seen = 0
+        if self.collective is not None:
+            self.collective.follow(publisher_id)
         self.gate.take_waiting()  # a version of the old instance no longer waits
         self.applied_version = 0  # an applied version of the old instance means nothing here
         self._report_dirty = True
@@ -433,7 +480,8 @@ class SyncClient:
         more = self.dealer.getsockopt(zmq.RCVMORE)
         try:
             message = wire.decode(first.buffer, limits=self.options.limits,
-                                  expect=(wire.ChunkHeader, wire.LatestReply, wire.ErrorReply))
+                                  expect=(wire.ChunkHeader, wire.LatestReply, wire.ErrorReply,
+                                          wire.CollectiveReply))
         except ProtocolError as exc:
             self._discard_rest(more)
             self._bad(ProtocolError(f"bad reply: {exc}"))
@@ -447,6 +495,8 @@ class SyncClient:
             self._on_latest(message)
         elif isinstance(message, wire.ErrorReply):
             self._on_error(message)
+        elif isinstance(message, wire.CollectiveReply) and self.collective is not None:
+            self.collective.on_reply(self, message)
 
     def _discard_rest(self, more: int) -> None:
         while more:
@@ -478,6 +528,8 @@ class SyncClient:
         self.state = "ACTIVE"
         if reply.publisher_id != self.instance:
             self._follow(reply.publisher_id)
+        if self.collective is not None:
+            self.collective.announce(reply.collective)
         if reply.manifest is not None:
             if reply.manifest.publisher_id != reply.publisher_id:
                 self._bad(ProtocolError("latest_rep.manifest.publisher_id: differs from the "

@@ -12,6 +12,7 @@ import pytest
 
 from publisher import ProtocolError, WeightPubError
 from weightpub_wire import protocol as wire
+from weightpub_wire.collective import CollectiveAnnounce, GroupStatus, IpcHandle
 from weightpub_wire.protocol import Limits, Manifest, TensorEntry, decode, encode
 
 pytestmark = pytest.mark.timeout(30)
@@ -33,11 +34,19 @@ def manifest(**overrides: Any) -> Manifest:
     return Manifest(**fields)
 
 
+ANNOUNCE = CollectiveAnnounce(backend="gloo", store_port=29500, epoch=3, bucket_bytes=8192,
+                              timeout=30.0)
+
+
 def every_message() -> list[wire.Message]:
     report = wire.Report(subscriber_id="host-1-abc", staged_version=3, applied_version=2,
                          last_error="oops: x")
+    ipc = IpcHandle(version=3, device_index=0, handle=b"\x01" * 64, storage_bytes=8192,
+                    storage_offset=0, ref_counter_handle=b"/torch_123", ref_counter_offset=8,
+                    event_handle=b"\x02" * 64, event_sync_required=True)
     return [
         manifest(),
+        manifest(collective=ANNOUNCE),
         manifest(total_bytes=0, tensors=(), checksums=(), version=1),
         wire.Heartbeat(publisher_id="pub-1", started_at=1.5, latest_version=7, sent_at=2.5,
                        interval=0.5),
@@ -54,9 +63,24 @@ def every_message() -> list[wire.Message]:
         report,
         wire.Report(subscriber_id="s", staged_version=0, applied_version=0),
         wire.Report(subscriber_id="node", staged_version=4, applied_version=4, ranks=(0, 1)),
+        wire.Report(subscriber_id="node", staged_version=4, applied_version=4, data_path="gloo"),
         wire.StatusRequest(req=8),
         wire.StatusReply(req=9, publisher_id="pub-1", started_at=1.5, latest_version=3,
                          versions=(2, 3), subscribers=(report,)),
+        wire.StatusReply(req=10, publisher_id="pub-1", started_at=1.5, latest_version=3,
+                         versions=(3,), subscribers=(),
+                         collective=GroupStatus(backend="gloo", state="active", epoch=2,
+                                                members=("node-a", "node-b"), rounds=5)),
+        wire.LatestReply(req=11, publisher_id="pub-1", started_at=1.5,
+                         pub_endpoint="tcp://127.0.0.1:5556", heartbeat_interval=1.0,
+                         collective=ANNOUNCE),
+        wire.CollectivePoll(req=12, subscriber_id="node-a", state="free", backend="gloo"),
+        wire.CollectivePoll(req=13, subscriber_id="node-a", state="member", epoch=4,
+                            backend="cuda_ipc", device_uuid="GPU-1234", ipc_done=3),
+        wire.CollectiveReply(req=14, publisher_id="pub-1", started_at=1.5, state="forming",
+                             epoch=4, rank=2, world_size=3),
+        wire.CollectiveReply(req=15, publisher_id="pub-1", started_at=1.5, state="active",
+                             ipc=ipc),
     ]
 
 
@@ -201,6 +225,59 @@ def test_bad_manifest_names_the_field(mutate: Mutation, field: str) -> None:
     mutate(body)
     with pytest.raises(ProtocolError) as info:
         decode(pack(body), limits=Limits(max_tensors=1000))
+    assert field in str(info.value), str(info.value)
+
+
+def _collective(**fields: Any) -> Mutation:
+    def apply(body: dict[str, Any]) -> None:
+        body["collective"] = {**wire_of(manifest(collective=ANNOUNCE))["collective"], **fields}
+    return apply
+
+
+COLLECTIVE_CASES: list[tuple[str, Mutation, str]] = [
+    ("unknown backend", _collective(backend="mpi"), "manifest.collective.backend"),
+    ("buckets not whole chunks", _collective(bucket_bytes=6000), "manifest.collective"),
+    ("huge buckets", _collective(bucket_bytes=1 << 31), "manifest.collective.bucket_bytes"),
+    ("no rendezvous port", _collective(store_port=0), "manifest.collective.store_port"),
+    ("port out of range", _collective(store_port=70000), "manifest.collective.store_port"),
+    ("keepalive above timeout", _collective(keepalive=60.0), "manifest.collective.keepalive"),
+    ("negative epoch", _collective(epoch=-1), "manifest.collective.epoch"),
+    ("escape in device uuid", _collective(device_uuid="\x1b[2J"),
+     "manifest.collective.device_uuid"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "field"), [c[1:] for c in COLLECTIVE_CASES],
+                         ids=[c[0] for c in COLLECTIVE_CASES])
+def test_bad_collective_announce_names_the_field(mutate: Mutation, field: str) -> None:
+    body = wire_of(manifest())
+    mutate(body)
+    with pytest.raises(ProtocolError) as info:
+        decode(pack(body))
+    assert field in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    ({"t": "coll_poll", "req": 1, "subscriber_id": "a", "state": "sleeping", "backend": "gloo"},
+     "coll_poll.state"),
+    ({"t": "coll_poll", "req": 1, "subscriber_id": "a", "state": "free", "backend": "tcp"},
+     "coll_poll.backend"),
+    ({"t": "coll_poll", "req": 1, "subscriber_id": "a\x1b", "state": "free",
+      "backend": "gloo"}, "coll_poll.subscriber_id"),
+    ({"t": "coll_rep", "req": 1, "publisher_id": "p", "started_at": 1.0, "state": "active",
+      "rank": 3, "world_size": 3}, "coll_rep.rank"),
+    ({"t": "coll_rep", "req": 1, "publisher_id": "p", "started_at": 1.0, "state": "active",
+      "rank": 1, "world_size": 100_000}, "coll_rep.world_size"),
+    ({"t": "coll_rep", "req": 1, "publisher_id": "p", "started_at": 1.0, "state": "active",
+      "ipc": {"version": 1, "device_index": 0, "handle": b"x" * 4096, "storage_bytes": 1,
+              "storage_offset": 0, "ref_counter_handle": b"", "ref_counter_offset": 0,
+              "event_handle": b"", "event_sync_required": False}}, "coll_rep.ipc.handle"),
+    ({"t": "report", "subscriber_id": "a", "staged_version": 1, "applied_version": 1,
+      "data_path": "carrier-pigeon"}, "report.data_path"),
+])
+def test_bad_collective_messages_name_the_field(body: dict[str, Any], field: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(pack({"p": 2, **body}))
     assert field in str(info.value), str(info.value)
 
 

@@ -1,0 +1,288 @@
+"""A subscriber's side of the collective path: ask to join, hold back fetches, take results.
+
+Runs on the subscriber thread (``SyncClient`` calls ``announce``, ``defer``,
+``tick``, ``on_reply``, ``follow``); the blocking work (rendezvous, broadcasts,
+CUDA IPC copies) runs on its ``CollectiveReceiver`` thread, which calls back into
+the subscriber thread to get a staging buffer (``begin``) and to hand the result
+over (``finish`` / ``failed``). One staging and one commit path: a version that
+arrives by broadcast is verified against the manifest's chunk checksums and
+delivered exactly like a fetched one (``SyncClient.deliver``).
+
+The rules that keep it from ever costing a version:
+
+* while this node is a member of the publisher's group, a new manifest is not
+  fetched over ZeroMQ (``defer``) for up to the announced timeout: the publisher
+  broadcasts it to the group;
+* the moment the round for that version fails here, the group is lost, or the
+  round does not come in time, the version is fetched over ZeroMQ frames;
+* a partial broadcast is never staged: the buffer is abandoned unless every chunk
+  matched its checksum.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from subscriber_ext.transport.collective_receiver import (
+    LATER,
+    CollectiveReceiver,
+    GroupJob,
+    IpcJob,
+)
+from subscriber_ext.transport.staging import Assembly
+from weightpub_wire import protocol as wire
+from weightpub_wire.collective import CollectiveAnnounce
+from weightpub_wire.cuda_ipc import device_uuid
+from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.ratelog import RateLimitedLog
+
+if TYPE_CHECKING:
+    from subscriber_ext.transport.sync_client import SyncClient
+
+__all__ = ["LATER", "CollectiveMember"]
+
+log = logging.getLogger("weightpub.collective")
+POLL_S = 0.25
+REFUSED_POLL_S = 2.0
+_KEEP_VERSIONS = 16
+
+RunOnClient = Callable[[Callable[["SyncClient"], None]], None]
+
+
+class CollectiveMember:
+    """One subscriber's membership in its publisher's collective path."""
+
+    def __init__(self, subscriber_id: str, *, endpoint: str, device: str | None,
+                 run_on_client: RunOnClient, limits: wire.Limits) -> None:
+        self.subscriber_id = subscriber_id
+        dialled = parse_endpoint(endpoint)
+        self.host = dialled.host if dialled.scheme == "tcp" else "127.0.0.1"
+        if device is not None:
+            self.device = torch.device(device)
+        elif torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        self.limits = limits
+        self.announced: CollectiveAnnounce | None = None
+        self.instance: str | None = None
+        self.state = "off"  # the publisher's last answer
+        self.reason = ""
+        self.rounds = 0
+        self.fallbacks = 0
+        self.bytes_received = 0
+        self.last_error: str | None = None
+        self.ipc_done = 0
+        self.closed = False
+        self._run_on_client = run_on_client
+        self._claims: dict[int, float] = {}  # version -> when to give up waiting for it
+        self._manifests: OrderedDict[int, wire.Manifest] = OrderedDict()
+        self._given_up: OrderedDict[int, None] = OrderedDict()  # versions fetched over zmq
+        self._ids = itertools.count(1)
+        self._next_poll = 0.0
+        self._warn = RateLimitedLog(log)
+        self.receiver = CollectiveReceiver(self)
+        self.receiver.start()
+
+    # -- what the publisher offers ---------------------------------------------------------
+    def announce(self, info: CollectiveAnnounce | None) -> None:
+        if info != self.announced:
+            self.announced = info
+            self._next_poll = 0.0
+            if info is not None and not self.usable():
+                self.reason = self._unusable_reason()
+                self._warn.warning("unusable", f"collective path {info.backend} announced but "
+                                               f"not usable here: {self.reason}")
+
+    def follow(self, publisher_id: str) -> None:
+        """The subscriber follows another publisher instance: its old group means nothing."""
+        self.instance = publisher_id
+        self.announced = None
+        self._claims.clear()
+        self._manifests.clear()
+        self._given_up.clear()
+        self.ipc_done = 0
+
+    def usable(self) -> bool:
+        return self.announced is not None and not self._unusable_reason()
+
+    def _unusable_reason(self) -> str:
+        info = self.announced
+        if info is None:
+            return "not announced"
+        if info.backend in ("nccl", "cuda_ipc") and self.device.type != "cuda":
+            return f"{info.backend} needs a CUDA device; this subscriber runs on the CPU"
+        if info.backend == "cuda_ipc" and device_uuid(self.device) != info.device_uuid:
+            return "cuda_ipc needs the publisher's GPU (a different one here)"
+        return ""
+
+    # -- the subscriber thread -------------------------------------------------------------
+    def defer(self, client: SyncClient, manifest: wire.Manifest) -> bool:
+        """Whether to leave ``manifest`` to the broadcast instead of fetching it now."""
+        self.announce(manifest.collective)
+        self._manifests[manifest.version] = manifest
+        while len(self._manifests) > 8:
+            self._manifests.popitem(last=False)
+        if not self.usable() or manifest.version in self._given_up:
+            return False
+        if manifest.collective is None or not self.receiver.ready_for_rounds():
+            return False  # not in a group: this version is fetched like any other
+        if manifest.version not in self._claims:
+            assert self.announced is not None
+            wait = self.announced.timeout
+            if self.announced.backend == "cuda_ipc":  # no group round: the handle comes by poll
+                wait = min(wait, 10.0)
+            self._claims[manifest.version] = time.monotonic() + wait
+        return True
+
+    def tick(self, client: SyncClient, now: float) -> None:
+        if self.usable() and now >= self._next_poll:
+            state, epoch = self.receiver.poll_state()
+            assert self.announced is not None
+            poll = wire.CollectivePoll(req=next(self._ids), subscriber_id=self.subscriber_id,
+                                       state=state, epoch=epoch, backend=self.announced.backend,
+                                       device_uuid=device_uuid(self.device)
+                                       if self.device.type == "cuda" else "",
+                                       ipc_done=self.ipc_done)
+            if client.send(poll):
+                self._next_poll = now + (REFUSED_POLL_S if self.state == "refused" else POLL_S)
+        if not self._claims:
+            return
+        receiving = self.receiver.receiving
+        for version, deadline in list(self._claims.items()):
+            if version <= client.current_version:
+                del self._claims[version]
+            elif not self.receiver.ready_for_rounds():
+                self._give_up(client, version, "the node left the collective group")
+            elif receiving:
+                self._claims[version] = max(deadline, now + 1.0)  # a round is under way
+            elif now > deadline:
+                self._give_up(client, version, "no broadcast round came in time")
+
+    def on_reply(self, client: SyncClient, reply: wire.CollectiveReply) -> None:
+        if reply.publisher_id != self.instance or self.announced is None:
+            return
+        self.state, self.reason = reply.state, reply.reason
+        if reply.state == "off":
+            self.announce(None)
+            return
+        info = self.announced
+        if info.backend == "cuda_ipc":
+            handle = reply.ipc
+            if handle is not None and handle.version > max(client.current_version,
+                                                           self.ipc_done) \
+                    and handle.version not in self._given_up:
+                self.receiver.submit(IpcJob(handle, info, self.device))
+            return
+        if reply.state in ("forming", "active") and reply.rank > 0 and self.instance:
+            self.receiver.submit(GroupJob(
+                epoch=reply.epoch, rank=reply.rank, world_size=reply.world_size,
+                announce=info, host=self.host, publisher_id=self.instance,
+                device=self.device))
+
+    def status(self) -> dict[str, Any]:
+        info = self.announced
+        state, epoch = self.receiver.poll_state()
+        return {
+            "backend": None if info is None else info.backend,
+            "usable": self.usable(),
+            "receiver": state,
+            "epoch": epoch,
+            "publisher_says": self.state,
+            "reason": self.reason or None,
+            "rounds": self.rounds,
+            "bytes_received": self.bytes_received,
+            "fallbacks": self.fallbacks,
+            "last_error": self.last_error,
+        }
+
+    def close(self) -> None:
+        self.closed = True
+        self.receiver.stop()
+
+    # -- the receiver thread's calls, run on the subscriber thread -------------------------
+    def call(self, function: Callable[[SyncClient], Any], timeout: float = 5.0) -> Any:
+        """Run ``function(client)`` on the subscriber thread; its result (None on timeout)."""
+        if self.closed:
+            return None
+        future: Future[Any] = Future()
+
+        def run(client: SyncClient) -> None:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function(client))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        self._run_on_client(run)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            future.cancel()
+            return None
+
+    def begin(self, client: SyncClient, version: int, total_bytes: int | None,
+              backend: str) -> Assembly | str | None:
+        """A staging buffer for ``version`` (None: not wanted here; ``LATER``: no manifest yet)."""
+        manifest = self._manifests.get(version)
+        if manifest is None or manifest.publisher_id != self.instance:
+            return LATER if version > client.current_version else None
+        if total_bytes is not None and manifest.total_bytes != total_bytes:
+            return None
+        if version <= client.current_version or version in self._given_up:
+            return None
+        if not client.yield_target(version):
+            return None  # already fetching it (or newer) over zmq
+        if client.gate.is_refused(manifest) or not client.gate.admit(manifest):
+            self._given_up[version] = None  # the zmq path waits for memory, or reports
+            client.gate.take_waiting()
+            client.consider(manifest)
+            return None
+        assembly = Assembly(manifest, client.pool)
+        assembly.data_path = backend
+        return assembly
+
+    def finish(self, client: SyncClient, assembly: Assembly, nbytes: int) -> None:
+        self.rounds += 1
+        self.bytes_received += nbytes
+        version = assembly.manifest.version
+        for claimed in [v for v in self._claims if v <= version]:
+            del self._claims[claimed]
+        client.deliver(assembly)
+
+    def failed(self, client: SyncClient, version: int, assembly: Assembly | None,
+               why: str) -> None:
+        if assembly is not None:
+            assembly.abandon()
+        self._give_up(client, version, why)
+
+    def left(self, client: SyncClient, why: str) -> None:
+        """The receiver left its group: every version held back is fetched now."""
+        if why:
+            self.last_error = why[:1024]
+        for version in sorted(self._claims):
+            self._give_up(client, version, f"left the group ({why})")
+
+    def _give_up(self, client: SyncClient, version: int, why: str) -> None:
+        self._claims.pop(version, None)
+        self._given_up[version] = None
+        while len(self._given_up) > _KEEP_VERSIONS:
+            self._given_up.popitem(last=False)
+        if version <= client.current_version:
+            return
+        self.fallbacks += 1
+        self.last_error = f"version {version}: {why}"[:1024]
+        self._warn.warning("fallback", f"collective path: {self.last_error}; fetching it over "
+                                       "ZeroMQ frames")
+        manifest = self._manifests.get(version)
+        if manifest is not None:
+            client.consider(manifest)

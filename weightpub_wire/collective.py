@@ -1,0 +1,189 @@
+"""The collective data path, what both sides agree on: announce, buckets, round headers.
+
+A publisher started with ``collective="gloo" | "nccl" | "cuda_ipc"`` announces it
+in every manifest and ``latest`` reply (``CollectiveAnnounce``); a subscriber that
+may use it asks to join through the ROUTER (``protocol.CollectivePoll``) and is
+told its rank in the current group epoch (``protocol.CollectiveReply``). The
+version's bytes then go out as packed buckets: contiguous ranges of the version's
+flat buffer (the same layout the chunks cut), each a whole number of chunks, so
+every bucket is checked against the manifest's chunk checksums as it lands::
+
+    flat buffer  |--------- bucket 0 ---------|--------- bucket 1 ---------|-- 2 --|
+    chunks       | c0 | c1 | c2 | c3 | c4 | c5 | c6 | c7 | c8 | c9 |c10 |c11 |c12|
+
+A group round is driven by the publisher (rank 0), one ``HEADER_WORDS``-word
+int64 header broadcast at a time::
+
+    header {magic, kind, epoch, version, total_bytes, bucket_bytes, buckets, publisher}
+      kind KEEPALIVE: nothing follows (sent every ``keepalive`` s: members never wait
+                      longer than that plus the timeout to learn the root is gone)
+      kind DATA:      all_gather(ready) -> broadcast each bucket -> all_gather(verified)
+      kind CLOSE:     the root leaves; members tear the group down
+
+``cuda_ipc`` (a replica on the trainer's GPU) has no group: the reply hands the
+member an ``IpcHandle`` of the newest version's device buffer, which it copies
+from bucket by bucket. Never pickle: handles are plain bytes and integers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated
+
+import msgspec
+import torch
+from msgspec import Meta
+
+__all__ = [
+    "BACKENDS",
+    "DATA_PATHS",
+    "HEADER_WORDS",
+    "KIND_CLOSE",
+    "KIND_DATA",
+    "KIND_KEEPALIVE",
+    "MAX_BUCKET_BYTES",
+    "MAX_MEMBERS",
+    "CollectiveAnnounce",
+    "GroupStatus",
+    "IpcHandle",
+    "RoundHeader",
+    "bucket_spans",
+    "publisher_tag",
+]
+
+#: collective backends a publisher may announce
+BACKENDS = ("gloo", "nccl", "cuda_ipc")
+#: how the bytes of a version reached a node (``Report.data_path``, ``weight_version()``)
+DATA_PATHS = ("zmq", "gloo", "nccl", "cuda_ipc")
+MAX_MEMBERS = 256  # subscribers (nodes) in one group
+MIN_BUCKET_BYTES = 4096
+MAX_BUCKET_BYTES = 1 << 30
+HEADER_WORDS = 8
+MAGIC = 0x77707562_636F6C6C  # "wpubcoll"
+KIND_KEEPALIVE, KIND_DATA, KIND_CLOSE = 0, 1, 2
+
+U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+Port = Annotated[int, Meta(ge=0, le=65535)]  # 0: no rendezvous (cuda_ipc)
+Label = Annotated[str, Meta(max_length=64, pattern="^[A-Za-z0-9_.:-]*$")]
+Backend = Annotated[str, Meta(max_length=16)]
+Member = Annotated[str, Meta(min_length=1, max_length=1024,
+                             pattern="^[^\x00-\x1f\x7f-\x9f]+$")]
+
+
+class CollectiveAnnounce(msgspec.Struct, frozen=True, kw_only=True):
+    """The collective path a publisher offers (in manifests and ``latest`` replies).
+
+    ``store_port``: the rendezvous (a torch ``TCPStore``) on the host the subscriber
+    dialled; ``epoch``: the group epoch when this was sent (rounds carry their own);
+    ``bucket_bytes``: the bucket layout (a multiple of the manifest's chunk size);
+    ``timeout``: seconds any one rendezvous or collective may take before the path
+    is given up for that version; ``device_uuid``: the publisher's GPU (cuda_ipc).
+    """
+
+    backend: Backend
+    store_port: Port
+    epoch: U63
+    bucket_bytes: Annotated[int, Meta(ge=MIN_BUCKET_BYTES, le=MAX_BUCKET_BYTES)]
+    timeout: Annotated[float, Meta(gt=0.0, le=3600.0)]
+    keepalive: Annotated[float, Meta(gt=0.0, le=600.0)] = 1.0
+    device_uuid: Label = ""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: unknown collective backend {self.backend!r} "
+                             f"(known: {', '.join(BACKENDS)})")
+        if self.backend != "cuda_ipc" and not self.store_port:
+            raise ValueError(f"store_port: {self.backend} needs a rendezvous port")
+        if self.keepalive >= self.timeout:
+            raise ValueError(f"keepalive: {self.keepalive}s must be shorter than the "
+                             f"timeout {self.timeout}s")
+
+
+class IpcHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """A CUDA IPC handle of one version's device buffer (``torch.UntypedStorage._share_cuda_``
+    fields, all plain bytes and integers)."""
+
+    version: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
+    device_index: Annotated[int, Meta(ge=0, le=1024)]
+    handle: Annotated[bytes, Meta(max_length=256)]
+    storage_bytes: U63
+    storage_offset: U63
+    ref_counter_handle: Annotated[bytes, Meta(max_length=1024)]
+    ref_counter_offset: U63
+    event_handle: Annotated[bytes, Meta(max_length=256)]
+    event_sync_required: bool
+
+
+class GroupStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The publisher's collective path in ``weightpub status``: who is in the group."""
+
+    backend: Backend
+    state: Annotated[str, Meta(max_length=16)]
+    epoch: U63
+    members: Annotated[tuple[Member, ...], Meta(max_length=MAX_MEMBERS)] = ()
+    waiting: Annotated[tuple[Member, ...], Meta(max_length=MAX_MEMBERS)] = ()
+    rounds: U63 = 0
+    last_version: U63 = 0
+    bytes_sent: U63 = 0
+    last_error: Annotated[str, Meta(max_length=1024)] | None = None
+
+
+class RoundHeader(msgspec.Struct, frozen=True, kw_only=True):
+    """One group round as the root announces it (sent as ``HEADER_WORDS`` int64 words)."""
+
+    kind: int
+    epoch: int
+    version: int = 0
+    total_bytes: int = 0
+    bucket_bytes: int = 0
+    buckets: int = 0
+    publisher: int = 0
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([MAGIC, self.kind, self.epoch, self.version, self.total_bytes,
+                             self.bucket_bytes, self.buckets, self.publisher],
+                            dtype=torch.int64)
+
+    @staticmethod
+    def empty() -> torch.Tensor:
+        return torch.zeros(HEADER_WORDS, dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, words: torch.Tensor, *, epoch: int, publisher: int,
+                    max_total_bytes: int, bucket_bytes: int) -> RoundHeader:
+        """Check a received header against what this member agreed to (``ValueError``)."""
+        values = [int(v) for v in words.cpu().tolist()]
+        if len(values) != HEADER_WORDS or values[0] != MAGIC:
+            raise ValueError("round header: bad magic (not a weightpub group?)")
+        header = cls(kind=values[1], epoch=values[2], version=values[3],
+                     total_bytes=values[4], bucket_bytes=values[5], buckets=values[6],
+                     publisher=values[7])
+        if header.kind not in (KIND_KEEPALIVE, KIND_DATA, KIND_CLOSE):
+            raise ValueError(f"round header: unknown kind {header.kind}")
+        if header.epoch != epoch or header.publisher != publisher:
+            raise ValueError(f"round header: epoch {header.epoch} of publisher "
+                             f"{header.publisher:x}, expected {epoch} of {publisher:x}")
+        if header.kind == KIND_DATA:
+            if header.version < 1 or not 0 <= header.total_bytes <= max_total_bytes:
+                raise ValueError(f"round header: version {header.version} of "
+                                 f"{header.total_bytes} bytes is out of bounds")
+            if header.bucket_bytes != bucket_bytes:
+                raise ValueError(f"round header: buckets of {header.bucket_bytes} bytes, "
+                                 f"announced {bucket_bytes}")
+            if header.buckets != len(bucket_spans(header.total_bytes, bucket_bytes)):
+                raise ValueError(f"round header: {header.buckets} buckets do not cut "
+                                 f"{header.total_bytes} bytes")
+        return header
+
+
+def bucket_spans(total_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of each bucket of a version's flat buffer."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes: {bucket_bytes} must be positive")
+    return [(start, min(bucket_bytes, total_bytes - start))
+            for start in range(0, total_bytes, bucket_bytes)]
+
+
+def publisher_tag(publisher_id: str) -> int:
+    """A 62-bit number naming a publisher instance in round headers."""
+    return int.from_bytes(hashlib.sha256(publisher_id.encode()).digest()[:8], "big") >> 2
