@@ -162,7 +162,8 @@ class MemberTable:
                     return False
                 back = set(eligible)
                 alive = [k for k in self._previous if k in self._rows
-                         and now - self._rows[k].last_poll <= self.limits.member_ttl]
+                         and now - self._rows[k].last_poll <= self.limits.member_ttl
+                         and self._rows[k].penalty_until <= now]
                 return all(k in back for k in alive) or \
                     now - self._since >= self.limits.regroup
             if not plan.active:

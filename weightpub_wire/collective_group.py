@@ -23,6 +23,7 @@ it down and falls back (the subscriber fetches the version over ZeroMQ frames).
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import time
 from datetime import timedelta
@@ -234,3 +235,5 @@ class CollectiveGroup:
                 pg.abort()
         with contextlib.suppress(Exception):
             self._store.delete_key(f"arrived/{self.rank}")
+        del pg
+        gc.collect()  # gloo closes its sockets with the last reference: peers fail at once

@@ -89,6 +89,7 @@ class CollectiveMember:
         self._given_up: OrderedDict[int, None] = OrderedDict()  # versions fetched over zmq
         self._ids = itertools.count(1)
         self._next_poll = 0.0
+        self._ended_epoch = 0  # the newest epoch the publisher says is over
         self._warn = RateLimitedLog(log)
         self.receiver = CollectiveReceiver(self)
         self.receiver.start()
@@ -110,7 +111,16 @@ class CollectiveMember:
         self._claims.clear()
         self._manifests.clear()
         self._given_up.clear()
+        self._ended_epoch = 0
         self.ipc_done = 0
+
+    def in_group(self) -> bool:
+        """Whether the publisher will broadcast new versions to this node."""
+        if not self.receiver.ready_for_rounds():
+            return False
+        info = self.announced
+        return info is not None and (info.backend == "cuda_ipc"
+                                     or self.receiver.epoch > self._ended_epoch)
 
     def usable(self) -> bool:
         return self.announced is not None and not self._unusable_reason()
@@ -134,7 +144,7 @@ class CollectiveMember:
             self._manifests.popitem(last=False)
         if not self.usable() or manifest.version in self._given_up:
             return False
-        if manifest.collective is None or not self.receiver.ready_for_rounds():
+        if manifest.collective is None or not self.in_group():
             return False  # not in a group: this version is fetched like any other
         if manifest.version not in self._claims:
             assert self.announced is not None
@@ -161,7 +171,7 @@ class CollectiveMember:
         for version, deadline in list(self._claims.items()):
             if version <= client.current_version:
                 del self._claims[version]
-            elif not self.receiver.ready_for_rounds():
+            elif not self.in_group():
                 self._give_up(client, version, "the node left the collective group")
             elif receiving:
                 self._claims[version] = max(deadline, now + 1.0)  # a round is under way
@@ -183,6 +193,12 @@ class CollectiveMember:
                     and handle.version not in self._given_up:
                 self.receiver.submit(IpcJob(handle, info, self.device))
             return
+        mine = self.receiver.epoch
+        if reply.epoch > mine or (reply.epoch == mine and reply.state not in ("forming",
+                                                                              "active")):
+            self._ended_epoch = max(self._ended_epoch, mine)  # its rounds will not come
+        if self._claims and not self.in_group():
+            self.left(client, f"the publisher ended epoch {self.receiver.epoch}")
         if reply.state in ("forming", "active") and reply.rank > 0 and self.instance:
             self.receiver.submit(GroupJob(
                 epoch=reply.epoch, rank=reply.rank, world_size=reply.world_size,
@@ -273,7 +289,9 @@ class CollectiveMember:
             self._give_up(client, version, f"left the group ({why})")
 
     def _give_up(self, client: SyncClient, version: int, why: str) -> None:
-        self._claims.pop(version, None)
+        claimed = self._claims.pop(version, None) is not None
+        if version in self._given_up and not claimed:
+            return  # already fetched over zmq (the group was given up before its round)
         self._given_up[version] = None
         while len(self._given_up) > _KEEP_VERSIONS:
             self._given_up.popitem(last=False)

@@ -238,6 +238,7 @@ class CollectiveReceiver(threading.Thread):
         self.receiving = header.version
         assembly = self._begin(header.version, header.total_bytes, backend)
         verifier = None if assembly is None else _Verifier(assembly)
+        ok = False
         try:
             ready = group.all_gather_flags(1 if assembly is not None else 0)
             if any(ready[1:]):
@@ -246,7 +247,6 @@ class CollectiveReceiver(threading.Thread):
                     if verifier is not None:
                         verifier.submit(start, size)
             ok = verifier is not None and verifier.ok()
-            group.all_gather_flags(1 if ok else 0)
         except BaseException:
             if verifier is not None:
                 verifier.ok()  # no checksum thread may outlive the buffer
@@ -255,8 +255,9 @@ class CollectiveReceiver(threading.Thread):
             raise
         finally:
             self.receiving = 0
-        if assembly is not None:
-            self._hand_back(assembly, ok, "a bucket failed its checksum")
+        if assembly is not None:  # staged before the last all_gather: a peer failing there
+            self._hand_back(assembly, ok, "a bucket failed its checksum")  # cannot cost it
+        group.all_gather_flags(1 if ok else 0)
 
     def _bucket(self, group: CollectiveGroup, assembly: Assembly | None, start: int,
                 size: int) -> None:

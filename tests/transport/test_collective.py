@@ -1,0 +1,160 @@
+"""The collective data path over gloo, with real processes and real ``kill -9``.
+
+Every case checks each staged version bit-exact against what its trainer
+instance derived (``det_weights``) and the data path that brought it. Versions
+are 1 MiB in buckets of 128 KiB (8 buckets), so a kill point lands mid-broadcast:
+
+- a trainer and a node receive versions over gloo; a second node joins late,
+  gets the newest version alone over ZeroMQ, and is brought into the group;
+- ``kill -9`` of a node mid-broadcast: the trainer's ``publish()`` never waits
+  on it, the other node gets that version anyway (the round, or ZeroMQ frames)
+  and the next ones over gloo once the group is re-formed without the dead one;
+- ``kill -9`` of the trainer mid-broadcast: the node stays on its last complete
+  version (nothing partial is staged), tears the stale group down, and follows
+  the next trainer into a new group, without a restart;
+- a bucket corrupted on arrival fails its checksum: that version is fetched over
+  ZeroMQ frames, the next one comes by broadcast again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.transport.collective_children import Child
+from tests.transport.procs import free_port, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+SPEC = [("w", "float32", [256, 1024]), ("b", "bfloat16", [333])]  # 1 MiB + a bit: 9 buckets
+SPECS = {str(v): SPEC for v in range(1, 9)}
+A, B = 101, 202  # seeds of the first and the restarted trainer
+TIMEOUT = 5.0  # the announced collective timeout
+
+
+@pytest.fixture
+def children() -> Iterator[list[Child]]:
+    started: list[Child] = []
+    yield started
+    for child in started:
+        child.close()
+
+
+def start(children: list[Child], role: str, **args: Any) -> Child:
+    child = Child(role, **args)
+    children.append(child)
+    return child
+
+
+def trainer(children: list[Child], seed: int, endpoint: str = "tcp://127.0.0.1:0",
+            **args: Any) -> Child:
+    return start(children, "trainer", endpoint=endpoint, seed=seed, timeout=TIMEOUT, **args)
+
+
+def member(children: list[Child], name: str, of: Child, seed: int, **args: Any) -> Child:
+    node = start(children, "member", endpoint=of.endpoint, name=name, specs=SPECS, **args)
+    node._conn.send(("seed", of.name, seed))
+    return node
+
+
+def group_of(t: Child, members: set[str], timeout: float = 30.0) -> dict[str, Any]:
+    def formed() -> dict[str, Any] | None:
+        status = t.call("group")[1]
+        ok = status["state"] == "active" and set(status["members"]) == members
+        return status if ok else None
+    return wait_until(formed, timeout, f"a group of {sorted(members)}", interval=0.1)
+
+
+def staged(node: Child, version: int, timeout: float = 30.0) -> tuple[str, bool]:
+    """(data path, bit-exact) of ``version`` at ``node``."""
+    message = node.staged(version, timeout)
+    return message[3], message[4]
+
+
+def test_versions_arrive_by_gloo_and_a_late_node_is_brought_into_the_group(children):
+    t = trainer(children, A)
+    a = member(children, "node-a", t, A)
+    t.call("publish", 1, SPEC)
+    assert staged(a, 1) == ("zmq", True)  # before any group: frames
+    first = group_of(t, {"node-a"})
+    for version in (2, 3):
+        t.call("publish", version, SPEC)
+        assert staged(a, version) == ("gloo", True)
+
+    b = member(children, "node-b", t, A)
+    assert staged(b, 3) == ("zmq", True)  # a late node gets the newest version alone
+    second = group_of(t, {"node-a", "node-b"})
+    assert second["epoch"] > first["epoch"]
+    for version in (4, 5):
+        t.call("publish", version, SPEC)
+        assert staged(a, version) == ("gloo", True)
+        assert staged(b, version) == ("gloo", True)
+    status = wait_until(lambda: (s := t.call("group")[1])["last_version"] == 5 and s, 10,
+                        "the round of version 5 to end")
+    assert status["rounds"] >= 4, status
+    reports = wait_until(lambda: (r := t.call("fleet")[1]) and len(r) == 2
+                         and all(x["applied_version"] == 5 for x in r) and r, 10, "reports")
+    assert {r["data_path"] for r in reports} == {"gloo"}, reports
+
+
+def test_kill_9_of_a_node_mid_broadcast_leaves_the_trainer_and_the_other_node_working(
+        children):
+    t = trainer(children, A)
+    a = member(children, "node-a", t, A)
+    b = member(children, "node-b", t, A, kill_at="bucket:3")  # during the first round
+    t.call("publish", 1, SPEC)
+    assert staged(a, 1)[1] and staged(b, 1)[1]
+    group_of(t, {"node-a", "node-b"})
+
+    published = t.call("publish", 2, SPEC)  # b dies three buckets into this round
+    assert published[2] < TIMEOUT, "publish() waited on the broadcast"
+    b.wait_killed()
+    path, exact = staged(a, 2, timeout=2 * TIMEOUT + 10)  # the round or zmq: never lost
+    assert exact, path
+    assert t.call("publish", 3, SPEC)[2] < TIMEOUT
+    assert staged(a, 3, timeout=2 * TIMEOUT + 10)[1]
+    group_of(t, {"node-a"})  # re-formed without the dead node
+    t.call("publish", 4, SPEC)
+    assert staged(a, 4) == ("gloo", True)
+
+
+def test_kill_9_of_the_trainer_mid_broadcast_keeps_the_node_on_its_version(children):
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    first = trainer(children, A, endpoint, kill_at="bucket:3")
+    a = member(children, "node-a", first, A)
+    first.call("publish", 1, SPEC)
+    assert staged(a, 1) == ("zmq", True)
+    group_of(first, {"node-a"})
+    first._conn.send(("publish", 2, SPEC))  # dies three buckets into the round
+    first.wait_killed()
+    status = wait_until(lambda: (s := a.call("status")[1])["collective"]["receiver"] == "free"
+                        and s, 2 * TIMEOUT, "the node to tear the stale group down")
+    with pytest.raises(AssertionError):  # a partial broadcast is never staged
+        a.staged(2, timeout=1.0)
+    assert status["staged_version"] == 1, status
+
+    second = trainer(children, B, endpoint)  # a new trainer on the same endpoint
+    a._conn.send(("seed", second.name, B))
+    second.call("publish", 1, SPEC)
+    assert staged(a, 1) == ("zmq", True)
+    group_of(second, {"node-a"})
+    for version in (2, 3):
+        second.call("publish", version, SPEC)
+        assert staged(a, version) == ("gloo", True)
+
+
+def test_a_corrupted_bucket_makes_that_version_come_over_zeromq(children):
+    t = trainer(children, A)
+    a = member(children, "node-a", t, A, kill_at="corrupt:2")  # the first round's 2nd bucket
+    t.call("publish", 1, SPEC)
+    assert staged(a, 1) == ("zmq", True)
+    group_of(t, {"node-a"})
+    t.call("publish", 2, SPEC)
+    assert staged(a, 2) == ("zmq", True)  # the broadcast copy failed its checksum
+    status = a.call("status")[1]["collective"]
+    assert status["fallbacks"] == 1 and "checksum" in status["last_error"], status
+    t.call("publish", 3, SPEC)
+    assert staged(a, 3) == ("gloo", True)
