@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from subscriber_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.seed.communicator import WeightCommunicator
+from subscriber_ext.seed.packing import layout, parse_specs, unpack
 from subscriber_ext.seed.tensor_bytes import decode_many, decode_one
 from subscriber_ext.worker_state import StateAccess
 from weightpub_wire.dtypes import parse_dtype
@@ -25,6 +27,7 @@ __all__ = ["SeedRpcs"]
 class SeedRpcs(StateAccess):
     """Mixed into the worker extension; each method is a ``collective_rpc`` target."""
 
+    @all_ranks_reply
     def init_communicator(
         self, host: str, port: int, world_size: int, client_device_uuid: str | None = None
     ) -> None:
@@ -44,6 +47,7 @@ class SeedRpcs(StateAccess):
         rank = get_world_group().rank
         st.communicator = WeightCommunicator(host, int(port), rank, int(world_size), device)
 
+    @all_ranks_reply
     def close_communicator(self) -> None:
         st = self._wp()
         if st.communicator is not None:
@@ -62,20 +66,41 @@ class SeedRpcs(StateAccess):
         st.communicator.broadcast(weight, src=st.communicator.client_rank)
         return weight
 
+    @all_ranks_reply
     def update_named_param(self, name: str, dtype: str, shape: Any) -> None:
         """Receive one tensor by broadcast and set it (``_direct_set_weight``)."""
         weight = self._wp_receive(name, dtype, shape)
         self._direct_set_weight(name, weight)
 
+    @all_ranks_reply
     def batch_update_named_params(self, params_list: list[tuple[str, str, Any]]) -> None:
         """Receive several tensors (``(name, dtype_str, shape)`` each, in order), then set them.
 
         Every tensor is received first (the trainer broadcasts them all), then all are
         checked and applied together: one bad tensor leaves the weights unchanged.
+        A list that starts with the packing marker (``seed.packing.packed_specs``) is
+        received in a few packed buckets, one broadcast each, instead of one per tensor.
         """
-        received = [(n, self._wp_receive(n, d, s)) for n, d, s in params_list]
+        bucket_bytes, specs = parse_specs(params_list)  # every spec checked before receiving
+        if bucket_bytes is None:
+            received = [(n, self._wp_receive(n, str(d), s)) for n, d, s in specs]
+        else:
+            received = self._wp_receive_packed(specs, bucket_bytes)
         self._wp_set_many(received)
 
+    def _wp_receive_packed(self, specs: Any, bucket_bytes: int) -> list[tuple[str, torch.Tensor]]:
+        st = self._wp()
+        if st.communicator is None:
+            raise ConfigError("communicator not initialized; call init_communicator first")
+        received: list[tuple[str, torch.Tensor]] = []
+        for bucket in layout(specs, bucket_bytes):
+            buffer = torch.empty(max(bucket.nbytes, 1), dtype=torch.uint8,
+                                 device=st.communicator.device)
+            st.communicator.broadcast(buffer, src=st.communicator.client_rank)
+            received.extend(unpack(bucket, buffer))
+        return received
+
+    @all_ranks_reply
     def http_load_weight(self, **kwargs: Any) -> None:
         """Load one tensor sent as bytes: ``name``, ``dtype``, ``shape``, ``data``.
 
@@ -85,10 +110,12 @@ class SeedRpcs(StateAccess):
         name, tensor = decode_one(kwargs)
         self._direct_set_weight(name, tensor)
 
+    @all_ranks_reply
     def http_load_weights(self, weights: Any) -> None:
         """Load tensors sent as bytes: a list of dicts/tuples (see ``seed.tensor_bytes``)."""
         self._wp_set_many(decode_many(weights))
 
+    @all_ranks_reply
     def http_load_weights_batch(self, params: Any) -> None:
         """Load many tensors in one IPC call: checked together, applied together."""
         self._wp_set_many(decode_many(params))

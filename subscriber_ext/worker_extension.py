@@ -14,6 +14,10 @@ may prepare it off the step path (``apply/prepare.py``); the coordinator's
 strategy decides when it is committed on every rank (the engine core with our
 plugin, else the ranks' own agreement before ``execute_model``); the commit
 applies it through vLLM's loaders (``apply/applier.py``) and reports back.
+
+Every public RPC is wrapped by ``rpc_replies.all_ranks_reply``: at TP/PP > 1 a
+failure is raised by the last rank only (naming every rank's error), so vLLM's
+executor reads every rank's reply and the next RPC gets its own.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from subscriber_ext.commit.shared_slots import ENV, SlotTable, SlotWriter
 from subscriber_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
 from subscriber_ext.commit.vllm_patches import wrap_execute_model
 from subscriber_ext.observe.status_board import StatusBoard
+from subscriber_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.seed_rpcs import SeedRpcs
 from subscriber_ext.transport.node_staging import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
@@ -142,7 +147,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             "staged_version": coord.staged_version() if coord else None,
             "publisher_latest_version": source.get("publisher_latest_version"),
             "received_bytes": 0 if follower else source.get("received_bytes", 0),
-            "data_path": "node-shm" if follower else "zmq",
+            # how the applied version's bytes reached this node: zmq, gloo, nccl, cuda_ipc
+            "data_path": coord.applied_data_path if coord else None,
             "metrics": metrics,
         }
 
@@ -216,6 +222,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             raise ConfigError(f"subscriber_cls: cannot import {qualname!r}") from exc
 
     # --------------------------------------------------------- subscription
+    @all_ranks_reply
     def start_weight_subscriber(self, endpoint: str, **options: Any) -> dict[str, Any]:
         """Subscribe this rank to ``endpoint``; idempotent for the same endpoint.
 
@@ -230,7 +237,10 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
         more than one rank: the ranks of this replica on one node share one
         subscription and one staged copy in shared memory; a single-rank replica
         keeps private, on CUDA pinned, staging; True/False force it). Everything
-        else goes to the subscriber (e.g. ``staging_budget_bytes``).
+        else goes to the subscriber (e.g. ``staging_budget_bytes``, or
+        ``collective=True``: the node joins the publisher's collective data path,
+        gloo on CPUs, NCCL / CUDA IPC on this rank's GPU; ``weight_version()``'s
+        ``data_path`` then says which path brought the applied version).
         """
         check_vllm()
         st = self._wp()
@@ -264,6 +274,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             if cls is WeightSubscriber:
                 options.setdefault("subscriber_id",
                                    f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}")
+                if options.get("collective") and getattr(self.device, "type", "") == "cuda":
+                    options.setdefault("collective_device", str(self.device))
             node_staging = ext.get("node_staging")
             if node_staging is None:
                 node_staging = self.vllm_config.parallel_config.world_size > 1
@@ -297,6 +309,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             return None
         return f"{rendezvous}|{endpoint}"
 
+    @all_ranks_reply
     def stop_weight_subscriber(self) -> None:
         """Close the subscriber; staged but uncommitted versions are dropped."""
         st = self._wp()
@@ -310,6 +323,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             if st.coordinator is not None:
                 st.coordinator.drop_staged()
 
+    @all_ranks_reply
     def commit_pending(self) -> int | None:
         """Make the newest version every rank holds live now; returns this rank's version.
 
@@ -323,6 +337,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             return None
         return st.coordinator.commit_pending()
 
+    @all_ranks_reply
     def weightpub_commit_version(self, version: int, publisher_hash: int) -> int | None:
         """Engine-driver RPC (``engine_driver.COMMIT_RPC``): commit exactly ``version`` here."""
         st = self._wp()
@@ -330,11 +345,13 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             return None
         return st.coordinator.commit(int(version), int(publisher_hash))
 
+    @all_ranks_reply
     def weight_version(self) -> dict[str, Any]:
         """Commit what is pending, then report this rank's state."""
         self.commit_pending()
         return self._wp_status()
 
+    @all_ranks_reply
     def weight_status(self) -> dict[str, Any]:
         """Report this rank's state without committing anything."""
         return self._wp_status()
@@ -354,6 +371,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             "rank": self.rank,
             "endpoint": st.endpoint,
             "applied_version": coord.applied_version if coord else None,
+            "data_path": coord.applied_data_path if coord else None,
             "staged_version": coord.staged_version() if coord else None,
             "publisher_id": coord.publisher_id if coord else None,
             "last_error": (coord.last_error if coord else None)
@@ -373,6 +391,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             "subscriber": source_status,
         }
 
+    @all_ranks_reply
     def weight_request_versions(self, req_ids: list[str] | None = None) -> dict[str, list]:
         """``req_id -> [first, last]`` applied version of the steps that ran it."""
         reqs = self._wp().requests

@@ -16,9 +16,10 @@ from rich.table import Table
 from rich.text import Text
 
 from weightpub_wire import protocol as wire
+from weightpub_wire.collective import GroupStatus
 from weightpub_wire.errors import WeightPubTimeout
 
-__all__ = ["fleet_table", "printable", "watch_fleet"]
+__all__ = ["fleet_table", "group_line", "printable", "watch_fleet"]
 
 
 def printable(text: str, limit: int = 200, style: str = "") -> Text:
@@ -27,15 +28,34 @@ def printable(text: str, limit: int = 200, style: str = "") -> Text:
     return Text(clean + ("…" if len(text) > limit else ""), style=style)
 
 
+def group_line(group: GroupStatus | None) -> Text | None:
+    """The collective path's group: backend, epoch, members (ids are peer text)."""
+    if group is None:
+        return None
+    line = Text(f"collective {printable(group.backend, 16)} {printable(group.state, 16)}, "
+                f"epoch {group.epoch}, {len(group.members)} member(s): ")
+    line.append_text(printable(", ".join(group.members) or "-", 400))
+    if group.waiting:
+        line.append("; waiting: ")
+        line.append_text(printable(", ".join(group.waiting), 200))
+    line.append(f"; {group.rounds} round(s), last version {group.last_version}, "
+                f"{group.bytes_sent} bytes")
+    if group.last_error:
+        line.append("; last error: ")
+        line.append_text(printable(group.last_error, 200, style="red"))
+    return line
+
+
 def fleet_table(reply: wire.StatusReply) -> Group:
-    """A header line and a table of the publisher's subscribers."""
+    """A header line, the collective group (if any) and a table of the subscribers."""
     header = Text(f"publisher {printable(reply.publisher_id, 12)}  "
                   f"latest version {reply.latest_version}"
                   f"  holding {list(reply.versions)}  sent {reply.bytes_sent_full} bytes in full,"
                   f" {reply.bytes_sent_delta} as deltas")
     table = Table(expand=False)
     for column, justify in (("subscriber", "left"), ("ranks", "left"), ("staged", "right"),
-                            ("applied", "right"), ("lag", "right"), ("last error", "left")):
+                            ("applied", "right"), ("lag", "right"), ("path", "left"),
+                            ("last error", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for report in sorted(reply.subscribers, key=lambda r: r.subscriber_id):
         lag = max(0, reply.latest_version - report.applied_version)
@@ -45,9 +65,11 @@ def fleet_table(reply: wire.StatusReply) -> Group:
             str(report.staged_version),
             str(report.applied_version),
             Text(str(lag), style="yellow" if lag else "green"),
+            printable(report.data_path or "-", 16),  # how the applied version came
             printable(report.last_error or "", style="red"),
         )
-    return Group(header, table)
+    group = group_line(reply.collective)
+    return Group(header, table) if group is None else Group(header, group, table)
 
 
 def watch_fleet(fetch: Callable[[], wire.StatusReply], *, interval: float = 1.0,

@@ -92,6 +92,7 @@ class CommitCoordinator:
         self._on_commit = on_commit
         self._on_failure = on_failure
         self.applied_version: int | None = None
+        self.applied_data_path: str | None = None  # how the applied version reached the node
         self.publisher_id: str | None = None
         self.last_error: str | None = None
         self.step = 0
@@ -238,6 +239,7 @@ class CommitCoordinator:
         self.last_commit_s = time.perf_counter() - start
         with self._lock:
             self.applied_version = choice
+            self.applied_data_path = getattr(staged, "data_path", None)
             self.last_error = None
             if self.publisher_id != staged.publisher_id:  # a pinned version of an old publisher
                 self.applied_version = None
@@ -249,7 +251,7 @@ class CommitCoordinator:
             self.commit_count += 1
             self.commit_log.append({
                 "step": self.step, "version": choice, "seconds": self.last_commit_s,
-                "prepared": prepared is not None,
+                "prepared": prepared is not None, "data_path": self.applied_data_path,
                 # the work of turning staged bytes into weights, on or off the step path
                 "apply_seconds": prepared.seconds if prepared is not None
                 else self.last_commit_s,

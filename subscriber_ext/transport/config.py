@@ -24,6 +24,8 @@ class SubscriberConfig(StrictConfig):
     staging_budget_bytes: int | None = Field(None, gt=0)
     curve_server_key_file: str | None = None  # the publisher's public key: turns on CurveZMQ
     curve_secret_key_file: str | None = None  # this client's key pair (allow-listing)
+    # join the publisher's collective data path when it announces one (same fabric only)
+    collective: bool = False
 
     _endpoint = field_validator("endpoint")(check_endpoint)
 
@@ -50,4 +52,6 @@ class SubscriberConfig(StrictConfig):
             kwargs["curve_server_key_file"] = self.curve_server_key_file
         if self.curve_secret_key_file is not None:
             kwargs["curve_secret_key_file"] = self.curve_secret_key_file
+        if self.collective:
+            kwargs["collective"] = True
         return kwargs

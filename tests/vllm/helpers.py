@@ -249,6 +249,21 @@ class DirSubscriber:
         self._thread.join(timeout=5)
 
 
+def trainer_packed_main(host: str, ports: list[int], vllm_world: int, path: str,
+                        out: Any) -> None:
+    """Trainer process: one session per port, each sending the file's tensors packed
+    (``BroadcastClient.send_packed``); puts the broadcast count of each session on ``out``."""
+    from safetensors.torch import load_file
+
+    from subscriber_ext.seed.broadcast_client import BroadcastClient
+
+    weights = sorted(load_file(path).items())
+    for port in ports:
+        client = BroadcastClient(host, port, vllm_world, timeout_s=120)
+        out.put(client.send_packed(weights))
+        client.close()
+
+
 def trainer_main(host: str, port: int, vllm_world: int, path: str, rounds: int) -> None:
     """Trainer process: join the group as last rank and broadcast the file's tensors."""
     from safetensors.torch import load_file

@@ -24,6 +24,7 @@ from .helpers import (
     publish_to_dir,
     save_tiny,
     trainer_main,
+    trainer_packed_main,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -119,3 +120,58 @@ def test_tp2_seed_gloo(llm, tmp_path):
             trainer.kill()
     assert trainer.exitcode == 0
     _check(llm, w)
+
+
+def test_tp2_seed_gloo_packed_buckets_and_a_stale_communicator_closed_first(llm, tmp_path):
+    """The trainer sends a whole list in packed buckets (a marker spec first, same RPC
+    signature); a second ``init_communicator`` without ``close_communicator`` closes the
+    stale group first and the next session works."""
+    from safetensors.torch import save_file
+
+    from subscriber_ext.seed.broadcast_client import BroadcastClient
+
+    w = new_weights(KIND, 37)
+    path = tmp_path / "w.safetensors"
+    save_file(w, str(path))
+    ports = [free_port(), free_port()]
+    ctx = mp.get_context("spawn")
+    counts = ctx.Queue()
+    trainer = ctx.Process(target=trainer_packed_main,
+                          args=("127.0.0.1", ports, 2, str(path), counts))
+    trainer.start()
+    try:
+        specs = BroadcastClient.packed_specs(sorted(w.items()))
+        for port in ports:  # the second init finds the first group still open
+            llm.collective_rpc("init_communicator", args=("127.0.0.1", port, 3, None))
+            llm.collective_rpc("batch_update_named_params", args=(specs,))
+        llm.collective_rpc("close_communicator")
+    finally:
+        trainer.join(timeout=60)
+        if trainer.is_alive():
+            trainer.kill()
+    assert trainer.exitcode == 0
+    broadcasts = [counts.get(timeout=5) for _ in ports]
+    assert broadcasts == [1, 1], broadcasts  # one bucket for the model, not one per tensor
+    assert len(w) > 10
+    _check(llm, w)
+
+
+def test_tp2_an_rpc_failing_on_every_rank_raises_once_and_later_replies_are_their_own(llm):
+    """vLLM raises at the first failed reply and leaves the others queued
+    (vllm-project/vllm#57846); our RPCs let only the last rank raise, for all ranks."""
+    good = new_weights(KIND, 38)
+    bad_name = "model.layers.0.mlp.down_proj.weight"
+    bad = dict(good)
+    bad[bad_name] = bad[bad_name].t().contiguous()  # wrong shape: refused on every rank
+    with pytest.raises(Exception) as info:
+        llm.collective_rpc("http_load_weights_batch", args=(encode_all(bad),))
+    text = str(info.value)
+    assert bad_name in text, text
+    for _ in range(2):  # each reply is this call's own, from each rank in order
+        states = llm.collective_rpc("weight_status")
+        assert [s["rank"] for s in states] == [0, 1], states
+    assert "2 of 2 ranks" in text and "rank 0: ApplyError" in text, text  # one error, both
+    versions = llm.collective_rpc("weight_request_versions")
+    assert len(versions) == 2 and all(isinstance(v, dict) for v in versions), versions
+    llm.collective_rpc("http_load_weights_batch", args=(encode_all(good),))
+    _check(llm, good)
