@@ -120,8 +120,8 @@ class CollectivePublisher:
         self._thread = threading.Thread(target=self._run, name="weightpub-collective",
                                         daemon=True)
         self._thread.start()
-        log.info("collective path %s on %s:%s (buckets of %d MiB)", self.backend, options.host,
-                 self.port, options.bucket_bytes >> 20)
+        log.info("collective path %s on %s:%s (buckets of %d KiB)", self.backend, options.host,
+                 self.port, options.bucket_bytes >> 10)
 
     @property
     def port(self) -> int:

@@ -85,6 +85,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(f"{_MOE}.oracle.unquantized", "UnquantizedMoeBackend", None,
              "MoE backends whose live weights are in checkpoint layout"),
     Internal("vllm.distributed.parallel_state", "get_tp_group", None, "rank within the replica"),
+    Internal("vllm.distributed.parallel_state", "get_world_group", None,
+             "every RPC's failure exchange on the world CPU group (rpc_replies.py)"),
     Internal("vllm.v1.worker.worker_base", "WorkerBase.__init__",
              ("self", "vllm_config", "local_rank", "rank", "distributed_init_method"),
              "node staging: the engine's rendezvous address names the replica's node channel"),

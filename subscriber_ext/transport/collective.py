@@ -119,8 +119,9 @@ class CollectiveMember:
         if not self.receiver.ready_for_rounds():
             return False
         info = self.announced
-        return info is not None and (info.backend == "cuda_ipc"
-                                     or self.receiver.epoch > self._ended_epoch)
+        return info is not None and (info.backend == "cuda_ipc" or (
+            self.receiver.publisher_id == self.instance
+            and self.receiver.epoch > self._ended_epoch))
 
     def usable(self) -> bool:
         return self.announced is not None and not self._unusable_reason()
@@ -156,7 +157,7 @@ class CollectiveMember:
 
     def tick(self, client: SyncClient, now: float) -> None:
         if self.usable() and now >= self._next_poll:
-            state, epoch = self.receiver.poll_state()
+            state, epoch = self.receiver.poll_state(self.instance)
             assert self.announced is not None
             poll = wire.CollectivePoll(req=next(self._ids), subscriber_id=self.subscriber_id,
                                        state=state, epoch=epoch, backend=self.announced.backend,
@@ -193,7 +194,7 @@ class CollectiveMember:
                     and handle.version not in self._given_up:
                 self.receiver.submit(IpcJob(handle, info, self.device))
             return
-        mine = self.receiver.epoch
+        mine = self.receiver.epoch if self.receiver.publisher_id == self.instance else 0
         if reply.epoch > mine or (reply.epoch == mine and reply.state not in ("forming",
                                                                               "active")):
             self._ended_epoch = max(self._ended_epoch, mine)  # its rounds will not come
@@ -207,7 +208,7 @@ class CollectiveMember:
 
     def status(self) -> dict[str, Any]:
         info = self.announced
-        state, epoch = self.receiver.poll_state()
+        state, epoch = self.receiver.poll_state(self.instance)
         return {
             "backend": None if info is None else info.backend,
             "usable": self.usable(),

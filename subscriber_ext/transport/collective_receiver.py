@@ -129,14 +129,20 @@ class CollectiveReceiver(threading.Thread):
         self.member = member
         self.state = "free"
         self.epoch = 0  # the newest epoch joined or being joined
+        self.publisher_id = ""  # whose epoch (a restarted publisher counts from 1 again)
         self.receiving = 0  # the version of the round under way
         self._jobs: queue.Queue[GroupJob | IpcJob] = queue.Queue(maxsize=1)
         self._stopping = threading.Event()
         self._scratch: torch.Tensor | None = None
         self._bounce: torch.Tensor | None = None
 
-    def poll_state(self) -> tuple[str, int]:
-        return ("leaving" if self._stopping.is_set() else self.state), self.epoch
+    def poll_state(self, publisher_id: str | None) -> tuple[str, int]:
+        """(state, epoch) as ``publisher_id`` should see them (another instance's epoch: 0)."""
+        epoch = self.epoch if publisher_id == self.publisher_id else 0
+        state = "leaving" if self._stopping.is_set() else self.state
+        if epoch == 0 and state != "leaving":
+            state = "free" if state == "free" else "joining"  # busy with an old instance
+        return state, epoch
 
     def ready_for_rounds(self) -> bool:
         """Whether versions should wait for this path (a group member, or cuda_ipc)."""
@@ -147,10 +153,12 @@ class CollectiveReceiver(threading.Thread):
 
     def submit(self, job: GroupJob | IpcJob) -> None:
         """From the subscriber thread: ignored unless idle (and a new epoch)."""
-        if self.state != "free" or (isinstance(job, GroupJob) and job.epoch <= self.epoch):
+        if self.state != "free":
             return
         if isinstance(job, GroupJob):
-            self.epoch = job.epoch
+            if job.publisher_id == self.publisher_id and job.epoch <= self.epoch:
+                return  # an epoch this receiver already joined (or failed to)
+            self.epoch, self.publisher_id = job.epoch, job.publisher_id
             self.state = "joining"
         else:
             self.state = "copying"

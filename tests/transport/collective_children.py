@@ -4,10 +4,10 @@ Forked from the fault suite's forkserver (torch and the packages preloaded), the
 talk to the test over a pipe. A ``kill_at`` point makes the child SIGKILL itself
 at an exact place in the real code (a real ``kill -9``, mid-broadcast):
 
-- trainer ``bucket:<n>``: about to broadcast the n-th bucket of a data round
-  (counting from the first round's first bucket);
-- member ``bucket:<n>``: just after receiving the n-th bucket;
-- member ``corrupt:<n>``: not a kill: flips one byte of the n-th received bucket
+- trainer ``die:<v>:<n>``: about to broadcast the n-th bucket of the round of
+  version ``v`` (``v`` 0: the n-th bucket over all rounds);
+- member ``die:<v>:<n>``: just after receiving that bucket;
+- member ``corrupt:<v>:<n>``: not a kill: flips one byte of that received bucket
   (the round must fail its checksum and the version come over ZeroMQ instead).
 
 A member reports every staged version: its data path, and whether its bytes are
@@ -39,26 +39,35 @@ def _die() -> None:
 
 
 def _count_buckets(cls: Any, kill_at: str | None, *, after: bool) -> None:
-    """Patch ``cls._bucket`` to die (or corrupt) at bucket ``n`` of the data rounds."""
+    """Patch ``cls._round`` / ``cls._bucket`` to act at bucket ``n`` of the round of ``version``.
+
+    ``kill_at`` is ``die:<version>:<n>`` or ``corrupt:<version>:<n>`` (flip one byte of
+    that received bucket); version 0 counts buckets over every round.
+    """
     if not kill_at:
         return
-    point, _, arg = kill_at.partition(":")
-    target, seen = int(arg), {"n": 0}
-    original = cls._bucket
+    action, version_text, n_text = kill_at.split(":")
+    wanted, target = int(version_text), int(n_text)
+    seen = {"n": 0, "version": 0}
+    original_round, original_bucket = cls._round, cls._bucket
+
+    def round_(self: Any, *args: Any) -> None:
+        seen["version"] = args[0].manifest.version if len(args) == 1 else args[1].version
+        original_round(self, *args)
 
     def bucket(self: Any, *args: Any) -> None:
-        seen["n"] += 1
-        if point == "bucket" and not after and seen["n"] >= target:
+        counting = wanted in (0, seen["version"])
+        seen["n"] += counting
+        hit = counting and seen["n"] == target
+        if hit and action == "die" and not after:
             _die()
-        original(self, *args)
-        if seen["n"] == target and point == "bucket" and after:
+        original_bucket(self, *args)
+        if hit and action == "die" and after:
             _die()
-        if seen["n"] == target and point == "corrupt":
-            assembly, start = args[1], args[2]
-            if assembly is not None:
-                assembly.buffer[start] ^= 0xFF
+        if hit and action == "corrupt" and args[1] is not None:
+            args[1].buffer[args[2]] ^= 0xFF  # (group, assembly, start, size)
 
-    cls._bucket = bucket
+    cls._round, cls._bucket = round_, bucket
 
 
 def _logging(role: str) -> None:
@@ -76,7 +85,7 @@ def trainer_child(conn: multiprocessing.connection.Connection, args: dict[str, A
 
     _count_buckets(CollectivePublisher, args.get("kill_at"), after=False)
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 64 << 10),
-                          heartbeat_interval=0.2, collective="gloo",
+                          heartbeat_interval=0.2, collective="gloo", keep_versions=4,
                           collective_bucket_bytes=args.get("bucket_bytes", 128 << 10),
                           collective_timeout=args.get("timeout", 5.0))
     conn.send(("ready", pub.endpoint, pub.publisher_id, os.getpid()))
@@ -90,6 +99,14 @@ def trainer_child(conn: multiprocessing.connection.Connection, args: dict[str, A
             started = time.monotonic()
             pub.publish(det_weights(args["seed"], version, spec), version=version)
             conn.send(("published", version, time.monotonic() - started))
+        elif command[0] == "publish_hf":  # a real model's weights (the vLLM tests' oracle)
+            from tests.vllm.helpers import new_weights
+
+            _, version, kind, seed = command
+            started = time.monotonic()
+            pub.publish(new_weights(kind, seed), version=version)
+            pub.wait_announced(version, timeout=30)
+            conn.send(("published", version, time.monotonic() - started))
         elif command[0] == "group":
             conn.send(("group", msgspec.to_builtins(pub.collective_status())))
         elif command[0] == "fleet":
@@ -98,7 +115,8 @@ def trainer_child(conn: multiprocessing.connection.Connection, args: dict[str, A
 
 
 def member_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]) -> None:
-    """Sends ("staged", publisher_id, version, data_path, exact) per staged version."""
+    """Sends ("staged", publisher_id, version, data_path, exact, digests) per staged version
+    (``exact``: the bytes are ``det_weights`` of the seed sent for that instance)."""
     faulthandler.dump_traceback_later(60, exit=True)
     _logging(args["name"])
     from subscriber_ext import WeightSubscriber
@@ -131,11 +149,12 @@ def member_child(conn: multiprocessing.connection.Connection, args: dict[str, An
         if not commands():  # a seed sent before this version's publish is known now
             break
         seed = seeds.get(staged.publisher_id)
-        spec = args["specs"].get(str(staged.version))
+        spec = args.get("specs", {}).get(str(staged.version))
+        got = digests(staged.items())
         exact = seed is not None and spec is not None and \
-            digests(staged.items()) == digests(det_weights(seed, staged.version, spec).items())
+            got == digests(det_weights(seed, staged.version, spec).items())
         sub.mark_applied(staged.version)
-        conn.send(("staged", staged.publisher_id, staged.version, staged.data_path, exact))
+        conn.send(("staged", staged.publisher_id, staged.version, staged.data_path, exact, got))
         staged.release()
     sub.close()
 
@@ -177,7 +196,8 @@ class Child:
 
     def call(self, *command: Any, timeout: float = 60.0) -> tuple[Any, ...]:
         self._conn.send(command)
-        return self.expect(command[0] if command[0] != "publish" else "published", timeout)
+        reply = "published" if command[0].startswith("publish") else command[0]
+        return self.expect(reply, timeout)
 
     def staged(self, version: int, timeout: float) -> tuple[Any, ...]:
         return self.expect("staged", timeout, lambda m: m[2] == version)

@@ -25,6 +25,7 @@ import pytest
 
 from tests.transport.collective_children import Child
 from tests.transport.procs import free_port, wait_until
+from weightpub.cli import main as cli_main
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,13 +74,11 @@ def staged(node: Child, version: int, timeout: float = 30.0) -> tuple[str, bool]
     return message[3], message[4]
 
 
-def test_versions_arrive_by_gloo_and_a_late_node_is_brought_into_the_group(children):
+def test_versions_arrive_by_gloo_and_a_late_node_is_brought_into_the_group(children, capsys):
     t = trainer(children, A)
     a = member(children, "node-a", t, A)
-    t.call("publish", 1, SPEC)
-    assert staged(a, 1) == ("zmq", True)  # before any group: frames
-    first = group_of(t, {"node-a"})
-    for version in (2, 3):
+    first = group_of(t, {"node-a"})  # the announce in the latest reply is enough to join
+    for version in (1, 2, 3):
         t.call("publish", version, SPEC)
         assert staged(a, version) == ("gloo", True)
 
@@ -97,16 +96,20 @@ def test_versions_arrive_by_gloo_and_a_late_node_is_brought_into_the_group(child
     reports = wait_until(lambda: (r := t.call("fleet")[1]) and len(r) == 2
                          and all(x["applied_version"] == 5 for x in r) and r, 10, "reports")
     assert {r["data_path"] for r in reports} == {"gloo"}, reports
+    assert cli_main(["status", t.endpoint]) == 0  # what an operator sees
+    out = capsys.readouterr().out
+    assert f"collective gloo active, epoch {second['epoch']}, 2 member(s): node-a, node-b" in out
+    assert out.count("gloo") >= 3, out  # the group line and each node's path column
 
 
 def test_kill_9_of_a_node_mid_broadcast_leaves_the_trainer_and_the_other_node_working(
         children):
     t = trainer(children, A)
     a = member(children, "node-a", t, A)
-    b = member(children, "node-b", t, A, kill_at="bucket:3")  # during the first round
-    t.call("publish", 1, SPEC)
-    assert staged(a, 1)[1] and staged(b, 1)[1]
+    b = member(children, "node-b", t, A, kill_at="die:2:3")
     group_of(t, {"node-a", "node-b"})
+    t.call("publish", 1, SPEC)
+    assert staged(a, 1) == staged(b, 1) == ("gloo", True)
 
     published = t.call("publish", 2, SPEC)  # b dies three buckets into this round
     assert published[2] < TIMEOUT, "publish() waited on the broadcast"
@@ -123,11 +126,11 @@ def test_kill_9_of_a_node_mid_broadcast_leaves_the_trainer_and_the_other_node_wo
 def test_kill_9_of_the_trainer_mid_broadcast_keeps_the_node_on_its_version(children):
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    first = trainer(children, A, endpoint, kill_at="bucket:3")
+    first = trainer(children, A, endpoint, kill_at="die:2:3")
     a = member(children, "node-a", first, A)
-    first.call("publish", 1, SPEC)
-    assert staged(a, 1) == ("zmq", True)
     group_of(first, {"node-a"})
+    first.call("publish", 1, SPEC)
+    assert staged(a, 1) == ("gloo", True)
     first._conn.send(("publish", 2, SPEC))  # dies three buckets into the round
     first.wait_killed()
     status = wait_until(lambda: (s := a.call("status")[1])["collective"]["receiver"] == "free"
@@ -138,20 +141,18 @@ def test_kill_9_of_the_trainer_mid_broadcast_keeps_the_node_on_its_version(child
 
     second = trainer(children, B, endpoint)  # a new trainer on the same endpoint
     a._conn.send(("seed", second.name, B))
-    second.call("publish", 1, SPEC)
-    assert staged(a, 1) == ("zmq", True)
-    group_of(second, {"node-a"})
-    for version in (2, 3):
+    group_of(second, {"node-a"})  # the node follows it and joins its group, not restarted
+    for version in (1, 2):
         second.call("publish", version, SPEC)
         assert staged(a, version) == ("gloo", True)
 
 
 def test_a_corrupted_bucket_makes_that_version_come_over_zeromq(children):
     t = trainer(children, A)
-    a = member(children, "node-a", t, A, kill_at="corrupt:2")  # the first round's 2nd bucket
-    t.call("publish", 1, SPEC)
-    assert staged(a, 1) == ("zmq", True)
+    a = member(children, "node-a", t, A, kill_at="corrupt:2:2")  # v2's second bucket
     group_of(t, {"node-a"})
+    t.call("publish", 1, SPEC)
+    assert staged(a, 1) == ("gloo", True)
     t.call("publish", 2, SPEC)
     assert staged(a, 2) == ("zmq", True)  # the broadcast copy failed its checksum
     status = a.call("status")[1]["collective"]
