@@ -80,7 +80,7 @@ def check_options(options: CollectiveOptions, chunk_size: int) -> None:
         raise ConfigError(f"collective_timeout: {options.timeout}s must be in (keepalive "
                           f"{options.keepalive}s, 3600]")
     if options.backend in ("nccl", "cuda_ipc") and not torch.cuda.is_available():
-        raise ConfigError(f"collective={options.backend!r} needs a CUDA device in the "
+        raise ConfigError(f"collective: {options.backend!r} needs a CUDA device in the "
                           "trainer process (use 'gloo' on CPUs)")
 
 
@@ -210,13 +210,12 @@ class CollectivePublisher:
         return self._group.epoch
 
     def _due_version(self) -> PublishedVersion | None:
+        """The newest announced version, if not sent yet (its copy may still be running:
+        each bucket goes out once its bytes are final, as ZeroMQ chunks do)."""
         with self._cond:
             newest = self._newest
         if newest is None or newest.failed or newest.manifest.version <= self._last_round:
             return None
-        manifest = newest.manifest
-        if manifest.num_chunks and not newest.chunk_ready(manifest.num_chunks - 1):
-            return None  # announced before its copy ended: keepalives until it did
         return newest
 
     def _form(self) -> None:
@@ -273,6 +272,7 @@ class CollectivePublisher:
             ready = group.all_gather_flags(1)[1:]
             if any(ready):
                 for start, size in spans:
+                    self._copied(version, start + size)
                     self._bucket(group, version.buffer[start: start + size])
                     self.bytes_sent += size
             verified = group.all_gather_flags(1)[1:]
@@ -284,6 +284,17 @@ class CollectivePublisher:
         log.info("collective: version %d to %d/%d ready member(s) in %.3fs (%d verified)",
                  manifest.version, sum(ready), len(ready), time.monotonic() - started,
                  sum(verified))
+
+    def _copied(self, version: PublishedVersion, end: int) -> None:
+        """Wait (bounded) until ``publish()``'s copy has reached byte ``end``."""
+        manifest = version.manifest
+        last = (end - 1) // manifest.chunk_size
+        deadline = time.monotonic() + self.options.timeout
+        while not version.chunk_ready(last):
+            if version.failed or time.monotonic() > deadline:
+                raise GroupError(f"version {manifest.version}: its snapshot failed or its copy "
+                                 f"did not reach byte {end} within {self.options.timeout}s")
+            time.sleep(0.0005)
 
     def _bucket(self, group: CollectiveGroup, source: torch.Tensor) -> None:
         if group.device.type == "cpu":

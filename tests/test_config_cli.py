@@ -48,6 +48,13 @@ def test_shipped_configs_load(name, kind):
      "replica.subscriber.staging_budget_bytes"),
     ("replica:\n  model: m\n  node_staging: perhaps\n  subscriber: {endpoint: 'tcp://h:1'}\n",
      "replica.node_staging"),
+    ("publisher:\n  endpoint: tcp://h:1\n  collective: mpi\n", "publisher.collective"),
+    ("publisher:\n  endpoint: tcp://h:1\n  chunk_mib: 4\n  collective_bucket_mib: 6\n",
+     "collective_bucket_mib 6 is not a multiple of chunk_mib 4"),
+    ("publisher:\n  endpoint: tcp://h:1\n  collective_timeout: 0\n",
+     "publisher.collective_timeout"),
+    ("replica:\n  model: m\n  subscriber: {endpoint: 'tcp://h:1', collective: maybe}\n",
+     "replica.subscriber.collective"),
     ("nonsense: {}\n", "unknown top-level key 'nonsense'"),
     ("publisher: [unclosed\n", "not valid YAML"),
 ])
@@ -152,6 +159,24 @@ def test_staging_budget_and_node_staging_reach_the_replica_command():
     extra = json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]
     assert extra["staging_budget_bytes"] == 3 << 30
     assert extra["node_staging"] is False
+    assert "collective" not in extra
+    collective = ReplicaConfig.model_validate({
+        "model": "m", "subscriber": {"endpoint": "tcp://h:1", "collective": True}})
+    argv = replica_command(collective)
+    assert json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]["collective"]
+
+
+@pytest.mark.timeout(60)
+def test_collective_publisher_from_yaml_announces_its_path(tmp_path):
+    path = tmp_path / "publisher.yaml"
+    path.write_text("publisher:\n  endpoint: tcp://127.0.0.1:0\n  collective: gloo\n"
+                    "  collective_bucket_mib: 8\n  collective_timeout: 12\n")
+    with WeightPublisher.from_config(path) as pub:
+        pub.wait_announced(pub.publish({"w": torch.arange(5)}), timeout=20)
+        announce = pub.manifest().collective
+        assert announce is not None and announce.backend == "gloo"
+        assert (announce.bucket_bytes, announce.timeout) == (8 << 20, 12.0)
+        assert announce.store_port > 0 and pub.collective_status().state == "idle"
 
 
 @pytest.mark.timeout(60)
@@ -188,6 +213,11 @@ def test_a_file_of_another_kind_is_refused_by_name(tmp_path):
     ({"first_version": 0}, "first_version"),
     ({"keep_versions": 0}, "keep_versions"),
     ({"heartbeat_interval": 0}, "heartbeat_interval"),
+    ({"collective": "mpi"}, "collective"),
+    ({"collective": "gloo", "collective_bucket_bytes": 5 << 20}, "collective_bucket_bytes"),
+    ({"collective": "gloo", "collective_timeout": 0.5}, "collective_timeout"),
+    ({"collective": "nccl"} if not torch.cuda.is_available() else {"collective": "x"},
+     "collective"),
 ])
 def test_bad_publisher_arguments_raise_config_error_naming_the_key(kwargs, key):
     with pytest.raises(ConfigError, match=rf"^{key}: "):

@@ -223,8 +223,16 @@ class CollectiveMember:
         }
 
     def close(self) -> None:
+        """Say so to the publisher (it re-forms its group at once), then stop receiving."""
+        if self.usable() and self.instance is not None:
+            self.call(self._leave, timeout=1.0)
         self.closed = True
         self.receiver.stop()
+
+    def _leave(self, client: SyncClient) -> None:
+        assert self.announced is not None
+        client.send(wire.CollectivePoll(req=next(self._ids), subscriber_id=self.subscriber_id,
+                                        state="leaving", backend=self.announced.backend))
 
     # -- the receiver thread's calls, run on the subscriber thread -------------------------
     def call(self, function: Callable[[SyncClient], Any], timeout: float = 5.0) -> Any:

@@ -135,6 +135,7 @@ class CollectiveReceiver(threading.Thread):
         self._stopping = threading.Event()
         self._scratch: torch.Tensor | None = None
         self._bounce: torch.Tensor | None = None
+        self._stopped_at = 0.0
 
     def poll_state(self, publisher_id: str | None) -> tuple[str, int]:
         """(state, epoch) as ``publisher_id`` should see them (another instance's epoch: 0)."""
@@ -169,8 +170,14 @@ class CollectiveReceiver(threading.Thread):
 
     def stop(self) -> None:
         self._stopping.set()
+        self._stopped_at = time.monotonic()
         info = self.member.announced
         self.join(timeout=2 * (info.keepalive if info is not None else 1.0) + 1.0)
+
+    def _linger(self, info: CollectiveAnnounce) -> bool:
+        """After ``stop``: stay in the group (up to two keepalives) until the publisher,
+        told that this node leaves, closes the epoch, so its next broadcast does not fail."""
+        return time.monotonic() - self._stopped_at < 2 * info.keepalive
 
     def run(self) -> None:
         while not self._stopping.is_set():
@@ -213,7 +220,7 @@ class CollectiveReceiver(threading.Thread):
                  job.world_size, info.backend)
         tag = publisher_tag(job.publisher_id)
         try:
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() or self._linger(info):
                 words = RoundHeader.empty().to(group.device)
                 group.broadcast(words)
                 header = RoundHeader.from_tensor(
