@@ -195,8 +195,9 @@ class CollectivePublisher:
         if version is not None:
             self._round(version)
         elif time.monotonic() - self._last_op >= self.options.keepalive:
+            # the version of the last round: members stop holding back older versions
             self._header(RoundHeader(kind=KIND_KEEPALIVE, epoch=self._epoch(),
-                                     publisher=self._tag))
+                                     version=self._last_round, publisher=self._tag))
         else:
             self._sleep(min(0.05, self.options.keepalive))
 

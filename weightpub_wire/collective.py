@@ -16,7 +16,8 @@ int64 header broadcast at a time::
 
     header {magic, kind, epoch, version, total_bytes, bucket_bytes, buckets, publisher}
       kind KEEPALIVE: nothing follows (sent every ``keepalive`` s: members never wait
-                      longer than that plus the timeout to learn the root is gone)
+                      longer than that plus the timeout to learn the root is gone);
+                      ``version`` is the last round's: older versions will not come
       kind DATA:      all_gather(ready) -> broadcast each bucket -> all_gather(verified)
       kind CLOSE:     the root leaves; members tear the group down
 

@@ -174,6 +174,9 @@ class CollectiveMember:
                 del self._claims[version]
             elif not self.in_group():
                 self._give_up(client, version, "the node left the collective group")
+            elif version <= self.receiver.passed and receiving != version:
+                self._give_up(client, version, "its round has passed (the group was formed "
+                                               "after it was announced)")
             elif receiving:
                 self._claims[version] = max(deadline, now + 1.0)  # a round is under way
             elif now > deadline:

@@ -131,6 +131,7 @@ class CollectiveReceiver(threading.Thread):
         self.epoch = 0  # the newest epoch joined or being joined
         self.publisher_id = ""  # whose epoch (a restarted publisher counts from 1 again)
         self.receiving = 0  # the version of the round under way
+        self.passed = 0  # rounds up to this version are over (the root's keepalive says)
         self._jobs: queue.Queue[GroupJob | IpcJob] = queue.Queue(maxsize=1)
         self._stopping = threading.Event()
         self._scratch: torch.Tensor | None = None
@@ -160,6 +161,7 @@ class CollectiveReceiver(threading.Thread):
             if job.publisher_id == self.publisher_id and job.epoch <= self.epoch:
                 return  # an epoch this receiver already joined (or failed to)
             self.epoch, self.publisher_id = job.epoch, job.publisher_id
+            self.passed = 0
             self.state = "joining"
         else:
             self.state = "copying"
@@ -229,8 +231,11 @@ class CollectiveReceiver(threading.Thread):
                 if header.kind == KIND_CLOSE:
                     why = "the publisher closed the epoch"
                     break
-                if header.kind != KIND_KEEPALIVE:
+                if header.kind == KIND_KEEPALIVE:
+                    self.passed = max(self.passed, header.version)
+                else:
                     self._round(group, header, info.backend)
+                    self.passed = max(self.passed, header.version)
         except (GroupError, ValueError, TransportError) as exc:
             why = str(exc)
             log.warning("collective: epoch %d lost: %s", job.epoch, exc)
@@ -270,6 +275,7 @@ class CollectiveReceiver(threading.Thread):
             raise
         finally:
             self.receiving = 0
+            self._scratch = None
         if assembly is not None:  # staged before the last all_gather: a peer failing there
             self._hand_back(assembly, ok, "a bucket failed its checksum")  # cannot cost it
         group.all_gather_flags(1 if ok else 0)
