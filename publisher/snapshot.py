@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from weightpub_wire.buffers import BufferPool, byte_view, flat_bytes
+from weightpub_wire.buffers import BufferPool, byte_view, copy_bytes, flat_bytes
 from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.dtypes import dtype_name
 from weightpub_wire.protocol import TENSOR_ALIGN, TensorEntry
@@ -196,7 +196,7 @@ def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_s
             src = flat_bytes(tensor)
             for start in range(0, entry.nbytes, chunk_size):
                 stop = min(start + chunk_size, entry.nbytes)
-                dst[start:stop].copy_(src[start:stop])
+                copy_bytes(dst[start:stop], src[start:stop])
                 _advance(snapshot, entry.offset + stop, on_progress)
         elif entry.nbytes:
             dst.view(tensor.dtype).view(tensor.shape).copy_(

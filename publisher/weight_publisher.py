@@ -351,7 +351,7 @@ class WeightPublisher:
             publisher_id=self.publisher_id, started_at=self.started_at, version=number,
             created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
-            checksums=checksums, delta=delta,
+            checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)
