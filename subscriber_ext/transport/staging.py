@@ -53,6 +53,7 @@ class StagedVersion:
     tensors: dict[str, torch.Tensor]
     received_at: float
     fetch_seconds: float
+    attempt: int = 0  # the reception it came from (``progress.PartialVersion.attempt``)
     _pool: BufferPool | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
     _holds: int = field(default=1, repr=False)  # release() plus each retain()
@@ -163,12 +164,14 @@ class SharedView:
     shared with the node's other ranks and reused only after every rank released it.
     """
 
-    __slots__ = ("_on_release", "fetch_seconds", "publisher_id", "tensors", "total_bytes",
-                 "version")
+    __slots__ = ("_on_release", "attempt", "fetch_seconds", "publisher_id", "tensors",
+                 "total_bytes", "version")
 
     def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor],
-                 on_release: Callable[[], None], fetch_seconds: float | None = None) -> None:
+                 on_release: Callable[[], None], fetch_seconds: float | None = None,
+                 attempt: int = 0) -> None:
         self.version = manifest.version
+        self.attempt = attempt  # the node owner's reception (matches its partials)
         self.fetch_seconds = fetch_seconds  # how long the node took to receive it
         self.publisher_id = manifest.publisher_id
         self.total_bytes = manifest.total_bytes

@@ -36,6 +36,7 @@ import zmq
 
 from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
+from subscriber_ext.transport.progress import ProgressFeed
 from subscriber_ext.transport.staging import Assembly, StagedVersion
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
@@ -105,6 +106,7 @@ class SyncClient:
         self.deltas = DeltaState()  # the base held for deltas, bytes by path
         self.gate = BudgetGate(self.pool, self.deltas)  # the staging budget
         self.queued: wire.Manifest | None = None
+        self.progress: ProgressFeed | None = None  # tensors final before the version is
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._retries: dict[int, int] = {}
@@ -293,6 +295,8 @@ class SyncClient:
 
     def _drop_target(self) -> None:
         if self.target is not None:
+            if self.progress is not None:
+                self.progress.cancel(self.target)
             self.target.abandon()
         self.target = None
         self._requests.clear()
@@ -341,6 +345,8 @@ class SyncClient:
         self.target = target
         self._requests.clear()
         self._retries.clear()
+        if self.progress is not None:
+            self.progress.begin(target)
         if not target.missing:
             self._complete(target)
         else:
@@ -359,6 +365,8 @@ class SyncClient:
         self.target = None
         self._requests.clear()
         self._retries.clear()
+        if self.progress is not None:
+            self.progress.complete(target, staged)
         self.deltas.completed(target, staged)
         self.current_version = staged.version
         refused = self.gate.staged()  # a newer version fits: the refusal is history
@@ -527,6 +535,8 @@ class SyncClient:
                                     "checksum mismatch, refetching"))
             self._count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
+        if self.progress is not None:
+            self.progress.verified(target)
         if not target.missing:
             self._complete(target)
         else:

@@ -1,4 +1,5 @@
-"""The same-host data path (``ipc://``) and the staging memory a subscriber keeps.
+"""The same-host data path (``ipc://``), the staging memory a subscriber keeps, and
+the progress of a version while it arrives (``on_progress``).
 
 Why: a replica on the trainer's host may use a Unix socket instead of loopback TCP
 (``docs/benchmarks.md`` has the speeds); and a subscriber keeps its newest version
@@ -8,6 +9,7 @@ cost two staging buffers (and their first-touch page faults).
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +18,10 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.progress import PartialVersion, ProgressFeed
+from subscriber_ext.transport.staging import Assembly
 from tests.transport.procs import Child, as_bytes, digests, roundtrip_case, scribble
+from weightpub_wire.buffers import BufferPool
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -74,3 +79,59 @@ def test_a_delta_base_is_kept_when_the_publisher_announces_deltas(
     assert status["delta_base_version"] == 3
     assert status["versions_delta"] == 2  # versions 2 and 3 came as deltas
     assert status["staging_bytes"] == 2 * nbytes  # the base and the buffer reused next
+
+
+def test_progress_names_only_final_tensors_while_a_version_arrives(
+    make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    """``on_progress`` sees the version grow; every tensor it calls ready already holds
+    the published bytes (checked inside the callback), and the staged version carries
+    the same attempt."""
+    weights = {f"layer{i}.w": torch.full((64, 1024), i, dtype=torch.int32) for i in range(12)}
+    seen: list[tuple[int, int, int]] = []  # (attempt, ready count, wrong bytes)
+    staged_q: queue.Queue = queue.Queue()
+
+    def on_progress(partial: PartialVersion) -> None:
+        ready = partial.ready()
+        wrong = sum(not torch.equal(partial.tensors[n], weights[n]) for n in ready)
+        seen.append((partial.attempt, len(ready), wrong))
+
+    pub = make_pub(chunk_size=64 << 10)  # 256 KiB tensors: four chunks each
+    make_sub(pub.endpoint, on_progress=on_progress, on_version=staged_q.put,
+             window_bytes=128 << 10)  # two chunks in flight: many small steps
+    pub.publish(weights)
+    staged = staged_q.get(timeout=30)
+    assert len(seen) >= 6, seen  # the version was seen growing, tensor by tensor
+    assert [c for _, c, _ in seen] == sorted(c for _, c, _ in seen)
+    assert all(wrong == 0 for _, _, wrong in seen), seen
+    assert {a for a, _, _ in seen} == {staged.attempt}
+    assert seen[-1][1] <= len(weights)
+
+
+def test_a_reception_given_up_is_cancelled_and_a_new_one_gets_a_new_attempt(
+    make_pub: Callable[..., WeightPublisher],
+) -> None:
+    pub = make_pub(chunk_size=4096)
+    pub.publish({"a": torch.zeros(2048, dtype=torch.int32), "b": torch.ones(2048,
+                                                                           dtype=torch.int32)})
+    manifest = pub.manifest(1)
+    calls: list[tuple[int, int, bool]] = []
+    feed = ProgressFeed(lambda p: calls.append((p.attempt, p.ready_count(), p.cancelled)))
+    pool = BufferPool()
+    first = Assembly(manifest, pool)
+    feed.begin(first)
+    first.missing.discard(0)  # 4 KiB of 16: no tensor complete yet
+    feed.verified(first)
+    assert calls == []
+    first.missing.difference_update({1})  # "a" (8 KiB) is final
+    feed.verified(first)
+    attempt = calls[-1][0]
+    assert calls == [(attempt, 1, False)]
+    feed.cancel(first)  # conflated or failed: whatever was built from it is thrown away
+    assert calls[-1] == (attempt, 1, True)
+    first.abandon()
+    second = Assembly(manifest, pool)  # the same version again, maybe in the same buffer
+    feed.begin(second)
+    second.missing.clear()
+    feed.verified(second)
+    assert calls[-1][0] != attempt and calls[-1][1:] == (2, False)
