@@ -63,10 +63,13 @@ def summary(result: dict[str, Any]) -> list[Row]:
                              f"{med['streaming']:.0f} tok/s", f"no updates {med['quiet']:.0f}",
                              c["ratio"], ">= 0.9" if target else "",
                              (c["ratio"] >= 0.9) if target else None))
+            engine = c.get("engine_pause_seconds") or {}
+            stall = "" if engine.get("max") is None else \
+                f", engine core {engine['max'] * 1e3:.1f} ms"
             rows.append(_row("streaming", f"  commits (prepared), every {c['every_s']:g} s",
                              f"{c['commits']} ({c['prepared_commits']}) of {c['published']}",
-                             f"pause max {c['commit_pause_seconds']['max'] * 1e3:.1f} ms",
-                             None))
+                             f"pause max {c['commit_pause_seconds']['max'] * 1e3:.1f} ms"
+                             f"{stall}", None))
             rows.append(_row("streaming", f"  staged -> live, every {c['every_s']:g} s",
                              f"median {c['staged_to_commit_seconds']['median']:.3f} s",
                              f"max {c['staged_to_commit_seconds']['max']:.3f} s", None))

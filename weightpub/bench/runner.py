@@ -78,6 +78,7 @@ def run_bench(options: BenchOptions, progress: Progress | None = None) -> dict[s
     """Run the chosen sections; returns every figure (``report.summary`` makes the rows)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: results only
     done: dict[str, int] = {}
 
     def ticker(section: str) -> Callable[[], None]:

@@ -67,8 +67,19 @@ class _Streamer:
         self._thread.join()
 
 
-def _commits(llm: Any) -> list[dict[str, Any]]:
-    return llm.collective_rpc("weight_status")[0]["commits"]  # commits nothing
+def _engine_commits(llm: Any) -> list[dict[str, Any]]:
+    """The engine core's side of the newest commits: its RPC round trip (``rpc_s``) and the
+    prefix-cache invalidation (``prefix_s``), together the whole step-loop pause."""
+    try:
+        status = llm.llm_engine.engine_core.call_utility("weightpub_driver_status")
+    except Exception:  # no engine driver (plugin off): the worker's figure is all there is
+        return []
+    return list(status.get("commits", [])) if status.get("active") else []
+
+
+def _status(llm: Any) -> dict[str, Any]:
+    """Rank 0's state, without committing anything (``commits``: the newest 16)."""
+    return llm.collective_rpc("weight_status")[0]
 
 
 def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[float],
@@ -87,11 +98,12 @@ def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[
             repeat = max(1, math.ceil(round_s / (time.perf_counter() - t0)))
             for every in cadences:
                 tps: dict[str, list[float]] = {"quiet": [], "streaming": []}
-                commits: list[dict[str, Any]] = []
-                published = 0
+                commits: list[dict[str, Any]] = []  # the newest 16 of each round: details
+                published = committed = 0
+                engine: list[dict[str, Any]] = []
                 for rnd in range(2 * rounds):
                     kind = ("quiet", "streaming")[rnd % 2]
-                    before = len(_commits(llm))
+                    before = _status(llm)
                     t0 = time.perf_counter()
                     if kind == "quiet":
                         n = _generate(llm, requests, tokens, repeat)
@@ -100,24 +112,36 @@ def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[
                         with _Streamer(pub, weights, every) as streamer:
                             n = _generate(llm, requests, tokens, repeat)
                             took = time.perf_counter() - t0
-                        commits += _commits(llm)[before:]  # committed while the batch ran
+                        after = _status(llm)  # what was committed while the batch ran
+                        count = after["commit_count"] - before["commit_count"]
+                        new = [c for c in after["commits"]
+                               if c["version"] > (before["applied_version"] or 0)]
+                        commits += new[-count:] if count else []
+                        committed += count
+                        engine += [c for c in _engine_commits(llm)
+                                   if c["version"] > (before["applied_version"] or 0)]
                         published += len(streamer.published)
                         wait_until_applied(llm, streamer.published[-1], timeout=300)
                     tps[kind].append(n / took)
                     tick()
                 med = {k: statistics.median(v) for k, v in tps.items()}
                 pauses = [c["seconds"] for c in commits] or [0.0]
+                stalls = [c["rpc_s"] + c["prefix_s"] for c in engine]
                 lags = [c["staged_to_commit_s"] for c in commits
                         if c.get("staged_to_commit_s") is not None] or [0.0]
                 out.append({
                     "every_s": every, "tokens_per_s": tps, "median_tokens_per_s": med,
                     "ratio": med["streaming"] / med["quiet"], "published": published,
-                    "commits": len(commits),
+                    "commits": committed,
                     "prepared_commits": sum(bool(c["prepared"]) for c in commits),
                     "early_layers_median": statistics.median(
                         [c.get("early_layers", 0) for c in commits] or [0]),
                     "commit_pause_seconds": {"median": statistics.median(pauses),
                                              "max": max(pauses)},
+                    # the engine core's whole pause: commit RPC + prefix-cache invalidation
+                    "engine_pause_seconds": {
+                        "median": statistics.median(stalls) if stalls else None,
+                        "max": max(stalls) if stalls else None},
                     "staged_to_commit_seconds": {"median": statistics.median(lags),
                                                  "max": max(lags)},
                 })
