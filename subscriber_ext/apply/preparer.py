@@ -24,7 +24,7 @@ __all__ = ["Preparer"]
 
 logger = logging.getLogger("weightpub.prepare")
 
-PROGRESSIVE_KEPT = 3  # versions prepared while arriving, at most, at once
+PROGRESSIVE_KEPT = 2  # versions prepared while arriving, at most, at once (memory)
 _PENDING = object()  # announced by ``progress``, not started yet
 Key = tuple[str, int, int]  # (publisher_id, version, attempt)
 

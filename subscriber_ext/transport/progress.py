@@ -106,6 +106,8 @@ class ProgressFeed:
         if isinstance(target, DeltaAssembly) and target.step < len(target.steps) - 1:
             return  # bytes of an intermediate delta step are rewritten by the next one
         manifest, missing = target.manifest, target.missing
+        if not missing:
+            return  # complete: the staged version itself follows at once
         chunk = self._next_chunk
         while chunk < manifest.num_chunks and chunk not in missing:
             chunk += 1
