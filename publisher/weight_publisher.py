@@ -34,6 +34,7 @@ from publisher.snapshot import (
     ChunkHasher,
     Snapshot,
     WeightsLike,
+    copy_in_priority_order,
     copy_into,
     hashable_in_place,
     plan_snapshot,
@@ -216,7 +217,7 @@ class WeightPublisher:
             hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
             self._pending.put((number, snapshot,
                                lambda: tuple(h.result() for h in hashes), created))
-            copy_into(snapshot, pairs, self.chunk_size)
+            copy_in_priority_order(snapshot, pairs, self.chunk_size)  # as subscribers fetch
             wait(hashes)  # the sources are read until every hash ends
             return
         hasher = ChunkHasher(self._hash_executor, snapshot.buffer, snapshot.total_bytes,

@@ -107,6 +107,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options.transport_mib = [int(m) for m in args.transport_mib.split(",")]
     if args.rounds:
         options.transport_rounds = args.rounds
+    if args.no_prepare_while_arriving:
+        options.subscriber_options["prepare_while_arriving"] = False
     err = Console(stderr=True)
     ticks = options.ticks()
     with Progress("[progress.description]{task.description}", BarColumn(),
@@ -187,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="version sizes for the transport section (default 256,1024)")
     bench.add_argument("--rounds", type=int, default=0,
                        help="transport rounds per pair (default 8; quick 4)")
+    bench.add_argument("--no-prepare-while-arriving", action="store_true",
+                       help="replicas prepare each version only once complete (to compare)")
     bench.set_defaults(func=_cmd_bench)
 
     replica = sub.add_parser("replica", help="start a vLLM replica that follows a publisher")

@@ -103,6 +103,7 @@ class DeltaAssembly(Assembly):
             self.step += 1
             self.fetch_version, self.fetch_base = self.steps[self.step]
             self.missing = set(range(self.manifest.num_chunks))
+            self.cursor = 0
         return True
 
     def abandon(self) -> None:

@@ -13,12 +13,13 @@ not mapped yet carries the buffer's memfd as ``SCM_RIGHTS`` ancillary data::
     follower -> owner   hello {rank, pid} | release {share} | applied {version, error}
     owner -> follower   welcome {rank, pid, subscriber_id}
                       | offer {share, segment, segment_bytes, manifest, attempt} [+ fd]
-                      | partial {attempt, ready_bytes, cancelled, [segment, manifest]} [+ fd]
+                      | partial {attempt, ready, cancelled, [segment, manifest]} [+ fd]
                       | forget {segment} | status {fields, ranks}
 
-A ``partial`` tells a follower how much of a version still arriving is final
-(``transport/progress.py``): the first one of an attempt carries the manifest
-(and the memfd when new to the follower), later ones only the growing prefix.
+A ``partial`` tells a follower which tensors of a version still arriving are
+final (``transport/progress.py``): the first one of an attempt carries the
+manifest (and the memfd when new to the follower), each one the indices of the
+tensors that became final since the last.
 """
 
 from __future__ import annotations
@@ -91,14 +92,14 @@ class Offer(_NodeMessage, tag="offer", frozen=True, kw_only=True):
 
 
 class Partial(_NodeMessage, tag="partial", frozen=True, kw_only=True):
-    """A version still arriving: its first ``ready_bytes`` are verified and final.
+    """A version still arriving: the tensors (indices) that became final since the last.
 
     The first message of an ``attempt`` names the segment and carries the manifest;
     ``cancelled``: the reception was given up, drop what was built from it.
     """
 
     attempt: Count
-    ready_bytes: Count
+    ready: Annotated[tuple[Count, ...], Meta(max_length=wire.MAX_TENSORS)] = ()
     cancelled: bool = False
     segment: Count = 0
     segment_bytes: Count = 0

@@ -214,8 +214,7 @@ class NodeStagingFollower:
             if found is None:
                 return  # an attempt this rank never saw (it attached mid-version)
             partial = found
-        partial.ready_bytes = max(partial.ready_bytes,
-                                  min(message.ready_bytes, partial.manifest.total_bytes))
+        partial.mark_ready(message.ready)  # out-of-range indices are ignored
         if message.cancelled:
             partial.cancelled = True
             with self._lock:

@@ -20,7 +20,7 @@ import select
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +68,8 @@ class _Follower:
     channel: Channel
     rank: int | None = None  # set by its hello
     known_segments: set[int] = field(default_factory=set)
-    partials: deque[int] = field(default_factory=deque)  # attempts announced to it
+    #: attempt -> how many of its ready tensors were sent to it
+    partials: OrderedDict[int, int] = field(default_factory=OrderedDict)
 
 
 class NodeStagingOwner:
@@ -198,10 +199,13 @@ class NodeStagingOwner:
             if segment.segment_id not in follower.known_segments:
                 fd = os.dup(segment.fd)
                 follower.known_segments.add(segment.segment_id)
-            follower.partials.append(partial.attempt)
+            follower.partials[partial.attempt] = 0
             while len(follower.partials) > PARTIALS_KEPT:
-                follower.partials.popleft()
-        message = Partial(attempt=partial.attempt, ready_bytes=partial.ready_bytes,
+                follower.partials.popitem(last=False)
+        sent = follower.partials[partial.attempt]
+        ready = tuple(partial.ready_order[sent:])
+        follower.partials[partial.attempt] = sent + len(ready)
+        message = Partial(attempt=partial.attempt, ready=ready,
                           cancelled=partial.cancelled, segment=segment.segment_id,
                           segment_bytes=segment.nbytes, fd_attached=fd is not None,
                           manifest=partial.manifest if first else None)

@@ -4,8 +4,8 @@ Why: a replica that waits for the whole version before it turns the bytes into
 kernel-format weights adds that work to every update. The subscriber verifies
 each chunk as it lands; once every chunk under a tensor is verified, those
 bytes never change again in this reception. ``ProgressFeed`` tells the consumer
-(``WeightSubscriber(on_progress=...)``) as the verified prefix of the version
-grows, with a ``PartialVersion`` whose ``ready()`` tensors may be read.
+(``WeightSubscriber(on_progress=...)``) as tensors become final, with a
+``PartialVersion`` whose ``ready()`` tensors may be read.
 
 Nothing here makes a version usable: only the complete, verified
 ``StagedVersion`` (which carries the same ``attempt``) may be committed. If a
@@ -36,11 +36,14 @@ class PartialVersion:
     """A version being received; ``ready()`` names the tensors whose bytes are final.
 
     ``tensors`` are views into the staging ``buffer`` (all tensors; read only the ready
-    ones). ``ready_bytes`` is the verified prefix of the flat layout. ``attempt``
-    identifies this reception (``StagedVersion.attempt`` of the version it becomes).
+    ones). Chunks arrive largest tensors first (``weightpub_wire.chunk_order``), so
+    tensors become ready out of layout order: ``ready_order`` lists their indices in
+    the order they did. ``attempt`` identifies this reception
+    (``StagedVersion.attempt`` of the version it becomes).
     """
 
-    __slots__ = ("_ends", "attempt", "buffer", "cancelled", "manifest", "ready_bytes", "tensors")
+    __slots__ = ("_ready", "attempt", "buffer", "cancelled", "manifest", "ready_order",
+                 "tensors")
 
     def __init__(self, manifest: Manifest, buffer: torch.Tensor, attempt: int,
                  tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -48,9 +51,9 @@ class PartialVersion:
         self.buffer = buffer
         self.attempt = attempt
         self.tensors = tensor_views(manifest, buffer) if tensors is None else tensors
-        self.ready_bytes = 0
+        self.ready_order: list[int] = []
+        self._ready: set[int] = set()
         self.cancelled = False
-        self._ends = sorted((e.offset + e.nbytes, e.name) for e in manifest.tensors)
 
     @property
     def version(self) -> int:
@@ -60,20 +63,21 @@ class PartialVersion:
     def publisher_id(self) -> str:
         return self.manifest.publisher_id
 
+    def mark_ready(self, indices: list[int] | tuple[int, ...]) -> None:
+        """Tensors (indices into ``manifest.tensors``) whose every chunk is verified."""
+        count = len(self.manifest.tensors)
+        for index in indices:
+            if 0 <= index < count and index not in self._ready:
+                self._ready.add(index)
+                self.ready_order.append(index)
+
     def ready_count(self) -> int:
-        """How many tensors lie wholly in the verified prefix."""
-        lo, hi = 0, len(self._ends)
-        while lo < hi:  # first end beyond the prefix
-            mid = (lo + hi) // 2
-            if self._ends[mid][0] <= self.ready_bytes:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        return len(self.ready_order)
 
     def ready(self) -> list[str]:
-        """Names of the tensors whose every byte is verified (in layout order)."""
-        return [name for _, name in self._ends[: self.ready_count()]]
+        """Names of the tensors whose every byte is verified (in the order they became so)."""
+        entries = self.manifest.tensors
+        return [entries[i].name for i in self.ready_order]
 
 
 class ProgressFeed:
@@ -88,34 +92,42 @@ class ProgressFeed:
         self._on_progress = on_progress
         self._target: Assembly | None = None
         self._partial: PartialVersion | None = None
-        self._next_chunk = 0
-        self._ready = 0
+        self._left: list[int] = []  # per tensor: chunks not verified yet
+        self._by_chunk: list[list[int]] = []  # per chunk: the tensors it holds bytes of
+        self._seen: set[int] = set()
 
     def begin(self, target: Assembly) -> None:
         """A reception starts (after any ``cancel`` of the one it replaces)."""
+        manifest = target.manifest
         self._target = target
-        self._partial = PartialVersion(target.manifest, target.buffer, next(_attempts))
-        self._next_chunk = 0
-        self._ready = 0
+        self._partial = PartialVersion(manifest, target.buffer, next(_attempts))
+        self._by_chunk = [[] for _ in range(manifest.num_chunks)]
+        self._left = []
+        for index, entry in enumerate(manifest.tensors):
+            chunks = manifest.chunks_of(entry)
+            self._left.append(len(chunks))
+            for chunk in chunks:
+                self._by_chunk[chunk].append(index)
+        self._partial.mark_ready([i for i, left in enumerate(self._left) if not left])
+        self._seen = set()
 
-    def verified(self, target: Assembly) -> None:
-        """A chunk of ``target`` was verified: notify if the ready prefix covers more tensors."""
+    def verified(self, target: Assembly, chunk: int) -> None:
+        """``chunk`` of ``target`` was verified: notify if a tensor became final."""
         partial = self._partial
-        if target is not self._target or partial is None:
+        if target is not self._target or partial is None or chunk in self._seen:
             return
         if isinstance(target, DeltaAssembly) and target.step < len(target.steps) - 1:
             return  # bytes of an intermediate delta step are rewritten by the next one
-        manifest, missing = target.manifest, target.missing
-        if not missing:
+        if not target.missing:
             return  # complete: the staged version itself follows at once
-        chunk = self._next_chunk
-        while chunk < manifest.num_chunks and chunk not in missing:
-            chunk += 1
-        self._next_chunk = chunk
-        partial.ready_bytes = min(chunk * manifest.chunk_size, manifest.total_bytes)
-        ready = partial.ready_count()
-        if ready > self._ready:
-            self._ready = ready
+        self._seen.add(chunk)
+        newly = []
+        for index in self._by_chunk[chunk]:
+            self._left[index] -= 1
+            if self._left[index] == 0:
+                newly.append(index)
+        if newly:
+            partial.mark_ready(newly)
             self._notify(partial)
 
     def cancel(self, target: Assembly) -> None:
@@ -124,7 +136,7 @@ class ProgressFeed:
             return
         partial, self._partial, self._target = self._partial, None, None
         partial.cancelled = True
-        if self._ready:  # the consumer saw it: tell it to throw it away
+        if self._seen:  # the consumer may have seen it: tell it to throw it away
             self._notify(partial)
 
     def complete(self, target: Assembly, staged: StagedVersion) -> None:

@@ -242,8 +242,8 @@ class SyncClient:
             return
         asked = set().union(*(r.chunks for r in self._requests.values())) if self._requests \
             else set()
-        todo = sorted(target.missing - asked)
         room = self._credit() - self._in_flight()
+        todo = target.next_chunks(asked, room) if room > 0 else []
         while todo and room > 0:
             batch = todo[: min(room, self.options.chunks_per_request)]
             todo = todo[len(batch):]
@@ -536,7 +536,7 @@ class SyncClient:
             self._count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
         if self.progress is not None:
-            self.progress.verified(target)
+            self.progress.verified(target, header.chunk)
         if not target.missing:
             self._complete(target)
         else:

@@ -114,17 +114,19 @@ def test_a_reception_given_up_is_cancelled_and_a_new_one_gets_a_new_attempt(
     pub = make_pub(chunk_size=4096)
     pub.publish({"a": torch.zeros(2048, dtype=torch.int32), "b": torch.ones(2048,
                                                                            dtype=torch.int32)})
+    pub.wait_announced(1)
     manifest = pub.manifest(1)
     calls: list[tuple[int, int, bool]] = []
     feed = ProgressFeed(lambda p: calls.append((p.attempt, p.ready_count(), p.cancelled)))
     pool = BufferPool()
     first = Assembly(manifest, pool)
+    assert first.order[:2] == [0, 1]  # "a" and "b" are both big: layout order among them
     feed.begin(first)
     first.missing.discard(0)  # 4 KiB of 16: no tensor complete yet
-    feed.verified(first)
+    feed.verified(first, 0)
     assert calls == []
-    first.missing.difference_update({1})  # "a" (8 KiB) is final
-    feed.verified(first)
+    first.missing.discard(1)  # "a" (8 KiB) is final
+    feed.verified(first, 1)
     attempt = calls[-1][0]
     assert calls == [(attempt, 1, False)]
     feed.cancel(first)  # conflated or failed: whatever was built from it is thrown away
@@ -132,9 +134,38 @@ def test_a_reception_given_up_is_cancelled_and_a_new_one_gets_a_new_attempt(
     first.abandon()
     second = Assembly(manifest, pool)  # the same version again, maybe in the same buffer
     feed.begin(second)
-    second.missing.difference_update({0, 1})
-    feed.verified(second)
+    second.missing.difference_update({2, 3})  # "b" first this time
+    feed.verified(second, 2)
+    feed.verified(second, 3)
     assert calls[-1][0] != attempt and calls[-1][1:] == (1, False)
     second.missing.clear()  # complete: no partial, the staged version itself follows
-    feed.verified(second)
+    feed.verified(second, 0)
     assert len(calls) == 3
+
+
+def test_the_largest_tensors_travel_first_and_are_copied_first() -> None:
+    """The subscriber fetches, and the publisher copies, the largest tensors first (an
+    untied lm_head at the end of the layout must not be the last thing to prepare)."""
+    from publisher.snapshot import copy_in_priority_order, plan_snapshot
+    from weightpub_wire.chunk_order import priority_chunks
+
+    weights = {"embed": torch.ones(4096, dtype=torch.int32)}  # 16 KiB: big
+    weights |= {f"layers.{i}.w": torch.full((256,), i, dtype=torch.int32) for i in range(8)}
+    weights |= {"norm": torch.ones(16, dtype=torch.int32),
+                "head": torch.full((8192,), 7, dtype=torch.int32)}  # 32 KiB, last: big
+    snapshot, pairs = plan_snapshot(weights, BufferPool())
+    copy_in_priority_order(snapshot, pairs, chunk_size=4096)
+    assert snapshot.pending is not None and not any(snapshot.pending)  # every chunk final
+    assert torch.equal(snapshot.buffer[-8192 * 4:].view(torch.int32), weights["head"])
+    offsets = {e.name: e.offset for e in snapshot.entries}
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=4096)
+    try:
+        pub.publish(weights)
+        pub.wait_announced(1)
+        manifest = pub.manifest(1)
+    finally:
+        pub.close()
+    order = priority_chunks(manifest)
+    head_first = offsets["head"] // 4096
+    assert (offsets["layers.0.w"], head_first, manifest.num_chunks) == (16384, 6, 15)
+    assert order == [0, 1, 2, 3] + list(range(6, 15)) + [4, 5]  # embed, head, the rest

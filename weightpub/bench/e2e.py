@@ -104,7 +104,8 @@ def _run_path(name: str, llm: Any, model: torch.nn.Module, pub: Any,
 
 
 def run_e2e(llm: Any, model: torch.nn.Module, oracle: torch.nn.Module, *, reps: int,
-            warmup: int, tick: Callable[[], None]) -> dict[str, Any]:
+            warmup: int, tick: Callable[[], None],
+            subscriber_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Time every path ``reps`` times (after ``warmup`` untimed rounds) on ``llm``."""
     from publisher import WeightPublisher
     from weightpub.demos.tiny_vllm import hf_greedy
@@ -118,7 +119,8 @@ def run_e2e(llm: Any, model: torch.nn.Module, oracle: torch.nn.Module, *, reps: 
     with tempfile.TemporaryDirectory(prefix="weightpub-e2e-") as tmp, \
             WeightPublisher("tcp://127.0.0.1:0", model_id="bench-e2e") as pub:
         ckpt = str(Path(tmp, "ckpt"))
-        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
+                           kwargs=subscriber_options or {})
         try:
             for rnd in range(warmup + reps):
                 order = PATHS[rnd % len(PATHS):] + PATHS[:rnd % len(PATHS)]

@@ -73,6 +73,11 @@ def summary(result: dict[str, Any]) -> list[Row]:
             rows.append(_row("streaming", f"  staged -> live, every {c['every_s']:g} s",
                              f"median {c['staged_to_commit_seconds']['median']:.3f} s",
                              f"max {c['staged_to_commit_seconds']['max']:.3f} s", None))
+        first = streaming.get("first_busy_commit")
+        if first and first.get("staged_to_commit_s") is not None:
+            rows.append(_row("streaming", "first commit on a busy engine: staged -> live",
+                             f"{first['staged_to_commit_s']:.3f} s",
+                             f"{first.get('early_layers', 0)} layers prepared early", None))
     delta = result.get("delta")
     if delta:
         rows.append(_row("delta", f"bytes on the wire, AdamW lr {delta['lr']:g} "

@@ -52,6 +52,9 @@ class BenchOptions:
     stream_tokens: int = 64
     delta_mib: int = 64
     delta_steps: int = 4
+    #: ``start_weight_subscriber`` options of the engine sections, e.g.
+    #: ``{"prepare_while_arriving": False}`` to see the commit without it
+    subscriber_options: dict[str, Any] = field(default_factory=dict)
     quick: bool = False
 
     @classmethod
@@ -143,7 +146,8 @@ def _engine_sections(options: BenchOptions, out: dict[str, Any],
 
                     oracle = build_model(models[section], torch.float32)
                     result = run_e2e(llm, model, oracle, reps=options.e2e_reps,
-                                     warmup=options.e2e_warmup, tick=ticker("e2e"))
+                                     warmup=options.e2e_warmup, tick=ticker("e2e"),
+                                     subscriber_options=options.subscriber_options)
                 else:
                     from weightpub.bench.streaming import run_streaming
 
@@ -151,7 +155,8 @@ def _engine_sections(options: BenchOptions, out: dict[str, Any],
                         llm, weights_of(model), cadences=options.cadences,
                         rounds=options.stream_rounds, requests=options.stream_requests,
                         tokens=options.stream_tokens, round_s=options.stream_round_s,
-                        tick=ticker("streaming"))
+                        tick=ticker("streaming"),
+                        subscriber_options=options.subscriber_options)
                 out[section] = {"model": models[section], "model_bytes": nbytes,
                                 "dtype": dtype_name, **result}
             # the same figures, as the replica's /metrics serves them (all sections above)

@@ -84,13 +84,16 @@ def _status(llm: Any) -> dict[str, Any]:
 
 def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[float],
                   rounds: int, requests: int, tokens: int, round_s: float,
-                  tick: Callable[[], None]) -> dict[str, Any]:
+                  tick: Callable[[], None],
+                  subscriber_options: dict[str, Any] | None = None) -> dict[str, Any]:
     from publisher import WeightPublisher
     from subscriber_ext import wait_until_applied
 
     out: list[dict[str, Any]] = []
     with WeightPublisher("tcp://127.0.0.1:0", model_id="bench-stream") as pub:
-        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
+                           kwargs=subscriber_options or {})
+        first_streaming: dict[str, Any] | None = None
         try:
             wait_until_applied(llm, pub.publish(weights), timeout=300)
             t0 = time.perf_counter()
@@ -116,6 +119,8 @@ def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[
                         count = after["commit_count"] - before["commit_count"]
                         new = [c for c in after["commits"]
                                if c["version"] > (before["applied_version"] or 0)]
+                        if first_streaming is None and new:
+                            first_streaming = new[0]  # the first commit on a busy engine
                         commits += new[-count:] if count else []
                         committed += count
                         engine += [c for c in _engine_commits(llm)
@@ -148,4 +153,5 @@ def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[
         finally:
             llm.collective_rpc("stop_weight_subscriber")
     return {"requests": requests, "tokens": tokens, "repeat": repeat, "rounds": rounds,
-            "cadences": out, "target": {"ratio_at_1s": 0.9}}
+            "cadences": out, "first_busy_commit": first_streaming,
+            "subscriber_options": subscriber_options or {}, "target": {"ratio_at_1s": 0.9}}
