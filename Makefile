@@ -34,7 +34,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
-	$(PY) benchmarks/throughput.py
+	$(PY) -m weightpub bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from weightpub_wire.buffers import BufferPool, byte_view, flat_bytes
+from weightpub_wire.buffers import BufferPool, byte_view, copy_bytes, flat_bytes
 from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.chunk_order import priority_tensors
 from weightpub_wire.dtypes import dtype_name
 from weightpub_wire.protocol import TENSOR_ALIGN, TensorEntry
 
@@ -24,6 +25,7 @@ __all__ = [
     "ChunkHasher",
     "Snapshot",
     "WeightsLike",
+    "copy_in_priority_order",
     "copy_into",
     "gather_full_tensors",
     "hashable_in_place",
@@ -163,6 +165,8 @@ class Snapshot:
     total_bytes: int
     copied_bytes: int = 0
     failed: bool = False
+    #: bytes of each chunk not yet final, when the copy runs out of layout order
+    pending: list[int] | None = None
 
 
 def plan_snapshot(weights: WeightsLike,
@@ -177,6 +181,41 @@ def plan_snapshot(weights: WeightsLike,
 
 def hashable_in_place(pairs: list[tuple[str, torch.Tensor]]) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for _, t in pairs)
+
+
+def copy_in_priority_order(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]],
+                           chunk_size: int) -> None:
+    """Copy CPU tensors in ``chunk_order`` (largest first), marking each chunk final.
+
+    Subscribers fetch in the same order, so what they ask for first is copied first;
+    the server sends a chunk once ``pending`` says all its bytes are final.
+    """
+    buffer, entries, total = snapshot.buffer, snapshot.entries, snapshot.total_bytes
+    pending = [min(chunk_size, total - start) for start in range(0, total, chunk_size)]
+    snapshot.pending = pending
+
+    def done(start: int, stop: int) -> None:
+        while start < stop:
+            chunk = start // chunk_size
+            end = min(stop, (chunk + 1) * chunk_size)
+            pending[chunk] -= end - start  # one GIL-held store: the server reads it
+            start = end
+
+    for index in priority_tensors(entries, total):
+        entry, (_, tensor) = entries[index], pairs[index]
+        end = entries[index + 1].offset if index + 1 < len(entries) else total
+        buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
+        done(entry.offset + entry.nbytes, end)
+        if entry.nbytes:
+            dst = buffer[entry.offset: entry.offset + entry.nbytes]
+            src = flat_bytes(tensor)
+            for start in range(0, entry.nbytes, chunk_size):
+                stop = min(start + chunk_size, entry.nbytes)
+                copy_bytes(dst[start:stop], src[start:stop])
+                done(entry.offset + start, entry.offset + stop)
+    first = entries[0].offset if entries else total
+    done(0, first)
+    snapshot.copied_bytes = total
 
 
 def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_size: int,
@@ -196,7 +235,7 @@ def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_s
             src = flat_bytes(tensor)
             for start in range(0, entry.nbytes, chunk_size):
                 stop = min(start + chunk_size, entry.nbytes)
-                dst[start:stop].copy_(src[start:stop])
+                copy_bytes(dst[start:stop], src[start:stop])
                 _advance(snapshot, entry.offset + stop, on_progress)
         elif entry.nbytes:
             dst.view(tensor.dtype).view(tensor.shape).copy_(

@@ -37,7 +37,10 @@ class PublishedVersion:
         if self.snapshot is None:
             return True
         start, size = self.manifest.chunk_span(chunk)
-        return start + size <= self.snapshot.copied_bytes
+        snapshot = self.snapshot
+        if start + size <= snapshot.copied_bytes:
+            return True
+        return snapshot.pending is not None and snapshot.pending[chunk] == 0
 
     @property
     def failed(self) -> bool:

@@ -35,6 +35,7 @@ from publisher.snapshot import (
     ChunkHasher,
     Snapshot,
     WeightsLike,
+    copy_in_priority_order,
     copy_into,
     hashable_in_place,
     plan_snapshot,
@@ -247,7 +248,7 @@ class WeightPublisher:
             hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
             self._pending.put((number, snapshot,
                                lambda: tuple(h.result() for h in hashes), created))
-            copy_into(snapshot, pairs, self.chunk_size)
+            copy_in_priority_order(snapshot, pairs, self.chunk_size)  # as subscribers fetch
             wait(hashes)  # the sources are read until every hash ends
             return
         hasher = ChunkHasher(self._hash_executor, snapshot.buffer, snapshot.total_bytes,
@@ -390,7 +391,7 @@ class WeightPublisher:
             publisher_id=self.publisher_id, started_at=self.started_at, version=number,
             created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
-            checksums=checksums, delta=delta,
+            checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,

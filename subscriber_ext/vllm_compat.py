@@ -56,6 +56,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_CORE, "EngineCore._attach_weight_version", ("self", "outputs"),
              "tag outputs with the weight version"),
     Internal(_CORE, "EngineCore.is_sleeping", ("self",), "no commit while asleep"),
+    Internal("vllm.v1.engine", "EngineCoreRequestType.WAKEUP", None,
+             "wake an idle engine core's input queue when a rank can commit"),
     Internal("vllm.v1.worker.worker_base", "WorkerWrapperBase.initialize_from_config",
              ("self", "kv_cache_configs"), "attach slots and autostart once the model is up"),
     Internal("vllm.v1.core.sched.scheduler", "Scheduler.reset_prefix_cache",

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from subscriber_ext.apply.prepare import PreparedVersion
+from subscriber_ext.apply.progressive import VersionPrep
 from subscriber_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.commit.shared_slots import ENV, SlotTable, SlotWriter
 from subscriber_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
@@ -50,7 +51,7 @@ logger = logging.getLogger("weightpub.worker")
 
 _EXT_OPTIONS = (
     "apply_mode", "keep", "subscriber_cls", "record_requests", "request_log_size", "prepare",
-    "node_staging",
+    "node_staging", "prepare_while_arriving",
 )
 _DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
 STATUS_INTERVAL_S = 1.0  # how often each rank refreshes its status file for /metrics
@@ -70,12 +71,14 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             else:
                 strategy = RankAgreement(self._wp_groups(), keep)
             prepare = st.prepare if st.prepare is not None else applier.mode() == "reload"
+            early = prepare and st.prepare_while_arriving
             st.coordinator = CommitCoordinator(
                 applier.apply, strategy, keep=keep,
                 on_commit=self._wp_report_applied, on_failure=self._wp_report_failed,
                 prepare=self._wp_prepare if prepare else None,
                 apply_prepared=applier.swap if prepare else None,
                 prepare_policy="always" if st.prepare else "auto",
+                start_progressive=self._wp_start_progressive if early else None,
             )
         return st.coordinator
 
@@ -89,6 +92,18 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
         return self._wp_applier().prepare(
             staged.tensors, version=staged.version, publisher_id=staged.publisher_id
         )
+
+    def _wp_start_progressive(self, partial: Any) -> VersionPrep | None:
+        """Preparer thread: plan a version still arriving, layer by layer (``progressive``)."""
+        entries = [(e.name, e.dtype, tuple(e.shape)) for e in partial.manifest.tensors]
+        return self._wp_applier().start_progressive(
+            entries, version=partial.version, publisher_id=partial.publisher_id)
+
+    def _wp_on_progress(self, partial: Any) -> None:
+        """Transport thread: part of a version is final; its layers may be prepared now."""
+        coordinator = self._wp().coordinator
+        if coordinator is not None:
+            coordinator.progress(partial)
 
     def _wp_on_version(self, staged: StagedLike) -> None:
         """Subscriber thread: a complete, verified version arrived for this rank."""
@@ -233,6 +248,9 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
         and off while it is idle, where a direct reload is sooner; ``True`` always;
         costs one extra copy of the weights per rank), ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``),
+        ``prepare_while_arriving`` (default True: with ``prepare`` on, each layer is
+        prepared as soon as its bytes are verified, while later layers are still on
+        the wire, busy engine or idle; the commit then only swaps),
         ``record_requests``, ``node_staging`` (default: on when the replica has
         more than one rank: the ranks of this replica on one node share one
         subscription and one staged copy in shared memory; a single-rank replica
@@ -253,6 +271,11 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
             mode = ext.get("apply_mode", st.apply_mode)
             prepare = ext.get("prepare", st.prepare)
             prepare = None if prepare is None else bool(prepare)
+            early = bool(ext.get("prepare_while_arriving", st.prepare_while_arriving))
+            if st.coordinator is not None and early != st.prepare_while_arriving:
+                st.coordinator.close()
+                st.coordinator = None
+            st.prepare_while_arriving = early
             if st.applier is not None and mode != st.apply_mode:
                 st.applier = None
                 if st.coordinator is not None:
@@ -285,9 +308,13 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
                 WeightSubscriber.check_options(endpoint, **options)  # same error on every rank
                 source = join_node_staging(
                     node_key, rank=self.rank, on_version=self._wp_on_version,
-                    subscribe=lambda on_version, allocator: WeightSubscriber(
-                        endpoint, on_version=on_version, allocator=allocator, **options))
+                    on_progress=self._wp_on_progress,
+                    subscribe=lambda on_version, allocator, **more: WeightSubscriber(
+                        endpoint, on_version=on_version, allocator=allocator, **more,
+                        **options))
             else:
+                if cls is WeightSubscriber:  # sees each version while it arrives
+                    options["on_progress"] = self._wp_on_progress
                 source = cls(endpoint, on_version=self._wp_on_version, **options)
                 if isinstance(source, WeightSubscriber):
                     source.set_ranks((self.rank,))

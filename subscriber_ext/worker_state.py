@@ -53,6 +53,7 @@ class WorkerState:
         self.applier: WeightApplier | None = None
         self.apply_mode = "auto"
         self.prepare: bool | None = None  # None: prepare while busy, in reload mode
+        self.prepare_while_arriving = True  # layer by layer as the bytes are verified
         self.coordinator: CommitCoordinator | None = None
         self.source: VersionSource | None = None
         self.endpoint: str | None = None

@@ -1,4 +1,4 @@
-"""``weightpub`` command line: demo, status, config checks, relays and replicas."""
+"""``weightpub`` command line: demo, status, config checks, relays, replicas, benchmarks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import msgspec
 
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import WeightPubError
+from weightpub_wire.errors import ConfigError, WeightPubError
 
 __all__ = ["main"]
 
@@ -92,6 +92,42 @@ def _cmd_replica(args: argparse.Namespace) -> int:
     return serve_replica(load_replica_config(args.config), dry_run=args.dry_run)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from weightpub.bench import SECTIONS, BenchOptions, bench_table, run_bench, summary
+
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(f"--sections: unknown {unknown} (known: {', '.join(SECTIONS)})")
+    options = BenchOptions.quick_run(sections) if args.quick else BenchOptions(sections=sections)
+    if args.transport_mib:
+        options.transport_mib = [int(m) for m in args.transport_mib.split(",")]
+    if args.rounds:
+        options.transport_rounds = args.rounds
+    if args.no_prepare_while_arriving:
+        options.subscriber_options["prepare_while_arriving"] = False
+    err = Console(stderr=True)
+    ticks = options.ticks()
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True,
+                  disable=not err.is_terminal) as bar:
+        tasks = {s: bar.add_task(s, total=ticks[s]) for s in sections}
+        result = run_bench(options, lambda section, done: bar.update(tasks[section],
+                                                                      completed=done))
+    result["summary"] = summary(result)
+    if args.json:
+        sys.stdout.write(json.dumps(result, default=str) + "\n")
+    else:
+        out = Console()
+        if not out.is_terminal:
+            out = Console(width=150)  # a file or a pipe: keep each row on one line
+        out.print(bench_table(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weightpub", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -142,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     relay = sub.add_parser("relay", help="re-publish an upstream publisher locally")
     relay.add_argument("config")
     relay.set_defaults(func=_cmd_relay)
+
+    bench = sub.add_parser("bench", help="the benchmarks in one run: ratios vs baselines")
+    bench.add_argument("--quick", action="store_true",
+                       help="tiny sizes: a smoke run (about a minute), not a measurement")
+    bench.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    bench.add_argument("--sections", default="transport,e2e,streaming,delta",
+                       help="comma-separated: transport, e2e, streaming, delta")
+    bench.add_argument("--transport-mib", default="",
+                       help="version sizes for the transport section (default 256,1024)")
+    bench.add_argument("--rounds", type=int, default=0,
+                       help="transport rounds per pair (default 8; quick 4)")
+    bench.add_argument("--no-prepare-while-arriving", action="store_true",
+                       help="replicas prepare each version only once complete (to compare)")
+    bench.set_defaults(func=_cmd_bench)
 
     replica = sub.add_parser("replica", help="start a vLLM replica that follows a publisher")
     replica.add_argument("config")

@@ -18,6 +18,7 @@ Where the memory comes from is the allocator's business: ``HostAllocator``
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any, Protocol, cast
 
@@ -25,7 +26,7 @@ import torch
 
 from weightpub_wire.errors import StagingBudgetError
 
-__all__ = ["Allocator", "BufferPool", "HostAllocator", "byte_view", "flat_bytes"]
+__all__ = ["Allocator", "BufferPool", "HostAllocator", "byte_view", "copy_bytes", "flat_bytes"]
 
 
 class Allocator(Protocol):
@@ -186,3 +187,17 @@ def byte_view(buffer: torch.Tensor, nbytes: int | None = None) -> memoryview:
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor's bytes as a flat uint8 view (0-d included), no copy."""
     return (tensor.reshape(-1) if tensor.dim() else tensor.reshape(1)).view(torch.uint8)
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one flat uint8 CPU tensor into another of the same size: one plain memcpy.
+
+    Why not ``dst.copy_(src)``: torch splits a large copy across its OpenMP threads,
+    which spin while waiting for each other; next to ZeroMQ's I/O threads, hashing and
+    a receiver on a few cores that made the snapshot copy several times slower (see
+    docs/benchmarks.md). ``ctypes.memmove`` is one thread and releases the GIL.
+    """
+    if dst.numel() != src.numel():
+        raise ValueError(f"copy_bytes: {src.numel()} bytes into {dst.numel()}")
+    if dst.numel():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())

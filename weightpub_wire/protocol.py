@@ -227,6 +227,9 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     """A complete, immutable description of one published version.
 
     ``checksums`` always describe the full bytes, also when ``delta`` offers deltas.
+    ``deltas_follow``: the publisher serves deltas (``delta_anchor_every`` > 1), so a
+    later version may come as a delta against this one; only then is it worth a
+    subscriber's memory to keep this version as its delta base.
     """
 
     version: Version
@@ -239,6 +242,7 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     checksum_algorithm: Annotated[str, Meta(max_length=32)] = CHECKSUM_ALGORITHM
     delta: DeltaInfo | None = None
     collective: CollectiveAnnounce | None = None  # also served by a group broadcast
+    deltas_follow: bool = False
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

@@ -35,13 +35,15 @@ from subscriber_ext.apply.experts import ExpertIndex
 from subscriber_ext.apply.layout import CheckpointLayout
 from subscriber_ext.apply.loaders import first_load_processing, in_place_safe, load_into
 from subscriber_ext.apply.names import NameResolver, Target
-from subscriber_ext.apply.prepare import PreparedVersion, prepare_version
+from subscriber_ext.apply.prepare import PreparedVersion
+from subscriber_ext.apply.progressive import LayerPlan, VersionPrep, prepare_version
 from subscriber_ext.apply.shapes import (
     expected_dtype,
     expected_shape,
     loader_parts,
     original_tensor,
 )
+from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.errors import ApplyError, ConfigError
 
 __all__ = ["APPLY_MODES", "ApplyReport", "CheckedTensor", "TensorSpec", "WeightApplier"]
@@ -307,6 +309,39 @@ class WeightApplier:
         prepared.applied = [t.checkpoint_name for t, _ in todo]
         prepared.ignored = ignored
         return prepared
+
+    def start_progressive(
+        self, entries: Iterable[tuple[str, str, tuple[int, ...]]], *, version: int,
+        publisher_id: str,
+    ) -> VersionPrep | None:
+        """Plan a version that is still arriving, from its manifest's (name, dtype, shape).
+
+        Returns None when it cannot be prepared layer by layer: a check fails (the
+        commit reports it), or the published layout is converted (fused MoE experts:
+        prepared once complete). Otherwise each layer is built as its tensors arrive.
+        """
+        specs = [TensorSpec(name, dtype_from_name(dtype), tuple(shape))
+                 for name, dtype, shape in entries]
+        names = {spec.name for spec in specs}
+        try:
+            checked = self.check(specs, whole_layers=True)
+        except ApplyError as exc:
+            logger.info("weightpub: version %d not prepared while arriving: %s", version, exc)
+            return None
+        plan: LayerPlan = {}
+        applied, ignored = [], []
+        for spec, target in checked:
+            if spec.source is not None or spec.name not in names:
+                return None  # converted layout: the tensors to load exist only once complete
+            if target is None:
+                ignored.append(spec.name)
+                continue
+            plan.setdefault(target.module_name, []).append((target, spec.name))
+            applied.append(target.checkpoint_name)
+        prep = VersionPrep(self.model, plan, version=version, publisher_id=publisher_id,
+                           model_lock=self.lock)
+        prep.applied, prep.ignored = applied, ignored
+        return prep
 
     def swap(self, prepared: PreparedVersion) -> ApplyReport:
         """Install a prepared version: pointer swaps only (µs–ms)."""

@@ -23,21 +23,16 @@ kernel, weights packed for it; see ``loaders.py``), swapped in with the rest.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any
 
 import torch
 
-from subscriber_ext.apply.loaders import load_into, private_quant_method
-from subscriber_ext.apply.names import Target
 from weightpub_wire.errors import ApplyError
 
-__all__ = ["ModuleSwap", "PreparedVersion", "Preparer", "prepare_version"]
+__all__ = ["ModuleSwap", "PreparedVersion", "Shadow"]
 
 logger = logging.getLogger("weightpub.prepare")
 
@@ -134,6 +129,8 @@ class PreparedVersion:
     seconds: float = 0.0
     applied: list[str] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
+    #: layers built while the version was still arriving (``progressive.py``)
+    early_layers: int = 0
 
     def swap(self) -> None:
         for s in self.swaps:
@@ -141,7 +138,7 @@ class PreparedVersion:
         self.nbytes = 0
 
 
-class _Shadow:
+class Shadow:
     """A shallow copy of one live module with its own parameter containers."""
 
     def __init__(self, name: str, live: torch.nn.Module) -> None:
@@ -221,194 +218,3 @@ class _Shadow:
             self.name, live, dict(mod._parameters), dict(mod._buffers),
             set(mod._non_persistent_buffers_set), attrs, removed, modules,
         )
-
-
-def prepare_version(
-    model: torch.nn.Module,
-    todo: list[tuple[Target, torch.Tensor]],
-    *,
-    version: int,
-    publisher_id: str,
-    model_lock: threading.Lock | threading.RLock,
-) -> PreparedVersion:
-    """Build the shadows of every layer ``todo`` touches (and of layers tied to them).
-
-    ``todo`` must already be checked (``WeightApplier.check``, whole layers).
-    Only the live modules' attribute snapshot is taken under ``model_lock``;
-    loading and kernel processing run unlocked, on private tensors.
-    """
-    start = time.perf_counter()
-    by_module: dict[str, list[tuple[Target, torch.Tensor]]] = {}
-    for target, tensor in todo:
-        by_module.setdefault(target.module_name, []).append((target, tensor))
-    with model_lock:
-        shadows = {n: _Shadow(n, model.get_submodule(n)) for n in by_module}
-        owner: dict[int, tuple[str, str]] = {}  # storage ptr -> (module, attr) being replaced
-        for n, sh in shadows.items():
-            for attr, p in sh.live._parameters.items():
-                if p is not None and p.numel():
-                    if p.data_ptr() in owner:
-                        raise ApplyError(f"{n}.{attr}: shares storage with another sent tensor")
-                    owner[p.data_ptr()] = (n, attr)
-        tied: dict[str, tuple[_Shadow, dict[str, tuple[str, str]]]] = {}
-        for n, mod in model.named_modules():
-            if n in shadows:
-                continue
-            links = {
-                attr: owner[p.data_ptr()]
-                for attr, p in mod._parameters.items()
-                if p is not None and p.numel() and p.data_ptr() in owner
-            }
-            if links:
-                tied[n] = (_Shadow(n, mod), links)
-
-    from vllm.model_executor.model_loader.reload.meta import CopyCounter
-
-    with torch.no_grad():
-        for n, sh in shadows.items():
-            sh.fresh_params({})
-            private_quant_method(sh.module)
-            params = sh.module._parameters
-            for target, tensor in by_module[n]:
-                param = params.get(target.attr)
-                if param is None:
-                    raise ApplyError(f"{target.param_name}: no such parameter on the layer")
-                with CopyCounter() as counter:  # thread-local dispatch mode
-                    here = load_into(param, target, tensor)
-                if here and counter.copied_numel == 0:
-                    raise ApplyError(f"{target.checkpoint_name}: the layer's loader wrote nothing")
-            sh.process()
-        for n, (sh, links) in tied.items():
-            # the tied layer keeps sharing the (new) tensor; only its own state is rebuilt
-            shared = {a: shadows[m].module._parameters[src] for a, (m, src) in links.items()}
-            for attr in shared:
-                if shared[attr] is None:
-                    raise ApplyError(f"{n}.{attr}: tied tensor was removed by processing")
-            sh.fresh_params(shared)  # type: ignore[arg-type]
-            untied = set(sh.module._parameters) - set(shared)
-            if any(sh.module._parameters[a] is not None for a in untied):
-                raise ApplyError(f"{n}: partly tied layer; cannot prepare")
-            sh.process()
-    out = PreparedVersion(version, publisher_id)
-    sources = {t.untyped_storage().data_ptr() for _, t in todo}
-    for sh in [*shadows.values(), *(s for s, _ in tied.values())]:
-        swap = sh.to_swap()
-        for t in [*swap.params.values(), *swap.buffers.values()]:
-            if t is not None and t.numel() and t.untyped_storage().data_ptr() in sources:
-                # the staged buffer is reused after release; the shadow must own its bytes
-                raise ApplyError(f"{sh.name}: a loader kept a view of the sent tensor")
-        out.swaps.append(swap)
-        out.nbytes += sum(
-            p.numel() * p.element_size() for p in swap.params.values() if p is not None
-        )
-    out.seconds = time.perf_counter() - start
-    return out
-
-
-@dataclass
-class _Retired:
-    prepared: PreparedVersion
-
-
-class Preparer:
-    """One background thread preparing offered versions, newest wins.
-
-    ``build(staged)`` returns a ``PreparedVersion`` (or raises: the version is then
-    committed by the reload path). ``on_done(version)`` is called after each
-    attempt, success or not, so the coordinator can advertise the version.
-    """
-
-    def __init__(
-        self,
-        build: Callable[[Any], PreparedVersion],
-        on_done: Callable[[int], None],
-    ) -> None:
-        self._build = build
-        self._on_done = on_done
-        self._lock = threading.Lock()
-        self._ready: dict[int, PreparedVersion] = {}
-        self._wanted: set[int] = set()
-        self._queue: queue.Queue[Any] = queue.Queue()
-        self.failures = 0
-        self.last_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="weightpub-prepare", daemon=True)
-        self._thread.start()
-
-    def submit(self, staged: Any) -> None:
-        with self._lock:
-            self._wanted.add(staged.version)
-        self._queue.put(staged)
-
-    def take(self, version: int, publisher_id: str | None) -> PreparedVersion | None:
-        """The prepared state of ``version`` (removed from here), or None."""
-        with self._lock:
-            self._wanted.discard(version)
-            got = self._ready.pop(version, None)
-        if got is not None and got.publisher_id != publisher_id:
-            return None
-        return got
-
-    def discard(self, version: int) -> None:
-        """Free the shadow of a superseded / failed version (or stop preparing it)."""
-        with self._lock:
-            self._wanted.discard(version)
-            self._ready.pop(version, None)
-
-    def discard_upto(self, version: int) -> None:
-        with self._lock:
-            self._wanted = {v for v in self._wanted if v > version}
-            for v in [v for v in self._ready if v <= version]:
-                del self._ready[v]
-
-    def retire(self, prepared: PreparedVersion) -> None:
-        """Drop a swapped-in version (and the old weights it holds) on this thread.
-
-        Why: freeing a model's worth of tensors and kernel handles takes tens of ms.
-        """
-        self._queue.put(_Retired(prepared))
-
-    def prepared_versions(self) -> list[int]:
-        with self._lock:
-            return sorted(self._ready)
-
-    def close(self) -> None:
-        with self._lock:
-            self._wanted.clear()
-            self._ready.clear()
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while True:
-            staged = self._queue.get()
-            if staged is None:
-                return
-            if isinstance(staged, _Retired):
-                del staged
-                continue
-            version = staged.version
-            with self._lock:
-                if version not in self._wanted:
-                    continue
-            try:
-                prepared = self._build(staged)
-            except Exception as exc:
-                self.failures += 1
-                self.last_error = f"version {version}: {exc}"
-                logger.warning(
-                    "weightpub: preparing version %d failed, it will be reloaded at commit: %s",
-                    version, exc,
-                )
-                prepared = None
-            if prepared is not None:
-                with self._lock:
-                    if version in self._wanted:
-                        self._ready[version] = prepared
-                logger.info(
-                    "weightpub: prepared version %d (%d layers, %.1f MB) in %.3f s",
-                    version, len(prepared.swaps), prepared.nbytes / 1e6, prepared.seconds,
-                )
-            del prepared
-            try:
-                self._on_done(version)
-            except Exception:
-                logger.exception("weightpub: on_done of version %d failed", version)

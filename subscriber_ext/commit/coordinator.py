@@ -26,7 +26,9 @@ from typing import Any, Protocol
 
 import torch
 
-from subscriber_ext.apply.prepare import PreparedVersion, Preparer
+from subscriber_ext.apply.prepare import PreparedVersion
+from subscriber_ext.apply.preparer import Preparer
+from subscriber_ext.apply.progressive import VersionPrep
 from subscriber_ext.commit.shared_slots import pid_hash
 from subscriber_ext.commit.strategies import CommitStrategy
 
@@ -67,6 +69,11 @@ class CommitCoordinator:
     back to ``apply`` at commit. ``prepare_policy="auto"`` prepares only while the
     engine is busy (a step ran in the last ``BUSY_WINDOW_S``): an idle engine has
     no step loop to stall and reaches the new version sooner by a direct reload.
+
+    ``start_progressive`` (optional, ``WeightApplier.start_progressive``-like) lets
+    the preparer build each layer while the version is still arriving (``progress``,
+    from the transport); such a version is prepared busy or idle, since most of the
+    work is done by the time its last byte is verified, and its commit only swaps.
     """
 
     BUSY_WINDOW_S = 0.5
@@ -83,6 +90,7 @@ class CommitCoordinator:
         prepare: Callable[[StagedLike], PreparedVersion] | None = None,
         apply_prepared: Callable[[PreparedVersion], Any] | None = None,
         prepare_policy: str = "auto",
+        start_progressive: Callable[[Any], VersionPrep | None] | None = None,
     ) -> None:
         self._apply = apply
         self.strategy = strategy
@@ -106,8 +114,9 @@ class CommitCoordinator:
         self._last_step_at = float("-inf")
         self._apply_prepared = apply_prepared
         self._preparer: Preparer | None = None
+        self._offered_at: dict[int, float] = {}  # version -> when it was staged here
         if prepare is not None and apply_prepared is not None:
-            self._preparer = Preparer(prepare, self._on_prepared)
+            self._preparer = Preparer(prepare, self._on_prepared, start_progressive)
         self._advertise_locked()
 
     @property
@@ -115,6 +124,17 @@ class CommitCoordinator:
         return self.strategy.driven
 
     # --------------------------------------------------------- producer side
+    def progress(self, partial: Any) -> None:
+        """Transport thread: a version still arriving (``transport.progress.PartialVersion``)."""
+        preparer = self._preparer
+        if preparer is None or not preparer.progressive:
+            return
+        with self._lock:
+            if self.applied_version is not None and partial.version <= self.applied_version \
+                    and partial.publisher_id == self.publisher_id:
+                return
+        preparer.progress(partial)
+
     def offer(self, staged: StagedLike) -> None:
         """Called from the subscriber thread with a complete, verified version."""
         with self._lock:
@@ -136,8 +156,13 @@ class CommitCoordinator:
                 while len(self._held) > self._keep:
                     dropped.append(self._held.popitem(last=False)[1])
                 self.publisher_id = staged.publisher_id
-                if self._preparer is not None and staged.version in self._held and \
-                        self._busy():
+                self._offered_at[staged.version] = time.monotonic()
+                while len(self._offered_at) > 16:  # bounded, whatever never commits
+                    self._offered_at.pop(next(iter(self._offered_at)))
+                if self._preparer is not None and staged.version in self._held and (
+                        self._busy() or self._preparer.has_progress(
+                            staged.publisher_id, staged.version,
+                            getattr(staged, "attempt", 0))):
                     self._unready.add(staged.version)
                     submit = True
             for d in dropped:
@@ -249,12 +274,20 @@ class CommitCoordinator:
                 _release(pinned)
             self._pinned.clear()
             self.commit_count += 1
+            offered = self._offered_at.pop(choice, None)
+            for v in [v for v in self._offered_at if v <= choice]:
+                del self._offered_at[v]
             self.commit_log.append({
                 "step": self.step, "version": choice, "seconds": self.last_commit_s,
                 "prepared": prepared is not None, "data_path": self.applied_data_path,
                 # the work of turning staged bytes into weights, on or off the step path
                 "apply_seconds": prepared.seconds if prepared is not None
                 else self.last_commit_s,
+                # layers prepared while the version was still arriving
+                "early_layers": prepared.early_layers if prepared is not None else 0,
+                # from "complete and verified here" to "live": preparation + waiting
+                "staged_to_commit_s": None if offered is None
+                else time.monotonic() - offered,
             })
             self._unready = {v for v in self._unready if v > choice}
             self._advertise_locked()
@@ -315,4 +348,5 @@ class CommitCoordinator:
             "prepared": p.prepared_versions(),
             "failures": p.failures,
             "last_error": p.last_error,
+            "early_layers": p.early_layers,  # built while their version arrived, in all
         }

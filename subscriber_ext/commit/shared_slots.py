@@ -28,6 +28,8 @@ import secrets
 import tempfile
 import threading
 
+from subscriber_ext.commit.idle_wake import WakeSender, wake_address
+
 __all__ = [
     "ENV",
     "KEEP",
@@ -147,7 +149,11 @@ def reap_stale_tables(directory: str) -> list[str]:
 
 
 class SlotWriter:
-    """One rank's view: publish (pid_hash, applied, held versions)."""
+    """One rank's view: publish (pid_hash, applied, held versions).
+
+    Every write also wakes the engine core if it sits idle (``idle_wake``): the
+    engine then commits at once instead of at its next poll.
+    """
 
     def __init__(self, table: SlotTable, index: int) -> None:
         if not 0 <= index < table.nslots:
@@ -156,6 +162,7 @@ class SlotWriter:
         self.index = index
         self._seq = _HDR + index
         self._base = _HDR + table.nslots + index * _SLOT
+        self.waker = WakeSender(wake_address(table.path))
 
     def write(self, pid: int, applied: int | None, held: list[int]) -> None:
         w = self.table.words
@@ -168,6 +175,7 @@ class SlotWriter:
         for i, v in enumerate(held):
             w[b + 3 + i] = v
         w[self._seq] += 1  # even: consistent
+        self.waker.notify()
 
 
 class SlotReader:

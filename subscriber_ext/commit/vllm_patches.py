@@ -8,8 +8,8 @@ serves ``/metrics`` (``observe/``).
 
 1. ``EngineCore`` (engine-core process): ``__init__`` creates the rank slot
    table before workers spawn; ``step`` / ``step_with_batch_queue`` and our RPCs
-   commit first (``EngineDriver``); the blocking input-queue ``get`` wakes every
-   ``WEIGHTPUB_IDLE_POLL_S`` so an idle engine commits too;
+   commit first (``EngineDriver``); the blocking input-queue ``get`` is woken by a
+   rank's slot write (``idle_wake``) so an idle engine commits at once;
    ``_attach_weight_version`` tags outputs of batches queued before a commit
    with the old version. ``WEIGHTPUB_ENGINE_DRIVER=0`` leaves the engine alone
    (ranks then agree among themselves, ``strategies.RankAgreement``).
@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from subscriber_ext.commit.engine_driver import EngineDriver
+from subscriber_ext.commit.idle_wake import WakeListener, wake_address
 from subscriber_ext.commit.shared_slots import ENV, SlotTable
 from subscriber_ext.observe.metrics import ReplicaCollector
 from subscriber_ext.observe.status_board import StatusBoard
@@ -84,7 +85,7 @@ def _setup(core: Any, vllm_config: Any) -> None:
     atexit.register(table.unlink)
     os.environ[ENV] = table.env_value()
     core._wp_driver = EngineDriver(table, _original_rpc)
-    _wrap_input_queue(core)
+    _wrap_input_queue(core, table.path)
 
 
 def _constructing_core() -> tuple[Any, Any] | None:
@@ -107,23 +108,45 @@ def _constructing_core() -> tuple[Any, Any] | None:
     return None
 
 
-def _wrap_input_queue(core: Any) -> None:
-    """Let an idle engine commit: wake from the blocking input-queue wait every poll_s."""
+def _wrap_input_queue(core: Any, table_path: str) -> None:
+    """Let an idle engine commit: a rank's slot write wakes the blocking input-queue wait.
+
+    ``idle_wake.WakeListener`` puts vLLM's own ``WAKEUP`` request into the queue
+    when a rank advertises; the wait below commits before it blocks and whenever it
+    wakes. ``WEIGHTPUB_IDLE_POLL_S`` is only a backstop (default 1 s; 0.05 s if the
+    listener could not bind, the old polling).
+    """
     q = getattr(core, "input_queue", None)
-    poll_s = float(os.environ.get("WEIGHTPUB_IDLE_POLL_S", "0.05"))
-    if not isinstance(q, queue.Queue) or poll_s <= 0:
-        return
+    backstop = os.environ.get("WEIGHTPUB_IDLE_POLL_S")
+    if not isinstance(q, queue.Queue) or (backstop is not None and float(backstop) <= 0):
+        return  # 0: an idle engine commits only on our RPCs (tests)
+    from vllm.v1.engine import EngineCoreRequestType
+
+    def wake() -> None:
+        q.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+    try:
+        listener: WakeListener | None = WakeListener(wake_address(table_path), wake)
+    except OSError as exc:
+        logger.warning("weightpub: no idle wake-up socket (%s); polling instead", exc)
+        listener = None
+    poll_s = float(backstop) if backstop is not None else 1.0 if listener else 0.05
+    if listener is not None:
+        atexit.register(listener.close)
+        core._wp_waker = listener
     get = q.get
 
     def idle_get(block: bool = True, timeout: float | None = None) -> Any:
         if not block or timeout is not None:
             return get(block, timeout)
-        _idle_commit(core)  # also when client calls keep waking us before poll_s
         while True:
+            if listener is not None:
+                listener.taken()  # armed before we look: a later advertisement wakes us
+            _idle_commit(core)  # also when client calls keep waking us
             try:
                 return get(True, poll_s)
             except queue.Empty:
-                _idle_commit(core)
+                continue
 
     q.get = idle_get  # type: ignore[method-assign]
 
@@ -187,6 +210,7 @@ def _weightpub_driver_status(self: Any) -> dict[str, Any]:
         "commits": list(driver.commits)[-16:],
         "checks": driver.checks,
         "check_s": driver.check_s,
+        "idle_wakes": getattr(getattr(self, "_wp_waker", None), "wakes", None),
         "weight_version": self._weight_version,
     }
 

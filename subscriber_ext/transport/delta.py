@@ -2,7 +2,9 @@
 
 The subscriber keeps its newest staged version as the *base* (``StagedVersion.retain``:
 the bytes stay put after the consumer releases them, until a newer version
-replaces the base). When a manifest offers deltas (``Manifest.delta``) and the
+replaces the base), when the publisher announces that deltas follow
+(``Manifest.deltas_follow``; a publisher without deltas costs no second buffer).
+When a manifest offers deltas (``Manifest.delta``) and the
 base is one of its chain, the version is rebuilt in a fresh staging buffer,
 never in the live weights or the base: the first step reads the base, each
 later step (a subscriber that missed versions of the chain) is applied in
@@ -101,6 +103,7 @@ class DeltaAssembly(Assembly):
             self.step += 1
             self.fetch_version, self.fetch_base = self.steps[self.step]
             self.missing = set(range(self.manifest.num_chunks))
+            self.cursor = 0
         return True
 
     def abandon(self) -> None:
@@ -158,7 +161,12 @@ class DeltaState:
             self.bytes_received_full += size
 
     def completed(self, target: Assembly, staged: StagedVersion) -> None:
-        """A version was staged: it becomes the base (the previous base is let go)."""
+        """A version was staged: it becomes the base (the previous base is let go).
+
+        Only when its publisher serves deltas (``Manifest.deltas_follow``): a base
+        nobody will ever send a delta against would double the staging memory (and its
+        first-touch page faults) for nothing.
+        """
         if isinstance(target, DeltaAssembly):
             self.versions_delta += 1
             self.decode_seconds += target.decode_seconds
@@ -166,6 +174,8 @@ class DeltaState:
             self.versions_full += 1
         self.drop_base()
         manifest = staged.manifest
+        if not manifest.deltas_follow and manifest.delta is None:
+            return
         self.base = HeldBase(
             manifest=manifest,
             digest=version_digest(manifest.total_bytes, manifest.chunk_size, manifest.checksums),

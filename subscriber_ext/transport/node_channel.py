@@ -12,8 +12,14 @@ not mapped yet carries the buffer's memfd as ``SCM_RIGHTS`` ancillary data::
 
     follower -> owner   hello {rank, pid} | release {share} | applied {version, error}
     owner -> follower   welcome {rank, pid, subscriber_id}
-                      | offer {share, segment, segment_bytes, manifest} [+ fd]
+                      | offer {share, segment, segment_bytes, manifest, attempt} [+ fd]
+                      | partial {attempt, ready, cancelled, [segment, manifest]} [+ fd]
                       | forget {segment} | status {fields, ranks}
+
+A ``partial`` tells a follower which tensors of a version still arriving are
+final (``transport/progress.py``): the first one of an attempt carries the
+manifest (and the memfd when new to the follower), each one the indices of the
+tensors that became final since the last.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ __all__ = [
     "Forget",
     "Hello",
     "Offer",
+    "Partial",
     "Release",
     "Status",
     "Welcome",
@@ -82,6 +89,23 @@ class Offer(_NodeMessage, tag="offer", frozen=True, kw_only=True):
     manifest: wire.Manifest
     fetch_seconds: Annotated[float, Meta(ge=0.0, le=1e9)] = 0.0
     data_path: wire.DataPath = "zmq"
+    attempt: Count = 0  # the reception it came from (its ``Partial`` messages)
+
+
+class Partial(_NodeMessage, tag="partial", frozen=True, kw_only=True):
+    """A version still arriving: the tensors (indices) that became final since the last.
+
+    The first message of an ``attempt`` names the segment and carries the manifest;
+    ``cancelled``: the reception was given up, drop what was built from it.
+    """
+
+    attempt: Count
+    ready: Annotated[tuple[Count, ...], Meta(max_length=wire.MAX_TENSORS)] = ()
+    cancelled: bool = False
+    segment: Count = 0
+    segment_bytes: Count = 0
+    fd_attached: bool = False
+    manifest: wire.Manifest | None = None
 
 
 class Release(_NodeMessage, tag="release", frozen=True, kw_only=True):
@@ -104,7 +128,7 @@ class Status(_NodeMessage, tag="status", frozen=True, kw_only=True):
     ranks: Annotated[tuple[RankNo, ...], Meta(max_length=wire.MAX_REPORTED_RANKS)]
 
 
-NodeMessage = Hello | Welcome | Offer | Release | Forget | Applied | Status
+NodeMessage = Hello | Welcome | Offer | Partial | Release | Forget | Applied | Status
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(NodeMessage)
 
@@ -227,7 +251,7 @@ class Channel:
             except msgspec.MsgspecError as exc:
                 raise ProtocolError(f"node channel: bad message ({exc})") from exc
             fd = None
-            if isinstance(message, Offer) and message.fd_attached:
+            if isinstance(message, (Offer, Partial)) and message.fd_attached:
                 if not self._fds:
                     raise ProtocolError("node channel: an offer came without its descriptor")
                 fd = self._fds.popleft()

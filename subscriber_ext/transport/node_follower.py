@@ -26,11 +26,13 @@ from subscriber_ext.transport.node_channel import (
     Forget,
     Hello,
     Offer,
+    Partial,
     Release,
     Status,
     Welcome,
     connect_node,
 )
+from subscriber_ext.transport.progress import PartialVersion
 from subscriber_ext.transport.shared_segments import map_segment
 from subscriber_ext.transport.staging import SharedView, tensor_views
 from weightpub_wire import protocol as wire
@@ -46,10 +48,13 @@ class NodeStagingFollower:
     """A ``VersionSource`` fed by the node owner over ``sock`` (already connected)."""
 
     def __init__(self, sock: socket.socket, address: bytes, *, rank: int,
-                 on_version: Callable[[SharedView], None]) -> None:
+                 on_version: Callable[[SharedView], None],
+                 on_progress: Callable[[PartialVersion], None] | None = None) -> None:
         self.rank = rank
         self._address = address
         self._on_version = on_version
+        self._on_progress = on_progress
+        self._partials: dict[int, PartialVersion] = {}  # attempt -> the version arriving
         self._lock = threading.Lock()
         self._channel: Channel | None = None
         self._generation = 0  # one per connection: releases of an old owner go nowhere
@@ -161,6 +166,8 @@ class NodeStagingFollower:
     def _handle(self, message: Any, fd: int | None) -> None:
         if isinstance(message, Offer):
             self._offer(message, fd)
+        elif isinstance(message, Partial):
+            self._partial(message, fd)
         elif isinstance(message, Forget):
             with self._lock:
                 self._segments.pop(message.segment, None)
@@ -173,21 +180,53 @@ class NodeStagingFollower:
                 self._owner = message
             log.info("node staging: rank %d follows rank %d (pid %d)", self.rank, message.rank,
                      message.pid)
-        if fd is not None and not isinstance(message, Offer):
+        if fd is not None and not isinstance(message, (Offer, Partial)):
             os.close(fd)
+
+    def _map(self, segment: int, segment_bytes: int, fd: int | None) -> torch.Tensor | None:
+        if fd is not None:
+            try:
+                mapped = map_segment(fd, segment_bytes)
+            finally:
+                os.close(fd)
+            with self._lock:
+                self._segments[segment] = mapped
+        with self._lock:
+            return self._segments.get(segment)
+
+    def _partial(self, message: Partial, fd: int | None) -> None:
+        """The owner's version still arriving: pass its final prefix on to this rank."""
+        if message.manifest is not None:
+            mapped = self._map(message.segment, message.segment_bytes, fd)
+            if mapped is None:
+                raise ProtocolError(f"partial of attempt {message.attempt}: segment "
+                                    f"{message.segment} was never sent")
+            partial = PartialVersion(message.manifest, mapped, message.attempt)
+            with self._lock:
+                self._partials[message.attempt] = partial
+                while len(self._partials) > 4:  # bounded: the owner cancels or completes
+                    self._partials.pop(next(iter(self._partials)))
+        else:
+            if fd is not None:
+                os.close(fd)
+            with self._lock:
+                found = self._partials.get(message.attempt)
+            if found is None:
+                return  # an attempt this rank never saw (it attached mid-version)
+            partial = found
+        partial.mark_ready(message.ready)  # out-of-range indices are ignored
+        if message.cancelled:
+            partial.cancelled = True
+            with self._lock:
+                self._partials.pop(message.attempt, None)
+        if self._on_progress is not None:
+            self._on_progress(partial)
 
     def _offer(self, offer: Offer, fd: int | None) -> None:
         with self._lock:
             channel, generation = self._channel, self._generation
-        if fd is not None:
-            try:
-                segment = map_segment(fd, offer.segment_bytes)
-            finally:
-                os.close(fd)
-            with self._lock:
-                self._segments[offer.segment] = segment
-        with self._lock:
-            mapped = self._segments.get(offer.segment)
+            self._partials.pop(offer.attempt, None)
+        mapped = self._map(offer.segment, offer.segment_bytes, fd)
         release = self._releaser(channel, generation, offer.share)
         if mapped is None:
             release()
@@ -195,7 +234,7 @@ class NodeStagingFollower:
                                 f"{offer.segment} was never sent")
         try:
             view = SharedView(offer.manifest, tensor_views(offer.manifest, mapped), release,
-                              offer.fetch_seconds, offer.data_path)
+                              offer.fetch_seconds, offer.data_path, offer.attempt)
         except ValueError:
             release()
             raise

@@ -20,7 +20,7 @@ import select
 import socket
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,25 +31,27 @@ from subscriber_ext.transport.node_channel import (
     Forget,
     Hello,
     Offer,
+    Partial,
     Release,
     Status,
     Welcome,
 )
+from subscriber_ext.transport.progress import PartialVersion
 from subscriber_ext.transport.shared_segments import Segment, SharedSegments
 from subscriber_ext.transport.staging import SharedView, StagedVersion, tensor_views
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from weightpub_wire import protocol as wire
-from weightpub_wire.buffers import Allocator
 from weightpub_wire.errors import ProtocolError, WeightPubError
 
 __all__ = ["NodeStagingOwner", "Subscribe"]
 
 log = logging.getLogger("weightpub.node")
 
-#: ``subscribe(on_version, allocator)``: the owner's ``WeightSubscriber``
-Subscribe = Callable[[Callable[[StagedVersion], None], Allocator], WeightSubscriber]
+#: ``subscribe(on_version, allocator[, on_progress=])``: the owner's ``WeightSubscriber``
+Subscribe = Callable[..., WeightSubscriber]
 OWN = -1  # holder id of the owner's own consumer
 STATUS_EVERY_S = 0.25
+PARTIALS_KEPT = 4  # attempts a follower was told about, remembered per follower
 
 
 @dataclass(slots=True)
@@ -66,6 +68,8 @@ class _Follower:
     channel: Channel
     rank: int | None = None  # set by its hello
     known_segments: set[int] = field(default_factory=set)
+    #: attempt -> how many of its ready tensors were sent to it
+    partials: OrderedDict[int, int] = field(default_factory=OrderedDict)
 
 
 class NodeStagingOwner:
@@ -73,9 +77,11 @@ class NodeStagingOwner:
 
     def __init__(self, listener: socket.socket, *, rank: int,
                  on_version: Callable[[SharedView], None], subscribe: Subscribe,
-                 label: str) -> None:
+                 label: str,
+                 on_progress: Callable[[PartialVersion], None] | None = None) -> None:
         self.rank = rank
         self._on_version = on_version
+        self._on_progress = on_progress
         self._listener = listener
         self._lock = threading.RLock()
         self._shares: dict[int, _Share] = {}
@@ -91,7 +97,11 @@ class NodeStagingOwner:
         self._wake_w.setblocking(False)
         self._segments = SharedSegments(label, on_free=self._segment_freed)
         try:
-            self._subscriber = subscribe(self._on_staged, self._segments)
+            if on_progress is None:
+                self._subscriber = subscribe(self._on_staged, self._segments)
+            else:  # every rank of the node sees each version grow (``transport/progress``)
+                self._subscriber = subscribe(self._on_staged, self._segments,
+                                             on_progress=self._on_partial)
         except BaseException:
             self._close_sockets()
             raise
@@ -133,7 +143,8 @@ class NodeStagingOwner:
             log.error("version %d is not in a shared segment; not offered to other ranks",
                       staged.version)
             self._on_version(SharedView(staged.manifest, staged.tensors, staged.release,
-                                        staged.fetch_seconds, staged.data_path))
+                                        staged.fetch_seconds, staged.data_path,
+                                        staged.attempt))
             return
         with self._lock:
             share = _Share(next(self._ids), staged, segment, {OWN})
@@ -145,7 +156,7 @@ class NodeStagingOwner:
         self._wake()
         view = SharedView(staged.manifest, tensor_views(staged.manifest, staged.buffer),
                           lambda: self._release(share.share_id, OWN), staged.fetch_seconds,
-                          staged.data_path)
+                          staged.data_path, staged.attempt)
         try:
             self._on_version(view)
         except BaseException:
@@ -163,8 +174,44 @@ class NodeStagingOwner:
                       segment_bytes=segment.nbytes, fd_attached=fd is not None,
                       manifest=share.staged.manifest,
                       fetch_seconds=max(0.0, share.staged.fetch_seconds),
-                      data_path=share.staged.data_path)
+                      data_path=share.staged.data_path,
+                      attempt=share.staged.attempt)
         self._outbox.append((follower.conn_id, offer, fd))
+
+    # -- the subscriber thread: a version still arriving ------------------------------------
+    def _on_partial(self, partial: PartialVersion) -> None:
+        """Tell every rank how much of the arriving version is final (its own rank first)."""
+        segment = self._segments.segment_of(partial.buffer)
+        if segment is not None:
+            with self._lock:
+                for follower in self._followers.values():
+                    if follower.rank is not None:
+                        self._partial_locked(follower, partial, segment)
+            self._wake()
+        if self._on_progress is not None:
+            self._on_progress(partial)
+
+    def _partial_locked(self, follower: _Follower, partial: PartialVersion,
+                        segment: Segment) -> None:
+        first = partial.attempt not in follower.partials
+        if first and partial.cancelled:
+            return  # it never heard of this reception
+        fd = None
+        if first:
+            if segment.segment_id not in follower.known_segments:
+                fd = os.dup(segment.fd)
+                follower.known_segments.add(segment.segment_id)
+            follower.partials[partial.attempt] = 0
+            while len(follower.partials) > PARTIALS_KEPT:
+                follower.partials.popitem(last=False)
+        sent = follower.partials[partial.attempt]
+        ready = tuple(partial.ready_order[sent:])
+        follower.partials[partial.attempt] = sent + len(ready)
+        message = Partial(attempt=partial.attempt, ready=ready,
+                          cancelled=partial.cancelled, segment=segment.segment_id,
+                          segment_bytes=segment.nbytes, fd_attached=fd is not None,
+                          manifest=partial.manifest if first else None)
+        self._outbox.append((follower.conn_id, message, fd))
 
     def _release(self, share_id: int, holder: int) -> None:
         with self._lock:

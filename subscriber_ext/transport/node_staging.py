@@ -21,6 +21,7 @@ from collections.abc import Callable
 from subscriber_ext.transport.node_channel import bind_node, connect_node, node_address
 from subscriber_ext.transport.node_follower import NodeStagingFollower
 from subscriber_ext.transport.node_owner import NodeStagingOwner, Subscribe
+from subscriber_ext.transport.progress import PartialVersion
 from subscriber_ext.transport.staging import SharedView
 from weightpub_wire.errors import TransportError
 
@@ -34,9 +35,14 @@ def node_label(key: str) -> str:
 
 
 def join_node_staging(key: str, *, rank: int, on_version: Callable[[SharedView], None],
-                      subscribe: Subscribe,
-                      timeout: float = 30.0) -> NodeStagingOwner | NodeStagingFollower:
-    """Own the node's subscription (first local rank to arrive) or follow its owner."""
+                      subscribe: Subscribe, timeout: float = 30.0,
+                      on_progress: Callable[[PartialVersion], None] | None = None,
+                      ) -> NodeStagingOwner | NodeStagingFollower:
+    """Own the node's subscription (first local rank to arrive) or follow its owner.
+
+    ``on_progress``: this rank also sees each version while it arrives (every rank
+    of the node, through the owner; ``transport/progress.py``).
+    """
     address = node_address(key)
     label = node_label(key)
     deadline = time.monotonic() + timeout
@@ -44,10 +50,11 @@ def join_node_staging(key: str, *, rank: int, on_version: Callable[[SharedView],
         listener = bind_node(address)
         if listener is not None:
             return NodeStagingOwner(listener, rank=rank, on_version=on_version,
-                                    subscribe=subscribe, label=label)
+                                    subscribe=subscribe, label=label, on_progress=on_progress)
         sock = connect_node(address, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
         if sock is not None:
-            return NodeStagingFollower(sock, address, rank=rank, on_version=on_version)
+            return NodeStagingFollower(sock, address, rank=rank, on_version=on_version,
+                                       on_progress=on_progress)
         if time.monotonic() >= deadline:  # bound by someone who never accepts
             raise TransportError(f"node staging: could neither own nor reach the node channel "
                                  f"for rank {rank} within {timeout}s")

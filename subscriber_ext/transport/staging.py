@@ -18,6 +18,7 @@ import torch
 
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.chunk_order import priority_chunks
 from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.protocol import Manifest
 
@@ -54,6 +55,7 @@ class StagedVersion:
     received_at: float
     fetch_seconds: float
     data_path: str = "zmq"  # how the bytes came: "zmq", "gloo", "nccl", "cuda_ipc"
+    attempt: int = 0  # the reception it came from (``progress.PartialVersion.attempt``)
     _pool: BufferPool | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
     _holds: int = field(default=1, repr=False)  # release() plus each retain()
@@ -118,6 +120,8 @@ class Assembly:
         self.buffer = pool.take(manifest.total_bytes)
         self.view = byte_view(self.buffer, manifest.total_bytes)
         self.missing: set[int] = set(range(manifest.num_chunks))
+        self.order = priority_chunks(manifest)  # fetch order: the largest tensors first
+        self.cursor = 0  # every chunk of ``order`` before it is verified
         self.started = time.monotonic()
         self.fetch_version = manifest.version  # what FetchRequests name (deltas: each step)
         self.fetch_base = 0  # FetchRequest.base: 0 = the version's own bytes
@@ -131,6 +135,24 @@ class Assembly:
     def chunk_target(self, chunk: int) -> memoryview:
         start, size = self.manifest.chunk_span(chunk)
         return self.view[start: start + size]
+
+    def next_chunks(self, asked: set[int], limit: int) -> list[int]:
+        """Up to ``limit`` missing chunks not in ``asked``, in fetch order.
+
+        Costs about the chunks in flight plus ``limit``, not the whole version.
+        """
+        order, missing = self.order, self.missing
+        index = self.cursor
+        while index < len(order) and order[index] not in missing:
+            index += 1
+        self.cursor = index
+        out: list[int] = []
+        while index < len(order) and len(out) < limit:
+            chunk = order[index]
+            if chunk in missing and chunk not in asked:
+                out.append(chunk)
+            index += 1
+        return out
 
     def accepts(self, chunk: int, size: int) -> bool:
         """Whether a chunk reply of ``size`` bytes can be what was asked for."""
@@ -166,14 +188,16 @@ class SharedView:
     shared with the node's other ranks and reused only after every rank released it.
     """
 
-    __slots__ = ("_on_release", "data_path", "fetch_seconds", "publisher_id", "tensors",
+    __slots__ = ("_on_release", "attempt", "data_path", "fetch_seconds", "publisher_id",
+                 "tensors",
                  "total_bytes", "version")
 
     def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor],
                  on_release: Callable[[], None], fetch_seconds: float | None = None,
-                 data_path: str = "zmq") -> None:
+                 data_path: str = "zmq", attempt: int = 0) -> None:
         self.version = manifest.version
         self.data_path = data_path  # how the node received it
+        self.attempt = attempt  # the node owner's reception (matches its partials)
         self.fetch_seconds = fetch_seconds  # how long the node took to receive it
         self.publisher_id = manifest.publisher_id
         self.total_bytes = manifest.total_bytes

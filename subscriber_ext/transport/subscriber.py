@@ -23,6 +23,7 @@ import zmq
 
 from subscriber_ext.transport.collective import CollectiveMember
 from subscriber_ext.transport.memory import derive_staging_budget
+from subscriber_ext.transport.progress import PartialVersion, ProgressFeed
 from subscriber_ext.transport.staging import StagedVersion
 from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
 from weightpub_wire import protocol as wire
@@ -40,7 +41,7 @@ from weightpub_wire.security import curve_client_hook, is_local
 __all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("weightpub.subscriber")
-_CONSTRUCTOR_KEYWORDS = ("on_version", "subscriber_id", "curve_server_key_file",
+_CONSTRUCTOR_KEYWORDS = ("on_version", "on_progress", "subscriber_id", "curve_server_key_file",
                          "curve_secret_key_file", "socket_hooks", "context", "allocator")
 
 
@@ -64,6 +65,11 @@ class WeightSubscriber:
     manifests announce one (gloo; NCCL or CUDA IPC on ``collective_device``): the
     versions then arrive by broadcast into the same staging, verified the same way,
     and any failure of that path fetches the version over ZeroMQ frames.
+
+    ``on_progress`` (optional, runs on the subscriber thread, must return quickly)
+    sees each version while it arrives: a ``PartialVersion`` whose ``ready()``
+    tensors are already verified and final, so work on them can start early; it is
+    ``cancelled`` if that reception is given up (``transport/progress.py``).
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class WeightSubscriber:
         endpoint: str,
         *,
         on_version: Callable[[StagedVersion], None] | None = None,
+        on_progress: Callable[[PartialVersion], None] | None = None,
         subscriber_id: str | None = None,
         options: SyncOptions | None = None,
         curve_server_key_file: str | None = None,
@@ -118,6 +125,8 @@ class WeightSubscriber:
             self._client.collective = CollectiveMember(
                 self.subscriber_id, endpoint=endpoint, device=base.collective_device,
                 run_on_client=self._call, limits=base.limits)
+        if on_progress is not None:
+            self._client.progress = ProgressFeed(on_progress)
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
         self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",

@@ -42,6 +42,7 @@ import zmq
 
 from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
+from subscriber_ext.transport.progress import ProgressFeed
 from subscriber_ext.transport.staging import Assembly, StagedVersion
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
@@ -116,6 +117,7 @@ class SyncClient:
         self.deltas = DeltaState()  # the base held for deltas, bytes by path
         self.gate = BudgetGate(self.pool, self.deltas)  # the staging budget
         self.queued: wire.Manifest | None = None
+        self.progress: ProgressFeed | None = None  # tensors final before the version is
         self._ids = itertools.count(1)
         self._requests: dict[int, _Request] = {}
         self._retries: dict[int, int] = {}
@@ -279,8 +281,8 @@ class SyncClient:
             return
         asked = set().union(*(r.chunks for r in self._requests.values())) if self._requests \
             else set()
-        todo = sorted(target.missing - asked)
         room = self._credit() - self._in_flight()
+        todo = target.next_chunks(asked, room) if room > 0 else []
         while todo and room > 0:
             batch = todo[: min(room, self.options.chunks_per_request)]
             todo = todo[len(batch):]
@@ -332,6 +334,8 @@ class SyncClient:
 
     def _drop_target(self) -> None:
         if self.target is not None:
+            if self.progress is not None:
+                self.progress.cancel(self.target)
             self.target.abandon()
         self.target = None
         self._requests.clear()
@@ -382,6 +386,8 @@ class SyncClient:
         self.target = target
         self._requests.clear()
         self._retries.clear()
+        if self.progress is not None:
+            self.progress.begin(target)
         if not target.missing:
             self._complete(target)
         else:
@@ -401,6 +407,8 @@ class SyncClient:
             self.target = None
             self._requests.clear()
             self._retries.clear()
+            if self.progress is not None:
+                self.progress.complete(target, staged)
         self.deltas.completed(target, staged)
         self.current_version = staged.version
         self.staged_paths[staged.version] = staged.data_path
@@ -579,6 +587,8 @@ class SyncClient:
                                     "checksum mismatch, refetching"))
             self._count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
+        if self.progress is not None:
+            self.progress.verified(target, header.chunk)
         if not target.missing:
             self._complete(target)
         else:

@@ -4,12 +4,14 @@ Put it in front of a publisher's ROUTER port and point subscribers at the relay:
 every byte the publisher sends down (chunks, replies) is counted per accepted
 connection. Manifests and heartbeats travel on the PUB socket, which
 subscribers reach directly, so the count is the data path (plus small replies).
+``down_rate`` makes it a slow link (bytes per second toward the subscriber).
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 __all__ = ["ByteRelay"]
@@ -25,8 +27,9 @@ class _Link:
 class ByteRelay:
     """``tcp://127.0.0.1:<port>`` forwarding to ``upstream`` ("host", port)."""
 
-    def __init__(self, upstream: tuple[str, int]) -> None:
+    def __init__(self, upstream: tuple[str, int], *, down_rate: float | None = None) -> None:
         self.upstream = upstream
+        self.down_rate = down_rate  # bytes/s toward the subscriber (None: as fast as it goes)
         self.links: list[_Link] = []
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -37,9 +40,9 @@ class ByteRelay:
         self._thread.start()
 
     @classmethod
-    def in_front_of(cls, endpoint: str) -> ByteRelay:
+    def in_front_of(cls, endpoint: str, *, down_rate: float | None = None) -> ByteRelay:
         host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        return cls((host, int(port)))
+        return cls((host, int(port)), down_rate=down_rate)
 
     @property
     def bytes_down(self) -> int:
@@ -71,9 +74,15 @@ class ByteRelay:
 
     def _pump(self, src: socket.socket, dst: socket.socket, link: _Link, down: bool) -> None:
         src.settimeout(None)
+        started, moved = time.monotonic(), 0
         try:
             while True:
-                data = src.recv(1 << 20)
+                data = src.recv(64 << 10 if down and self.down_rate else 1 << 20)
+                if down and self.down_rate and data:  # a slow link: hold to the rate
+                    moved += len(data)
+                    ahead = moved / self.down_rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        time.sleep(ahead)
                 if not data:
                     break
                 with self._lock:  # counted before forwarding: never behind what arrived

@@ -21,11 +21,21 @@ def run_node_rank(args: dict[str, Any]) -> None:
     offered: queue.Queue[Any] = queue.Queue()
     options = SyncOptions(**args.get("options", {}))
     endpoint = args["endpoint"]
+    told: dict[int, set[str]] = {}  # attempt -> tensors already reported ready
+
+    def on_progress(partial: Any) -> None:  # runs on a transport thread: emit and return
+        new = [n for n in partial.ready() if n not in told.setdefault(partial.attempt, set())]
+        told[partial.attempt].update(new)
+        _emit(event="partial", version=partial.version, attempt=partial.attempt,
+              ready=len(told[partial.attempt]), cancelled=partial.cancelled,
+              digests=digests((n, partial.tensors[n]) for n in new))
+
     source = join_node_staging(
         args["key"], rank=args["rank"], on_version=offered.put,
-        subscribe=lambda on_version, allocator: WeightSubscriber(
+        on_progress=on_progress if args.get("progress") else None,
+        subscribe=lambda on_version, allocator, **more: WeightSubscriber(
             endpoint, on_version=on_version, allocator=allocator, options=options,
-            subscriber_id=f"node-{os.getpid()}", **args.get("subscriber", {})))
+            subscriber_id=f"node-{os.getpid()}", **more, **args.get("subscriber", {})))
     role = "owner" if isinstance(source, NodeStagingOwner) else "follower"
     _emit(event="ready", role=role, pid=os.getpid(), rank=args["rank"])
     held: list[Any] = []
@@ -51,7 +61,7 @@ def run_node_rank(args: dict[str, Any]) -> None:
         except queue.Empty:
             continue
         _emit(event="staged", version=view.version, publisher_id=view.publisher_id,
-              digests=digests(view.items()))
+              digests=digests(view.items()), attempt=view.attempt)
         source.mark_applied(view.version)
         if args.get("hold"):
             held.append(view)

@@ -42,8 +42,8 @@ def relay(make_pub: Callable[..., WeightPublisher]) -> Iterator[tuple[WeightPubl
 
 def _ranks(spawn: Callable[..., Child], endpoint: str, key: str,
            **args: object) -> dict[str, Child]:
-    children = [spawn("node_rank", endpoint=endpoint, key=key, rank=r, options=OPTIONS, **args)
-                for r in (0, 1)]
+    args = {"options": OPTIONS, **args}
+    children = [spawn("node_rank", endpoint=endpoint, key=key, rank=r, **args) for r in (0, 1)]
     roles = {c.event("ready", timeout=60)["role"]: c for c in children}
     assert set(roles) == {"owner", "follower"}, roles  # exactly one rank owns the node
     return roles
@@ -83,6 +83,33 @@ def test_two_local_ranks_share_one_subscription_and_one_staged_copy(
                         and s["staged_version"] == 3 and s, 10, "the owner's status")
     assert status["node_staging"]["role"] == "follower"
     assert status["node_staging"]["owner_rank"] == roles["owner"].events[0]["rank"]
+
+
+def test_every_rank_sees_the_version_grow_with_final_bytes_only(
+    relay: tuple[WeightPublisher, ByteRelay], spawn: Callable[..., Child],
+) -> None:
+    """Per-layer readiness reaches every rank: owner and follower both get the arriving
+    version's final prefix (the bytes they are told are ready equal the published
+    ones) before the complete version, under the same attempt."""
+    pub, counter = relay
+    spec = [(f"layers.{i}.w", "float32", [64, 256]) for i in range(16)]  # 64 KiB each
+    roles = _ranks(spawn, counter.endpoint, f"test-{uuid.uuid4().hex}", progress=True,
+                   options={**OPTIONS, "window_bytes": 512 << 10})
+    wait_until(lambda: roles["owner"].request("status")["status"]["node_staging"]["ranks"]
+               == [0, 1], 30, "the follower to attach")
+    weights = det_weights(SEED, 1, spec)
+    pub.publish(weights)
+    expected = digests(weights.items())
+    for role, child in roles.items():
+        staged = child.event("staged", timeout=30, version=1)
+        partials = [e for e in child.events if e.get("event") == "partial"]
+        assert len(partials) >= 2, (role, partials)  # seen growing, not only at the end
+        assert {p["attempt"] for p in partials} == {staged["attempt"]} and staged["attempt"]
+        counts = [p["ready"] for p in partials]
+        assert counts == sorted(counts) and counts[-1] <= len(spec), (role, counts)
+        told = {k: v for p in partials for k, v in p["digests"].items()}
+        assert told == {k: expected[k] for k in told}, role  # only final bytes were "ready"
+        assert not any(p["cancelled"] for p in partials)
 
 
 def test_killed_ranks_pin_nothing_and_leave_nothing_mapped(

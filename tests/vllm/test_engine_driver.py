@@ -3,7 +3,7 @@
 (a) after a commit a new request never reuses prefix-cache blocks of the old weights,
 (b) outputs carry the weight version (``CompletionOutput.weight_versions``),
 (c) TP=2 ranks commit the same version at the same step with no per-step collective,
-(d) an idle engine commits and reports the version.
+(d) an idle engine commits on an event (a rank's slot write wakes it), not on a poll.
 """
 
 from __future__ import annotations
@@ -75,7 +75,15 @@ def _engine(tmp_path_factory, tp: int, **extra):
 
 @pytest.fixture(scope="class")
 def tp1(tmp_path_factory):
-    llm, pub = _engine(tmp_path_factory, 1)
+    old = os.environ.get("WEIGHTPUB_IDLE_POLL_S")
+    os.environ["WEIGHTPUB_IDLE_POLL_S"] = "600"  # no backstop poll: only the wake-up event
+    try:
+        llm, pub = _engine(tmp_path_factory, 1)
+    finally:
+        if old is None:
+            os.environ.pop("WEIGHTPUB_IDLE_POLL_S")
+        else:
+            os.environ["WEIGHTPUB_IDLE_POLL_S"] = old
     yield llm, pub
     llm.collective_rpc("stop_weight_subscriber")
     pub.close()
@@ -146,8 +154,13 @@ class TestTP1:
         llm.generate([{"prompt_token_ids": prompt}], _sp(N), use_tqdm=False)  # cache it
         w = new_weights(KIND, 42)
         v = pub.publish(w)
-        # no request, no RPC: the engine wakes from its input wait and commits
-        _wait(lambda: llm.llm_engine.get_weight_version() == str(v), "idle commit")
+        wakes = _driver(llm)["idle_wakes"]
+        # no request, no RPC (each would wake the engine), no poll (600 s backstop): the
+        # rank's slot write wakes the engine from its input wait and it commits; we watch
+        # from outside, through the replica's report to the publisher
+        pub.wait_for_subscribers(v, count=1, applied=True, timeout=30)
+        assert llm.llm_engine.get_weight_version() == str(v)
+        assert _driver(llm)["idle_wakes"] > wakes
         states = llm.collective_rpc("weight_version")
         assert all(s["applied_version"] == v and s["collectives"] == 0 for s in states), states
         commit = _driver(llm)["commits"][-1]

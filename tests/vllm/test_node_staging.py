@@ -9,7 +9,8 @@ error, the replica keeps serving the previous version (oracle), and the next
 version that fits is applied as usual. (c) Last, on the same engine (an engine
 start is the dearest thing here): ``kill -9`` of the worker that owns the node's
 staging; once vLLM has torn the engine down, no process maps the staging memory
-and nothing of ours is left in ``/dev/shm``.
+and nothing of ours is left in ``/dev/shm``. Before that, (d): behind a slow link
+both ranks prepare layers while the version arrives.
 """
 
 from __future__ import annotations
@@ -118,6 +119,33 @@ def test_version_above_the_budget_is_refused_and_the_replica_keeps_serving(repli
           "the refusal to clear")
     _wait(lambda: [r for r in pub.fleet() if r.applied_version == version
                    and r.last_error is None], "a clean report")
+
+
+def test_both_ranks_prepare_layers_while_the_version_arrives(replica):
+    """Behind a slow link (~1.5 s per version) the owner and the follower both build
+    layers from the verified prefix before the version is complete; the commit on
+    both ranks is a swap of what they prepared, and the output is transformers'."""
+    llm, pub, relay, size = replica
+    slow = ByteRelay.in_front_of(pub.endpoint, down_rate=size / 1.5)
+    options = {"staging_budget_bytes": 3 * size, "request_timeout": 30.0,
+               "report_interval": 0.2}
+    try:
+        llm.collective_rpc("stop_weight_subscriber")
+        llm.collective_rpc("start_weight_subscriber", args=(slow.endpoint,),
+                           kwargs={**options, "window_bytes": 256 << 10})
+        weights = new_weights(KIND, 57)
+        version = pub.publish(weights)
+        states = wait_until_applied(llm, version, publisher_id=pub.publisher_id,
+                                    fail_on_error=True)
+        for state in states:
+            last = state["commits"][-1]
+            assert last["version"] == version and last["prepared"], (state["rank"], last)
+            assert last["early_layers"] > 0, (state["rank"], last)
+        assert_matches_hf(llm, KIND, weights, N)
+    finally:
+        llm.collective_rpc("stop_weight_subscriber")
+        llm.collective_rpc("start_weight_subscriber", args=(relay.endpoint,), kwargs=options)
+        slow.close()
 
 
 def test_kill_9_of_a_worker_leaves_no_staging_memory_behind(replica):

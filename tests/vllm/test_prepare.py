@@ -83,3 +83,30 @@ def test_prepared_commit_matches_hf_tp2(qwen2_tp2, tmp_path):
     """TP slicing, fused qkv (with bias) / gate_up shards, one KV head replicated on 2 ranks."""
     swap_s = _run_versions(qwen2_tp2, "qwen2", tmp_path, [(1, 41), (2, 42)], True)
     print(f"\nTP=2 commit blocking time per rank: prepared swap {swap_s}")
+
+
+def test_layers_are_prepared_while_the_version_arrives(llama):
+    """Real publisher and subscriber behind a slow link (~1.5 s for the version): layers
+    are built as their chunks are verified, the commit is a swap, and the output is
+    transformers' on the new weights."""
+    from publisher import WeightPublisher
+    from tests.transport.byte_relay import ByteRelay
+
+    w = new_weights("llama", 35)
+    size = sum(t.numel() * t.element_size() for t in w.values())
+    with WeightPublisher("tcp://127.0.0.1:0", chunk_size=64 << 10, first_version=100) as pub:
+        relay = ByteRelay.in_front_of(pub.endpoint, down_rate=size / 1.5)
+        try:
+            llama.collective_rpc("start_weight_subscriber", args=(relay.endpoint,),
+                                 kwargs={"window_bytes": 256 << 10})
+            version = pub.publish(w)
+            status = wait_until_applied(llama, version, timeout=60)
+            last = status[0]["commits"][-1]
+            assert last["version"] == version and last["prepared"], last
+            assert last["early_layers"] > 0, last  # built before the last byte arrived
+            assert status[0]["prepare"]["early_layers"] >= last["early_layers"]
+            assert_matches_hf(llama, "llama", w, N)
+            print(f"\nprepared while arriving: {last}")
+        finally:
+            llama.collective_rpc("stop_weight_subscriber")
+            relay.close()
