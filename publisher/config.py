@@ -27,6 +27,7 @@ class PublisherConfig(StrictConfig):
     metrics_port: int | None = Field(None, ge=0, le=65535)  # Prometheus /metrics (0: any)
     metrics_host: str = "127.0.0.1"
     insecure: bool = False  # allow a non-loopback bind without CURVE (trusted networks only)
+    peer_fanout: int = Field(4, ge=0, le=16)  # peer sharing: stripes per version (0: off)
 
     _endpoint = field_validator("endpoint")(check_endpoint)
 
@@ -44,6 +45,7 @@ class PublisherConfig(StrictConfig):
             "metrics_port": self.metrics_port,
             "metrics_host": self.metrics_host,
             "insecure": self.insecure,
+            "peer_fanout": self.peer_fanout,
         }
 
 

@@ -6,12 +6,14 @@ message type) and ``"p"`` (the protocol version). Bulk data is raw bytes.
 Sockets and frames::
 
     PUB    -> SUB     [ {t: "manifest" | "heartbeat"} ]
-    DEALER -> ROUTER  [ {t: "latest" | "fetch" | "status" | "report"} ]
-    ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error"} ]
+    DEALER -> ROUTER  [ {t: "latest" | "fetch" | "status" | "report" | "peer_hello"} ]
+    ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error" | "peer_plan"} ]
                     | [ {t: "chunk", req, version, chunk, size}, <size raw bytes> ]
 
 A fetch that names a ``base`` gets each chunk as a delta payload instead
 (``weightpub_wire.delta_codec``); manifests of such versions carry ``delta``.
+Peer sharing (``peer_hello`` / ``peer_plan``) is in ``weightpub_wire.peer_protocol``;
+peers serve each other with the same ``fetch`` / ``chunk`` / ``error`` frames.
 
 A version's tensors are laid out back to back (each offset aligned to
 ``TENSOR_ALIGN``) in one flat byte buffer of ``total_bytes``; the buffer is
@@ -395,7 +397,7 @@ class _Tag(msgspec.Struct):
     t: str
 
 
-def encode(message: Message) -> bytes:
+def encode(message: _Message) -> bytes:
     """One msgpack frame: the message's fields plus ``t`` (type) and ``p`` (protocol)."""
     return _ENCODER.encode(message)
 

@@ -21,7 +21,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.memory import derive_staging_budget
+from subscriber_ext.transport.peering import PeerOptions
 from subscriber_ext.transport.staging import StagedVersion
 from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
 from weightpub_wire import protocol as wire
@@ -34,13 +36,16 @@ from weightpub_wire.errors import (
     WeightPubError,
     WeightPubTimeout,
 )
-from weightpub_wire.security import curve_client_hook, is_local
+from weightpub_wire.security import curve_identity, is_local
 
 __all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("weightpub.subscriber")
 _CONSTRUCTOR_KEYWORDS = ("on_version", "subscriber_id", "curve_server_key_file",
-                         "curve_secret_key_file", "socket_hooks", "context", "allocator")
+                         "curve_secret_key_file", "socket_hooks", "context", "allocator",
+                         "chunk_listener")
+#: keywords that turn on and shape peer sharing (``PeerOptions``)
+_PEER_KEYWORDS = ("peer_share", "peer_bind", "insecure", "upload_mbit", "upload_cpu_share")
 
 
 class WeightSubscriber:
@@ -58,6 +63,15 @@ class WeightSubscriber:
     anything is allocated, one that fits once you ``release()`` what you hold
     waits. ``allocator`` chooses where staging buffers live (default: private
     host memory; node staging passes shared memory).
+
+    ``peer_share=True`` serves the chunks this subscriber has verified to other
+    subscribers of the same publisher and fetches from them as the publisher's
+    tracker plans (``transport/peering.py``): ``peer_bind`` (where to serve;
+    default 127.0.0.1 for a loopback publisher, else every interface, which
+    needs CURVE or ``insecure=True``), ``upload_mbit`` (None: no rate bound) and
+    ``upload_cpu_share`` (of one core, default 0.25) bound what serving costs.
+    ``chunk_listener`` (a ``ChunkListener``) hears each version start, each chunk
+    verify and each version end (a cut-through relay forwards chunks with it).
     """
 
     def __init__(
@@ -73,12 +87,15 @@ class WeightSubscriber:
         context: zmq.Context | None = None,
         staging_budget_bytes: int | None = None,
         allocator: Allocator | None = None,
+        chunk_listener: ChunkListener | None = None,
         **option_overrides: Any,
     ) -> None:
         base = self.check_options(endpoint, options, staging_budget_bytes, **option_overrides)
         hooks = list(socket_hooks or [])
+        curve = None
         if curve_server_key_file is not None:
-            hooks.append(curve_client_hook(curve_server_key_file, curve_secret_key_file))
+            curve = curve_identity(curve_server_key_file, curve_secret_key_file)
+            hooks.append(curve.client_hook())
         elif curve_secret_key_file is not None:
             raise ConfigError(
                 "curve_secret_key_file: given without curve_server_key_file (the publisher's "
@@ -107,7 +124,8 @@ class WeightSubscriber:
                           pinned=None if allocator is None else False,
                           max_pinned_bytes=base.limits.max_pinned_bytes)
         self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
-                                  self._deliver, hooks, pool)
+                                  self._deliver, hooks, pool, curve=curve,
+                                  listeners=[chunk_listener] if chunk_listener else None)
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
         self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",
@@ -128,6 +146,10 @@ class WeightSubscriber:
             raise ConfigError(f"staging_budget_bytes: {staging_budget_bytes!r} is not a "
                               "positive number of bytes")
         base = options or SyncOptions()
+        peers = _peer_options({k: option_overrides.pop(k) for k in _PEER_KEYWORDS
+                               if k in option_overrides})
+        if peers is not None:
+            option_overrides["peers"] = peers
         max_bytes = option_overrides.pop("max_version_bytes", None)
         if max_bytes is not None:
             limits = option_overrides.get("limits", base.limits)
@@ -137,7 +159,7 @@ class WeightSubscriber:
         if unknown:
             raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
                               f"(known: {sorted(SyncOptions.__slots__)}, max_version_bytes, "
-                              "staging_budget_bytes)")
+                              f"staging_budget_bytes, {', '.join(_PEER_KEYWORDS)})")
         if option_overrides:
             base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
                                   **option_overrides})
@@ -230,6 +252,7 @@ class WeightSubscriber:
             client.gate.waiting.version,
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
+            "peers": None if client.peering is None else client.peering.stats(),
         }
 
     def close(self) -> None:
@@ -312,6 +335,8 @@ class WeightSubscriber:
             if not client.sub.poll(0):
                 break
             client.on_sub()
+        if client.peering is not None:
+            client.peering.on_events(events, time.monotonic())
 
     def _run(self) -> None:
         client = self._client
@@ -320,6 +345,8 @@ class WeightSubscriber:
         poller.register(client.sub, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
         poller.register(client.monitor, zmq.POLLIN)
+        if client.peering is not None:
+            client.peering.register(poller)
         try:
             while not self._closed:
                 try:
@@ -333,3 +360,22 @@ class WeightSubscriber:
         finally:
             client.close()
             self._wake.close(linger=0)
+
+
+def _peer_options(given: dict[str, Any]) -> PeerOptions | None:
+    """``PeerOptions`` from the constructor's peer keywords (None: peer sharing is off)."""
+    share = given.pop("peer_share", False)
+    if not isinstance(share, bool):
+        raise ConfigError(f"peer_share: {share!r} is not true or false")
+    if not share:
+        if given:
+            raise ConfigError(f"{', '.join(sorted(given))}: only with peer_share=True")
+        return None
+    mbit = given.get("upload_mbit")
+    if mbit is not None and (isinstance(mbit, bool) or not isinstance(mbit, int | float)
+                             or mbit <= 0):
+        raise ConfigError(f"upload_mbit: {mbit!r} is not a positive number of Mbit/s")
+    return PeerOptions(
+        bind=given.get("peer_bind"), insecure=bool(given.get("insecure", False)),
+        upload_bytes_per_s=None if mbit is None else mbit * 1e6 / 8,
+        upload_cpu_share=given.get("upload_cpu_share", 0.25))
