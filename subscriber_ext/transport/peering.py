@@ -223,6 +223,7 @@ class Peering:
                 self._hello_reqs = {r for r in self._hello_reqs if r > req - 16} | {req}
                 self._first_hello = self._first_hello or now
                 self._next_hello = now + self.options.hello_interval
+        self.sources.redial(now)
         key = self._key()
         in_flight = client.peer_in_flight()
         for link in self.sources.expired(in_flight, now):
@@ -233,12 +234,9 @@ class Peering:
         if self.server.router in events:
             self.server.on_readable(now)
         for link in list(self.sources.links.values()):
-            if link.monitor in events:
-                why = self.sources.disconnected(link)
-                if why == "disconnected" and self.client.peer_in_flight().get(link):
-                    self._fail(link, self._key(), "disconnected", why, now)
-                elif why is not None and why != "disconnected":
-                    self.sources.blocked(link, now)  # ZeroMQ retries; the timeout decides
+            if link.monitor in events and self.sources.watch(link, now) and \
+                    self.client.peer_in_flight().get(link):
+                self._fail(link, self._key(), "disconnected", "disconnected", now)
             if link.sock in events:
                 self._read(link, now)
         self.server.pump(now)
@@ -282,8 +280,8 @@ class Peering:
             return todo  # deltas come from the publisher only
         if plan is None or plan.publisher_id != target.manifest.publisher_id \
                 or not plan.stripes:
-            waiting = plan is None and (self._first_hello is None
-                                        or now - self._first_hello < self.options.plan_wait)
+            waiting = plan is None and self._first_hello is not None \
+                and now - self._first_hello < self.options.plan_wait
             return [] if waiting else todo
         key = (target.manifest.publisher_id, target.manifest.version)
         in_flight = self.client.peer_in_flight()

@@ -13,7 +13,9 @@ A peer fails for the version (its outstanding chunks are asked of the next
 source) when it answers with an error, sends a chunk that fails its checksum or
 has the wrong size (it is then also banned for ``ban_seconds``), disconnects,
 or makes no progress for ``timeout`` while chunks are outstanding or cannot be
-sent to at all. None of this counts against ``max_chunk_retries``: a bad peer
+sent to at all. A peer that refuses the CURVE handshake (it has not learnt this
+subscriber's key from the tracker yet) is dialled again every ``REDIAL_AFTER``
+seconds until that timeout. None of this counts against ``max_chunk_retries``: a bad peer
 costs a retry from another source, never the version.
 """
 
@@ -40,8 +42,10 @@ log = logging.getLogger("weightpub.peers")
 
 VersionKey = tuple[str, int]  # (publisher_id, version)
 _WILDCARDS = {"*", "0.0.0.0", "::", ""}
-_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+REDIAL_AFTER = 0.25  # seconds after a refused handshake
+_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+           | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 @dataclass(eq=False, slots=True)
@@ -54,11 +58,13 @@ class PeerLink:
     monitor: zmq.Socket
     last_progress: float = 0.0  # a chunk arrived, or the first request went out
     blocked_since: float | None = None  # sends refused (not connected yet)
+    down: bool = False  # disconnected, and not connected again since
+    refused_at: float | None = None  # the peer refused our handshake (dialled again soon)
     failed: set[VersionKey] = field(default_factory=set)
     banned_until: float = 0.0
 
     def usable(self, key: VersionKey, now: float) -> bool:
-        return key not in self.failed and now >= self.banned_until
+        return not self.down and key not in self.failed and now >= self.banned_until
 
 
 class Sources:
@@ -123,19 +129,35 @@ class Sources:
         if old is not None and old.key == source.key:
             wanted[source.endpoint] = old
             return old
+        sock, monitor = self._connect(source.endpoint, source.key)
+        link = PeerLink(source.endpoint, source.key, sock, monitor)
+        wanted[source.endpoint] = link
+        self.on_open(link)
+        return link
+
+    def _connect(self, endpoint: str, key: str) -> tuple[zmq.Socket, zmq.Socket]:
         sock = self.ctx.socket(zmq.DEALER)
         configure_socket(sock, heartbeat_interval=1.0)
-        for hook in self.hooks_for(source.key):
+        for hook in self.hooks_for(key):
             hook(sock, server=False)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(self.timeout * 1000)))
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         monitor = open_monitor(sock, _EVENTS)
-        connect(sock, source.endpoint)
-        link = PeerLink(source.endpoint, source.key, sock, monitor)
-        wanted[source.endpoint] = link
-        self.on_open(link)
-        return link
+        connect(sock, endpoint)
+        return sock, monitor
+
+    def redial(self, now: float) -> None:
+        """Dial again the peers that refused our handshake a moment ago: ZeroMQ gives up on a
+        refused connection, and a peer learns a new member's key at its next hello."""
+        for link in self.links.values():
+            if link.refused_at is not None and now - link.refused_at >= REDIAL_AFTER:
+                self.on_close(link)
+                link.monitor.close(linger=0)
+                link.sock.close(linger=0)
+                link.sock, link.monitor = self._connect(link.endpoint, link.key)
+                link.refused_at = None
+                self.on_open(link)
 
     def _close(self, link: PeerLink) -> None:
         self.on_close(link)
@@ -204,15 +226,20 @@ class Sources:
                 out.append(link)
         return out
 
-    def disconnected(self, link: PeerLink) -> str | None:
-        """Read the link's monitor: why it went away, or None."""
-        why = None
+    def watch(self, link: PeerLink, now: float) -> bool:
+        """Read the link's monitor; True when it has just disconnected. A link that is down
+        is skipped (a dead peer costs the next version nothing) until it connects again."""
+        lost = False
         for event in read_events(link.monitor):
-            if event.event == zmq.EVENT_DISCONNECTED:
-                why = "disconnected"
-            else:
-                why = "refused the handshake (CURVE key mismatch or not vouched for)"
-        return why
+            if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.down, link.blocked_since = False, None
+            elif event.event == zmq.EVENT_DISCONNECTED:
+                link.down = lost = True
+            else:  # refused: dialled again after REDIAL_AFTER; the timeout decides
+                self._count("handshake")
+                self.blocked(link, now)
+                link.refused_at = now
+        return lost
 
     def _count(self, kind: str) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + 1
