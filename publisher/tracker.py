@@ -10,8 +10,9 @@ The plan is a set of striped trees (SplitStream, Castro et al. 2003). The
 members (peer-sharing subscribers) hold slots ``0..n-1``; with ``T =
 min(fanout, n)`` stripes, chunk ``c`` belongs to stripe ``c % T``. The tree of
 stripe ``g`` lists the slots of group ``g`` (``slot % T == g``) first, then
-every other slot, as a complete T-ary heap (the parent of position ``q`` is
-``(q - 1) // T``). So only group ``g`` forwards stripe ``g``, each member to
+every other slot (rotated by stripe, so the member that follows the group
+differs from stripe to stripe), as a complete T-ary heap (the parent of
+position ``q`` is ``(q - 1) // T``). So only group ``g`` forwards stripe ``g``, each member to
 at most ``T`` children, and every member is a leaf in the other trees: a
 member downloads a version once and uploads about one version; the root of
 stripe ``g`` (slot ``g``) fetches it from the publisher. A chunk is at every
@@ -92,8 +93,11 @@ class Plan:
         self.orders: list[list[int]] = []  # per stripe: slot at each tree position
         self.positions: list[list[int]] = []  # per stripe: tree position of each slot
         for g in range(self.stripes):
-            order = list(range(g, n, self.stripes))
-            order += [s for s in range(n) if s % self.stripes != g]
+            # where group g runs out of interior positions, a different member per stripe
+            # takes the spill-over (rotating the others keeps any one member's upload low)
+            others = [s for s in range(n) if s % self.stripes != g]
+            turn = g * len(others) // self.stripes
+            order = list(range(g, n, self.stripes)) + others[turn:] + others[:turn]
             position = [0] * n
             for q, slot in enumerate(order):
                 position[slot] = q
