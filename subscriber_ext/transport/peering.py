@@ -34,7 +34,7 @@ from subscriber_ext.transport.listener import final_bytes
 from subscriber_ext.transport.peer_server import GONE, WAIT, PeerServer, PeerServerLimits
 from subscriber_ext.transport.sources import PeerLink, Sources, VersionKey, decode_reply
 from subscriber_ext.transport.staging import Assembly
-from subscriber_ext.transport.upload_budget import ThreadCpu, UploadBudget, find_thread
+from subscriber_ext.transport.upload_budget import ThreadCpu, UploadBudget
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, ProtocolError
@@ -144,7 +144,7 @@ class Peering:
             raise
         self._admit: frozenset[str] = frozenset()
         self.budget = UploadBudget(options.upload_bytes_per_s, options.upload_cpu_share,
-                                   ThreadCpu(find_thread(f"{prefix}/ZMQbg/IO")))
+                                   ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
         self.server = PeerServer(router, self._lookup, self.budget, options.server,
                                  self._admitted if curve is not None else None)
         self.sources = Sources(

@@ -123,9 +123,14 @@ class WeightSubscriber:
         pool = BufferPool(max_buffers=2, allocator=allocator, budget_bytes=budget,
                           pinned=None if allocator is None else False,
                           max_pinned_bytes=base.limits.max_pinned_bytes)
-        self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
-                                  self._deliver, hooks, pool, curve=curve,
-                                  listeners=[chunk_listener] if chunk_listener else None)
+        try:
+            self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
+                                      self._deliver, hooks, pool, curve=curve,
+                                      listeners=[chunk_listener] if chunk_listener else None)
+        except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
+            if self._own_context:
+                self._ctx.term()
+            raise
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
         self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",

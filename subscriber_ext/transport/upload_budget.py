@@ -41,13 +41,20 @@ def find_thread(name_prefix: str) -> int | None:
 
 
 class ThreadCpu:
-    """CPU seconds one thread of this process has used (0.0 where /proc cannot tell)."""
+    """CPU seconds one thread of this process has used (0.0 where /proc cannot tell).
 
-    def __init__(self, tid: int | None) -> None:
+    Give the thread's id, or the start of its name (looked up until found: a thread
+    names itself after it starts).
+    """
+
+    def __init__(self, tid: int | None = None, name_prefix: str | None = None) -> None:
         self.tid = tid
+        self.name_prefix = name_prefix
         self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
     def seconds(self) -> float:
+        if self.tid is None and self.name_prefix is not None:
+            self.tid = find_thread(self.name_prefix)
         if self.tid is None:
             return 0.0
         task = _TASKS / str(self.tid)
@@ -99,8 +106,8 @@ class UploadBudget:
             burst = rate * self.burst_seconds
             self._tokens = min(burst, self._tokens + (now - self._last) * rate)
             self._last = now
-            if self._tokens < 0:
-                return -self._tokens / rate
+            if self._tokens < -1.0:  # in debt by a byte or more (not float dust)
+                return max(-self._tokens / rate, 1e-3)
             self._tokens -= nbytes
         self.bytes_sent += nbytes
         self._window_bytes += nbytes
