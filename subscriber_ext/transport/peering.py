@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,7 +60,7 @@ class PeerOptions:
     upload_cpu_share: float | None = 0.25  # of one core, for serving; None: no CPU bound
     window_chunks: int = 4  # chunks asked ahead of each peer (they wait there: cut-through)
     hello_interval: float = 1.0
-    plan_wait: float = 0.5  # a version that starts before the first plan waits this long
+    plan_wait: float = 0.5  # a version without a place in the held plan waits for one
     server: PeerServerLimits = field(default_factory=PeerServerLimits)
 
     def __post_init__(self) -> None:
@@ -157,7 +158,7 @@ class Peering:
         self.poller: zmq.Poller | None = None
         self._hello_reqs: set[int] = set()
         self._applied_req = 0
-        self._first_hello: float | None = None
+        self._awaiting: tuple[VersionKey, float] | None = None  # (version, since) of a hello
         self._next_hello = 0.0
         self.bytes_from_peers = 0
         self.chunks_from_peers = 0
@@ -212,23 +213,27 @@ class Peering:
     def tick(self, now: float) -> float:
         """Hello when due, give up on silent peers, serve; seconds until due again."""
         client = self.client
-        if client.state == "ACTIVE" and client.instance is not None and self.disabled is None \
-                and now >= self._next_hello:
-            target = client.target
-            req = client.next_request_id()
-            hello = PeerHello(req=req, publisher_id=client.instance, endpoint=self.endpoint,
-                              version=target.manifest.version if target is not None
-                              else client.current_version)
-            if client.send(hello):
-                self._hello_reqs = {r for r in self._hello_reqs if r > req - 16} | {req}
-                self._first_hello = self._first_hello or now
-                self._next_hello = now + self.options.hello_interval
+        if now >= self._next_hello:
+            self._hello(now)
         self.sources.redial(now)
         key = self._key()
         in_flight = client.peer_in_flight()
         for link in self.sources.expired(in_flight, now):
             self._fail(link, key, "timeout", f"no progress for {self.sources.timeout}s", now)
         return self.server.pump(now)
+
+    def _hello(self, now: float) -> None:
+        client = self.client
+        if client.state != "ACTIVE" or client.instance is None or self.disabled is not None:
+            return
+        target = client.target
+        req = client.next_request_id()
+        hello = PeerHello(req=req, publisher_id=client.instance, endpoint=self.endpoint,
+                          version=target.manifest.version if target is not None
+                          else client.current_version)
+        if client.send(hello):
+            self._hello_reqs = {r for r in self._hello_reqs if r > req - 16} | {req}
+            self._next_hello = now + self.options.hello_interval
 
     def on_events(self, events: dict[Any, int], now: float) -> None:
         if self.server.router in events:
@@ -278,12 +283,14 @@ class Peering:
         plan = self.plan
         if self.disabled is not None or isinstance(target, DeltaAssembly):
             return todo  # deltas come from the publisher only
-        if plan is None or plan.publisher_id != target.manifest.publisher_id \
-                or not plan.stripes:
-            waiting = plan is None and self._first_hello is not None \
-                and now - self._first_hello < self.options.plan_wait
-            return [] if waiting else todo
         key = (target.manifest.publisher_id, target.manifest.version)
+        if plan is None or plan.publisher_id != key[0] or not plan.stripes:
+            # no place in the plan we hold; one for this version may be on its way
+            awaiting = self._awaiting
+            if awaiting is not None and awaiting[0] == key and \
+                    now - awaiting[1] < self.options.plan_wait:
+                return []
+            return todo
         in_flight = self.client.peer_in_flight()
         to_peers, to_publisher = self.sources.route(todo, key, in_flight, now)
         per_request = self.client.options.chunks_per_request
@@ -317,6 +324,8 @@ class Peering:
         if message.publisher_id != self.client.instance or message.req < self._applied_req:
             return
         self._applied_req = message.req
+        if self._awaiting is not None and message.version >= self._awaiting[0][1]:
+            self._awaiting = None
         if self.plan is None or message.epoch != self.plan.epoch \
                 or message.admit != self.plan.admit:
             self._admit = frozenset(message.admit)
@@ -337,7 +346,11 @@ class Peering:
 
     # -- ChunkListener: something became servable ---------------------------------------------
     def target_started(self, manifest: wire.Manifest) -> None:
-        self._next_hello = 0.0  # plans follow versions
+        """Plans follow versions: say hello now; without a place in the plan held, the
+        fetch waits up to ``plan_wait`` for the answer (a member that joined last version)."""
+        now = time.monotonic()
+        self._awaiting = ((manifest.publisher_id, manifest.version), now)
+        self._hello(now)
         self.server.changed()
 
     def chunk_verified(self, manifest: wire.Manifest, chunk: int, data: memoryview) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ import zmq
 import zmq.auth
 
 from publisher import WeightPublisher
-from tests.transport.procs import Child, det_weights, spec_bytes, wait_until
+from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
 from weightpub_wire import protocol as wire
 from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.keys import create_key_pair
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(120)
 SEED = 77
 SPEC = [("embed", "bfloat16", [1024, 512]), ("proj", "float32", [512, 300]),
         ("norm", "float32", [300]), ("step", "int64", []), ("mask", "bool", [33, 7])]
-BIG = [("w", "float32", [1536, 1024])]  # 6 MiB: slow enough through a capped peer
+BIG = [("w", "float32", [768, 1024])]  # 3 MiB: 1.6 s through a peer capped at 16 Mbit/s
 CHUNK = 128 << 10
 
 
@@ -149,8 +150,8 @@ def test_curve_between_peers_and_strangers_get_nothing(
     for child in members:
         staged_ok(child, 1)
     statuses = [peers_status(c) for c in members]
-    assert statuses[1]["peers"]["bytes_from_peers"] == pub.manifest(1).total_bytes
-    assert pub.data_stats()["bytes_sent_full"] == pub.manifest(1).total_bytes
+    assert statuses[1]["peers"]["bytes_from_peers"] == pub.manifest(1).total_bytes, statuses
+    assert pub.data_stats()["bytes_sent_full"] == pub.manifest(1).total_bytes, statuses
 
     manifest = pub.manifest(1)
     endpoint = statuses[0]["peers"]["endpoint"]
@@ -183,7 +184,7 @@ def test_curve_between_peers_and_strangers_get_nothing(
 
 def test_upload_rate_bound(make_pub: Callable[..., WeightPublisher],
                            spawn: Callable[..., Child]) -> None:
-    """Slot 0 serves slot 1 at most 24 Mbit/s: 6 MiB cannot arrive sooner than that allows."""
+    """Slot 0 serves slot 1 at most 24 Mbit/s: 3 MiB cannot arrive sooner than that allows."""
     rate = 24e6 / 8
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     first, second = join(spawn, pub, 2, BIG, lambda i: {"peer": {"upload_mbit": 24}}
@@ -199,3 +200,66 @@ def test_upload_rate_bound(make_pub: Callable[..., WeightPublisher],
     served = peers_status(first)["peers"]
     assert served["upload_bytes"] >= total and served["upload_rate_limit"] == rate
     assert peers_status(second)["peers"]["bytes_from_peers"] == total
+
+
+def test_node_owners_are_the_peers(make_pub: Callable[..., WeightPublisher],
+                                   spawn: Callable[..., Child]) -> None:
+    """Two "nodes" of two local ranks each (one staging per node): the node owners share
+    with each other; every rank gets every version bit-exact, the trainer sends it once."""
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    owners = []
+    ranks: list[Child] = []
+    for node in range(2):
+        key = f"test-peers-{uuid.uuid4().hex}"
+        children = [spawn("node_rank", endpoint=pub.endpoint, key=key, rank=r,
+                          options={"request_timeout": 10.0}, subscriber={"peer_share": True})
+                    for r in (0, 1)]
+        roles = {c.event("ready", timeout=60)["role"]: c for c in children}
+        assert set(roles) == {"owner", "follower"}, roles
+        owner = roles["owner"]
+        wait_until(lambda o=owner, n=node: peers_status(o)["peers"]["slot"] == n, 20,
+                   f"node {node} to join the plan")
+        owners.append(owner)
+        ranks += children
+    wait_until(lambda: peers_status(owners[0])["peers"]["plan_epoch"] ==
+               peers_status(owners[1])["peers"]["plan_epoch"], 20, "the final plan")
+    total = 0
+    for version in (1, 2):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        expected = digests(det_weights(SEED, version, SPEC).items())
+        for child in ranks:
+            assert child.event("staged", timeout=60, version=version)["digests"] == expected
+        total += pub.manifest(version).total_bytes
+    assert pub.data_stats()["bytes_sent_full"] == total  # one copy for both nodes
+    second = peers_status(owners[1])
+    assert second["peers"]["bytes_from_peers"] == total
+    assert second["node_staging"]["role"] == "owner"
+
+
+def test_conflation_and_late_join_with_peers(make_pub: Callable[..., WeightPublisher],
+                                             spawn: Callable[..., Child]) -> None:
+    """Versions faster than a slow middle member passes them on: everyone ends on the
+    newest, every staged version bit-exact and in order. A member that joins during a
+    version fetches it from the publisher and takes its place in the next plan."""
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    members = join(spawn, pub, 3, BIG, lambda i: {"peer": {"upload_mbit": 16}}
+                   if i == 1 else {})
+    for version in (1, 2, 3):
+        pub.publish(det_weights(SEED, version, BIG), version=version)
+        time.sleep(0.2)
+    for child in members:
+        staged_ok(child, 3)
+        staged = [e["version"] for e in child.events if e.get("event") == "staged"]
+        assert staged == sorted(set(staged)) and staged[-1] == 3, staged
+    assert [e["version"] for e in members[2].events if e.get("event") == "staged"] != \
+        [1, 2, 3]  # the last member skipped at least one version (conflation)
+    late = spawn("peer", endpoint=pub.endpoint, seed=SEED, spec=BIG, name="late",
+                 options={"request_timeout": 10.0})
+    late.event("ready", timeout=60)
+    staged_ok(late, 3)
+    assert peers_status(late)["peers"]["bytes_from_peers"] == 0  # not in version 3's plan
+    pub.publish(det_weights(SEED, 4, BIG), version=4)
+    for child in [*members, late]:
+        staged_ok(child, 4)
+    assert peers_status(late)["peers"]["slot"] == 3
+    assert peers_status(late)["peers"]["bytes_from_peers"] == pub.manifest(4).total_bytes
