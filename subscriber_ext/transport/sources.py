@@ -43,7 +43,7 @@ log = logging.getLogger("weightpub.peers")
 VersionKey = tuple[str, int]  # (publisher_id, version)
 _WILDCARDS = {"*", "0.0.0.0", "::", ""}
 REDIAL_AFTER = 0.25  # seconds after a refused handshake
-_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
@@ -220,6 +220,8 @@ class Sources:
         """Links with chunks outstanding (or unsendable) and no progress for ``timeout``."""
         out = []
         for link in self.links.values():
+            if link.down:
+                continue
             if in_flight.get(link, 0) and now - link.last_progress > self.timeout:
                 out.append(link)
             elif link.blocked_since is not None and now - link.blocked_since > self.timeout:
@@ -227,14 +229,17 @@ class Sources:
         return out
 
     def watch(self, link: PeerLink, now: float) -> bool:
-        """Read the link's monitor; True when it has just disconnected. A link that is down
-        is skipped (a dead peer costs the next version nothing) until it connects again."""
+        """Read the link's monitor; True when it has just gone down (disconnected, or a
+        connection attempt was refused). A link that is down is skipped (a dead peer costs
+        the next version nothing) until it connects again."""
         lost = False
         for event in read_events(link.monitor):
             if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.down, link.blocked_since = False, None
-            elif event.event == zmq.EVENT_DISCONNECTED:
+            elif event.event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                # gone, or its port refuses connections (a member that died, still planned)
                 link.down = lost = True
+                link.blocked_since = None  # skipped from now on: nothing waits for it
             else:  # refused: dialled again after REDIAL_AFTER; the timeout decides
                 self._count("handshake")
                 self.blocked(link, now)
