@@ -3,14 +3,24 @@
 Each host is a network namespace with its own shaped link (``benchmarks/netsim.py``):
 the trainer's uplink, every replica host's downlink and uplink (default 400 Mbit/s
 each), optional delay. Real processes run inside them (``benchmarks/fleet_node.py``):
-a publisher on the trainer host, a subscriber per replica host, and, in relay mode,
-relays on hosts of their own. Delivery time of a version = ``publish()`` called on
-the trainer -> the *last* replica host has it staged and verified (its digest is
-checked against the trainer's). Every mode and fleet size runs in one invocation, so
-the ratios (K hosts vs 1 host) are same-run figures.
+a publisher on the trainer host, a subscriber per replica host, and relays on hosts
+of their own. Delivery time of a version = ``publish()`` called on the trainer ->
+the *last* replica host has it staged and verified (its digest is checked against
+the trainer's). Modes:
 
-    python benchmarks/fleet.py                       # 1, 4, 16 hosts; direct and relay
-    python benchmarks/fleet.py --hosts 1 4 --mib 16 --rounds 2
+* ``direct``: every subscriber fetches from the trainer;
+* ``relay``: sqrt(K) cut-through relays between the trainer and the subscribers;
+* ``relay-sf``: the same with store-and-forward relays (``cut_through: false``);
+* ``peers``: every subscriber ``peer_share=True``; the trainer's tracker splits each
+  version into ``--fanout`` stripes, each fetched once from the trainer by its root
+  and passed down that stripe's tree (``publisher/tracker.py``).
+
+Also reported: the trainer's uplink bytes per version (``data_stats``), in versions.
+Every mode and fleet size runs in one invocation, so the ratios (K hosts vs 1 host)
+are same-run figures.
+
+    python benchmarks/fleet.py                       # 1, 4, 16 hosts; direct, relay, peers
+    python benchmarks/fleet.py --hosts 1 4 --mib 16 --rounds 2 --modes direct peers
     python benchmarks/fleet.py --json
 
 Needs root (network namespaces). Cleans up its namespaces and processes on exit,
@@ -92,14 +102,19 @@ class Node:
                 return got
 
 
+MODES = ("direct", "relay", "relay-sf", "peers")
+
+
 @dataclass
 class Scenario:
     hosts: int
-    mode: str  # "direct" | "relay"
+    mode: str  # one of MODES
     mib: int
     rounds: int
     link: Link
     relays: int = 0
+    chunk_mib: int = 1
+    fanout: int = 4
     timeout: float = 300.0
 
 
@@ -107,28 +122,36 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
     """One fleet, ``rounds`` versions; returns delivery times and their median."""
     with Network() as net:
         trainer = net.add_host(s.link)
-        publisher = Node.start(trainer, "publisher",
-                               {"bind": f"tcp://{trainer.address}:{PORT}"})
+        publisher = Node.start(trainer, "publisher", {
+            "bind": f"tcp://{trainer.address}:{PORT}", "chunk_mib": s.chunk_mib,
+            "publisher_options": {"peer_fanout": s.fanout}})
         endpoint = publisher.wait("ready", 120)["endpoint"]
         sources = [endpoint]
         nodes: list[Node] = [publisher]
-        if s.mode == "relay":
+        if s.mode.startswith("relay"):
             relays = s.relays or max(1, round(math.sqrt(s.hosts)))
             sources = []
             for _ in range(relays):
                 host = net.add_host(s.link)
-                relay = Node.start(host, "relay", {"connect": endpoint,
-                                                  "bind": f"tcp://{host.address}:{PORT}"})
+                relay = Node.start(host, "relay", {
+                    "connect": endpoint, "bind": f"tcp://{host.address}:{PORT}",
+                    "cut_through": s.mode == "relay",
+                    "publisher_options": {"chunk_mib": s.chunk_mib}})
                 nodes.append(relay)
                 sources.append(relay.wait("ready", 120)["endpoint"])
+        options = {"peer_share": True, "insecure": True} if s.mode == "peers" else {}
         subscribers = []
         for index in range(s.hosts):
             host = net.add_host(s.link)
-            sub = Node.start(host, "subscriber", {"connect": sources[index % len(sources)]})
+            sub = Node.start(host, "subscriber", {"connect": sources[index % len(sources)],
+                                                  "subscriber_options": options})
             subscribers.append(sub)
         for sub in subscribers:
             sub.wait("ready", 120)
-        times = []
+        if s.mode == "peers":  # every subscriber has said hello and holds the plan
+            time.sleep(2.5)
+        times, trainer_versions = [], []
+        sent_before = 0.0
         for version in range(1, s.rounds + 1):
             publisher.send(cmd="publish", version=version, mib=s.mib)
             want = publisher.wait("digest", 120, version=version)["digest"]
@@ -138,18 +161,36 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
             if bad:
                 raise AssertionError(f"version {version}: {len(bad)} hosts got wrong bytes")
             times.append(max(a["t"] for a in arrived) - start)
+            publisher.send(cmd="stats")
+            sent = publisher.wait("stats", 60)["stats"]["bytes_sent_full"]
+            trainer_versions.append((sent - sent_before) / (s.mib << 20))
+            sent_before = sent
+        peers = None
+        if s.mode == "peers":
+            statuses = []
+            for sub in subscribers:
+                sub.send(cmd="status")
+                statuses.append(sub.wait("status", 60)["status"]["peers"])
+            peers = {"from_peers_fraction": round(
+                sum(p["bytes_from_peers"] for p in statuses)
+                / max(1, s.rounds * s.hosts * (s.mib << 20)), 3),
+                "peer_failures": sum(sum(p["peer_failures"].values()) for p in statuses)}
         for node in nodes + subscribers:
             node.send(cmd="exit")
     return {"hosts": s.hosts, "mode": s.mode, "mib": s.mib, "seconds": times,
-            "median_s": statistics.median(times)}
+            "median_s": statistics.median(times),
+            "trainer_versions_sent": [round(v, 2) for v in trainer_versions],
+            "peers": peers}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--modes", nargs="+", default=["direct", "relay"],
-                    choices=["direct", "relay"])
+    ap.add_argument("--modes", nargs="+", default=["direct", "relay", "peers"],
+                    choices=MODES)
     ap.add_argument("--mib", type=int, default=48, help="version size")
+    ap.add_argument("--chunk-mib", type=int, default=1, help="the trainer's chunk size")
+    ap.add_argument("--fanout", type=int, default=4, help="peers: stripes per version")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mbit", type=float, default=400.0, help="every link, each direction")
     ap.add_argument("--delay-ms", type=float, default=0.0)
@@ -166,23 +207,32 @@ def main() -> int:
     link = Link(up_mbit=args.mbit, down_mbit=args.mbit, delay_ms=args.delay_ms)
     line_rate_s = args.mib * (1 << 20) * 8 / (args.mbit * 1e6)
     results = []
-    for mode in args.modes:
-        for hosts in args.hosts:
-            result = run_scenario(Scenario(hosts, mode, args.mib, args.rounds, link))
+    for hosts in args.hosts:
+        for mode in args.modes:
+            result = run_scenario(Scenario(hosts, mode, args.mib, args.rounds, link,
+                                           chunk_mib=args.chunk_mib, fanout=args.fanout))
             results.append(result)
             if not args.json:
-                print(f"{mode:>7} {hosts:>3} hosts: median {result['median_s']:.2f} s "
-                      f"({result['median_s'] / line_rate_s:.2f}x one transfer at line rate)",
-                      flush=True)
-    base = {r["mode"]: r["median_s"] for r in results if r["hosts"] == min(args.hosts)}
+                print(f"{mode:>8} {hosts:>3} hosts: median {result['median_s']:.2f} s "
+                      f"({result['median_s'] / line_rate_s:.2f}x one transfer at line rate), "
+                      f"rounds {[round(t, 2) for t in result['seconds']]}, trainer sent "
+                      f"{result['trainer_versions_sent']} versions"
+                      + (f", {result['peers']}" if result["peers"] else ""), flush=True)
+    one = min(args.hosts)
+    base = {r["mode"]: r["median_s"] for r in results if r["hosts"] == one}
+    direct_one = base.get("direct")
     for r in results:
         r["vs_one_host"] = round(r["median_s"] / base[r["mode"]], 3)
+        if direct_one:
+            r["vs_one_host_direct"] = round(r["median_s"] / direct_one, 3)
     summary = {"line_rate_transfer_s": round(line_rate_s, 3), "results": results,
                "target": "16 hosts <= 1.5x 1 host (peer sharing)"}
     if not args.json:
         for r in results:
-            print(f"{r['mode']:>7} {r['hosts']:>3} hosts / {min(args.hosts)}: "
-                  f"{r['vs_one_host']:.2f}x")
+            print(f"{r['mode']:>8} {r['hosts']:>3} hosts / {one} host (same mode): "
+                  f"{r['vs_one_host']:.2f}x" + (f"; / {one} host direct: "
+                                                f"{r['vs_one_host_direct']:.2f}x"
+                                                if direct_one else ""))
     print(json.dumps(summary))
     return 0
 

@@ -65,6 +65,8 @@ def run_publisher(args: dict[str, Any]) -> None:
             start = time.time()
             pub.publish(data, version=version)
             emit(event="published", version=version, start=start)
+        elif command["cmd"] == "stats":
+            emit(event="stats", stats=pub.data_stats())
         elif command["cmd"] == "exit":
             break
     pub.close()
@@ -81,7 +83,9 @@ def run_subscriber(args: dict[str, Any]) -> None:
                            **args.get("subscriber_options", {}))
     emit(event="ready", subscriber_id=sub.subscriber_id)
     for command in commands():
-        if command["cmd"] == "exit":
+        if command["cmd"] == "status":
+            emit(event="status", status=sub.status())
+        elif command["cmd"] == "exit":
             break
     sub.close()
 
@@ -94,7 +98,8 @@ def run_relay(args: dict[str, Any]) -> None:
 
     config = RelayConfig(upstream=SubscriberConfig(endpoint=args["connect"]),
                          downstream=PublisherConfig(endpoint=args["bind"], **{
-                             "insecure": True, **args.get("publisher_options", {})}))
+                             "insecure": True, **args.get("publisher_options", {})}),
+                         cut_through=args.get("cut_through", True))
     with Relay(config) as relay:
         emit(event="ready", endpoint=relay.endpoint)
         for command in commands():

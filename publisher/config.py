@@ -34,6 +34,7 @@ class PublisherConfig(StrictConfig):
     collective_port: int = Field(0, ge=0, le=65535)  # the rendezvous (0: any free port)
     collective_host: str | None = None  # where members reach us (default: endpoint's host)
     collective_device: str | None = None  # nccl / cuda_ipc: e.g. "cuda:0"
+    peer_fanout: int = Field(4, ge=0, le=16)  # peer sharing: stripes per version (0: off)
 
     _endpoint = field_validator("endpoint")(check_endpoint)
 
@@ -64,6 +65,7 @@ class PublisherConfig(StrictConfig):
             "collective_port": self.collective_port,
             "collective_host": self.collective_host,
             "collective_device": self.collective_device,
+            "peer_fanout": self.peer_fanout,
         }
 
 

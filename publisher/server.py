@@ -30,18 +30,20 @@ from publisher.delta_server import DeltaServing
 from publisher.peers import Peer, PeerLimits, PeerTable
 from publisher.reports import ReportLimits, ReportTable
 from publisher.store import PublishedVersion, VersionStore
+from publisher.tracker import Tracker, TrackerLimits
 from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList
 from weightpub_wire.errors import ProtocolError
+from weightpub_wire.peer_protocol import PeerHello
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.sockets import bind, configure_socket
 
 __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerOptions",
-           "ServingThread"]
+           "ServingThread", "TrackerLimits"]
 
 log = logging.getLogger("weightpub.publisher")
 _REQUESTS = (wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report,
-             wire.CollectivePoll)
+             wire.CollectivePoll, PeerHello)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,7 @@ class ServerLimits:
     peers: PeerLimits = field(default_factory=PeerLimits)
     reports: ReportLimits = field(default_factory=ReportLimits)
     connections: GuardLimits = field(default_factory=GuardLimits)
+    tracker: TrackerLimits = field(default_factory=TrackerLimits)  # peer sharing (tracker.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,7 @@ class ServingThread(threading.Thread):
         self.pub_endpoint = ""
         self._configure = configure or []
         self.reports = ReportTable(self.limits.reports)
+        self.tracker = Tracker(self.limits.tracker, publisher_id, started_at)
         self.peers: PeerTable | None = None
         self.guard: ConnectionGuard | None = None
         self._ready = threading.Event()
@@ -296,6 +300,30 @@ class ServingThread(threading.Thread):
             if refused is not None:
                 self.refused_reports += 1
                 self._warn.warning("report", f"refused a report from {client[:48]}: {refused}")
+        elif isinstance(request, PeerHello):
+            self._peer_hello(peers, peer, request, frame, client_key)
+
+    def _peer_hello(self, peers: PeerTable, peer: Peer, hello: PeerHello, frame: zmq.Frame,
+                    client_key: str | None) -> None:
+        """Peer sharing: register the subscriber with the tracker, reply with its plan."""
+        if not self.tracker.enabled:
+            error = wire.ErrorReply(req=hello.req, code="bad_request",
+                                    message="peer sharing is off at this publisher (peer_fanout 0)")
+            peers.reply(peer, wire.encode(error))
+            return
+        address = _property(frame, "Peer-Address")
+        latest = self.store.latest()
+        try:
+            plan = self.tracker.hello(peer.identity, hello,
+                                      address if isinstance(address, str) else None, client_key,
+                                      time.monotonic(), 0 if latest is None else
+                                      latest.manifest.version)
+        except ProtocolError as exc:
+            self._bad("tracker", f"peer hello refused: {exc}")
+            error = wire.ErrorReply(req=hello.req, code="bad_request", message=str(exc))
+            peers.reply(peer, wire.encode(error))
+            return
+        peers.reply(peer, wire.encode(plan))
 
     def _collective_reply(self, poll: wire.CollectivePoll, frame: zmq.Frame,
                           client_key: str | None) -> wire.CollectiveReply:

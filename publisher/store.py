@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -31,9 +32,12 @@ class PublishedVersion:
     snapshot: Snapshot | None = None
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     pins: list[object] = field(default_factory=list)  # readers besides ZeroMQ (delta encoder)
+    ready: Callable[[int], bool] | None = None  # chunk by chunk (a relayed version, relayed.py)
 
     def chunk_ready(self, chunk: int) -> bool:
         """Whether the chunk's bytes are final (the manifest may precede the copy's end)."""
+        if self.ready is not None:
+            return self.ready(chunk)
         if self.snapshot is None:
             return True
         start, size = self.manifest.chunk_span(chunk)

@@ -13,6 +13,7 @@ numbers monotonic across restarts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from publisher.collective import CollectiveOptions, CollectivePublisher
 from publisher.config import PublisherConfig, load_publisher_config
 from publisher.delta import DeltaPublisher
 from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
+from publisher.relayed import RelayedVersion
 from publisher.reports import counts_for
 from publisher.server import ServerLimits, ServerOptions, ServingThread
 from publisher.snapshot import (
@@ -49,6 +51,7 @@ from weightpub_wire.checksums import pieces_checksum
 from weightpub_wire.collective import GroupStatus
 from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
+from weightpub_wire.peer_protocol import MAX_STRIPES
 from weightpub_wire.security import check_bind_allowed, curve_server_hook, is_local
 
 __all__ = ["WeightPublisher"]
@@ -80,6 +83,10 @@ class WeightPublisher:
     Its rendezvous binds ``collective_host`` (default: the endpoint's host) on
     ``collective_port`` (0: any free port); ``collective_timeout`` bounds every
     rendezvous and collective wait; ``collective_device`` is the GPU (nccl, cuda_ipc).
+
+    ``peer_fanout`` (default 4; 0: off) is the number of stripes the tracker splits a
+    version into for subscribers started with ``peer_share=True`` (``publisher.tracker``):
+    the trainer sends each chunk once, to the stripe's root, and the subscribers pass it on.
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class WeightPublisher:
         curve_allowed_clients_dir: str | None = None,
         insecure: bool = False,
         limits: ServerLimits | None = None,
+        peer_fanout: int | None = None,
         socket_hooks: list[Callable[..., None]] | None = None,
         context: zmq.Context | None = None,
         metrics_port: int | None = None,
@@ -118,6 +126,12 @@ class WeightPublisher:
             raise ConfigError(f"first_version: {first_version} must be >= 1")
         if not 0 < heartbeat_interval <= 3600:
             raise ConfigError(f"heartbeat_interval: {heartbeat_interval} is outside (0, 3600]")
+        limits = limits or ServerLimits()
+        if peer_fanout is not None:
+            if not 0 <= peer_fanout <= MAX_STRIPES:
+                raise ConfigError(f"peer_fanout: {peer_fanout} is outside [0, {MAX_STRIPES}]")
+            limits = dataclasses.replace(limits, tracker=dataclasses.replace(
+                limits.tracker, fanout=peer_fanout))
         self.model_id = model_id
         self.chunk_size = chunk_size
         self.publisher_id = uuid.uuid4().hex
@@ -155,7 +169,7 @@ class WeightPublisher:
             self._ctx, self._store,
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
                           heartbeat_interval=heartbeat_interval,
-                          limits=limits or ServerLimits(), curve=curve, allow_list=allow_list),
+                          limits=limits, curve=curve, allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
             configure=hooks, deltas=self._deltas, collective=self._collective,
         )
@@ -255,6 +269,46 @@ class WeightPublisher:
                              self.chunk_size)
         copy_into(snapshot, pairs, self.chunk_size, hasher.written_up_to)
         self._pending.put((number, snapshot, hasher.checksums, created))
+
+    def relay_version(self, upstream: wire.Manifest, *,
+                      version: int | None = None) -> RelayedVersion:
+        """Announce an upstream version now and serve each chunk once it is written in.
+
+        For a cut-through relay (``weightpub.relay``): the manifest keeps the upstream's
+        tensors, chunking and checksums, under this instance's id and the number
+        ``version`` (default: the upstream's). The caller copies each verified chunk in
+        with ``RelayedVersion.write_chunk`` and calls ``fail()`` if it never will; until
+        then subscribers' fetches of a missing chunk wait for it (or time out). With
+        ``delta_anchor_every`` > 1 the deltas are encoded chunk by chunk as chunks arrive.
+        """
+        self._check_open()
+        with self._publish_lock:
+            number = upstream.version if version is None else version
+            if number < self._next_version:
+                raise ValueError(f"version {number} is not newer than {self._next_version - 1}")
+            self._store.recycle()
+            total = upstream.total_bytes
+            snapshot = Snapshot(entries=list(upstream.tensors), buffer=self._pool.take(total),
+                                total_bytes=total)
+            self._next_version = number + 1
+            previous = self._store.latest()
+            delta = self._deltas.plan(number, list(upstream.tensors), total, upstream.chunk_size,
+                                      upstream.checksums, previous)
+            manifest = wire.Manifest(
+                publisher_id=self.publisher_id, started_at=self.started_at, version=number,
+                created_at=upstream.created_at, model_id=self.model_id or upstream.model_id,
+                chunk_size=upstream.chunk_size, total_bytes=total, tensors=upstream.tensors,
+                checksums=upstream.checksums, delta=delta)
+            published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer,
+                                         view=byte_view(snapshot.buffer, total),
+                                         snapshot=snapshot)
+            relayed = RelayedVersion(published, (upstream.publisher_id, upstream.version),
+                                     self._store.discard)
+            published.ready = relayed.is_ready
+            self._store.add(published)
+            self._deltas.start(published, previous)  # encodes each chunk once it is written
+            self._announced_now(published)
+        return relayed
 
     def wait_announced(self, version: int, timeout: float = 30.0) -> None:
         """Block until ``version`` has been hashed and announced (useful in scripts/tests)."""
@@ -398,6 +452,10 @@ class WeightPublisher:
                                      snapshot=snapshot)
         self._store.add(published)
         self._deltas.start(published, previous)  # in the background, after the announcement
+        self._announced_now(published)
+
+    def _announced_now(self, published: PublishedVersion) -> None:
+        number = published.manifest.version
         self._server.send_command(b"announce")
         if self._collective is not None:
             self._collective.announced(published)  # its own thread broadcasts it
@@ -405,5 +463,5 @@ class WeightPublisher:
             self._announced_version = number
             self._versions_published += 1
             self._announced.notify_all()
-        log.debug("announced version %d (%d bytes, %d chunks)", number, snapshot.total_bytes,
-                  manifest.num_chunks)
+        log.debug("announced version %d (%d bytes, %d chunks)", number,
+                  published.manifest.total_bytes, published.manifest.num_chunks)

@@ -55,6 +55,9 @@ def test_shipped_configs_load(name, kind):
      "publisher.collective_timeout"),
     ("replica:\n  model: m\n  subscriber: {endpoint: 'tcp://h:1', collective: maybe}\n",
      "replica.subscriber.collective"),
+    ("replica:\n  model: m\n  subscriber: {endpoint: 'tcp://h:1', upload_mbit: 100}\n",
+     "upload_mbit only apply with peer_share: true"),
+    ("publisher:\n  endpoint: tcp://h:1\n  peer_fanout: 17\n", "publisher.peer_fanout"),
     ("nonsense: {}\n", "unknown top-level key 'nonsense'"),
     ("publisher: [unclosed\n", "not valid YAML"),
 ])
@@ -198,6 +201,30 @@ def test_publisher_from_yaml_and_curve_keys_reach_the_replica_command(tmp_path):
     extra = json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]
     assert extra["curve_server_key_file"] == public
     assert "max_version_bytes" not in extra  # default: derived from this machine's memory
+
+
+@pytest.mark.timeout(60)
+def test_peer_share_from_yaml_reaches_the_replica_and_the_subscriber():
+    replica = ReplicaConfig.model_validate({"model": "m", "subscriber": {
+        "endpoint": "tcp://127.0.0.1:1", "peer_share": True, "upload_mbit": 200,
+        "upload_cpu_share": 0.1}})
+    argv = replica_command(replica)
+    extra = json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]
+    assert extra["peer_share"] is True and extra["upload_mbit"] == 200
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        kwargs = {**replica.subscriber.subscriber_kwargs()}
+        with WeightSubscriber(pub.endpoint, **kwargs) as sub:
+            peers = sub.status()["peers"]
+            assert peers["endpoint"].startswith("tcp://127.0.0.1:")  # a loopback publisher
+            assert peers["upload_rate_limit"] == 200e6 / 8
+            assert peers["upload_cpu_share_limit"] == 0.1
+        for bad, key in (({"peer_bind": "tcp://0.0.0.0:0"}, "peer_bind"),
+                         ({"upload_mbit": -1}, "upload_mbit"),
+                         ({"peer_share": "yes"}, "peer_share")):
+            with pytest.raises(ConfigError, match=key):
+                WeightSubscriber(pub.endpoint, **{"peer_share": True, **bad})
+        with pytest.raises(ConfigError, match="only with peer_share"):
+            WeightSubscriber(pub.endpoint, upload_mbit=10)
 
 
 def test_a_file_of_another_kind_is_refused_by_name(tmp_path):

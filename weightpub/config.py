@@ -49,6 +49,8 @@ class RelayConfig(StrictConfig):
 
     upstream: SubscriberConfig
     downstream: PublisherConfig
+    # forward each chunk as soon as it verifies (False: receive whole versions, then publish)
+    cut_through: bool = True
 
 
 KINDS: dict[str, type[BaseModel]] = {

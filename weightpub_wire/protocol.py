@@ -6,8 +6,10 @@ message type) and ``"p"`` (the protocol version). Bulk data is raw bytes.
 Sockets and frames::
 
     PUB    -> SUB     [ {t: "manifest" | "heartbeat"} ]
-    DEALER -> ROUTER  [ {t: "latest" | "fetch" | "status" | "report" | "coll_poll"} ]
-    ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error" | "coll_rep"} ]
+    DEALER -> ROUTER  [ {t: "latest" | "fetch" | "status" | "report" | "coll_poll"
+                         | "peer_hello"} ]
+    ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error" | "coll_rep"
+                         | "peer_plan"} ]
                     | [ {t: "chunk", req, version, chunk, size}, <size raw bytes> ]
 
 A publisher with a collective data path announces it in manifests and ``latest``
@@ -16,6 +18,8 @@ join its group and learns its rank (``weightpub_wire.collective``).
 
 A fetch that names a ``base`` gets each chunk as a delta payload instead
 (``weightpub_wire.delta_codec``); manifests of such versions carry ``delta``.
+Peer sharing (``peer_hello`` / ``peer_plan``) is in ``weightpub_wire.peer_protocol``;
+peers serve each other with the same ``fetch`` / ``chunk`` / ``error`` frames.
 
 A version's tensors are laid out back to back (each offset aligned to
 ``TENSOR_ALIGN``) in one flat byte buffer of ``total_bytes``; the buffer is
@@ -484,7 +488,7 @@ class _Tag(msgspec.Struct):
     t: str
 
 
-def encode(message: Message) -> bytes:
+def encode(message: _Message) -> bytes:
     """One msgpack frame: the message's fields plus ``t`` (type) and ``p`` (protocol)."""
     return _ENCODER.encode(message)
 

@@ -21,6 +21,7 @@ import logging
 import os
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -30,10 +31,12 @@ from weightpub_wire.endpoints import Endpoint
 from weightpub_wire.errors import ConfigError
 
 __all__ = [
+    "CurveIdentity",
     "SocketHook",
     "check_bind_allowed",
     "check_secret_key_file",
     "curve_client_hook",
+    "curve_identity",
     "curve_server_hook",
     "is_local",
     "load_key_file",
@@ -86,23 +89,63 @@ def curve_server_hook(secret_key_file: str | Path) -> SocketHook:
     return hook
 
 
-def curve_client_hook(server_public_key_file: str | Path,
-                      client_secret_key_file: str | Path | None = None) -> SocketHook:
-    """Make a subscriber's DEALER and SUB CURVE clients of the publisher."""
+@dataclass(frozen=True, slots=True)
+class CurveIdentity:
+    """A subscriber's CURVE keys: the publisher's public key and its own key pair.
+
+    Peer sharing reuses the same pair: the subscriber's peer ROUTER is a CURVE
+    server with it, so the key the publisher authenticated on this subscriber's
+    connection (and hands to other subscribers in their plans) is the key its
+    peers check when they connect.
+    """
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    def client_hook(self) -> SocketHook:
+        """Make a subscriber's DEALER and SUB CURVE clients of the publisher."""
+        return self.peer_client_hook(self.server_public)
+
+    def peer_client_hook(self, server_public: bytes) -> SocketHook:
+        """A CURVE client of ``server_public`` (the publisher, or a peer) with this key pair."""
+
+        def hook(sock: zmq.Socket, *, server: bool) -> None:
+            if not server:
+                sock.curve_serverkey = server_public
+                sock.curve_publickey = self.public
+                sock.curve_secretkey = self.secret
+
+        return hook
+
+    def peer_server_hook(self) -> SocketHook:
+        """Make a subscriber's peer ROUTER a CURVE server with this key pair."""
+
+        def hook(sock: zmq.Socket, *, server: bool) -> None:
+            if server:
+                sock.curve_secretkey = self.secret
+                sock.curve_publickey = self.public
+                sock.curve_server = True
+
+        return hook
+
+
+def curve_identity(server_public_key_file: str | Path,
+                   client_secret_key_file: str | Path | None = None) -> CurveIdentity:
+    """Load the publisher's public key and this client's key pair (ephemeral when no file)."""
     server_public, _ = load_key_file(server_public_key_file, need_secret=False)
     if client_secret_key_file is None:
         public, secret = zmq.curve_keypair()  # ephemeral: encryption without client identity
     else:
         public, secret_or_none = load_key_file(client_secret_key_file, need_secret=True)
         secret = secret_or_none or b""
+    return CurveIdentity(server_public, public, secret)
 
-    def hook(sock: zmq.Socket, *, server: bool) -> None:
-        if not server:
-            sock.curve_serverkey = server_public
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
 
-    return hook
+def curve_client_hook(server_public_key_file: str | Path,
+                      client_secret_key_file: str | Path | None = None) -> SocketHook:
+    """Make a subscriber's DEALER and SUB CURVE clients of the publisher."""
+    return curve_identity(server_public_key_file, client_secret_key_file).client_hook()
 
 
 def is_local(endpoint: Endpoint) -> bool:

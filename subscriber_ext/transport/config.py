@@ -26,8 +26,26 @@ class SubscriberConfig(StrictConfig):
     curve_secret_key_file: str | None = None  # this client's key pair (allow-listing)
     # join the publisher's collective data path when it announces one (same fabric only)
     collective: bool = False
+    # peer sharing: serve verified chunks to other subscribers, fetch from them as planned
+    peer_share: bool = False
+    peer_bind: str | None = None  # where to serve peers (default: derived, port 0)
+    insecure: bool = False  # serve peers on a non-loopback address without CURVE
+    upload_mbit: float | None = Field(None, gt=0)  # upload to peers at most this fast
+    upload_cpu_share: float = Field(0.25, gt=0, le=64)  # of one core, for serving peers
 
     _endpoint = field_validator("endpoint")(check_endpoint)
+
+    @field_validator("peer_bind")
+    @classmethod
+    def _peer_bind(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
+
+    @model_validator(mode="after")
+    def _peer_options_need_peer_share(self) -> SubscriberConfig:
+        given = [k for k in ("peer_bind", "upload_mbit") if getattr(self, k) is not None]
+        if given and not self.peer_share:
+            raise ValueError(f"{', '.join(given)} only apply with peer_share: true")
+        return self
 
     @model_validator(mode="after")
     def _client_key_needs_server_key(self) -> SubscriberConfig:
@@ -54,4 +72,11 @@ class SubscriberConfig(StrictConfig):
             kwargs["curve_secret_key_file"] = self.curve_secret_key_file
         if self.collective:
             kwargs["collective"] = True
+        if self.peer_share:
+            kwargs.update(peer_share=True, insecure=self.insecure,
+                          upload_cpu_share=self.upload_cpu_share)
+            if self.peer_bind is not None:
+                kwargs["peer_bind"] = self.peer_bind
+            if self.upload_mbit is not None:
+                kwargs["upload_mbit"] = self.upload_mbit
         return kwargs

@@ -22,7 +22,9 @@ import msgspec
 import zmq
 
 from subscriber_ext.transport.collective import CollectiveMember
+from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.memory import derive_staging_budget
+from subscriber_ext.transport.peering import PeerOptions
 from subscriber_ext.transport.progress import PartialVersion, ProgressFeed
 from subscriber_ext.transport.staging import StagedVersion
 from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
@@ -36,13 +38,16 @@ from weightpub_wire.errors import (
     WeightPubError,
     WeightPubTimeout,
 )
-from weightpub_wire.security import curve_client_hook, is_local
+from weightpub_wire.security import curve_identity, is_local
 
 __all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("weightpub.subscriber")
 _CONSTRUCTOR_KEYWORDS = ("on_version", "on_progress", "subscriber_id", "curve_server_key_file",
-                         "curve_secret_key_file", "socket_hooks", "context", "allocator")
+                         "curve_secret_key_file", "socket_hooks", "context", "allocator",
+                         "chunk_listener")
+#: keywords that turn on and shape peer sharing (``PeerOptions``)
+_PEER_KEYWORDS = ("peer_share", "peer_bind", "insecure", "upload_mbit", "upload_cpu_share")
 
 
 class WeightSubscriber:
@@ -70,6 +75,15 @@ class WeightSubscriber:
     sees each version while it arrives: a ``PartialVersion`` whose ``ready()``
     tensors are already verified and final, so work on them can start early; it is
     ``cancelled`` if that reception is given up (``transport/progress.py``).
+
+    ``peer_share=True`` serves the chunks this subscriber has verified to other
+    subscribers of the same publisher and fetches from them as the publisher's
+    tracker plans (``transport/peering.py``): ``peer_bind`` (where to serve;
+    default 127.0.0.1 for a loopback publisher, else every interface, which
+    needs CURVE or ``insecure=True``), ``upload_mbit`` (None: no rate bound) and
+    ``upload_cpu_share`` (of one core, default 0.25) bound what serving costs.
+    ``chunk_listener`` (a ``ChunkListener``) hears each version start, each chunk
+    verify and each version end (a cut-through relay forwards chunks with it).
     """
 
     def __init__(
@@ -86,12 +100,15 @@ class WeightSubscriber:
         context: zmq.Context | None = None,
         staging_budget_bytes: int | None = None,
         allocator: Allocator | None = None,
+        chunk_listener: ChunkListener | None = None,
         **option_overrides: Any,
     ) -> None:
         base = self.check_options(endpoint, options, staging_budget_bytes, **option_overrides)
         hooks = list(socket_hooks or [])
+        curve = None
         if curve_server_key_file is not None:
-            hooks.append(curve_client_hook(curve_server_key_file, curve_secret_key_file))
+            curve = curve_identity(curve_server_key_file, curve_secret_key_file)
+            hooks.append(curve.client_hook())
         elif curve_secret_key_file is not None:
             raise ConfigError(
                 "curve_secret_key_file: given without curve_server_key_file (the publisher's "
@@ -119,8 +136,14 @@ class WeightSubscriber:
         pool = BufferPool(max_buffers=2, allocator=allocator, budget_bytes=budget,
                           pinned=None if allocator is None else False,
                           max_pinned_bytes=base.limits.max_pinned_bytes)
-        self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
-                                  self._deliver, hooks, pool)
+        try:
+            self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
+                                      self._deliver, hooks, pool, curve=curve,
+                                      listeners=[chunk_listener] if chunk_listener else None)
+        except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
+            if self._own_context:
+                self._ctx.term()
+            raise
         if base.collective:
             self._client.collective = CollectiveMember(
                 self.subscriber_id, endpoint=endpoint, device=base.collective_device,
@@ -147,6 +170,10 @@ class WeightSubscriber:
             raise ConfigError(f"staging_budget_bytes: {staging_budget_bytes!r} is not a "
                               "positive number of bytes")
         base = options or SyncOptions()
+        peers = _peer_options({k: option_overrides.pop(k) for k in _PEER_KEYWORDS
+                               if k in option_overrides})
+        if peers is not None:
+            option_overrides["peers"] = peers
         max_bytes = option_overrides.pop("max_version_bytes", None)
         if max_bytes is not None:
             limits = option_overrides.get("limits", base.limits)
@@ -156,7 +183,7 @@ class WeightSubscriber:
         if unknown:
             raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
                               f"(known: {sorted(SyncOptions.__slots__)}, max_version_bytes, "
-                              "staging_budget_bytes)")
+                              f"staging_budget_bytes, {', '.join(_PEER_KEYWORDS)})")
         if option_overrides:
             base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
                                   **option_overrides})
@@ -251,6 +278,7 @@ class WeightSubscriber:
             "staging_bytes": client.pool.held_bytes,
             "data_path": client.applied_path or None,  # how the applied version came
             "collective": None if client.collective is None else client.collective.status(),
+            "peers": None if client.peering is None else client.peering.stats(),
         }
 
     def close(self) -> None:
@@ -335,6 +363,8 @@ class WeightSubscriber:
             if not client.sub.poll(0):
                 break
             client.on_sub()
+        if client.peering is not None:
+            client.peering.on_events(events, time.monotonic())
 
     def _run(self) -> None:
         client = self._client
@@ -343,6 +373,8 @@ class WeightSubscriber:
         poller.register(client.sub, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
         poller.register(client.monitor, zmq.POLLIN)
+        if client.peering is not None:
+            client.peering.register(poller)
         try:
             while not self._closed:
                 try:
@@ -356,3 +388,22 @@ class WeightSubscriber:
         finally:
             client.close()
             self._wake.close(linger=0)
+
+
+def _peer_options(given: dict[str, Any]) -> PeerOptions | None:
+    """``PeerOptions`` from the constructor's peer keywords (None: peer sharing is off)."""
+    share = given.pop("peer_share", False)
+    if not isinstance(share, bool):
+        raise ConfigError(f"peer_share: {share!r} is not true or false")
+    if not share:
+        if given:
+            raise ConfigError(f"{', '.join(sorted(given))}: only with peer_share=True")
+        return None
+    mbit = given.get("upload_mbit")
+    if mbit is not None and (isinstance(mbit, bool) or not isinstance(mbit, int | float)
+                             or mbit <= 0):
+        raise ConfigError(f"upload_mbit: {mbit!r} is not a positive number of Mbit/s")
+    return PeerOptions(
+        bind=given.get("peer_bind"), insecure=bool(given.get("insecure", False)),
+        upload_bytes_per_s=None if mbit is None else mbit * 1e6 / 8,
+        upload_cpu_share=given.get("upload_cpu_share", 0.25))

@@ -26,6 +26,13 @@ Before a version's buffer is allocated, the staging budget decides
 With a collective member (``collective.py``) attached, a version the publisher
 will broadcast to this node's group is not fetched here unless that round fails;
 the member hands the assembled version back through ``deliver``.
+
+With ``SyncOptions.peers`` (``peer_share=True``) a ``Peering`` (``peering.py``)
+serves verified chunks to other subscribers and routes each chunk to a peer or
+to the publisher; requests to peers live in the same table, marked with their
+source, and a failing peer only moves its chunks to the next source.
+``ChunkListener``s (``listener.py``) hear each version start, each chunk verify
+and each version end.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import zmq
 
 from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
+from subscriber_ext.transport.listener import ChunkListener, final_bytes
+from subscriber_ext.transport.peering import Peering, PeerOptions
 from subscriber_ext.transport.progress import ProgressFeed
 from subscriber_ext.transport.staging import Assembly, StagedVersion
 from weightpub_wire import protocol as wire
@@ -56,7 +65,9 @@ from weightpub_wire.errors import (
     WeightPubTimeout,
 )
 from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events
+from weightpub_wire.peer_protocol import PEER_REPLIES, PeerPlan
 from weightpub_wire.ratelog import RateLimitedLog
+from weightpub_wire.security import CurveIdentity
 from weightpub_wire.sockets import configure_socket, connect
 
 __all__ = ["SyncClient", "SyncOptions"]
@@ -75,12 +86,14 @@ class SyncOptions:
     limits: wire.Limits = field(default_factory=wire.Limits)
     collective: bool = False  # join the publisher's collective path if it announces one
     collective_device: str | None = None  # nccl / cuda_ipc: this node's GPU ("cuda:0")
+    peers: PeerOptions | None = None  # peer sharing (``peer_share=True``), peering.py
 
 
 @dataclass(slots=True)
 class _Request:
     chunks: set[int]
     sent_at: float
+    source: Any = None  # the peer asked (a ``sources.PeerLink``); None: the publisher
 
 
 class SyncClient:
@@ -89,7 +102,8 @@ class SyncClient:
     def __init__(self, ctx: zmq.Context, endpoint: str, subscriber_id: str, options: SyncOptions,
                  on_complete: Callable[[StagedVersion], None],
                  socket_hooks: list[Callable[..., None]] | None = None,
-                 pool: BufferPool | None = None) -> None:
+                 pool: BufferPool | None = None, curve: CurveIdentity | None = None,
+                 listeners: list[ChunkListener] | None = None) -> None:
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id
         self.options = options
@@ -150,6 +164,16 @@ class SyncClient:
                                     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                                     | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         connect(self.dealer, endpoint)
+        self.listeners: list[ChunkListener] = []
+        self.peering: Peering | None = None
+        if options.peers is not None:
+            try:
+                self.peering = Peering(self, options.peers, curve)
+            except BaseException:
+                self.close()
+                raise
+            self.listeners.append(self.peering)
+        self.listeners += listeners or []
 
     @property
     def last_error(self) -> str | None:
@@ -159,6 +183,8 @@ class SyncClient:
         return f"{type(self.error).__name__}: {self.error}"[: wire.MAX_ERROR_CHARS]
 
     def close(self) -> None:
+        if self.peering is not None:
+            self.peering.close()
         if self.target is not None:
             self.target.abandon()
             self.target = None
@@ -192,6 +218,7 @@ class SyncClient:
             if now - self._latest_sent >= min(1.0, self.options.request_timeout):
                 self._request_latest(now)
         self._expire_requests(now)
+        wait = 0.1 if self.peering is None else min(0.1, self.peering.tick(now))
         self._top_up(now)
         if self.collective is not None:
             self.collective.tick(self, now)
@@ -201,7 +228,7 @@ class SyncClient:
         if now >= self._next_report or self._report_dirty:
             self._send_report(now)
         self.warn.tick()
-        return 0.1
+        return wait
 
     def _request_latest(self, now: float) -> None:
         self._latest_req = next(self._ids)
@@ -211,11 +238,44 @@ class SyncClient:
                 self.state = "SYNCING"
 
     def _send(self, message: wire.Message) -> bool:
+        return self.send(message)
+
+    def send(self, message: Any) -> bool:
+        """One control message to the publisher; False when not connected yet."""
         try:
             self.dealer.send(wire.encode(message), zmq.NOBLOCK)
             return True
         except zmq.Again:  # not connected yet (IMMEDIATE): retried on a later tick
             return False
+
+    # -- requests, also for peering.py ---------------------------------------------------------
+    def next_request_id(self) -> int:
+        return next(self._ids)
+
+    def track_request(self, req: int, chunks: tuple[int, ...], now: float, source: Any) -> None:
+        self._requests[req] = _Request(set(chunks), now, source)
+
+    def peer_in_flight(self) -> dict[Any, int]:
+        counts: dict[Any, int] = {}
+        for request in self._requests.values():
+            if request.source is not None:
+                counts[request.source] = counts.get(request.source, 0) + len(request.chunks)
+        return counts
+
+    def peer_requests(self, source: Any) -> set[int]:
+        return {req for req, r in self._requests.items() if r.source is source}
+
+    def drop_requests(self, source: Any) -> None:
+        """Forget what ``source`` was asked: its chunks are asked of the next source."""
+        for req in self.peer_requests(source):
+            del self._requests[req]
+
+    def _notify(self, event: str, manifest: wire.Manifest) -> None:
+        for listener in self.listeners:
+            try:
+                getattr(listener, event)(manifest)
+            except Exception:  # a listener's bug must not stop the transfer
+                log.exception("chunk listener %s failed", event)
 
     def _send_report(self, now: float) -> None:
         report = wire.Report(subscriber_id=self.subscriber_id,
@@ -240,10 +300,6 @@ class SyncClient:
         if error is not None:
             self.error = error
         self._report_dirty = True
-
-    def send(self, message: wire.Message) -> bool:
-        """Send a request on the DEALER (the subscriber thread only; False: retry later)."""
-        return self._send(message)
 
     def deliver(self, assembly: Assembly) -> None:
         """A version assembled and verified by another data path (a collective round):
@@ -273,7 +329,7 @@ class SyncClient:
         return max(1, min(chunks, wire.MAX_CHUNKS_IN_FLIGHT))
 
     def _in_flight(self) -> int:
-        return sum(len(r.chunks) for r in self._requests.values())
+        return sum(len(r.chunks) for r in self._requests.values() if r.source is None)
 
     def _top_up(self, now: float) -> None:
         target = self.target
@@ -282,7 +338,11 @@ class SyncClient:
         asked = set().union(*(r.chunks for r in self._requests.values())) if self._requests \
             else set()
         room = self._credit() - self._in_flight()
-        todo = target.next_chunks(asked, room) if room > 0 else []
+        if self.peering is not None:  # what peers serve is asked of them, the rest of us
+            todo = [c for c in target.order if c in target.missing and c not in asked]
+            todo = self.peering.route(target, todo, now) if todo else todo
+        else:
+            todo = target.next_chunks(asked, room) if room > 0 else []
         while todo and room > 0:
             batch = todo[: min(room, self.options.chunks_per_request)]
             todo = todo[len(batch):]
@@ -297,8 +357,8 @@ class SyncClient:
 
     def _expire_requests(self, now: float) -> None:
         for req, request in list(self._requests.items()):
-            if now - request.sent_at < self.options.request_timeout:
-                continue
+            if request.source is not None or now - request.sent_at < self.options.request_timeout:
+                continue  # peers' requests: peering.py gives up on a peer that stalls
             del self._requests[req]
             for chunk in request.chunks:
                 if self._count_retry(chunk, "timed out", WeightPubTimeout):
@@ -336,6 +396,7 @@ class SyncClient:
         if self.target is not None:
             if self.progress is not None:
                 self.progress.cancel(self.target)
+            self._notify("target_dropped", self.target.manifest)
             self.target.abandon()
         self.target = None
         self._requests.clear()
@@ -388,6 +449,7 @@ class SyncClient:
         self._retries.clear()
         if self.progress is not None:
             self.progress.begin(target)
+        self._notify("target_started", manifest)
         if not target.missing:
             self._complete(target)
         else:
@@ -414,6 +476,7 @@ class SyncClient:
         self.staged_paths[staged.version] = staged.data_path
         while len(self.staged_paths) > 16:
             self.staged_paths.popitem(last=False)
+            self._notify("target_completed", manifest)
         refused = self.gate.staged()  # a newer version fits: the refusal is history
         if refused is not None and self.error is refused:
             self.error = None
@@ -489,7 +552,7 @@ class SyncClient:
         try:
             message = wire.decode(first.buffer, limits=self.options.limits,
                                   expect=(wire.ChunkHeader, wire.LatestReply, wire.ErrorReply,
-                                          wire.CollectiveReply))
+                                          wire.CollectiveReply, *PEER_REPLIES))
         except ProtocolError as exc:
             self._discard_rest(more)
             self._bad(ProtocolError(f"bad reply: {exc}"))
@@ -499,17 +562,23 @@ class SyncClient:
             self._on_chunk(message, more)
             return
         self._discard_rest(more)
-        if isinstance(message, wire.LatestReply):
+        if isinstance(message, (PeerPlan, wire.ErrorReply)) and self.peering is not None \
+                and self.peering.owns(message):
+            self.peering.on_reply(message)
+        elif isinstance(message, wire.LatestReply):
             self._on_latest(message)
         elif isinstance(message, wire.ErrorReply):
             self._on_error(message)
         elif isinstance(message, wire.CollectiveReply) and self.collective is not None:
             self.collective.on_reply(self, message)
 
-    def _discard_rest(self, more: int) -> None:
+    def _discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None:
+        sock = self.dealer if sock is None else sock
         while more:
-            self.dealer.recv(copy=False)
-            more = self.dealer.getsockopt(zmq.RCVMORE)
+            sock.recv(copy=False)
+            more = int(sock.getsockopt(zmq.RCVMORE))
+
+    discard_rest = _discard_rest
 
     def _bad(self, why: WeightPubError) -> None:
         self._count_failure(why)
@@ -555,41 +624,71 @@ class SyncClient:
             kind = VersionUnavailable if error.code == "version_unavailable" else ProtocolError
             self._fail_target(kind(f"publisher: {error.message}"))
 
-    def _on_chunk(self, header: wire.ChunkHeader, more: int) -> None:
+    def _on_chunk(self, header: wire.ChunkHeader, more: int,
+                  sock: zmq.Socket | None = None) -> None:
+        sock = self.dealer if sock is None else sock
         target = self.target
         request = self._requests.get(header.req)
+        source = None if request is None else request.source
         if not (
             more and target is not None and request is not None
+            and sock is (self.dealer if source is None else source.sock)
             and header.version == target.fetch_version and header.chunk in request.chunks
             and target.accepts(header.chunk, header.size)
         ):
-            self._discard_rest(more)
+            self._discard_rest(more, sock)
             return  # stale (conflated / timed out) or not ours
-        size = self.dealer.recv_into(target.chunk_target(header.chunk))
+        if header.chunk not in target.missing:  # already here from another source
+            self._discard_rest(more, sock)
+            self._chunk_done(header, request)
+            return
+        size = sock.recv_into(target.chunk_target(header.chunk))
         self.received_bytes += size
-        extra = self.dealer.getsockopt(zmq.RCVMORE)
-        request.chunks.discard(header.chunk)
-        if not request.chunks:
-            del self._requests[header.req]
+        extra = int(sock.getsockopt(zmq.RCVMORE))
+        self._chunk_done(header, request)
         if size != header.size or extra:
-            self._discard_rest(extra)
-            self._bad(ProtocolError(f"chunk {header.chunk}: {size} bytes received, header said "
-                                    f"{header.size}"))
+            self._discard_rest(extra, sock)
+            why = f"chunk {header.chunk}: {size} bytes received, header said {header.size}"
+            if source is not None and self.peering is not None:
+                self.peering.chunk_failed(source, "truncated", why, time.monotonic())
+                return
+            self._bad(ProtocolError(why))
             self._count_retry(header.chunk, "arrived truncated", ProtocolError)
             return
         self.deltas.count(target, size)
+        final = final_bytes(target)
         if not target.verify(header.chunk, size):
             self.checksum_failures += 1
             if isinstance(target, DeltaAssembly):
                 self._delta_failed(target, target.error or ChecksumError("delta chunk refused"))
                 return
-            self._bad(ChecksumError(f"chunk {header.chunk} of version {header.version}: "
-                                    "checksum mismatch, refetching"))
+            why = f"chunk {header.chunk} of version {header.version}: checksum mismatch"
+            if source is not None and self.peering is not None:
+                self.peering.chunk_failed(source, "checksum", why, time.monotonic())
+                return
+            self._bad(ChecksumError(f"{why}, refetching"))
             self._count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
         if self.progress is not None:
             self.progress.verified(target, header.chunk)
+        if source is not None and self.peering is not None:
+            self.peering.arrived(source, size, time.monotonic())
+        if final and self.listeners:
+            start, span = target.manifest.chunk_span(header.chunk)
+            data = target.view[start: start + span]
+            for listener in self.listeners:
+                try:
+                    listener.chunk_verified(target.manifest, header.chunk, data)
+                except Exception:
+                    log.exception("chunk listener failed")
         if not target.missing:
             self._complete(target)
         else:
             self._top_up(time.monotonic())
+
+    on_chunk = _on_chunk
+
+    def _chunk_done(self, header: wire.ChunkHeader, request: _Request) -> None:
+        request.chunks.discard(header.chunk)
+        if not request.chunks:
+            del self._requests[header.req]

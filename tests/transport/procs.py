@@ -4,7 +4,7 @@ Weights are derived from ``(seed, version, name)`` by a cheap integer hash, so
 any process can recompute the exact bytes a publisher sent. Children speak JSON
 lines: commands on stdin, events on stdout (logging goes to stderr, a file).
 
-Run as ``python -m tests.transport.procs publisher|subscriber|node_rank '<json args>'``.
+Run as ``python -m tests.transport.procs publisher|subscriber|node_rank|peer '<json args>'``.
 """
 
 from __future__ import annotations
@@ -411,6 +411,11 @@ def main() -> None:
         from tests.transport.node_procs import run_node_rank
 
         run_node_rank(args)
+        return
+    if role == "peer":
+        from tests.transport.peer_procs import run_peer
+
+        run_peer(args)
         return
     {"publisher": run_publisher, "subscriber": run_subscriber}[role](args)
 

@@ -11,13 +11,15 @@ Kill points (``kill_at``):
 
 - ``announce``: a version is snapshotted and hashed, killed before its manifest is sent
 - ``announce_cmd``: the manifest is in the store, killed before PUB sends it
-- ``copy:<f>``: after fraction ``f`` of a version's bytes were copied (manifest may be out)
+- ``copy:<f>``: after fraction ``f`` of a version's bytes were copied (manifest may be out);
+  in a cut-through relay: written into the downstream version
 - ``chunk:<n>``: when about to send chunk frame number ``n`` (counting from the first
   version's); ``chunk_after:<n>``: just after sending it
 - ``latest:<n>``: the n-th ``latest`` request of a peer that first spoke after version 2
   was out (a late joiner); ``report:<n>``: the n-th report once version 2 is out;
   ``status:<n>``: the n-th status request
-- ``forward``: (relay) an upstream version is staged, killed before republishing it
+- ``forward``: (relay) an upstream version starts arriving, killed before it is announced
+  downstream
 """
 
 from __future__ import annotations
@@ -91,6 +93,17 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
             original_advance(snap, offset, progress)
 
         snapshot._advance = advance
+        from publisher import relayed
+
+        original_write = relayed.RelayedVersion.write_chunk
+
+        def write_chunk(self: Any, chunk: int, data: Any) -> None:
+            total = self.published.manifest.total_bytes
+            if total > 1 << 20 and self.written_bytes + len(data) >= fraction * total:
+                _die()
+            original_write(self, chunk, data)
+
+        relayed.RelayedVersion.write_chunk = write_chunk  # type: ignore[method-assign]
     elif point in ("chunk", "chunk_after"):
         target = int(arg)
         original_send = peers.PeerTable._send
@@ -194,10 +207,10 @@ def relay_child(conn: multiprocessing.connection.Connection, args: dict[str, Any
     if args.get("kill_at") == "forward":
         original = Relay._forward
 
-        def forward(self: Any, staged: Any) -> None:
-            if staged.version >= 2:
+        def forward(self: Any, manifest: Any) -> None:
+            if manifest.version >= 2:
                 _die()
-            original(self, staged)
+            original(self, manifest)
 
         Relay._forward = forward  # type: ignore[method-assign]
     config = RelayConfig.model_validate({

@@ -1,0 +1,261 @@
+"""The tracker: which peer-sharing subscriber fetches each chunk from whom.
+
+Why an assignment and not a BitTorrent swarm: a swarm (peers trade bitmaps,
+pick the rarest chunk, choke free-riders) solves strangers who come and go and
+may cheat; here the tracker knows every replica and they cooperate, so it can
+hand out a plan in which every chunk crosses the trainer's uplink once and
+every host's uplink carries about one version, with no bitmaps on the wire.
+
+The plan is a set of striped trees (SplitStream, Castro et al. 2003). The
+members (peer-sharing subscribers) hold slots ``0..n-1``; with ``T =
+min(fanout, n)`` stripes, chunk ``c`` belongs to stripe ``c % T``. The tree of
+stripe ``g`` lists the slots of group ``g`` (``slot % T == g``) first, then
+every other slot (rotated by stripe, so the member that follows the group
+differs from stripe to stripe), as a complete T-ary heap (the parent of
+position ``q`` is ``(q - 1) // T``). So only group ``g`` forwards stripe ``g``, each member to
+at most ``T`` children, and every member is a leaf in the other trees: a
+member downloads a version once and uploads about one version; the root of
+stripe ``g`` (slot ``g``) fetches it from the publisher. A chunk is at every
+host after about ``T * (1 + log_T n)`` chunk times behind the trainer's stream.
+
+The plan changes only where a new version starts (a member says it fetches a
+version newer than the plan's): members that died leave (the last slot moves
+into the hole), new members are appended. Between those points a member that
+died is skipped (its children are sent to their grandparent; anyone may also
+fall back to the publisher), and a member that joined fetches from the
+publisher until the next version. Bounds: ``max_members`` (the rest get no
+plan), ``member_ttl`` (no hello for that long: gone), ``chain`` (peers listed
+per stripe before the publisher); a reply lists at most ``MAX_STRIPES`` chains
+and ``MAX_ADMITTED_KEYS`` keys. With CURVE, ``admit`` tells each member which
+keys may fetch from it: those the publisher authenticated (``ADMIT_ALL_UP_TO``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import count
+
+from weightpub_wire.endpoints import Endpoint, parse_endpoint
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.peer_protocol import (
+    MAX_ADMITTED_KEYS,
+    MAX_CHAIN,
+    MAX_STRIPES,
+    PeerHello,
+    PeerPlan,
+    PeerSource,
+)
+from weightpub_wire.ratelog import RateLimitedLog
+
+__all__ = ["Plan", "Tracker", "TrackerLimits"]
+
+log = logging.getLogger("weightpub.publisher")
+_WILDCARDS = {"*", "0.0.0.0", "::", ""}
+#: up to this many members, each member admits every member's key (a member that joins or
+#: falls back never waits for its new source to learn its key); above, only the members
+#: below it in its trees (``chain`` levels: those that may ask it)
+ADMIT_ALL_UP_TO = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TrackerLimits:
+    fanout: int = 4  # stripes, and the arity of each stripe's tree; 0 turns peer sharing off
+    max_members: int = 4096
+    member_ttl: float = 4.0  # seconds without a hello before a member is gone
+    chain: int = 2  # peers listed per stripe (parent, grandparent), then the publisher
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fanout <= MAX_STRIPES:
+            raise ValueError(f"fanout: {self.fanout} is outside [0, {MAX_STRIPES}]")
+        if not 1 <= self.chain <= MAX_CHAIN:
+            raise ValueError(f"chain: {self.chain} is outside [1, {MAX_CHAIN}]")
+
+
+@dataclass(slots=True)
+class _Member:
+    endpoint: str
+    key: str
+    last_seen: float
+    joined: int
+
+
+class Plan:
+    """Striped T-ary trees over a fixed list of members (identities by slot)."""
+
+    def __init__(self, slots: list[bytes], fanout: int, version: int, epoch: int) -> None:
+        self.slots = slots
+        self.version = version
+        self.epoch = epoch
+        n = len(slots)
+        self.stripes = min(fanout, n)
+        self.slot_of = {identity: slot for slot, identity in enumerate(slots)}
+        self.orders: list[list[int]] = []  # per stripe: slot at each tree position
+        self.positions: list[list[int]] = []  # per stripe: tree position of each slot
+        for g in range(self.stripes):
+            # where group g runs out of interior positions, a different member per stripe
+            # takes the spill-over (rotating the others keeps any one member's upload low)
+            others = [s for s in range(n) if s % self.stripes != g]
+            turn = g * len(others) // self.stripes
+            order = list(range(g, n, self.stripes)) + others[turn:] + others[:turn]
+            position = [0] * n
+            for q, slot in enumerate(order):
+                position[slot] = q
+            self.orders.append(order)
+            self.positions.append(position)
+
+    def ancestors(self, slot: int, stripe: int) -> list[int]:
+        """The slots above ``slot`` in ``stripe``'s tree, nearest first (empty for the root)."""
+        out = []
+        q = self.positions[stripe][slot]
+        while q > 0:
+            q = (q - 1) // self.stripes
+            out.append(self.orders[stripe][q])
+        return out
+
+    def descendants(self, slot: int, stripe: int, depth: int) -> list[int]:
+        """The slots below ``slot`` in ``stripe``'s tree, down to ``depth`` levels."""
+        order, arity = self.orders[stripe], self.stripes
+        out: list[int] = []
+        level = [self.positions[stripe][slot]]
+        for _ in range(depth):
+            level = [c for q in level for c in range(arity * q + 1, arity * q + arity + 1)
+                     if c < len(order)]
+            out.extend(order[c] for c in level)
+        return out
+
+
+class Tracker:
+    """Runs on the publisher's serving thread; answers each ``PeerHello`` with a ``PeerPlan``."""
+
+    def __init__(self, limits: TrackerLimits, publisher_id: str, started_at: float) -> None:
+        self.limits = limits
+        self.publisher_id = publisher_id
+        self.started_at = started_at
+        self._members: dict[bytes, _Member] = {}
+        self._plan = Plan([], limits.fanout, 0, 0)
+        self._epochs = count(1)
+        self._joined = count()
+        self._next_expiry = 0.0
+        self._warn = RateLimitedLog(log)
+        self.refused = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.limits.fanout > 0
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    def members(self) -> int:
+        return len(self._members)
+
+    def hello(self, identity: bytes, hello: PeerHello, peer_address: str | None,
+              client_key: str | None, now: float, latest: int) -> PeerPlan:
+        """Register (or refresh) a member and return its assignment.
+
+        Raises ``ProtocolError`` naming what is wrong (the hello is then ignored).
+        """
+        if hello.publisher_id != self.publisher_id:
+            raise ProtocolError(f"peer_hello.publisher_id: {hello.publisher_id[:32]} is not this "
+                                "publisher instance")
+        endpoint = advertised_endpoint(hello.endpoint, peer_address)
+        self._expire(now)
+        member = self._members.get(identity)
+        if member is None:
+            if len(self._members) >= self.limits.max_members:
+                self.refused += 1
+                raise ProtocolError(f"peer_hello: the tracker holds {len(self._members)} members "
+                                    "(max_members); fetch from the publisher")
+            for old_id, old in list(self._members.items()):  # a member that reconnected
+                if old.endpoint == endpoint and old.key == (client_key or ""):
+                    self._rename(old_id, identity)
+            member = self._members.get(identity) or _Member(endpoint, client_key or "", now,
+                                                            next(self._joined))
+            self._members[identity] = member
+        member.endpoint, member.key, member.last_seen = endpoint, client_key or "", now
+        self._maybe_replan(min(hello.version, latest))
+        return self._assignment(identity, hello.req)
+
+    # -- the plan ------------------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + 0.25
+        for identity, member in list(self._members.items()):
+            if now - member.last_seen > self.limits.member_ttl:
+                del self._members[identity]
+                log.info("tracker: member %s gone (no hello for %.1fs)", member.endpoint,
+                         now - member.last_seen)
+
+    def _rename(self, old: bytes, new: bytes) -> None:
+        self._members[new] = self._members.pop(old)
+        plan = self._plan
+        if old in plan.slot_of:  # keep its slot: nothing else in the plan moves
+            plan.slots[plan.slot_of[old]] = new
+            plan.slot_of[new] = plan.slot_of.pop(old)
+
+    def _maybe_replan(self, version: int) -> None:
+        plan = self._plan
+        if version < plan.version or (version == plan.version and plan.version > 0):
+            return
+        alive = all(identity in self._members for identity in plan.slots)
+        newcomers = sorted((i for i in self._members if i not in plan.slot_of),
+                           key=lambda i: self._members[i].joined)
+        if alive and not newcomers:
+            plan.version = version
+            return
+        slots = list(plan.slots)
+        hole = 0
+        while hole < len(slots):  # the last member moves into each hole left by a dead one
+            if slots[hole] in self._members:
+                hole += 1
+                continue
+            last = slots.pop()
+            if hole < len(slots):
+                slots[hole] = last
+        slots += newcomers
+        self._plan = Plan(slots, self.limits.fanout, version, next(self._epochs))
+        log.info("tracker: plan %d for version %d: %d members, %d stripes", self._plan.epoch,
+                 version, len(slots), self._plan.stripes)
+
+    def _assignment(self, identity: bytes, req: int) -> PeerPlan:
+        plan = self._plan
+        slot = plan.slot_of.get(identity)
+        if slot is None:  # not in this version's plan (joined since): the publisher serves it
+            return PeerPlan(req=req, publisher_id=self.publisher_id, started_at=self.started_at,
+                            version=plan.version, epoch=plan.epoch, stripes=0)
+        chains = []
+        admit: dict[str, None] = {}
+        small = len(plan.slots) <= ADMIT_ALL_UP_TO
+        for stripe in range(plan.stripes):
+            live = [plan.slots[s] for s in plan.ancestors(slot, stripe)
+                    if plan.slots[s] in self._members]
+            chains.append(tuple(PeerSource(self._members[i].endpoint, self._members[i].key)
+                                for i in live[: self.limits.chain]))
+            below = range(len(plan.slots)) if small else \
+                plan.descendants(slot, stripe, self.limits.chain)
+            for s in below:
+                member = self._members.get(plan.slots[s])
+                if member is not None and member.key:
+                    admit[member.key] = None
+        return PeerPlan(req=req, publisher_id=self.publisher_id, started_at=self.started_at,
+                        version=plan.version, epoch=plan.epoch, stripes=plan.stripes, slot=slot,
+                        sources=tuple(chains), admit=tuple(admit)[:MAX_ADMITTED_KEYS])
+
+
+def advertised_endpoint(endpoint: str, peer_address: str | None) -> str:
+    """Where other subscribers reach a member: its bound address, a wildcard host replaced
+    by the address the publisher sees it connect from."""
+    parsed = parse_endpoint(endpoint, error=ProtocolError)
+    if parsed.scheme != "tcp":
+        return str(parsed)
+    if not parsed.port:
+        raise ProtocolError(f"peer_hello.endpoint: {endpoint!r} has no port")
+    if parsed.host in _WILDCARDS:
+        if not peer_address:
+            raise ProtocolError(f"peer_hello.endpoint: {endpoint!r} binds a wildcard and the "
+                                "connection has no peer address to put in its place")
+        return str(Endpoint("tcp", peer_address, parsed.port))
+    return str(parsed)

@@ -1,0 +1,35 @@
+"""Who hears about a version while it arrives: the peer server, and cut-through relays.
+
+A ``ChunkListener``'s methods run on the subscriber's thread, in this order:
+``target_started`` (fetching begins; again for the same version when a delta
+fell back to a full fetch), ``chunk_verified`` for each chunk whose final bytes
+matched the manifest's checksum (``data`` is valid only during the call: copy
+what you keep), then ``target_completed`` or ``target_dropped`` (conflated,
+given up, or the publisher restarted). They must return quickly.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from subscriber_ext.transport.delta import DeltaAssembly
+from subscriber_ext.transport.staging import Assembly
+from weightpub_wire.protocol import Manifest
+
+__all__ = ["ChunkListener", "final_bytes"]
+
+
+class ChunkListener(Protocol):
+    def target_started(self, manifest: Manifest) -> None: ...
+
+    def chunk_verified(self, manifest: Manifest, chunk: int, data: memoryview) -> None: ...
+
+    def target_completed(self, manifest: Manifest) -> None: ...
+
+    def target_dropped(self, manifest: Manifest) -> None: ...
+
+
+def final_bytes(target: Assembly) -> bool:
+    """Whether a chunk the target verifies now holds the version's own bytes (a delta
+    rebuild's earlier steps hold intermediate versions)."""
+    return not isinstance(target, DeltaAssembly) or target.step == len(target.steps) - 1

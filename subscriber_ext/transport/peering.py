@@ -1,0 +1,412 @@
+"""Peer sharing for one subscriber: its peer server, its sources, and the tracker's plan.
+
+A ``SyncClient`` started with ``peer_share=True`` owns one ``Peering``:
+
+- it binds a ROUTER of its own (``peer_server.py``) in a ZeroMQ context of its
+  own, so the upload's I/O thread can be measured and bounded
+  (``upload_budget.py``), and serves the chunks it has verified;
+- it says hello to the publisher's tracker about once a second and whenever a
+  new version starts, and follows the plan it gets back (``sources.py``): each
+  stripe from its chain of peers, then from the publisher;
+- it is the client's first ``ChunkListener``: a chunk that verifies wakes the
+  requests that wait for it (cut-through).
+
+Peers are found through the publisher only (the one endpoint a replica is
+given). With CURVE the peer ROUTER is a CURVE server with this subscriber's own
+key pair (the one the publisher authenticated it with), and admits only the
+keys the tracker lists (ZAP, and again per request). Binding a non-loopback
+address without CURVE needs ``insecure=True``, as for a publisher.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from subscriber_ext.transport.budget_gate import BudgetGate
+from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
+from subscriber_ext.transport.listener import final_bytes
+from subscriber_ext.transport.peer_server import GONE, WAIT, PeerServer, PeerServerLimits
+from subscriber_ext.transport.sources import PeerLink, Sources, VersionKey, decode_reply
+from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.upload_budget import ThreadCpu, UploadBudget
+from weightpub_wire import protocol as wire
+from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.errors import ConfigError, ProtocolError
+from weightpub_wire.peer_protocol import PeerHello, PeerPlan
+from weightpub_wire.security import CurveIdentity, SocketHook, is_local
+from weightpub_wire.sockets import bind, configure_socket
+
+__all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]
+
+log = logging.getLogger("weightpub.peers")
+_THREAD_PREFIXES = itertools.count(7100)  # names this Peering's ZeroMQ I/O thread
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOptions:
+    """What ``peer_share=True`` means for one subscriber (``WeightSubscriber`` keywords
+    ``peer_bind``, ``insecure``, ``upload_mbit``, ``upload_cpu_share``)."""
+
+    bind: str | None = None  # None: 127.0.0.1 for a loopback publisher, else 0.0.0.0; port 0
+    insecure: bool = False  # serve peers on a non-loopback address without CURVE
+    upload_bytes_per_s: float | None = None  # None: no rate bound
+    upload_cpu_share: float | None = 0.25  # of one core, for serving; None: no CPU bound
+    window_chunks: int = 4  # chunks asked ahead of each peer (they wait there: cut-through)
+    hello_interval: float = 1.0
+    plan_wait: float = 0.5  # a version without a place in the held plan waits for one
+    server: PeerServerLimits = field(default_factory=PeerServerLimits)
+
+    def __post_init__(self) -> None:
+        if self.bind is not None:
+            parse_endpoint(self.bind)
+        if self.upload_bytes_per_s is not None and self.upload_bytes_per_s <= 0:
+            raise ConfigError(f"upload rate: {self.upload_bytes_per_s} must be positive")
+        if self.upload_cpu_share is not None and not 0 < self.upload_cpu_share <= 64:
+            raise ConfigError(f"upload_cpu_share: {self.upload_cpu_share} is outside (0, 64]")
+        if not 1 <= self.window_chunks <= wire.MAX_CHUNKS_IN_FLIGHT:
+            raise ConfigError(f"peer window: {self.window_chunks} chunks is outside "
+                              f"[1, {wire.MAX_CHUNKS_IN_FLIGHT}]")
+
+
+class PeerClient(Protocol):
+    """What peering uses of its ``SyncClient`` (the subscriber's protocol state)."""
+
+    dealer: zmq.Socket
+    endpoint: str
+    state: str
+    instance: str | None
+    target: Assembly | None
+    current_version: int
+    latest_seen: int
+    queued: wire.Manifest | None
+    gate: BudgetGate
+    deltas: DeltaState
+
+    @property
+    def options(self) -> Any: ...
+
+    def next_request_id(self) -> int: ...
+
+    def send(self, message: Any) -> bool: ...
+
+    def track_request(self, req: int, chunks: tuple[int, ...], now: float,
+                      source: Any) -> None: ...
+
+    def peer_in_flight(self) -> dict[Any, int]: ...
+
+    def peer_requests(self, source: Any) -> set[int]: ...
+
+    def drop_requests(self, source: Any) -> None: ...
+
+    def discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None: ...
+
+    def on_chunk(self, header: wire.ChunkHeader, more: int,
+                 sock: zmq.Socket | None = None) -> None: ...
+
+
+def default_peer_bind(publisher_endpoint: str) -> str:
+    """Loopback when the publisher is on this host (tests, one machine), else every interface."""
+    return "tcp://127.0.0.1:0" if is_local(parse_endpoint(publisher_endpoint)) \
+        else "tcp://0.0.0.0:0"
+
+
+class Peering:
+    """One subscriber's peer sharing; every method runs on the subscriber's thread."""
+
+    def __init__(self, client: PeerClient, options: PeerOptions,
+                 curve: CurveIdentity | None) -> None:
+        self.client = client
+        self.options = options
+        self.curve = curve
+        address = options.bind or default_peer_bind(client.endpoint)
+        if curve is None and not options.insecure and not is_local(parse_endpoint(address)):
+            raise ConfigError(
+                f"peer_bind {address}: serving peers on a non-loopback address without CURVE "
+                "would hand the weights to anyone who can reach it; give "
+                "curve_server_key_file (peers then use CURVE too), bind 127.0.0.1, or say "
+                "insecure=True (YAML: `insecure: true`) if the network is trusted")
+        prefix = next(_THREAD_PREFIXES)
+        self.ctx = zmq.Context(io_threads=1)
+        self.ctx.set(zmq.THREAD_NAME_PREFIX, prefix)
+        self.auth: ThreadAuthenticator | None = None
+        router = self.ctx.socket(zmq.ROUTER)
+        try:
+            self.endpoint = self._open_router(router, address)
+        except BaseException:
+            router.close(linger=0)
+            self._close_context()
+            raise
+        self._admit: frozenset[str] = frozenset()
+        self.budget = UploadBudget(options.upload_bytes_per_s, options.upload_cpu_share,
+                                   ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
+        self.server = PeerServer(router, self._lookup, self.budget, options.server,
+                                 self._admitted if curve is not None else None)
+        self.sources = Sources(
+            client.dealer.context, self._hooks_for, window=options.window_chunks,
+            timeout=client.options.request_timeout,
+            max_message_bytes=max(wire.MAX_CHUNK_SIZE, client.options.limits.max_control_bytes),
+            on_open=self._watch, on_close=self._unwatch)
+        self.plan: PeerPlan | None = None
+        self.disabled: str | None = None  # why the publisher will not give a plan
+        self.poller: zmq.Poller | None = None
+        self._hello_reqs: set[int] = set()
+        self._applied_req = 0
+        self._awaiting: tuple[VersionKey, float] | None = None  # (version, since) of a hello
+        self._next_hello = 0.0
+        self.bytes_from_peers = 0
+        self.chunks_from_peers = 0
+        log.info("serving peers on %s", self.endpoint)
+
+    def _open_router(self, router: zmq.Socket, address: str) -> str:
+        limits = self.options.server
+        configure_socket(router, heartbeat_interval=1.0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, 2 * limits.max_queued_chunks + 64)
+        router.setsockopt(zmq.RCVHWM, 256)
+        router.setsockopt(zmq.MAXMSGSIZE, limits.max_request_bytes)
+        router.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
+        if self.curve is not None:
+            self.auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("weightpub.zap"))
+            self.auth.start()
+            self.auth.configure_curve_callback(domain="*", credentials_provider=self)
+            self.curve.peer_server_hook()(router, server=True)
+        return bind(router, address)
+
+    # -- CURVE admission -----------------------------------------------------------------------
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP credentials provider (pyzmq): may this key connect to the peer ROUTER?"""
+        return self._admitted(key.decode(errors="replace"))
+
+    def _admitted(self, key: str) -> bool:
+        return key in self._admit
+
+    def _hooks_for(self, key: str) -> list[SocketHook]:
+        if self.curve is None or not key:
+            return []
+        return [self.curve.peer_client_hook(key.encode())]
+
+    # -- the loop ------------------------------------------------------------------------------
+    def register(self, poller: zmq.Poller) -> None:
+        self.poller = poller
+        poller.register(self.server.router, zmq.POLLIN)
+        for link in self.sources.links.values():
+            self._watch(link)
+
+    def _watch(self, link: PeerLink) -> None:
+        if self.poller is not None:
+            self.poller.register(link.sock, zmq.POLLIN)
+            self.poller.register(link.monitor, zmq.POLLIN)
+
+    def _unwatch(self, link: PeerLink) -> None:
+        self.client.drop_requests(link)
+        if self.poller is not None:
+            self.poller.unregister(link.sock)
+            self.poller.unregister(link.monitor)
+
+    def tick(self, now: float) -> float:
+        """Hello when due, give up on silent peers, serve; seconds until due again."""
+        client = self.client
+        if now >= self._next_hello:
+            self._hello(now)
+        self.sources.redial(now)
+        key = self._key()
+        in_flight = client.peer_in_flight()
+        for link in self.sources.expired(in_flight, now):
+            self._fail(link, key, "timeout", f"no progress for {self.sources.timeout}s", now)
+        return self.server.pump(now)
+
+    def _hello(self, now: float) -> None:
+        client = self.client
+        if client.state != "ACTIVE" or client.instance is None or self.disabled is not None:
+            return
+        target = client.target
+        req = client.next_request_id()
+        hello = PeerHello(req=req, publisher_id=client.instance, endpoint=self.endpoint,
+                          version=target.manifest.version if target is not None
+                          else client.current_version)
+        if client.send(hello):
+            self._hello_reqs = {r for r in self._hello_reqs if r > req - 16} | {req}
+            self._next_hello = now + self.options.hello_interval
+
+    def on_events(self, events: dict[Any, int], now: float) -> None:
+        if self.server.router in events:
+            self.server.on_readable(now)
+        for link in list(self.sources.links.values()):
+            if link.monitor in events and self.sources.watch(link, now) and \
+                    self.client.peer_in_flight().get(link):
+                self._fail(link, self._key(), "disconnected", "disconnected", now)
+            if link.sock in events:
+                self._read(link, now)
+        self.server.pump(now)
+
+    def _read(self, link: PeerLink, now: float) -> None:
+        for _ in range(64):
+            try:
+                first = link.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            more = int(link.sock.getsockopt(zmq.RCVMORE))
+            try:
+                message = decode_reply(first, self.client.options.limits)
+            except ProtocolError as exc:
+                self.client.discard_rest(more, link.sock)
+                self._fail(link, self._key(), "bad_reply", f"sent a bad reply ({exc})", now,
+                           ban=True)
+                continue
+            if isinstance(message, wire.ChunkHeader):
+                self.client.on_chunk(message, more, link.sock)
+                continue
+            self.client.discard_rest(more, link.sock)
+            if message.req in self.client.peer_requests(link):
+                self._fail(link, self._key(), message.code, message.message[:200], now)
+
+    def _key(self) -> VersionKey | None:
+        target = self.client.target
+        return None if target is None else (target.manifest.publisher_id,
+                                            target.manifest.version)
+
+    def _fail(self, link: PeerLink, key: VersionKey | None, kind: str, why: str, now: float,
+              *, ban: bool = False) -> None:
+        self.sources.fail(link, key, kind, why, now, ban=ban)
+        self.client.drop_requests(link)
+
+    # -- the client's hooks --------------------------------------------------------------------
+    def route(self, target: Assembly, todo: list[int], now: float) -> list[int]:
+        """Ask peers for what they serve in the plan; return the chunks for the publisher."""
+        plan = self.plan
+        if self.disabled is not None or isinstance(target, DeltaAssembly):
+            return todo  # deltas come from the publisher only
+        key = (target.manifest.publisher_id, target.manifest.version)
+        if plan is None or plan.publisher_id != key[0] or not plan.stripes:
+            # no place in the plan we hold; one for this version may be on its way
+            awaiting = self._awaiting
+            if awaiting is not None and awaiting[0] == key and \
+                    now - awaiting[1] < self.options.plan_wait:
+                return []
+            return todo
+        in_flight = self.client.peer_in_flight()
+        to_peers, to_publisher = self.sources.route(todo, key, in_flight, now)
+        per_request = self.client.options.chunks_per_request
+        for link, chunks in to_peers.items():
+            for start in range(0, len(chunks), per_request):
+                batch = tuple(chunks[start: start + per_request])
+                req = self.client.next_request_id()
+                request = wire.FetchRequest(req=req, publisher_id=key[0], version=key[1],
+                                            chunks=batch)
+                try:
+                    link.sock.send(wire.encode(request), zmq.NOBLOCK)
+                except zmq.Again:  # not connected (yet): the timeout decides
+                    self.sources.blocked(link, now)
+                    break
+                self.sources.sent(link, bool(in_flight.get(link)), now)
+                in_flight[link] = in_flight.get(link, 0) + len(batch)
+                self.client.track_request(req, batch, now, link)
+        return to_publisher
+
+    def owns(self, message: wire.ErrorReply | PeerPlan) -> bool:
+        """Whether a reply on the publisher's DEALER answers one of this peering's hellos."""
+        return message.req in self._hello_reqs
+
+    def on_reply(self, message: wire.ErrorReply | PeerPlan) -> None:
+        if isinstance(message, wire.ErrorReply):
+            if self.disabled is None:
+                self.disabled = message.message
+                log.warning("peer sharing off: %s; fetching from the publisher only",
+                            message.message)
+            return
+        if message.publisher_id != self.client.instance or message.req < self._applied_req:
+            return
+        self._applied_req = message.req
+        if self._awaiting is not None and message.version >= self._awaiting[0][1]:
+            self._awaiting = None
+        if self.plan is None or message.epoch != self.plan.epoch \
+                or message.admit != self.plan.admit:
+            self._admit = frozenset(message.admit)
+            self.sources.apply(message, self.curve is not None)
+            log.info("peer plan %d: slot %d of %d stripes, %d sources", message.epoch,
+                     message.slot, message.stripes, len(self.sources.links))
+        self.plan = message
+
+    def arrived(self, link: PeerLink, size: int, now: float) -> None:
+        self.sources.arrived(link, now)
+        self.bytes_from_peers += size
+        self.chunks_from_peers += 1
+
+    def chunk_failed(self, link: PeerLink, kind: str, why: str, now: float) -> None:
+        """A chunk from ``link`` was truncated or failed its checksum: never that peer
+        again for a while; its chunks go to the next source."""
+        self._fail(link, self._key(), kind, why, now, ban=True)
+
+    # -- ChunkListener: something became servable ---------------------------------------------
+    def target_started(self, manifest: wire.Manifest) -> None:
+        """Plans follow versions: say hello now; without a place in the plan held, the
+        fetch waits up to ``plan_wait`` for the answer (a member that joined last version)."""
+        now = time.monotonic()
+        self._awaiting = ((manifest.publisher_id, manifest.version), now)
+        self._hello(now)
+        self.server.changed()
+
+    def chunk_verified(self, manifest: wire.Manifest, chunk: int, data: memoryview) -> None:
+        self.server.changed()
+
+    def target_completed(self, manifest: wire.Manifest) -> None:
+        self.server.changed()
+
+    def target_dropped(self, manifest: wire.Manifest) -> None:
+        self.server.changed()
+
+    def _lookup(self, publisher_id: str, version: int, chunk: int) -> memoryview | str:
+        client = self.client
+        if publisher_id != client.instance:
+            return GONE
+        target = client.target
+        if target is not None and target.manifest.version == version:
+            if chunk >= target.manifest.num_chunks:
+                return GONE
+            if chunk in target.missing or not final_bytes(target):
+                return WAIT
+            start, size = target.manifest.chunk_span(chunk)
+            return target.view[start: start + size]
+        base = client.deltas.base
+        if base is not None and base.version == version \
+                and base.manifest.publisher_id == publisher_id:
+            if chunk >= base.manifest.num_chunks:
+                return GONE
+            start, size = base.manifest.chunk_span(chunk)
+            return base.view[start: start + size]
+        if any(m is not None and m.version == version for m in (client.queued,
+                                                                client.gate.waiting)):
+            return WAIT
+        return WAIT if version > client.latest_seen else GONE
+
+    # -- reporting and closing -----------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "endpoint": self.endpoint,
+            "slot": None if plan is None else plan.slot,
+            "plan_epoch": None if plan is None else plan.epoch,
+            "bytes_from_peers": self.bytes_from_peers,
+            "chunks_from_peers": self.chunks_from_peers,
+            "disabled": self.disabled,
+            **self.sources.stats(),
+            **self.server.stats(),
+            **self.budget.stats(),
+        }
+
+    def close(self) -> None:
+        self.sources.close()
+        self.server.router.close(linger=0)
+        self._close_context()
+
+    def _close_context(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+        self.ctx.term()

@@ -1,0 +1,262 @@
+"""Where each chunk comes from: the tracker's plan, one DEALER per peer, and the fallbacks.
+
+Chunk ``c`` is in stripe ``c % stripes``; the plan (``PeerPlan``) gives each
+stripe a chain of peers, nearest first (the parent in that stripe's tree, then
+the grandparent). A chunk is asked of the first peer of its chain that has not
+failed this version, lowest chunks first, at most ``window`` chunks ahead per
+peer: the peer holds back what it has not verified yet and sends it the moment
+it has (cut-through), so the next chunk is always already asked for. A chunk
+whose chain is empty (this subscriber is the stripe's root, or has no plan) or
+used up goes to the publisher, under the publisher's credit as before.
+
+A peer fails for the version (its outstanding chunks are asked of the next
+source) when it answers with an error, sends a chunk that fails its checksum or
+has the wrong size (it is then also banned for ``ban_seconds``), disconnects,
+or makes no progress for ``timeout`` while chunks are outstanding or cannot be
+sent to at all. A peer that refuses the CURVE handshake (it has not learnt this
+subscriber's key from the tracker yet) is dialled again every ``REDIAL_AFTER``
+seconds until that timeout. None of this counts against ``max_chunk_retries``: a bad peer
+costs a retry from another source, never the version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from weightpub_wire import protocol as wire
+from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.monitor import open_monitor, read_events
+from weightpub_wire.peer_protocol import PeerPlan, PeerSource
+from weightpub_wire.ratelog import RateLimitedLog
+from weightpub_wire.security import SocketHook
+from weightpub_wire.sockets import configure_socket, connect
+
+__all__ = ["PeerLink", "Sources", "VersionKey", "decode_reply"]
+
+log = logging.getLogger("weightpub.peers")
+
+VersionKey = tuple[str, int]  # (publisher_id, version)
+_WILDCARDS = {"*", "0.0.0.0", "::", ""}
+REDIAL_AFTER = 0.25  # seconds after a refused handshake
+_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+           | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+@dataclass(eq=False, slots=True)
+class PeerLink:
+    """One DEALER to one peer, and what this subscriber knows about that peer."""
+
+    endpoint: str
+    key: str
+    sock: zmq.Socket
+    monitor: zmq.Socket
+    last_progress: float = 0.0  # a chunk arrived, or the first request went out
+    blocked_since: float | None = None  # sends refused (not connected yet)
+    down: bool = False  # disconnected, and not connected again since
+    refused_at: float | None = None  # the peer refused our handshake (dialled again soon)
+    failed: set[VersionKey] = field(default_factory=set)
+    banned_until: float = 0.0
+
+    def usable(self, key: VersionKey, now: float) -> bool:
+        return not self.down and key not in self.failed and now >= self.banned_until
+
+
+class Sources:
+    """The links the current plan names; runs on the subscriber's thread."""
+
+    def __init__(self, ctx: zmq.Context, hooks_for: Callable[[str], list[SocketHook]], *,
+                 window: int, timeout: float, max_message_bytes: int,
+                 on_open: Callable[[PeerLink], None], on_close: Callable[[PeerLink], None],
+                 ban_seconds: float = 60.0) -> None:
+        self.ctx = ctx
+        self.hooks_for = hooks_for  # the CURVE client hook for a peer's key (or none)
+        self.window = window
+        self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
+        self.on_open = on_open
+        self.on_close = on_close
+        self.ban_seconds = ban_seconds
+        self.links: dict[str, PeerLink] = {}
+        self.chains: list[list[PeerLink]] = []
+        self.failures: dict[str, int] = {}  # by kind
+        self._warn = RateLimitedLog(log)
+
+    @property
+    def stripes(self) -> int:
+        return len(self.chains)
+
+    # -- the plan ------------------------------------------------------------------------------
+    def apply(self, plan: PeerPlan, curve: bool) -> list[PeerLink]:
+        """Follow a new plan; returns the links it no longer names (their requests must go)."""
+        chains: list[list[PeerLink]] = []
+        wanted: dict[str, PeerLink] = {}
+        for chain in plan.sources:
+            links = []
+            for source in chain:
+                link = self._link(source, curve, wanted)
+                if link is not None:
+                    links.append(link)
+            chains.append(links)
+        gone = [link for endpoint, link in self.links.items() if wanted.get(endpoint) is not link]
+        for link in gone:
+            self._close(link)
+        self.links, self.chains = wanted, chains
+        return gone
+
+    def _link(self, source: PeerSource, curve: bool,
+              wanted: dict[str, PeerLink]) -> PeerLink | None:
+        if source.endpoint in wanted:
+            return wanted[source.endpoint]
+        try:
+            endpoint = parse_endpoint(source.endpoint, error=ProtocolError)
+            if endpoint.scheme == "tcp" and (endpoint.host in _WILDCARDS or not endpoint.port):
+                raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} is not reachable")
+            if curve != bool(source.key):
+                raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} "
+                                    f"{'has no' if curve else 'has a'} CURVE key, this "
+                                    f"subscriber {'uses' if curve else 'does not use'} CURVE")
+        except ProtocolError as exc:
+            self._count("bad_source")
+            self._warn.warning("source", f"skipping a peer the tracker named: {exc}")
+            return None
+        old = self.links.get(source.endpoint)
+        if old is not None and old.key == source.key:
+            wanted[source.endpoint] = old
+            return old
+        sock, monitor = self._connect(source.endpoint, source.key)
+        link = PeerLink(source.endpoint, source.key, sock, monitor)
+        wanted[source.endpoint] = link
+        self.on_open(link)
+        return link
+
+    def _connect(self, endpoint: str, key: str) -> tuple[zmq.Socket, zmq.Socket]:
+        sock = self.ctx.socket(zmq.DEALER)
+        configure_socket(sock, heartbeat_interval=1.0)
+        for hook in self.hooks_for(key):
+            hook(sock, server=False)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(self.timeout * 1000)))
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        monitor = open_monitor(sock, _EVENTS)
+        connect(sock, endpoint)
+        return sock, monitor
+
+    def redial(self, now: float) -> None:
+        """Dial again the peers that refused our handshake a moment ago: ZeroMQ gives up on a
+        refused connection, and a peer learns a new member's key at its next hello."""
+        for link in self.links.values():
+            if link.refused_at is not None and now - link.refused_at >= REDIAL_AFTER:
+                self.on_close(link)
+                link.monitor.close(linger=0)
+                link.sock.close(linger=0)
+                link.sock, link.monitor = self._connect(link.endpoint, link.key)
+                link.refused_at = None
+                self.on_open(link)
+
+    def _close(self, link: PeerLink) -> None:
+        self.on_close(link)
+        link.monitor.close(linger=0)
+        link.sock.close(linger=0)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            self._close(link)
+        self.links, self.chains = {}, []
+
+    # -- choosing ------------------------------------------------------------------------------
+    def route(self, todo: list[int], key: VersionKey, in_flight: dict[PeerLink, int],
+              now: float) -> tuple[dict[PeerLink, list[int]], list[int]]:
+        """Split ``todo`` (ascending) into chunks to ask of each peer now and chunks for
+        the publisher; a chunk whose peer has no room waits for that peer."""
+        to_peers: dict[PeerLink, list[int]] = {}
+        to_publisher: list[int] = []
+        stripes = self.stripes
+        for chunk in todo:
+            link = None
+            if stripes:
+                link = next((lk for lk in self.chains[chunk % stripes] if lk.usable(key, now)),
+                            None)
+            if link is None:
+                to_publisher.append(chunk)
+                continue
+            batch = to_peers.setdefault(link, [])
+            if in_flight.get(link, 0) + len(batch) < self.window:
+                batch.append(chunk)
+        return {link: batch for link, batch in to_peers.items() if batch}, to_publisher
+
+    # -- what happened -------------------------------------------------------------------------
+    def sent(self, link: PeerLink, had_outstanding: bool, now: float) -> None:
+        link.blocked_since = None
+        if not had_outstanding:
+            link.last_progress = now
+
+    def blocked(self, link: PeerLink, now: float) -> None:
+        if link.blocked_since is None:
+            link.blocked_since = now
+
+    def arrived(self, link: PeerLink, now: float) -> None:
+        link.last_progress = now
+
+    def fail(self, link: PeerLink, key: VersionKey | None, kind: str, why: str,
+             now: float, *, ban: bool = False) -> None:
+        """``link`` failed for version ``key`` (and is banned a while when ``ban``)."""
+        self._count(kind)
+        if key is not None:
+            link.failed.add(key)
+            if len(link.failed) > 16:
+                link.failed.discard(min(link.failed, key=lambda k: k[1]))
+        if ban:
+            link.banned_until = now + self.ban_seconds
+        link.blocked_since = None
+        self._warn.warning(kind, f"peer {link.endpoint}: {why}; asking the next source")
+
+    def expired(self, in_flight: dict[PeerLink, int], now: float) -> list[PeerLink]:
+        """Links with chunks outstanding (or unsendable) and no progress for ``timeout``."""
+        out = []
+        for link in self.links.values():
+            if link.down:
+                continue
+            if in_flight.get(link, 0) and now - link.last_progress > self.timeout:
+                out.append(link)
+            elif link.blocked_since is not None and now - link.blocked_since > self.timeout:
+                out.append(link)
+        return out
+
+    def watch(self, link: PeerLink, now: float) -> bool:
+        """Read the link's monitor; True when it has just gone down (disconnected, or a
+        connection attempt was refused). A link that is down is skipped (a dead peer costs
+        the next version nothing) until it connects again."""
+        lost = False
+        for event in read_events(link.monitor):
+            if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.down, link.blocked_since = False, None
+            elif event.event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
+                # gone, or its port refuses connections (a member that died, still planned)
+                link.down = lost = True
+                link.blocked_since = None  # skipped from now on: nothing waits for it
+            else:  # refused: dialled again after REDIAL_AFTER; the timeout decides
+                self._count("handshake")
+                self.blocked(link, now)
+                link.refused_at = now
+        return lost
+
+    def _count(self, kind: str) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+
+    def stats(self) -> dict[str, object]:
+        return {"sources": sorted(self.links), "stripes": self.stripes,
+                "peer_failures": dict(self.failures)}
+
+
+def decode_reply(frame: zmq.Frame, limits: wire.Limits) -> wire.ChunkHeader | wire.ErrorReply:
+    """The first frame of a peer's reply (what a publisher's DEALER would accept)."""
+    message = wire.decode(frame.buffer, expect=(wire.ChunkHeader, wire.ErrorReply), limits=limits)
+    if not isinstance(message, (wire.ChunkHeader, wire.ErrorReply)):  # pragma: no cover
+        raise ProtocolError("message.t: expected chunk or error")
+    return message

@@ -1,0 +1,130 @@
+"""The tracker's plan: striped trees that carry each chunk out of the trainer once.
+
+Pure logic (no sockets): the plan for many fleet sizes and fan-outs, and the
+tracker's answers as members join, die and reconnect between versions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import zmq
+
+from publisher.tracker import Plan, Tracker, TrackerLimits, advertised_endpoint
+from weightpub_wire import protocol as wire
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.peer_protocol import MAX_STRIPES, PeerHello, PeerPlan, PeerSource
+
+PUB = "p" * 32
+
+
+def ids(n: int) -> list[bytes]:
+    return [f"member-{i}".encode() for i in range(n)]
+
+
+@pytest.mark.parametrize("n,fanout", [(1, 4), (2, 4), (3, 4), (5, 4), (16, 4), (17, 4),
+                                      (16, 2), (64, 3), (100, 4), (1000, 4), (300, 16)])
+def test_every_member_gets_each_stripe_once_and_uploads_about_one_version(
+        n: int, fanout: int) -> None:
+    plan = Plan(ids(n), fanout, 1, 1)
+    stripes = plan.stripes
+    assert stripes == min(n, fanout)
+    children = [0] * n  # stripe-edges below each member: each is 1/stripes of a version
+    for stripe in range(stripes):
+        roots = [s for s in range(n) if not plan.ancestors(s, stripe)]
+        assert roots == [stripe]  # the only member of this stripe fed by the trainer
+        for slot in range(n):
+            chain = plan.ancestors(slot, stripe)
+            if chain:
+                children[chain[0]] += 1
+                assert chain[-1] == stripe and len(set(chain)) == len(chain)
+            assert len(chain) <= math.ceil(math.log(max(n, 2), max(stripes, 2))) + 1
+            below = plan.descendants(slot, stripe, 1)
+            assert all(plan.ancestors(c, stripe)[0] == slot for c in below)
+    # the trainer sends each chunk once (one root per stripe); each member uploads about
+    # one version: ``stripes`` children in its own stripe, a few more where its group has
+    # fewer members than the tree has inner positions (small fleets, wide fan-outs)
+    uploads = [c / stripes for c in children]
+    assert sum(children) == stripes * (n - 1)
+    assert max(uploads, default=0) <= (1.0 if n >= stripes * stripes and stripes <= 4
+                                       else 2.0)
+
+
+def hello(tracker: Tracker, who: bytes, version: int, *, latest: int, now: float,
+          port: int | None = None, key: str | None = None) -> PeerPlan:
+    port = port if port is not None else 20000 + int(who.split(b"-")[1])
+    message = PeerHello(req=1, publisher_id=PUB, endpoint=f"tcp://0.0.0.0:{port}",
+                        version=version)
+    return tracker.hello(who, message, "10.0.0.9", key, now, latest)
+
+
+def test_members_join_and_die_between_versions() -> None:
+    tracker = Tracker(TrackerLimits(fanout=2, member_ttl=4.0), PUB, 1.0)
+    members = ids(4)
+    for index, who in enumerate(members):
+        plan = hello(tracker, who, 0, latest=0, now=0.0)
+        assert plan.slot == index  # nothing published yet: the plan follows every join
+    plans = {who: hello(tracker, who, 1, latest=1, now=1.0) for who in members}
+    first = plans[members[0]]  # root of stripe 0; stripe 1 comes down from member 1
+    assert first.sources[0] == () and first.sources[1][-1] == PeerSource("tcp://10.0.0.9:20001")
+    assert plans[members[3]].stripes == 2 and all(plans[members[3]].sources)
+    # a fifth member joins during version 1: no place until the next version
+    late = f"member-{4}".encode()
+    assert hello(tracker, late, 1, latest=1, now=1.5).stripes == 0
+    # member 0 goes silent; while version 1 lasts its children are sent to the grandparent
+    for who in members[1:] + [late]:
+        hello(tracker, who, 1, latest=1, now=5.5)
+    during = hello(tracker, members[1], 1, latest=1, now=5.6)
+    assert all("20000" not in s.endpoint for chain in during.sources for s in chain)
+    # version 2: member 0 is out, the late member is in, nobody else moved but the last
+    after = {who: hello(tracker, who, 2, latest=2, now=6.0) for who in members[1:] + [late]}
+    assert sorted(p.slot for p in after.values()) == [0, 1, 2, 3]
+    assert after[members[3]].slot == 0  # the last member filled the hole
+    assert after[members[1]].slot == 1 and after[members[2]].slot == 2
+    assert after[late].slot == 3  # the newcomer is appended
+    assert after[late].epoch > plans[members[0]].epoch
+
+
+def test_a_reconnecting_member_keeps_its_slot() -> None:
+    tracker = Tracker(TrackerLimits(fanout=2), PUB, 1.0)
+    for who in ids(3):
+        hello(tracker, who, 0, latest=0, now=0.0)
+    hello(tracker, b"member-1-again", 1, latest=1, now=1.0, port=20001)  # same endpoint
+    assert tracker.members() == 3
+    assert hello(tracker, b"member-1-again", 1, latest=1, now=1.1, port=20001).slot == 1
+
+
+def test_curve_keys_travel_with_sources_and_admission() -> None:
+    tracker = Tracker(TrackerLimits(fanout=1), PUB, 1.0)
+    keys = [zmq.curve_keypair()[0].decode() for _ in range(3)]
+    for who, key in zip(ids(3), keys, strict=True):
+        hello(tracker, who, 0, latest=0, now=0.0, key=key)
+    plan = hello(tracker, ids(3)[2], 1, latest=1, now=1.0, key=keys[2])
+    assert [s.key for s in plan.sources[0]] == [keys[1], keys[0]]  # parent, grandparent
+    assert set(plan.admit) == set(keys)  # a small fleet: every member may ask every member
+    encoded = wire.encode(plan)
+    assert wire.decode(encoded, expect=(PeerPlan,)) == plan
+
+
+def test_bounds_and_bad_hellos() -> None:
+    tracker = Tracker(TrackerLimits(fanout=4, max_members=2), PUB, 1.0)
+    hello(tracker, b"member-0", 0, latest=0, now=0.0)
+    hello(tracker, b"member-1", 0, latest=0, now=0.0)
+    with pytest.raises(ProtocolError, match="max_members"):
+        hello(tracker, b"member-2", 0, latest=0, now=0.0)
+    with pytest.raises(ProtocolError, match="publisher instance"):
+        tracker.hello(b"x", PeerHello(req=1, publisher_id="q" * 32, endpoint="tcp://1.2.3.4:5"),
+                      None, None, 0.0, 0)
+    with pytest.raises(ProtocolError, match="no port"):
+        advertised_endpoint("tcp://1.2.3.4:0", None)
+    with pytest.raises(ProtocolError, match="wildcard"):
+        advertised_endpoint("tcp://0.0.0.0:5", None)
+    assert advertised_endpoint("tcp://*:5", "10.1.2.3") == "tcp://10.1.2.3:5"
+    assert advertised_endpoint("tcp://10.9.9.9:5", "10.1.2.3") == "tcp://10.9.9.9:5"
+    with pytest.raises(ValueError, match="fanout"):
+        TrackerLimits(fanout=MAX_STRIPES + 1)
+    with pytest.raises(ProtocolError, match="sources"):  # a plan must have one chain a stripe
+        wire.decode(wire.encode(PeerPlan(req=1, publisher_id=PUB, started_at=1.0, version=1,
+                                         epoch=1, stripes=0)).replace(
+            b"\xa7stripes\x00", b"\xa7stripes\x01"), expect=(PeerPlan,))

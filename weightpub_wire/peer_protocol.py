@@ -1,0 +1,99 @@
+"""Peer sharing on the wire: how subscribers find each other through the publisher.
+
+A subscriber started with ``peer_share=True`` serves the verified chunks it
+holds on a ROUTER of its own, and asks the publisher's tracker where to fetch
+from. The tracker answers with an *assignment* (a striped tree, see
+``publisher/tracker.py``): chunk ``c`` belongs to stripe ``c % stripes``; for
+each stripe the subscriber gets a short chain of peers (its parent in that
+stripe's tree, then the grandparent), and fetches from the first one that
+works, then from the publisher. An empty chain means: from the publisher (this
+subscriber is the stripe's root, or has no place in the plan yet)::
+
+    DEALER -> ROUTER (publisher)  [ {t: "peer_hello", req, publisher_id, endpoint, version} ]
+    ROUTER -> DEALER              [ {t: "peer_plan", req, publisher_id, started_at, version,
+                                     epoch, stripes, slot, sources, admit} ]
+    DEALER -> ROUTER (a peer)     the publisher's own ``fetch`` / ``chunk`` / ``error`` frames
+
+Peers speak to each other exactly as a subscriber speaks to its publisher
+(``FetchRequest``, ``ChunkHeader``, ``ErrorReply``; the same per-chunk
+checksums from the publisher's manifest), so a peer can never make a
+subscriber stage bytes the publisher did not announce. With CURVE, each
+source's ``key`` is the public key the publisher authenticated that subscriber
+with (its ZAP ``User-Id``, never a claim of the peer), and ``admit`` lists the
+keys that may fetch from the receiving subscriber.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from weightpub_wire.protocol import U63, Name, Text, _FromPublisher, _Message
+
+__all__ = [
+    "MAX_ADMITTED_KEYS",
+    "MAX_CHAIN",
+    "MAX_STRIPES",
+    "PEER_REPLIES",
+    "PeerHello",
+    "PeerPlan",
+    "PeerSource",
+]
+
+MAX_STRIPES = 16  # stripes (and tree arity) a tracker may hand out
+MAX_CHAIN = 4  # peers listed per stripe before the publisher
+MAX_ADMITTED_KEYS = 1024
+# a CurveZMQ public key in Z85 (40 characters of the Z85 alphabet), or "" without CURVE
+_Z85 = r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]"
+Z85Key = Annotated[str, Meta(max_length=40, pattern=f"^({_Z85}{{40}})?$")]
+
+
+class PeerHello(_Message, tag="peer_hello", kw_only=True, frozen=True):
+    """A peer-sharing subscriber registers with the tracker and asks for its assignment.
+
+    ``endpoint`` is where it serves peers (its peer ROUTER's bound address; a
+    wildcard host is replaced by the address the publisher sees it connect
+    from). ``version`` is the version it fetches or holds: a new version is
+    where the tracker updates its plan. Sent about once a second (liveness).
+    """
+
+    req: U63
+    publisher_id: Name
+    endpoint: Text
+    version: U63 = 0
+
+
+class PeerSource(msgspec.Struct, frozen=True):
+    """A peer to fetch from: where it serves, and its CURVE public key ("" without CURVE)."""
+
+    endpoint: Text
+    key: Z85Key = ""
+
+
+class PeerPlan(_FromPublisher, tag="peer_plan", kw_only=True, frozen=True):
+    """The tracker's answer: where this subscriber fetches each stripe from.
+
+    ``stripes`` 0 means no assignment (fetch everything from the publisher).
+    ``sources[s]`` is the chain for stripe ``s``, nearest first; the publisher
+    is always the last resort. ``epoch`` changes whenever the plan changes.
+    """
+
+    req: U63
+    version: U63
+    epoch: U63
+    stripes: Annotated[int, Meta(ge=0, le=MAX_STRIPES)]
+    slot: Annotated[int, Meta(ge=-1, le=1 << 20)] = -1
+    sources: Annotated[tuple[Annotated[tuple[PeerSource, ...], Meta(max_length=MAX_CHAIN)], ...],
+                       Meta(max_length=MAX_STRIPES)] = ()
+    admit: Annotated[tuple[Z85Key, ...], Meta(max_length=MAX_ADMITTED_KEYS)] = ()
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if len(self.sources) != self.stripes:
+            raise ValueError(f"sources: {len(self.sources)} chains for {self.stripes} stripes")
+
+
+#: what a subscriber's DEALER may receive from the publisher besides the core replies
+PEER_REPLIES: tuple[type[_Message], ...] = (PeerPlan,)
