@@ -298,7 +298,8 @@ class WeightPublisher:
                 publisher_id=self.publisher_id, started_at=self.started_at, version=number,
                 created_at=upstream.created_at, model_id=self.model_id or upstream.model_id,
                 chunk_size=upstream.chunk_size, total_bytes=total, tensors=upstream.tensors,
-                checksums=upstream.checksums, delta=delta)
+                checksums=upstream.checksums, delta=delta,
+                deltas_follow=self._deltas.enabled)
             published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer,
                                          view=byte_view(snapshot.buffer, total),
                                          snapshot=snapshot)

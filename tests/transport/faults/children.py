@@ -85,14 +85,27 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
         server.ServingThread._on_command = on_command  # type: ignore[method-assign]
     elif point == "copy":
         fraction = float(arg)
-        original_advance = snapshot._advance
+        # both copy paths (in order, largest tensors first) move bytes with copy_bytes
+        copying = {"total": 0, "done": 0}
+        original_copy = snapshot.copy_bytes
 
-        def advance(snap: Any, offset: int, progress: Any) -> None:
-            if snap.total_bytes > 1 << 20 and offset >= fraction * snap.total_bytes:
+        def copy_bytes(dst: Any, src: Any) -> None:
+            copying["done"] += len(dst)
+            total = copying["total"]
+            if total > 1 << 20 and copying["done"] >= fraction * total:
                 _die()
-            original_advance(snap, offset, progress)
+            original_copy(dst, src)
 
-        snapshot._advance = advance
+        def counted(copy: Any) -> Any:
+            def run(snap: Any, *args: Any, **kwargs: Any) -> None:
+                copying.update(total=snap.total_bytes, done=0)
+                copy(snap, *args, **kwargs)
+            return run
+
+        snapshot.copy_bytes = copy_bytes
+        weight_publisher.copy_into = counted(snapshot.copy_into)  # type: ignore[assignment]
+        weight_publisher.copy_in_priority_order = counted(  # type: ignore[assignment]
+            snapshot.copy_in_priority_order)
         from publisher import relayed
 
         original_write = relayed.RelayedVersion.write_chunk
