@@ -120,6 +120,8 @@ class DeltaState:
 
     def __init__(self) -> None:
         self.base: HeldBase | None = None
+        # peer sharing serves the newest staged version from the base: keep it always
+        self.keep_newest = False
         self._refused: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.bytes_received_full = 0
         self.bytes_received_delta = 0
@@ -163,9 +165,10 @@ class DeltaState:
     def completed(self, target: Assembly, staged: StagedVersion) -> None:
         """A version was staged: it becomes the base (the previous base is let go).
 
-        Only when its publisher serves deltas (``Manifest.deltas_follow``): a base
-        nobody will ever send a delta against would double the staging memory (and its
-        first-touch page faults) for nothing.
+        Only when its publisher serves deltas (``Manifest.deltas_follow``) or peers
+        fetch it from us (``keep_newest``): a base nobody will ever send a delta against
+        or ask for would double the staging memory (and its first-touch page faults)
+        for nothing.
         """
         if isinstance(target, DeltaAssembly):
             self.versions_delta += 1
@@ -174,7 +177,7 @@ class DeltaState:
             self.versions_full += 1
         self.drop_base()
         manifest = staged.manifest
-        if not manifest.deltas_follow and manifest.delta is None:
+        if not (manifest.deltas_follow or manifest.delta is not None or self.keep_newest):
             return
         self.base = HeldBase(
             manifest=manifest,

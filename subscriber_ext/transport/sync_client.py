@@ -169,6 +169,7 @@ class SyncClient:
         if options.peers is not None:
             try:
                 self.peering = Peering(self, options.peers, curve)
+                self.deltas.keep_newest = True  # what peers ask for after it staged
             except BaseException:
                 self.close()
                 raise
