@@ -477,7 +477,7 @@ class SyncClient:
         self.staged_paths[staged.version] = staged.data_path
         while len(self.staged_paths) > 16:
             self.staged_paths.popitem(last=False)
-            self._notify("target_completed", manifest)
+        self._notify("target_completed", manifest)
         refused = self.gate.staged()  # a newer version fits: the refusal is history
         if refused is not None and self.error is refused:
             self.error = None

@@ -125,7 +125,12 @@ def test_both_ranks_prepare_layers_while_the_version_arrives(replica):
     """Behind a slow link (~1.5 s per version) the owner and the follower both build
     layers from the verified prefix before the version is complete; the commit on
     both ranks is a swap of what they prepared, and the output is transformers'."""
-    llm, pub, relay, size = replica
+    from publisher import WeightPublisher
+
+    llm, _, relay, size = replica
+    # small chunks: the version must arrive in many pieces for layers to be final early
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
+    assert size > 8 * pub.chunk_size
     slow = ByteRelay.in_front_of(pub.endpoint, down_rate=size / 1.5)
     options = {"staging_budget_bytes": 3 * size, "request_timeout": 30.0,
                "report_interval": 0.2}
@@ -146,6 +151,7 @@ def test_both_ranks_prepare_layers_while_the_version_arrives(replica):
         llm.collective_rpc("stop_weight_subscriber")
         llm.collective_rpc("start_weight_subscriber", args=(relay.endpoint,), kwargs=options)
         slow.close()
+        pub.close()
 
 
 def test_kill_9_of_a_worker_leaves_no_staging_memory_behind(replica):
