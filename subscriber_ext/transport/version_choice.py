@@ -1,0 +1,104 @@
+"""Which announced version a ``SyncClient`` fetches next, and which it leaves alone.
+
+Split from ``sync_client.py``: the policy over one manifest is a list of
+reasons not to start it (another publisher instance, already staged or waiting
+for budget, never fits the budget, failed recently, this node's collective group
+will receive it) and then conflation: a newer manifest replaces a target less
+than ``switch_below_fraction`` received, otherwise it waits as the one queued.
+Another data path (a collective round) may hand over a whole version instead.
+A version given up is retried only after a growing back-off (1 s .. 30 s).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from subscriber_ext.transport import instance_following
+from weightpub_wire import protocol as wire
+
+if TYPE_CHECKING:  # pragma: no cover - typing only (sync_client imports this module)
+    from subscriber_ext.transport.staging import Assembly
+    from subscriber_ext.transport.sync_client import SyncClient
+
+__all__ = ["VersionBackoff", "consider", "deliver", "yield_target"]
+
+log = logging.getLogger("weightpub.subscriber")
+
+
+class VersionBackoff:
+    """Versions given up, by (publisher_id, version): how often, and until when to wait."""
+
+    def __init__(self) -> None:
+        self._failed: dict[tuple[str, int], tuple[int, float]] = {}
+
+    def record(self, publisher_id: str, version: int) -> None:
+        key = (publisher_id, version)
+        count = self._failed.get(key, (0, 0.0))[0] + 1
+        self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
+
+    def forget(self, publisher_id: str, version: int) -> None:
+        self._failed.pop((publisher_id, version), None)
+
+    def waiting(self, publisher_id: str, version: int) -> bool:
+        backoff = self._failed.get((publisher_id, version))
+        return backoff is not None and time.monotonic() < backoff[1]
+
+
+def consider(client: SyncClient, manifest: wire.Manifest, *, confirmed: bool = False) -> None:
+    """Decide whether a manifest becomes the target (conflation, publisher restarts).
+
+    ``confirmed``: it came in a ``latest`` reply from the ROUTER this client dialled,
+    which is the only thing that may make it follow another publisher instance.
+    """
+    if manifest.publisher_id != client.instance:
+        if not confirmed:
+            instance_following.unknown_instance(client, manifest.publisher_id,
+                                                f"manifest v{manifest.version}")
+            return
+        instance_following.follow(client, manifest.publisher_id)
+    client.latest_seen = max(client.latest_seen, manifest.version)
+    if manifest.version <= max(client.current_version,
+                               client.gate.waiting.version if client.gate.waiting else 0):
+        return
+    if client.gate.is_refused(manifest):
+        return  # does not fit the budget; it never will
+    if client.backoff.waiting(manifest.publisher_id, manifest.version):
+        return  # failed recently; a newer version or the back-off expiring retries it
+    if client.collective is not None and client.collective.defer(client, manifest):
+        return  # this node's group will receive it (fetched here only if that fails)
+    target = client.target
+    if target is not None:
+        if manifest.version <= target.manifest.version:
+            return
+        if target.done_fraction >= client.options.switch_below_fraction:
+            if client.queued is None or manifest.version > client.queued.version:
+                client.queued = manifest
+            return
+        log.info("conflating: version %d replaces %d (%.0f%% received)", manifest.version,
+                 target.manifest.version, 100 * target.done_fraction)
+        client._drop_target()
+    client._start(manifest)
+
+
+def deliver(client: SyncClient, assembly: Assembly) -> None:
+    """A version assembled and verified by another data path (a collective round):
+    stage it exactly like a fetched one. An older fetch in progress gives way."""
+    if assembly.manifest.version <= client.current_version:
+        assembly.abandon()
+        return
+    if client.target is not None and client.target.manifest.version <= assembly.manifest.version:
+        client._drop_target()
+    client._complete(assembly)
+
+
+def yield_target(client: SyncClient, version: int) -> bool:
+    """Give up an ongoing fetch older than ``version`` (a broadcast brings a newer one);
+    False when the fetch in progress is of ``version`` or newer."""
+    if client.target is None:
+        return True
+    if client.target.manifest.version >= version:
+        return False
+    client._drop_target()
+    return True
