@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import zmq
 
 from subscriber_ext.transport.delta import DeltaAssembly
+from subscriber_ext.transport.fetch_credit import top_up
 from subscriber_ext.transport.listener import final_bytes
-from subscriber_ext.transport.request_table import top_up
+from subscriber_ext.transport.sync_state import SyncState
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ChecksumError, ProtocolError
-
-if TYPE_CHECKING:  # pragma: no cover - typing only (sync_client imports this module)
-    from subscriber_ext.transport.sync_client import SyncClient
 
 __all__ = ["discard_rest", "receive_chunk"]
 
@@ -36,7 +33,7 @@ def discard_rest(sock: zmq.Socket, more: int) -> None:
         more = int(sock.getsockopt(zmq.RCVMORE))
 
 
-def receive_chunk(client: SyncClient, header: wire.ChunkHeader, more: int,
+def receive_chunk(client: SyncState, header: wire.ChunkHeader, more: int,
                   sock: zmq.Socket) -> None:
     """Handle one ``chunk`` header whose payload frame is next on ``sock``."""
     target = client.target

@@ -9,17 +9,14 @@ CURVE handshake must become ``last_error`` at once rather than a silent stall.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import zmq
 
+from subscriber_ext.transport.sync_state import SyncState
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import TransportError
 from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events
 from weightpub_wire.sockets import configure_socket, connect
-
-if TYPE_CHECKING:  # pragma: no cover - typing only (sync_client imports this module)
-    from subscriber_ext.transport.sync_client import SyncClient
 
 __all__ = ["on_handshake_events", "open_client_sockets"]
 
@@ -50,7 +47,7 @@ def open_client_sockets(ctx: zmq.Context, endpoint: str, request_timeout: float,
     return dealer, sub, monitor
 
 
-def on_handshake_events(client: SyncClient) -> None:
+def on_handshake_events(client: SyncState) -> None:
     """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
     for event in read_events(client.monitor):
         if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:

@@ -12,21 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
+from subscriber_ext.transport.sync_state import SyncState
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import resolve_pub_endpoint
 from weightpub_wire.errors import ProtocolError
-
-if TYPE_CHECKING:  # pragma: no cover - typing only (sync_client imports this module)
-    from subscriber_ext.transport.sync_client import SyncClient
 
 __all__ = ["follow", "on_heartbeat", "on_latest", "request_latest", "unknown_instance"]
 
 log = logging.getLogger("weightpub.subscriber")
 
 
-def request_latest(client: SyncClient, now: float) -> None:
+def request_latest(client: SyncState, now: float) -> None:
     """Ask the ROUTER for its newest version and PUB address (INITIAL -> SYNCING)."""
     client._latest_req = client.requests.next_id()
     if client.send(wire.LatestRequest(req=client._latest_req)):
@@ -35,7 +32,7 @@ def request_latest(client: SyncClient, now: float) -> None:
             client.state = "SYNCING"
 
 
-def follow(client: SyncClient, publisher_id: str) -> None:
+def follow(client: SyncState, publisher_id: str) -> None:
     """Switch to the instance the ROUTER named (first contact, or a restart)."""
     if client.instance is not None:
         log.warning("publisher restarted (new instance %s); following it", publisher_id[:16])
@@ -51,7 +48,7 @@ def follow(client: SyncClient, publisher_id: str) -> None:
     client._report_dirty = True
 
 
-def unknown_instance(client: SyncClient, publisher_id: str, what: str) -> None:
+def unknown_instance(client: SyncState, publisher_id: str, what: str) -> None:
     """Something from an instance the ROUTER has not confirmed: ignore it, ask the ROUTER."""
     client.ignored_manifests += what.startswith("manifest")
     client._report_dirty = True
@@ -63,7 +60,7 @@ def unknown_instance(client: SyncClient, publisher_id: str, what: str) -> None:
         request_latest(client, time.monotonic())
 
 
-def on_heartbeat(client: SyncClient, beat: wire.Heartbeat) -> None:
+def on_heartbeat(client: SyncState, beat: wire.Heartbeat) -> None:
     if beat.publisher_id != client.instance:
         unknown_instance(client, beat.publisher_id, "heartbeat")
         return
@@ -77,7 +74,7 @@ def on_heartbeat(client: SyncClient, beat: wire.Heartbeat) -> None:
         request_latest(client, time.monotonic())  # we missed a manifest: repair
 
 
-def on_latest(client: SyncClient, reply: wire.LatestReply) -> None:
+def on_latest(client: SyncState, reply: wire.LatestReply) -> None:
     if reply.req != client._latest_req:
         return  # an answer to an older question: the newest one decides
     try:

@@ -1,26 +1,21 @@
-"""The fetch requests a ``SyncClient`` has out, and what it asks for next.
+"""The fetch requests a ``SyncClient`` has out, and what it has given up on.
 
 Split from ``sync_client.py``: which chunks each request asked for and of whom
 (the publisher, or a peer for ``peering.py``), how often each chunk has been
-tried, the credit (chunks in flight to the publisher, bounded by the window and
-``MAX_CHUNKS_IN_FLIGHT``) and the timeouts are bookkeeping over one table. The
-state machine decides what a timeout or a failed chunk means for its target.
+tried, which requests timed out, and which versions were abandoned recently
+(a growing back-off, 1 s .. 30 s) are bookkeeping; the state machine decides
+what a timeout or a failed chunk means for its target (``fetch_credit.py``).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from weightpub_wire import protocol as wire
-from weightpub_wire.errors import WeightPubTimeout
-
-if TYPE_CHECKING:  # pragma: no cover - typing only (sync_client imports this module)
-    from subscriber_ext.transport.sync_client import SyncClient
-
-__all__ = ["Request", "RequestTable", "expire_requests", "top_up"]
+__all__ = ["Request", "RequestTable", "VersionBackoff"]
 
 
 @dataclass(slots=True)
@@ -105,43 +100,20 @@ class RequestTable:
             yield request
 
 
-def credit(client: SyncClient) -> int:
-    """Chunks the client may have in flight to the publisher for its target."""
-    if client.target is None:
-        return 0
-    chunks = client.options.window_bytes // client.target.manifest.chunk_size
-    return max(1, min(chunks, wire.MAX_CHUNKS_IN_FLIGHT))
+class VersionBackoff:
+    """Versions given up, by (publisher_id, version): how often, and until when to wait."""
 
+    def __init__(self) -> None:
+        self._failed: dict[tuple[str, int], tuple[int, float]] = {}
 
-def top_up(client: SyncClient, now: float) -> None:
-    """Ask for more chunks of the target while there is credit (peers first, if sharing)."""
-    target = client.target
-    if target is None:
-        return
-    table = client.requests
-    asked = table.asked()
-    room = credit(client) - table.in_flight()
-    if client.peering is not None:  # what peers serve is asked of them, the rest of us
-        todo = [c for c in target.order if c in target.missing and c not in asked]
-        todo = client.peering.route(target, todo, now) if todo else todo
-    else:
-        todo = target.next_chunks(asked, room) if room > 0 else []
-    while todo and room > 0:
-        batch = todo[: min(room, client.options.chunks_per_request)]
-        todo = todo[len(batch):]
-        req = table.next_id()
-        request = wire.FetchRequest(req=req, publisher_id=target.manifest.publisher_id,
-                                    version=target.fetch_version, chunks=tuple(batch),
-                                    base=target.fetch_base)
-        if not client.send(request):
-            return
-        table.track(req, batch, now)
-        room -= len(batch)
+    def record(self, publisher_id: str, version: int) -> None:
+        key = (publisher_id, version)
+        count = self._failed.get(key, (0, 0.0))[0] + 1
+        self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
 
+    def forget(self, publisher_id: str, version: int) -> None:
+        self._failed.pop((publisher_id, version), None)
 
-def expire_requests(client: SyncClient, now: float) -> None:
-    """Re-ask (or, after too many tries, abandon) what the publisher did not answer in time."""
-    for request in client.requests.timed_out(now, client.options.request_timeout):
-        for chunk in request.chunks:
-            if client._count_retry(chunk, "timed out", WeightPubTimeout):
-                return
+    def waiting(self, publisher_id: str, version: int) -> bool:
+        backoff = self._failed.get((publisher_id, version))
+        return backoff is not None and time.monotonic() < backoff[1]

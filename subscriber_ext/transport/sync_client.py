@@ -16,7 +16,8 @@ This module holds the target's life (start, complete, fail, drop) and the
 dispatch of incoming frames. Its parts: ``instance_following.py`` (which
 publisher instance to follow: the ROUTER this client dialled decides, never
 clocks), ``version_choice.py`` (which manifest becomes the target),
-``request_table.py`` (requests in flight, credit, timeouts), ``chunk_replies.py``
+``fetch_credit.py`` and ``request_table.py`` (credit, requests in flight,
+timeouts, back-off), ``chunk_replies.py``
 (one chunk frame), ``client_sockets.py`` (socket options; a CURVE refusal becomes
 ``last_error`` at once), ``budget_gate.py`` (before a version's buffer is
 allocated: start, wait for held buffers, or refuse with ``StagingBudgetError``).
@@ -46,12 +47,13 @@ from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.chunk_replies import discard_rest, receive_chunk
 from subscriber_ext.transport.client_sockets import on_handshake_events, open_client_sockets
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
+from subscriber_ext.transport.fetch_credit import expire_requests, top_up
 from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.peering import Peering, PeerOptions
 from subscriber_ext.transport.progress import ProgressFeed
-from subscriber_ext.transport.request_table import RequestTable, expire_requests, top_up
+from subscriber_ext.transport.request_table import RequestTable, VersionBackoff
 from subscriber_ext.transport.staging import Assembly, StagedVersion
-from subscriber_ext.transport.version_choice import VersionBackoff, consider, deliver, yield_target
+from subscriber_ext.transport.version_choice import consider, deliver, yield_target
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubError

@@ -12,41 +12,18 @@ A version given up is retried only after a growing back-off (1 s .. 30 s).
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING
 
 from subscriber_ext.transport import instance_following
+from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.sync_state import SyncState
 from weightpub_wire import protocol as wire
 
-if TYPE_CHECKING:  # pragma: no cover - typing only (sync_client imports this module)
-    from subscriber_ext.transport.staging import Assembly
-    from subscriber_ext.transport.sync_client import SyncClient
-
-__all__ = ["VersionBackoff", "consider", "deliver", "yield_target"]
+__all__ = ["consider", "deliver", "yield_target"]
 
 log = logging.getLogger("weightpub.subscriber")
 
 
-class VersionBackoff:
-    """Versions given up, by (publisher_id, version): how often, and until when to wait."""
-
-    def __init__(self) -> None:
-        self._failed: dict[tuple[str, int], tuple[int, float]] = {}
-
-    def record(self, publisher_id: str, version: int) -> None:
-        key = (publisher_id, version)
-        count = self._failed.get(key, (0, 0.0))[0] + 1
-        self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
-
-    def forget(self, publisher_id: str, version: int) -> None:
-        self._failed.pop((publisher_id, version), None)
-
-    def waiting(self, publisher_id: str, version: int) -> bool:
-        backoff = self._failed.get((publisher_id, version))
-        return backoff is not None and time.monotonic() < backoff[1]
-
-
-def consider(client: SyncClient, manifest: wire.Manifest, *, confirmed: bool = False) -> None:
+def consider(client: SyncState, manifest: wire.Manifest, *, confirmed: bool = False) -> None:
     """Decide whether a manifest becomes the target (conflation, publisher restarts).
 
     ``confirmed``: it came in a ``latest`` reply from the ROUTER this client dialled,
@@ -82,7 +59,7 @@ def consider(client: SyncClient, manifest: wire.Manifest, *, confirmed: bool = F
     client._start(manifest)
 
 
-def deliver(client: SyncClient, assembly: Assembly) -> None:
+def deliver(client: SyncState, assembly: Assembly) -> None:
     """A version assembled and verified by another data path (a collective round):
     stage it exactly like a fetched one. An older fetch in progress gives way."""
     if assembly.manifest.version <= client.current_version:
@@ -93,7 +70,7 @@ def deliver(client: SyncClient, assembly: Assembly) -> None:
     client._complete(assembly)
 
 
-def yield_target(client: SyncClient, version: int) -> bool:
+def yield_target(client: SyncState, version: int) -> bool:
     """Give up an ongoing fetch older than ``version`` (a broadcast brings a newer one);
     False when the fetch in progress is of ``version`` or newer."""
     if client.target is None:
