@@ -19,9 +19,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from publisher.store import PublishedVersion
+from publisher.delta import DeltaPublisher
+from publisher.snapshot import Snapshot
+from publisher.store import PublishedVersion, VersionStore
+from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import byte_view
 
-__all__ = ["RelayedVersion"]
+__all__ = ["RelayedVersion", "relay_upstream"]
 
 
 class RelayedVersion:
@@ -89,3 +93,31 @@ class RelayedVersion:
         self._done = True
         if self in self.published.pins:
             self.published.pins.remove(self)
+
+
+def relay_upstream(upstream: wire.Manifest, number: int, snapshot: Snapshot,
+                   store: VersionStore, deltas: DeltaPublisher, *, publisher_id: str,
+                   started_at: float, model_id: str) -> RelayedVersion:
+    """Store ``upstream`` as this instance's version ``number`` in ``snapshot``'s (empty)
+    buffer, ready to be announced (``WeightPublisher.relay_version``).
+
+    The manifest keeps the upstream's tensors, chunking and checksums; deltas against
+    the previous version are planned now and encoded chunk by chunk as chunks arrive.
+    """
+    total = upstream.total_bytes
+    previous = store.latest()
+    delta = deltas.plan(number, list(upstream.tensors), total, upstream.chunk_size,
+                        upstream.checksums, previous)
+    manifest = wire.Manifest(
+        publisher_id=publisher_id, started_at=started_at, version=number,
+        created_at=upstream.created_at, model_id=model_id or upstream.model_id,
+        chunk_size=upstream.chunk_size, total_bytes=total, tensors=upstream.tensors,
+        checksums=upstream.checksums, delta=delta, deltas_follow=deltas.enabled)
+    published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer,
+                                 view=byte_view(snapshot.buffer, total), snapshot=snapshot)
+    relayed = RelayedVersion(published, (upstream.publisher_id, upstream.version),
+                             store.discard)
+    published.ready = relayed.is_ready
+    store.add(published)
+    deltas.start(published, previous)  # encodes each chunk once it is written
+    return relayed

@@ -1,8 +1,8 @@
 """``WeightPublisher``: the trainer-side API.
 
 ``publish()`` copies the weights once into host memory and returns the new
-version number; a preparing thread hashes the copy and hands it to the serving
-thread, which announces the manifest on PUB and serves chunks on ROUTER.
+version number; a preparing thread (``version_preparer.py``) hashes the copy and hands
+it to the serving thread, which announces the manifest on PUB and serves chunks on ROUTER.
 
 Versions are strictly increasing within one publisher instance. A restarted
 publisher is a new instance (new ``publisher_id``); subscribers follow it once
@@ -16,38 +16,26 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
 
-import torch
 import zmq
 
 from publisher.collective import CollectiveOptions, CollectivePublisher
 from publisher.config import PublisherConfig, load_publisher_config
 from publisher.delta import DeltaPublisher
 from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
-from publisher.relayed import RelayedVersion
+from publisher.relayed import RelayedVersion, relay_upstream
 from publisher.reports import counts_for
 from publisher.server import ServerLimits, ServerOptions, ServingThread
-from publisher.snapshot import (
-    ChunkHasher,
-    Snapshot,
-    WeightsLike,
-    copy_in_priority_order,
-    copy_into,
-    hashable_in_place,
-    plan_snapshot,
-    source_chunks,
-)
+from publisher.snapshot import Snapshot, WeightsLike, plan_snapshot
 from publisher.store import PublishedVersion, VersionStore
+from publisher.version_preparer import VersionPreparer
 from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList, start_authenticator
 from weightpub_wire.buffers import BufferPool, byte_view
-from weightpub_wire.checksums import pieces_checksum
 from weightpub_wire.collective import GroupStatus
 from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
@@ -66,14 +54,13 @@ class WeightPublisher:
 
     ``endpoint`` is the one address subscribers are given, e.g.
     ``tcp://0.0.0.0:5555`` (port 0 picks a free port; read ``.endpoint``).
-    ``curve_secret_key_file`` turns on CurveZMQ encryption; with
-    ``curve_allowed_clients_dir`` only clients whose public keys are there may connect.
+    ``curve_secret_key_file`` turns on CurveZMQ encryption; with ``curve_allowed_clients_dir``
+    only clients whose public keys are there may connect (re-read while running: removing a
+    key file revokes it). Binding a non-loopback address without CURVE raises
+    ``ConfigError`` unless ``insecure=True``.
     ``metrics_port`` serves Prometheus metrics on ``metrics_host`` (loopback by default).
     ``delta_anchor_every`` > 1 also serves versions as deltas against the previous one
     (``publisher.delta``), with a full anchor version every that many versions.
-    ``curve_allowed_clients_dir`` only clients whose public keys are there may connect
-    (re-read while running: removing a key file revokes it). Binding a non-loopback
-    address without CURVE raises ``ConfigError`` unless ``insecure=True``.
     ``limits`` overrides the serving thread's bounds (``ServerLimits``).
 
     ``collective`` (``"gloo"`` on CPUs, ``"nccl"`` on GPUs, ``"cuda_ipc"`` for a replica
@@ -138,7 +125,6 @@ class WeightPublisher:
         self.started_at = time.time()
         self._next_version = first_version
         self._pool = BufferPool(max_buffers=2)
-        self._hash_executor = ThreadPoolExecutor(2, thread_name_prefix="weightpub-hash")
         self._store = VersionStore(keep_versions, self._pool)
         self._deltas = DeltaPublisher(delta_anchor_every)
         hooks = list(socket_hooks or [])
@@ -184,16 +170,12 @@ class WeightPublisher:
             if self._own_context:
                 self._ctx.term()
             raise
-        self._pending: queue.Queue[
-            tuple[int, Snapshot, Callable[[], tuple[int, ...]], float] | None
-        ] = queue.Queue()
         self._announced = threading.Condition()
         self._announced_version = 0
         self._publish_lock = threading.Lock()
         self._closed = False
-        self._preparer = threading.Thread(target=self._prepare_loop, name="weightpub-prepare",
-                                          daemon=True)
-        self._preparer.start()
+        # copies and hashes each snapshot; its thread calls _announce with the checksums
+        self._preparer = VersionPreparer(chunk_size, self._announce)
         self._versions_published = 0
         self.metrics: MetricsServer | None = None
         if metrics_port is not None:
@@ -239,36 +221,12 @@ class WeightPublisher:
             snapshot, pairs = plan_snapshot(weights, self._pool)
             self._next_version = number + 1
             try:
-                self._copy_and_hash(number, snapshot, pairs)
+                self._preparer.copy_and_hash(number, snapshot, pairs)
             except BaseException:
                 snapshot.failed = True  # subscribers get "version unavailable"
                 self._store.discard(number)
                 raise
         return number
-
-    def _copy_and_hash(self, number: int, snapshot: Snapshot,
-                       pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy once; hash so that the manifest goes out as early as it can.
-
-        CPU sources are hashed in place on a worker thread while this thread
-        copies, and the manifest is announced before the copy ends (the server
-        holds back chunks not yet copied). Other sources are hashed chunk by
-        chunk behind the copy.
-        """
-        created = time.time()
-        if hashable_in_place(pairs):
-            chunks = source_chunks(pairs, snapshot.entries, snapshot.total_bytes,
-                                   self.chunk_size)
-            hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
-            self._pending.put((number, snapshot,
-                               lambda: tuple(h.result() for h in hashes), created))
-            copy_in_priority_order(snapshot, pairs, self.chunk_size)  # as subscribers fetch
-            wait(hashes)  # the sources are read until every hash ends
-            return
-        hasher = ChunkHasher(self._hash_executor, snapshot.buffer, snapshot.total_bytes,
-                             self.chunk_size)
-        copy_into(snapshot, pairs, self.chunk_size, hasher.written_up_to)
-        self._pending.put((number, snapshot, hasher.checksums, created))
 
     def relay_version(self, upstream: wire.Manifest, *,
                       version: int | None = None) -> RelayedVersion:
@@ -291,24 +249,10 @@ class WeightPublisher:
             snapshot = Snapshot(entries=list(upstream.tensors), buffer=self._pool.take(total),
                                 total_bytes=total)
             self._next_version = number + 1
-            previous = self._store.latest()
-            delta = self._deltas.plan(number, list(upstream.tensors), total, upstream.chunk_size,
-                                      upstream.checksums, previous)
-            manifest = wire.Manifest(
-                publisher_id=self.publisher_id, started_at=self.started_at, version=number,
-                created_at=upstream.created_at, model_id=self.model_id or upstream.model_id,
-                chunk_size=upstream.chunk_size, total_bytes=total, tensors=upstream.tensors,
-                checksums=upstream.checksums, delta=delta,
-                deltas_follow=self._deltas.enabled)
-            published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer,
-                                         view=byte_view(snapshot.buffer, total),
-                                         snapshot=snapshot)
-            relayed = RelayedVersion(published, (upstream.publisher_id, upstream.version),
-                                     self._store.discard)
-            published.ready = relayed.is_ready
-            self._store.add(published)
-            self._deltas.start(published, previous)  # encodes each chunk once it is written
-            self._announced_now(published)
+            relayed = relay_upstream(upstream, number, snapshot, self._store, self._deltas,
+                                     publisher_id=self.publisher_id, started_at=self.started_at,
+                                     model_id=self.model_id)
+            self._announced_now(relayed.published)
         return relayed
 
     def wait_announced(self, version: int, timeout: float = 30.0) -> None:
@@ -396,9 +340,7 @@ class WeightPublisher:
         self._closed = True
         if self.metrics is not None:
             self.metrics.close()
-        self._pending.put(None)
-        self._preparer.join(timeout=10)
-        self._hash_executor.shutdown(wait=True)
+        self._preparer.close()  # announces what is queued (10 s at most), stops the hashers
         self._deltas.close()
         if self._collective is not None:
             self._collective.close()  # bounded by collective_timeout
@@ -422,17 +364,6 @@ class WeightPublisher:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("publisher is closed")
-
-    def _prepare_loop(self) -> None:
-        while True:
-            item = self._pending.get()
-            if item is None:
-                return
-            number, snapshot, checksums, created_at = item
-            try:
-                self._announce(number, snapshot, checksums(), created_at)
-            except Exception:  # keep serving older versions whatever happened
-                log.exception("failed to prepare version %d", number)
 
     def _announce(self, number: int, snapshot: Snapshot, checksums: tuple[int, ...],
                   created_at: float) -> None:

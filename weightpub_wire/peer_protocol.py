@@ -30,7 +30,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from weightpub_wire.protocol import U63, Name, Text, _FromPublisher, _Message
+from weightpub_wire.message_base import U63, Name, Text, _FromPublisher, _Message
 
 __all__ = [
     "MAX_ADMITTED_KEYS",

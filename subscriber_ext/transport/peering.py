@@ -33,6 +33,7 @@ from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
 from subscriber_ext.transport.listener import final_bytes
 from subscriber_ext.transport.peer_server import GONE, WAIT, PeerServer, PeerServerLimits
+from subscriber_ext.transport.request_table import RequestTable
 from subscriber_ext.transport.sources import PeerLink, Sources, VersionKey, decode_reply
 from subscriber_ext.transport.staging import Assembly
 from subscriber_ext.transport.upload_budget import ThreadCpu, UploadBudget
@@ -88,22 +89,12 @@ class PeerClient(Protocol):
     queued: wire.Manifest | None
     gate: BudgetGate
     deltas: DeltaState
+    requests: RequestTable  # its requests in flight; peers' are marked with their link
 
     @property
     def options(self) -> Any: ...
 
-    def next_request_id(self) -> int: ...
-
     def send(self, message: Any) -> bool: ...
-
-    def track_request(self, req: int, chunks: tuple[int, ...], now: float,
-                      source: Any) -> None: ...
-
-    def peer_in_flight(self) -> dict[Any, int]: ...
-
-    def peer_requests(self, source: Any) -> set[int]: ...
-
-    def drop_requests(self, source: Any) -> None: ...
 
     def discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None: ...
 
@@ -205,7 +196,7 @@ class Peering:
             self.poller.register(link.monitor, zmq.POLLIN)
 
     def _unwatch(self, link: PeerLink) -> None:
-        self.client.drop_requests(link)
+        self.client.requests.drop(link)
         if self.poller is not None:
             self.poller.unregister(link.sock)
             self.poller.unregister(link.monitor)
@@ -217,7 +208,7 @@ class Peering:
             self._hello(now)
         self.sources.redial(now)
         key = self._key()
-        in_flight = client.peer_in_flight()
+        in_flight = client.requests.peer_in_flight()
         for link in self.sources.expired(in_flight, now):
             self._fail(link, key, "timeout", f"no progress for {self.sources.timeout}s", now)
         return self.server.pump(now)
@@ -227,7 +218,7 @@ class Peering:
         if client.state != "ACTIVE" or client.instance is None or self.disabled is not None:
             return
         target = client.target
-        req = client.next_request_id()
+        req = client.requests.next_id()
         hello = PeerHello(req=req, publisher_id=client.instance, endpoint=self.endpoint,
                           version=target.manifest.version if target is not None
                           else client.current_version)
@@ -240,7 +231,7 @@ class Peering:
             self.server.on_readable(now)
         for link in list(self.sources.links.values()):
             if link.monitor in events and self.sources.watch(link, now) and \
-                    self.client.peer_in_flight().get(link):
+                    self.client.requests.peer_in_flight().get(link):
                 self._fail(link, self._key(), "disconnected", "disconnected", now)
             if link.sock in events:
                 self._read(link, now)
@@ -264,7 +255,7 @@ class Peering:
                 self.client.on_chunk(message, more, link.sock)
                 continue
             self.client.discard_rest(more, link.sock)
-            if message.req in self.client.peer_requests(link):
+            if message.req in self.client.requests.peer_requests(link):
                 self._fail(link, self._key(), message.code, message.message[:200], now)
 
     def _key(self) -> VersionKey | None:
@@ -275,7 +266,7 @@ class Peering:
     def _fail(self, link: PeerLink, key: VersionKey | None, kind: str, why: str, now: float,
               *, ban: bool = False) -> None:
         self.sources.fail(link, key, kind, why, now, ban=ban)
-        self.client.drop_requests(link)
+        self.client.requests.drop(link)
 
     # -- the client's hooks --------------------------------------------------------------------
     def route(self, target: Assembly, todo: list[int], now: float) -> list[int]:
@@ -291,13 +282,13 @@ class Peering:
                     now - awaiting[1] < self.options.plan_wait:
                 return []
             return todo
-        in_flight = self.client.peer_in_flight()
+        in_flight = self.client.requests.peer_in_flight()
         to_peers, to_publisher = self.sources.route(todo, key, in_flight, now)
         per_request = self.client.options.chunks_per_request
         for link, chunks in to_peers.items():
             for start in range(0, len(chunks), per_request):
                 batch = tuple(chunks[start: start + per_request])
-                req = self.client.next_request_id()
+                req = self.client.requests.next_id()
                 request = wire.FetchRequest(req=req, publisher_id=key[0], version=key[1],
                                             chunks=batch)
                 try:
@@ -307,7 +298,7 @@ class Peering:
                     break
                 self.sources.sent(link, bool(in_flight.get(link)), now)
                 in_flight[link] = in_flight.get(link, 0) + len(batch)
-                self.client.track_request(req, batch, now, link)
+                self.client.requests.track(req, batch, now, link)
         return to_publisher
 
     def owns(self, message: wire.ErrorReply | PeerPlan) -> bool:

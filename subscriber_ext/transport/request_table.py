@@ -1,0 +1,119 @@
+"""The fetch requests a ``SyncClient`` has out, and what it has given up on.
+
+Split from ``sync_client.py``: which chunks each request asked for and of whom
+(the publisher, or a peer for ``peering.py``), how often each chunk has been
+tried, which requests timed out, and which versions were abandoned recently
+(a growing back-off, 1 s .. 30 s) are bookkeeping; the state machine decides
+what a timeout or a failed chunk means for its target (``fetch_credit.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Request", "RequestTable", "VersionBackoff"]
+
+
+@dataclass(slots=True)
+class Request:
+    chunks: set[int]
+    sent_at: float
+    source: Any = None  # the peer asked (a ``sources.PeerLink``); None: the publisher
+
+
+class RequestTable:
+    """Requests in flight by id, and tries per chunk of the current target."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.requests: dict[int, Request] = {}
+        self.retries: dict[int, int] = {}
+
+    def next_id(self) -> int:
+        """A fresh request id (shared by fetches, ``latest`` requests and peers' fetches)."""
+        return next(self._ids)
+
+    def track(self, req: int, chunks: tuple[int, ...] | list[int], now: float,
+              source: Any = None) -> None:
+        self.requests[req] = Request(set(chunks), now, source)
+
+    def get(self, req: int) -> Request | None:
+        return self.requests.get(req)
+
+    def __contains__(self, req: int) -> bool:
+        return req in self.requests
+
+    def forget(self, req: int) -> None:
+        del self.requests[req]
+
+    def clear(self) -> None:
+        """A new target (or none): nothing asked, nothing tried."""
+        self.requests.clear()
+        self.retries.clear()
+
+    def chunk_done(self, req: int, request: Request, chunk: int) -> None:
+        request.chunks.discard(chunk)
+        if not request.chunks:
+            del self.requests[req]
+
+    def count_try(self, chunk: int) -> int:
+        """One more try of ``chunk``; returns how many it has had."""
+        tries = self.retries.get(chunk, 0) + 1
+        self.retries[chunk] = tries
+        return tries
+
+    def asked(self) -> set[int]:
+        """Chunks asked of anyone and not yet answered."""
+        return set().union(*(r.chunks for r in self.requests.values())) if self.requests \
+            else set()
+
+    def in_flight(self) -> int:
+        """Chunks asked of the publisher (what its credit counts)."""
+        return sum(len(r.chunks) for r in self.requests.values() if r.source is None)
+
+    def peer_in_flight(self) -> dict[Any, int]:
+        counts: dict[Any, int] = {}
+        for request in self.requests.values():
+            if request.source is not None:
+                counts[request.source] = counts.get(request.source, 0) + len(request.chunks)
+        return counts
+
+    def peer_requests(self, source: Any) -> set[int]:
+        return {req for req, r in self.requests.items() if r.source is source}
+
+    def drop(self, source: Any) -> None:
+        """Forget what ``source`` was asked: its chunks are asked of the next source."""
+        for req in self.peer_requests(source):
+            del self.requests[req]
+
+    def timed_out(self, now: float, timeout: float) -> Iterator[Request]:
+        """Publisher requests older than ``timeout``, each removed before it is yielded
+        (peers' requests: peering.py gives up on a peer that stalls)."""
+        for req, request in list(self.requests.items()):
+            if request.source is not None or now - request.sent_at < timeout:
+                continue
+            del self.requests[req]
+            yield request
+
+
+class VersionBackoff:
+    """Versions given up, by (publisher_id, version): how often, and until when to wait."""
+
+    def __init__(self) -> None:
+        self._failed: dict[tuple[str, int], tuple[int, float]] = {}
+
+    def record(self, publisher_id: str, version: int) -> None:
+        key = (publisher_id, version)
+        count = self._failed.get(key, (0, 0.0))[0] + 1
+        self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
+
+    def forget(self, publisher_id: str, version: int) -> None:
+        self._failed.pop((publisher_id, version), None)
+
+    def waiting(self, publisher_id: str, version: int) -> bool:
+        backoff = self._failed.get((publisher_id, version))
+        return backoff is not None and time.monotonic() < backoff[1]

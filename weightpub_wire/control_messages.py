@@ -1,0 +1,210 @@
+"""The request/reply messages of a publisher's ROUTER (also spoken between peers).
+
+``latest`` (snapshot for late joiners), ``fetch`` / ``chunk`` / ``error`` (the
+data path, credit-bounded), ``report`` / ``status`` (the back-channel and what
+``weightpub status`` prints), ``coll_poll`` / ``coll_rep`` (joining a collective
+group). Split from ``weightpub_wire.protocol``, which keeps the message union
+and the codec.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from weightpub_wire.collective import (
+    BACKENDS,
+    DATA_PATHS,
+    MAX_MEMBERS,
+    CollectiveAnnounce,
+    GroupStatus,
+    IpcHandle,
+)
+from weightpub_wire.manifest import Manifest
+from weightpub_wire.message_base import (
+    MAX_CHUNK_SIZE,
+    MAX_CHUNKS,
+    MAX_CHUNKS_PER_FETCH,
+    MAX_REPORTED_RANKS,
+    U63,
+    U64,
+    DataPath,
+    ErrorText,
+    Interval,
+    Name,
+    Rank,
+    Text,
+    Version,
+    _FromPublisher,
+    _Message,
+)
+
+__all__ = [
+    "ChunkHeader",
+    "CollectivePoll",
+    "CollectiveReply",
+    "ErrorReply",
+    "FetchRequest",
+    "LatestReply",
+    "LatestRequest",
+    "Report",
+    "StatusReply",
+    "StatusRequest",
+]
+
+
+class LatestRequest(_Message, tag="latest", kw_only=True, frozen=True):
+    """Clone-pattern snapshot request: 'what is your newest version, and where is your PUB?'"""
+
+    req: U63
+
+
+class LatestReply(_FromPublisher, tag="latest_rep", kw_only=True, frozen=True):
+    """The newest manifest (or none yet) and the PUB address to subscribe to."""
+
+    req: U63
+    pub_endpoint: Text
+    heartbeat_interval: Interval
+    manifest: Manifest | None = None
+    collective: CollectiveAnnounce | None = None
+
+
+class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
+    """Ask for some chunks of one version; the count is the subscriber's credit.
+
+    ``base`` 0 asks for the version's bytes; otherwise for each chunk as a delta
+    against that version (the previous link of ``Manifest.delta.chain``).
+    """
+
+    req: U63
+    publisher_id: Name
+    version: Version
+    chunks: Annotated[tuple[Annotated[int, Meta(ge=0, le=MAX_CHUNKS)], ...],
+                      Meta(max_length=MAX_CHUNKS_PER_FETCH)]
+    base: U63 = 0
+
+
+class ChunkHeader(_Message, tag="chunk", kw_only=True, frozen=True):
+    """First frame of a chunk reply; the second frame carries exactly ``size`` bytes."""
+
+    req: U63
+    version: Version
+    chunk: Annotated[int, Meta(ge=0, le=MAX_CHUNKS)]
+    size: Annotated[int, Meta(ge=0, le=MAX_CHUNK_SIZE)]
+
+
+ERROR_CODES = ("version_unavailable", "bad_request")
+
+
+class ErrorReply(_Message, tag="error", kw_only=True, frozen=True):
+    """A request could not be served; ``code`` is machine-readable (``ERROR_CODES``)."""
+
+    req: U63
+    code: Annotated[str, Meta(max_length=64)]
+    message: ErrorText
+    version: U63 = 0
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.code not in ERROR_CODES:
+            raise ValueError(f"code: unknown code {self.code!r}")
+
+
+class Report(_Message, tag="report", kw_only=True, frozen=True):
+    """Back-channel: a subscriber tells the publisher what it staged and applied.
+
+    ``publisher_id`` names the instance whose versions these are: a publisher
+    counts a report towards ``wait_for_subscribers`` only for its own instance
+    and versions it announced. ``client_key`` is filled in by the publisher (the
+    CURVE key the report arrived with), never trusted from the wire.
+    ``ranks``: the replica ranks this subscriber stages for (all ranks of a replica
+    on one node share one subscription); empty for a subscriber outside vLLM.
+    ``applied_version`` is then the version every one of those ranks runs.
+    """
+
+    subscriber_id: Name
+    staged_version: U63
+    applied_version: U63
+    last_error: ErrorText | None = None
+    publisher_id: Name | None = None
+    client_key: Annotated[str, Meta(max_length=64)] | None = None
+    ranks: Annotated[tuple[Rank, ...], Meta(max_length=MAX_REPORTED_RANKS)] = ()
+    data_path: DataPath = ""  # how the applied version's bytes reached the node
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.data_path not in ("", *DATA_PATHS):
+            raise ValueError(f"data_path: unknown data path {self.data_path!r}")
+
+
+class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):
+    req: U63
+
+
+class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
+    """The publisher's view: versions held, the last report of each subscriber, and the
+    chunk payload bytes sent so far (full versions and deltas: what deltas save)."""
+
+    req: U63
+    latest_version: U63
+    versions: Annotated[tuple[U63, ...], Meta(max_length=4096)]
+    subscribers: Annotated[tuple[Report, ...], Meta(max_length=100_000)]
+    bytes_sent_full: U64 = 0
+    bytes_sent_delta: U64 = 0
+    collective: GroupStatus | None = None  # the collective path's group, if announced
+
+
+POLL_STATES = ("free", "joining", "member", "leaving")
+REPLY_STATES = ("off", "idle", "waiting", "forming", "active", "refused")
+
+
+class CollectivePoll(_Message, tag="coll_poll", kw_only=True, frozen=True):
+    """A subscriber that may use the collective path: where it stands, what it wants.
+
+    ``state``: ``free`` (wants a group, its receiver is idle; ``epoch`` is the last
+    one it was in), ``joining``/``member`` (of ``epoch``), ``leaving`` (closing).
+    Sent every few hundred ms while the path is announced; a member that stops
+    polling is dropped from the next group. ``ipc_done``: the newest version
+    a ``cuda_ipc`` member has finished copying (the publisher may free older ones).
+    """
+
+    req: U63
+    subscriber_id: Name
+    state: Annotated[str, Meta(max_length=16)]
+    epoch: U63 = 0
+    backend: Annotated[str, Meta(max_length=16)]
+    device_uuid: Annotated[str, Meta(max_length=64)] = ""
+    ipc_done: U63 = 0
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.state not in POLL_STATES:
+            raise ValueError(f"state: unknown state {self.state!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: unknown backend {self.backend!r}")
+
+
+class CollectiveReply(_FromPublisher, tag="coll_rep", kw_only=True, frozen=True):
+    """The publisher's answer to a poll: the group epoch and this subscriber's rank in it.
+
+    ``rank`` 0 means "not in this epoch's group" (the publisher itself is rank 0);
+    ``state`` says why (``waiting`` for the next re-form, ``refused`` with ``reason``,
+    ``off`` when no collective path is served). ``ipc``: the newest version's
+    device buffer, for a ``cuda_ipc`` subscriber.
+    """
+
+    req: U63
+    state: Annotated[str, Meta(max_length=16)]
+    epoch: U63 = 0
+    rank: Annotated[int, Meta(ge=0, le=MAX_MEMBERS)] = 0
+    world_size: Annotated[int, Meta(ge=0, le=MAX_MEMBERS + 1)] = 0
+    reason: Text = ""
+    ipc: IpcHandle | None = None
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.state not in REPLY_STATES:
+            raise ValueError(f"state: unknown state {self.state!r}")
+        if self.rank and self.rank >= self.world_size:
+            raise ValueError(f"rank: {self.rank} is not below world_size {self.world_size}")

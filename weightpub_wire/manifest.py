@@ -1,0 +1,180 @@
+"""What a publisher announces on its PUB socket: a version's manifest, and heartbeats.
+
+A ``Manifest`` is everything a subscriber needs to preallocate a version and
+check each chunk as it lands (layout, sizes, checksums, delta chain, collective
+path); it is also carried inside ``latest`` replies. Kept apart from the
+request/reply messages because it is the one message with real cross-field
+validation (tensor layout) and receiver limits (``Manifest.check``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from weightpub_wire.collective import CollectiveAnnounce
+from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.message_base import (
+    CHECKSUM_ALGORITHM,
+    MAX_CHUNKS,
+    MAX_DELTA_CHAIN,
+    MAX_ELEMENTS,
+    MAX_TENSORS,
+    U63,
+    U64,
+    ChunkSize,
+    Interval,
+    Limits,
+    Name,
+    Seconds,
+    Shape,
+    Text,
+    Version,
+    _FromPublisher,
+    _Message,
+)
+
+__all__ = ["DeltaBase", "DeltaInfo", "Heartbeat", "Manifest", "TensorEntry"]
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    """One tensor of a version: where its bytes sit in the version's flat buffer."""
+
+    name: Name
+    dtype: Annotated[str, Meta(max_length=32)]
+    shape: Shape
+    offset: U63
+    nbytes: U63
+
+    def __post_init__(self) -> None:
+        if math.prod(d for d in self.shape if d) > MAX_ELEMENTS:
+            raise ValueError(f"shape: {list(self.shape)} has too many elements")
+        dtype = DTYPE_BY_NAME.get(self.dtype)
+        if dtype is None:
+            allowed = ", ".join(sorted(DTYPE_BY_NAME))
+            raise ValueError(f"dtype: unsupported dtype {self.dtype!r} (allowed: {allowed})")
+        size = itemsize(dtype)
+        expected = math.prod(self.shape) * size
+        if self.nbytes != expected:
+            raise ValueError(
+                f"nbytes: {self.nbytes} does not match shape {list(self.shape)} x {self.dtype} "
+                f"({expected} bytes) for tensor {self.name!r}"
+            )
+        if self.offset % size:
+            raise ValueError(f"offset: {self.offset} is not aligned to {size} bytes")
+
+
+class DeltaBase(msgspec.Struct, frozen=True):
+    """A version a delta starts from: its number and ``delta_codec.version_digest``."""
+
+    version: Version
+    digest: U64
+
+
+class DeltaInfo(msgspec.Struct, frozen=True):
+    """The version is also served as deltas (``FetchRequest.base``), see ``delta_codec``.
+
+    ``chain`` runs from the anchor (a full version) to the direct base: a
+    subscriber holding any of them fetches the deltas after it, in order.
+    """
+
+    chain: Annotated[tuple[DeltaBase, ...], Meta(min_length=1, max_length=MAX_DELTA_CHAIN)]
+
+    def __post_init__(self) -> None:
+        for index in range(1, len(self.chain)):
+            if self.chain[index].version <= self.chain[index - 1].version:
+                raise ValueError(f"chain[{index}].version: versions must increase")
+
+
+class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
+    """A complete, immutable description of one published version.
+
+    ``checksums`` always describe the full bytes, also when ``delta`` offers deltas.
+    ``deltas_follow``: the publisher serves deltas (``delta_anchor_every`` > 1), so a
+    later version may come as a delta against this one; only then is it worth a
+    subscriber's memory to keep this version as its delta base.
+    """
+
+    version: Version
+    created_at: Seconds
+    model_id: Text = ""
+    chunk_size: ChunkSize
+    total_bytes: U63
+    tensors: Annotated[tuple[TensorEntry, ...], Meta(max_length=MAX_TENSORS)]
+    checksums: Annotated[tuple[U64, ...], Meta(max_length=MAX_CHUNKS)]
+    checksum_algorithm: Annotated[str, Meta(max_length=32)] = CHECKSUM_ALGORITHM
+    delta: DeltaInfo | None = None
+    collective: CollectiveAnnounce | None = None  # also served by a group broadcast
+    deltas_follow: bool = False
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.collective is not None and self.collective.bucket_bytes % self.chunk_size:
+            raise ValueError(f"collective.bucket_bytes: {self.collective.bucket_bytes} is not "
+                             f"a multiple of chunk_size {self.chunk_size}")
+        if self.delta is not None and self.delta.chain[-1].version >= self.version:
+            raise ValueError(f"delta: base version {self.delta.chain[-1].version} is not older "
+                             f"than version {self.version}")
+        if self.checksum_algorithm != CHECKSUM_ALGORITHM:
+            raise ValueError(f"checksum_algorithm: unsupported {self.checksum_algorithm!r}")
+        expected = -(-self.total_bytes // self.chunk_size)
+        if len(self.checksums) != expected:
+            raise ValueError(
+                f"checksums: {len(self.checksums)} entries, expected {expected} for "
+                f"{self.total_bytes} bytes in chunks of {self.chunk_size}"
+            )
+        seen: set[str] = set()
+        end = 0
+        for index, entry in enumerate(self.tensors):
+            where = f"tensors[{index}]"
+            if entry.name in seen:
+                raise ValueError(f"{where}.name: duplicate tensor name {entry.name!r}")
+            seen.add(entry.name)
+            if entry.offset < end:
+                raise ValueError(f"{where}.offset: {entry.offset} overlaps the previous tensor")
+            end = entry.offset + entry.nbytes
+            if end > self.total_bytes:
+                raise ValueError(f"{where}: tensor {entry.name!r} ends at byte {end}, past "
+                                 f"total_bytes {self.total_bytes}")
+
+    def check(self, limits: Limits) -> Manifest:
+        """Receiver-specific bounds (memory, tensor count); returns ``self``."""
+        if self.total_bytes > limits.max_total_bytes:
+            raise ProtocolError(
+                f"manifest.total_bytes: version {self.version} has {self.total_bytes} bytes, "
+                f"more than this receiver accepts ({limits.max_total_bytes})"
+            )
+        if len(self.tensors) > limits.max_tensors:
+            raise ProtocolError(f"manifest.tensors: {len(self.tensors)} tensors, more than "
+                                f"{limits.max_tensors}")
+        return self
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.checksums)
+
+    def chunk_span(self, chunk: int) -> tuple[int, int]:
+        """(offset, size) of a chunk in the flat buffer."""
+        start = chunk * self.chunk_size
+        return start, min(self.chunk_size, self.total_bytes - start)
+
+    def chunks_of(self, entry: TensorEntry) -> range:
+        """The chunk ids that hold a tensor's bytes."""
+        if entry.nbytes == 0:
+            return range(0)
+        first = entry.offset // self.chunk_size
+        last = (entry.offset + entry.nbytes - 1) // self.chunk_size
+        return range(first, last + 1)
+
+
+class Heartbeat(_FromPublisher, tag="heartbeat", kw_only=True, frozen=True):
+    """Liveness plus the newest version, so a subscriber that missed a manifest notices."""
+
+    latest_version: U63
+    sent_at: Seconds
+    interval: Interval
+
