@@ -64,10 +64,14 @@ class Node:
     def start(cls, host: Host, role: str, args: dict[str, Any]) -> Node:
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1")
+        log_dir = os.environ.get("FLEET_LOG_DIR")  # keep each node's log there
+        stderr: Any = subprocess.DEVNULL
+        if log_dir:
+            stderr = open(os.path.join(log_dir, f"{host.name}-{role}.log"), "w")  # noqa: SIM115
         proc = host.popen([sys.executable, "-m", "benchmarks.fleet_node", role,
                            json.dumps(args)], cwd=str(REPO), env=env,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL)
+                          stderr=stderr)
         node = cls(host, role, proc)
         threading.Thread(target=node._read, daemon=True).start()
         return node

@@ -11,6 +11,7 @@ version number, so every node can check what it received.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import threading
@@ -109,6 +110,8 @@ def run_relay(args: dict[str, Any]) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,  # FLEET_LOG_DIR keeps it
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     role, raw = sys.argv[1], sys.argv[2]
     {"publisher": run_publisher, "subscriber": run_subscriber, "relay": run_relay}[role](
         json.loads(raw))
