@@ -148,8 +148,9 @@ class WeightSubscriber:
             self._client.collective = CollectiveMember(
                 self.subscriber_id, endpoint=endpoint, device=base.collective_device,
                 run_on_client=self._call, limits=base.limits)
-        if on_progress is not None:
-            self._client.progress = ProgressFeed(on_progress)
+        if on_progress is not None:  # first to hear a chunk: preparing starts at once
+            client = self._client
+            client.listeners.insert(0, ProgressFeed(on_progress, lambda: client.target))
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
         self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",
