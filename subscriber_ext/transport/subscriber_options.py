@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from subscriber_ext.transport.peering import PeerOptions
+from subscriber_ext.transport.peer_options import PeerOptions
 from subscriber_ext.transport.sync_client import SyncOptions
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError
