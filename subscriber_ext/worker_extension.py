@@ -14,6 +14,7 @@ may prepare it off the step path (``apply/prepare.py``); the coordinator's
 strategy decides when it is committed on every rank (the engine core with our
 plugin, else the ranks' own agreement before ``execute_model``); the commit
 applies it through vLLM's loaders (``apply/applier.py``) and reports back.
+What a rank reports (status RPCs, the /metrics status file) is ``worker_status.py``.
 
 Every public RPC is wrapped by ``rpc_replies.all_ranks_reply``: at TP/PP > 1 a
 failure is raised by the last rank only (naming every rank's error), so vLLM's
@@ -26,7 +27,6 @@ import importlib
 import logging
 import os
 import socket
-import threading
 import time
 from typing import Any
 
@@ -36,13 +36,13 @@ from subscriber_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.commit.shared_slots import ENV, SlotTable, SlotWriter
 from subscriber_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
 from subscriber_ext.commit.vllm_patches import wrap_execute_model
-from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.seed_rpcs import SeedRpcs
 from subscriber_ext.transport.node_staging import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.vllm_compat import check_vllm
 from subscriber_ext.worker_state import VersionSource
+from subscriber_ext.worker_status import WorkerStatus
 from weightpub_wire.errors import ConfigError
 
 __all__ = ["BatchWeightSyncWorkerExtension"]
@@ -54,10 +54,9 @@ _EXT_OPTIONS = (
     "node_staging", "prepare_while_arriving",
 )
 _DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
-STATUS_INTERVAL_S = 1.0  # how often each rank refreshes its status file for /metrics
 
 
-class BatchWeightSyncWorkerExtension(SeedRpcs):
+class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
     """Worker extension adding subscription, step-boundary commit and the seed API."""
 
     # ------------------------------------------------------------ internals
@@ -130,57 +129,11 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
         if st.source is not None:
             st.source.mark_applied(0, f"version {version}: {error}")
 
-    def _wp_publish_status(self, board: StatusBoard) -> None:
-        """Writer thread: this rank's versions and metrics, for the front end's /metrics."""
-        st = self._wp()
-        while True:
-            try:
-                board.write(self.rank, self._wp_metrics_snapshot())
-            except Exception:  # never let metrics take a worker down
-                logger.exception("weightpub: status file write failed")
-            time.sleep(STATUS_INTERVAL_S)
-            if st.status_writer is None:
-                return
-
-    def _wp_metrics_snapshot(self) -> dict[str, Any]:
-        st = self._wp()
-        coord = st.coordinator
-        source = {}
-        if st.source is not None:
-            try:
-                source = st.source.status()
-            except Exception:
-                source = {}
-        metrics = st.metrics.to_json()
-        for name, count in (source.get("failures") or {}).items():
-            metrics["failures"][name] = metrics["failures"].get(name, 0) + int(count)
-        # a follower shows its node owner's subscription; its own bytes come from shared memory
-        follower = (source.get("node_staging") or {}).get("role") == "follower"
-        return {
-            "rank": self.rank,
-            "applied_version": coord.applied_version if coord else None,
-            "staged_version": coord.staged_version() if coord else None,
-            "publisher_latest_version": source.get("publisher_latest_version"),
-            "received_bytes": 0 if follower else source.get("received_bytes", 0),
-            # how the applied version's bytes reached this node: zmq, gloo, nccl, cuda_ipc
-            "data_path": coord.applied_data_path if coord else None,
-            "metrics": metrics,
-        }
-
     def _wp_started(self) -> None:
         """Once per worker, after vLLM loaded the model (``vllm_patches`` hook 2)."""
         self._wp_attach_slots()
         self._wp_start_status_writer()
         self._wp_autostart()
-
-    def _wp_start_status_writer(self) -> None:
-        st = self._wp()
-        board = StatusBoard.from_env()
-        if board is None or st.status_writer is not None:
-            return
-        st.status_writer = threading.Thread(target=self._wp_publish_status, args=(board,),
-                                            name="weightpub-status", daemon=True)
-        st.status_writer.start()
 
     def _wp_attach_slots(self) -> None:
         """Map the engine core's slot table (``WEIGHTPUB_SLOTS``), if the plugin made one.
@@ -382,41 +335,6 @@ class BatchWeightSyncWorkerExtension(SeedRpcs):
     def weight_status(self) -> dict[str, Any]:
         """Report this rank's state without committing anything."""
         return self._wp_status()
-
-    def _wp_status(self) -> dict[str, Any]:
-        st = self._wp()
-        coord = st.coordinator
-        applier = st.applier
-        report = applier.last_report if applier else None
-        source_status = None
-        if st.source is not None:
-            try:
-                source_status = st.source.status()
-            except Exception as exc:
-                source_status = {"error": str(exc)}
-        return {
-            "rank": self.rank,
-            "endpoint": st.endpoint,
-            "applied_version": coord.applied_version if coord else None,
-            "data_path": coord.applied_data_path if coord else None,
-            "staged_version": coord.staged_version() if coord else None,
-            "publisher_id": coord.publisher_id if coord else None,
-            "last_error": (coord.last_error if coord else None)
-            or (source_status or {}).get("refused") or st.last_error,
-            "apply_mode": applier.mode() if applier else st.apply_mode,
-            "last_apply_s": report.seconds if report else None,
-            # the newest few: this dict crosses the RPC boundary on every poll
-            "commits": list(coord.commit_log)[-16:] if coord else [],
-            "commit_count": coord.commit_count if coord else 0,
-            "prepare": coord.prepare_status() if coord else None,
-            "step": coord.step if coord else 0,
-            "step_check_s": st.step_check_s,
-            "driven": coord.driven if coord else st.slots is not None,
-            "collectives": coord.strategy.collectives if coord else 0,
-            "seed_tensors": st.seed_tensors,
-            "seed_pending": sorted(st.seed_pending),
-            "subscriber": source_status,
-        }
 
     @all_ranks_reply
     def weight_request_versions(self, req_ids: list[str] | None = None) -> dict[str, list]:

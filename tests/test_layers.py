@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, int]] = [
     ("subscriber_ext.observe", 2),
     ("publisher", 2),
     ("subscriber_ext.commit", 3),
-    ("subscriber_ext", 4),  # worker_state, seed_rpcs, worker_extension, llm, __init__
+    ("subscriber_ext", 4),  # worker_state, seed_rpcs, worker_extension, worker_status, llm
     ("weightpub", 5),
 ]
 #: third-party packages a group must never import, even lazily

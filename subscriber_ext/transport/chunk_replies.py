@@ -79,8 +79,6 @@ def receive_chunk(client: SyncState, header: wire.ChunkHeader, more: int,
         client._bad(ChecksumError(f"{why}, refetching"))
         client._count_retry(header.chunk, "failed its checksum", ChecksumError)
         return
-    if client.progress is not None:
-        client.progress.verified(target, header.chunk)
     if source is not None and client.peering is not None:
         client.peering.arrived(source, size, time.monotonic())
     if final and client.listeners:

@@ -1,11 +1,15 @@
-"""Who hears about a version while it arrives: the peer server, and cut-through relays.
+"""Who hears about a version while it arrives: the peer server, a ``ProgressFeed``
+(``on_progress``), and cut-through relays; ``SyncClient.listeners`` is the one list.
 
 A ``ChunkListener``'s methods run on the subscriber's thread, in this order:
-``target_started`` (fetching begins; again for the same version when a delta
-fell back to a full fetch), ``chunk_verified`` for each chunk whose final bytes
-matched the manifest's checksum (``data`` is valid only during the call: copy
-what you keep), then ``target_completed`` or ``target_dropped`` (conflated,
-given up, or the publisher restarted). They must return quickly.
+``target_started`` (fetching begins; ``SyncClient.target`` is already the new
+assembly; again for the same version when a delta fell back to a full fetch),
+``chunk_verified`` for each chunk whose final bytes matched the manifest's checksum
+(never a chunk of an intermediate delta step: ``final_bytes`` is asked before
+the chunk is verified, since verifying a step's last chunk moves to the next;
+``data`` is valid only during the call: copy what you keep), then
+``target_completed`` or ``target_dropped`` (conflated, given up, or the
+publisher restarted). They must return quickly.
 """
 
 from __future__ import annotations

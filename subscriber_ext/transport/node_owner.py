@@ -20,9 +20,8 @@ import select
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from subscriber_ext.transport.node_channel import (
@@ -30,12 +29,11 @@ from subscriber_ext.transport.node_channel import (
     Channel,
     Forget,
     Hello,
-    Offer,
-    Partial,
     Release,
     Status,
     Welcome,
 )
+from subscriber_ext.transport.node_offers import Follower, Share, offer_for, partial_for
 from subscriber_ext.transport.progress import PartialVersion
 from subscriber_ext.transport.shared_segments import Segment, SharedSegments
 from subscriber_ext.transport.staging import SharedView, StagedVersion, tensor_views
@@ -51,25 +49,6 @@ log = logging.getLogger("weightpub.node")
 Subscribe = Callable[..., WeightSubscriber]
 OWN = -1  # holder id of the owner's own consumer
 STATUS_EVERY_S = 0.25
-PARTIALS_KEPT = 4  # attempts a follower was told about, remembered per follower
-
-
-@dataclass(slots=True)
-class _Share:
-    share_id: int
-    staged: StagedVersion
-    segment: Segment
-    holders: set[int]
-
-
-@dataclass(slots=True)
-class _Follower:
-    conn_id: int
-    channel: Channel
-    rank: int | None = None  # set by its hello
-    known_segments: set[int] = field(default_factory=set)
-    #: attempt -> how many of its ready tensors were sent to it
-    partials: OrderedDict[int, int] = field(default_factory=OrderedDict)
 
 
 class NodeStagingOwner:
@@ -84,8 +63,8 @@ class NodeStagingOwner:
         self._on_progress = on_progress
         self._listener = listener
         self._lock = threading.RLock()
-        self._shares: dict[int, _Share] = {}
-        self._followers: dict[int, _Follower] = {}
+        self._shares: dict[int, Share] = {}
+        self._followers: dict[int, Follower] = {}
         self._applied: dict[int, int] = {}
         self._reported_applied = 0
         self._outbox: deque[tuple[int, Any, int | None]] = deque()
@@ -147,7 +126,7 @@ class NodeStagingOwner:
                                         staged.attempt))
             return
         with self._lock:
-            share = _Share(next(self._ids), staged, segment, {OWN})
+            share = Share(next(self._ids), staged, segment, {OWN})
             self._shares[share.share_id] = share
             for follower in self._followers.values():
                 if follower.rank is not None:
@@ -163,20 +142,9 @@ class NodeStagingOwner:
             view.release()
             raise
 
-    def _offer_locked(self, follower: _Follower, share: _Share) -> None:
-        segment = share.segment
-        fd = None
-        if segment.segment_id not in follower.known_segments:
-            fd = os.dup(segment.fd)  # ours to close once sent, whatever happens to the segment
-            follower.known_segments.add(segment.segment_id)
-        share.holders.add(follower.conn_id)
-        offer = Offer(share=share.share_id, segment=segment.segment_id,
-                      segment_bytes=segment.nbytes, fd_attached=fd is not None,
-                      manifest=share.staged.manifest,
-                      fetch_seconds=max(0.0, share.staged.fetch_seconds),
-                      data_path=share.staged.data_path,
-                      attempt=share.staged.attempt)
-        self._outbox.append((follower.conn_id, offer, fd))
+    def _offer_locked(self, follower: Follower, share: Share) -> None:
+        message, fd = offer_for(follower, share)
+        self._outbox.append((follower.conn_id, message, fd))
 
     # -- the subscriber thread: a version still arriving ------------------------------------
     def _on_partial(self, partial: PartialVersion) -> None:
@@ -191,27 +159,11 @@ class NodeStagingOwner:
         if self._on_progress is not None:
             self._on_progress(partial)
 
-    def _partial_locked(self, follower: _Follower, partial: PartialVersion,
+    def _partial_locked(self, follower: Follower, partial: PartialVersion,
                         segment: Segment) -> None:
-        first = partial.attempt not in follower.partials
-        if first and partial.cancelled:
-            return  # it never heard of this reception
-        fd = None
-        if first:
-            if segment.segment_id not in follower.known_segments:
-                fd = os.dup(segment.fd)
-                follower.known_segments.add(segment.segment_id)
-            follower.partials[partial.attempt] = 0
-            while len(follower.partials) > PARTIALS_KEPT:
-                follower.partials.popitem(last=False)
-        sent = follower.partials[partial.attempt]
-        ready = tuple(partial.ready_order[sent:])
-        follower.partials[partial.attempt] = sent + len(ready)
-        message = Partial(attempt=partial.attempt, ready=ready,
-                          cancelled=partial.cancelled, segment=segment.segment_id,
-                          segment_bytes=segment.nbytes, fd_attached=fd is not None,
-                          manifest=partial.manifest if first else None)
-        self._outbox.append((follower.conn_id, message, fd))
+        told = partial_for(follower, partial, segment)
+        if told is not None:
+            self._outbox.append((follower.conn_id, *told))
 
     def _release(self, share_id: int, holder: int) -> None:
         with self._lock:
@@ -301,11 +253,11 @@ class NodeStagingOwner:
             log.warning("node channel: refused a connection: %s", exc)
             sock.close()
             return
-        follower = _Follower(next(self._ids), channel)
+        follower = Follower(next(self._ids), channel)
         with self._lock:
             self._followers[follower.conn_id] = follower
 
-    def _read(self, follower: _Follower) -> None:
+    def _read(self, follower: Follower) -> None:
         try:
             messages = follower.channel.receive(0)
         except (OSError, ProtocolError) as exc:
@@ -328,7 +280,7 @@ class NodeStagingOwner:
                 self._record_applied(follower.conn_id, follower.rank, message.version,
                                      message.error)
 
-    def _hello(self, follower: _Follower, hello: Hello) -> None:
+    def _hello(self, follower: Follower, hello: Hello) -> None:
         with self._lock:
             follower.rank = hello.rank
             self._outbox.append((follower.conn_id, Welcome(
@@ -342,7 +294,7 @@ class NodeStagingOwner:
         log.info("node staging: rank %d attached (pid %d); serving ranks %s", hello.rank,
                  hello.pid, list(ranks))
 
-    def _drop(self, follower: _Follower, why: str) -> None:
+    def _drop(self, follower: Follower, why: str) -> None:
         with self._lock:
             if self._followers.pop(follower.conn_id, None) is None:
                 return

@@ -16,6 +16,7 @@ given). With CURVE the peer ROUTER is a CURVE server with this subscriber's own
 key pair (the one the publisher authenticated it with), and admits only the
 keys the tracker lists (ZAP, and again per request). Binding a non-loopback
 address without CURVE needs ``insecure=True``, as for a publisher.
+``PeerOptions`` and the ``PeerClient`` view live in ``peer_options.py``.
 """
 
 from __future__ import annotations
@@ -23,17 +24,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from subscriber_ext.transport.budget_gate import BudgetGate
-from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
+from subscriber_ext.transport.delta import DeltaAssembly
 from subscriber_ext.transport.listener import final_bytes
-from subscriber_ext.transport.peer_server import GONE, WAIT, PeerServer, PeerServerLimits
-from subscriber_ext.transport.request_table import RequestTable
+from subscriber_ext.transport.peer_options import PeerClient, PeerOptions, default_peer_bind
+from subscriber_ext.transport.peer_server import GONE, WAIT, PeerServer
 from subscriber_ext.transport.sources import PeerLink, Sources, VersionKey, decode_reply
 from subscriber_ext.transport.staging import Assembly
 from subscriber_ext.transport.upload_budget import ThreadCpu, UploadBudget
@@ -44,68 +43,10 @@ from weightpub_wire.peer_protocol import PeerHello, PeerPlan
 from weightpub_wire.security import CurveIdentity, SocketHook, is_local
 from weightpub_wire.sockets import bind, configure_socket
 
-__all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]
+__all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]  # options: re-exported
 
 log = logging.getLogger("weightpub.peers")
 _THREAD_PREFIXES = itertools.count(7100)  # names this Peering's ZeroMQ I/O thread
-
-
-@dataclass(frozen=True, slots=True)
-class PeerOptions:
-    """What ``peer_share=True`` means for one subscriber (``WeightSubscriber`` keywords
-    ``peer_bind``, ``insecure``, ``upload_mbit``, ``upload_cpu_share``)."""
-
-    bind: str | None = None  # None: 127.0.0.1 for a loopback publisher, else 0.0.0.0; port 0
-    insecure: bool = False  # serve peers on a non-loopback address without CURVE
-    upload_bytes_per_s: float | None = None  # None: no rate bound
-    upload_cpu_share: float | None = 0.25  # of one core, for serving; None: no CPU bound
-    window_chunks: int = 4  # chunks asked ahead of each peer (they wait there: cut-through)
-    hello_interval: float = 1.0
-    plan_wait: float = 0.5  # a version without a place in the held plan waits for one
-    server: PeerServerLimits = field(default_factory=PeerServerLimits)
-
-    def __post_init__(self) -> None:
-        if self.bind is not None:
-            parse_endpoint(self.bind)
-        if self.upload_bytes_per_s is not None and self.upload_bytes_per_s <= 0:
-            raise ConfigError(f"upload rate: {self.upload_bytes_per_s} must be positive")
-        if self.upload_cpu_share is not None and not 0 < self.upload_cpu_share <= 64:
-            raise ConfigError(f"upload_cpu_share: {self.upload_cpu_share} is outside (0, 64]")
-        if not 1 <= self.window_chunks <= wire.MAX_CHUNKS_IN_FLIGHT:
-            raise ConfigError(f"peer window: {self.window_chunks} chunks is outside "
-                              f"[1, {wire.MAX_CHUNKS_IN_FLIGHT}]")
-
-
-class PeerClient(Protocol):
-    """What peering uses of its ``SyncClient`` (the subscriber's protocol state)."""
-
-    dealer: zmq.Socket
-    endpoint: str
-    state: str
-    instance: str | None
-    target: Assembly | None
-    current_version: int
-    latest_seen: int
-    queued: wire.Manifest | None
-    gate: BudgetGate
-    deltas: DeltaState
-    requests: RequestTable  # its requests in flight; peers' are marked with their link
-
-    @property
-    def options(self) -> Any: ...
-
-    def send(self, message: Any) -> bool: ...
-
-    def discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None: ...
-
-    def on_chunk(self, header: wire.ChunkHeader, more: int,
-                 sock: zmq.Socket | None = None) -> None: ...
-
-
-def default_peer_bind(publisher_endpoint: str) -> str:
-    """Loopback when the publisher is on this host (tests, one machine), else every interface."""
-    return "tcp://127.0.0.1:0" if is_local(parse_endpoint(publisher_endpoint)) \
-        else "tcp://0.0.0.0:0"
 
 
 class Peering:

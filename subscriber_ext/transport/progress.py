@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from subscriber_ext.transport.delta import DeltaAssembly
-from subscriber_ext.transport.staging import Assembly, StagedVersion, tensor_views
+from subscriber_ext.transport.listener import final_bytes
+from subscriber_ext.transport.staging import Assembly, tensor_views
 from weightpub_wire.protocol import Manifest
 
 __all__ = ["PartialVersion", "ProgressFeed"]
@@ -81,26 +81,37 @@ class PartialVersion:
 
 
 class ProgressFeed:
-    """Follows the ``SyncClient``'s target and calls ``on_progress`` as tensors become final.
+    """A ``ChunkListener`` that calls ``on_progress`` as tensors of the target become final.
 
-    Runs on the subscriber thread; ``on_progress`` must return quickly (hand the
-    partial to another thread). It is called when more tensors are ready and once
-    more when the reception is cancelled; a consumer error is logged, never raised.
+    Registered first in ``SyncClient.listeners``, so it hears the target's start,
+    each chunk whose final bytes verified (never an intermediate delta step:
+    ``listener.final_bytes``), completion and drop like every other listener.
+    Hooks carry the manifest only; ``current_target`` names the ``Assembly`` they
+    are about (the client's target). Runs on the subscriber thread; ``on_progress``
+    must return quickly (hand the partial to another thread). It is called when
+    more tensors are ready and once more when the reception is cancelled; a
+    consumer error is logged, never raised.
     """
 
-    def __init__(self, on_progress: Callable[[PartialVersion], None]) -> None:
+    def __init__(self, on_progress: Callable[[PartialVersion], None],
+                 current_target: Callable[[], Assembly | None]) -> None:
         self._on_progress = on_progress
+        self._current_target = current_target
         self._target: Assembly | None = None
         self._partial: PartialVersion | None = None
         self._left: list[int] = []  # per tensor: chunks not verified yet
         self._by_chunk: list[list[int]] = []  # per chunk: the tensors it holds bytes of
         self._seen: set[int] = set()
 
-    def begin(self, target: Assembly) -> None:
-        """A reception starts (after any ``cancel`` of the one it replaces)."""
-        manifest = target.manifest
+    def target_started(self, manifest: Manifest) -> None:
+        """A reception starts (after any ``target_dropped`` of the one it replaces); the
+        ``Assembly`` carries the attempt into the ``StagedVersion`` it becomes."""
+        target = self._current_target()
+        if target is None:
+            return
         self._target = target
         self._partial = PartialVersion(manifest, target.buffer, next(_attempts))
+        target.attempt = self._partial.attempt
         self._by_chunk = [[] for _ in range(manifest.num_chunks)]
         self._left = []
         for index, entry in enumerate(manifest.tensors):
@@ -111,12 +122,13 @@ class ProgressFeed:
         self._partial.mark_ready([i for i, left in enumerate(self._left) if not left])
         self._seen = set()
 
-    def verified(self, target: Assembly, chunk: int) -> None:
-        """``chunk`` of ``target`` was verified: notify if a tensor became final."""
-        partial = self._partial
-        if target is not self._target or partial is None or chunk in self._seen:
+    def chunk_verified(self, manifest: Manifest, chunk: int, data: memoryview) -> None:
+        """``chunk`` of the target holds its final bytes: notify if a tensor became final."""
+        target, partial = self._target, self._partial
+        if target is None or partial is None or target is not self._current_target() \
+                or chunk in self._seen:
             return
-        if isinstance(target, DeltaAssembly) and target.step < len(target.steps) - 1:
+        if not final_bytes(target):
             return  # bytes of an intermediate delta step are rewritten by the next one
         if not target.missing:
             return  # complete: the staged version itself follows at once
@@ -130,20 +142,20 @@ class ProgressFeed:
             partial.mark_ready(newly)
             self._notify(partial)
 
-    def cancel(self, target: Assembly) -> None:
-        """``target`` is given up: anything built from its partial must be dropped."""
-        if target is not self._target or self._partial is None:
+    def target_dropped(self, manifest: Manifest) -> None:
+        """The target is given up: anything built from its partial must be dropped."""
+        if self._partial is None or self._target is None \
+                or self._target is not self._current_target():
             return
         partial, self._partial, self._target = self._partial, None, None
         partial.cancelled = True
         if self._seen:  # the consumer may have seen it: tell it to throw it away
             self._notify(partial)
 
-    def complete(self, target: Assembly, staged: StagedVersion) -> None:
-        """``target`` became ``staged``: it carries the attempt its partials had."""
-        if target is self._target and self._partial is not None:
-            staged.attempt = self._partial.attempt
-        self._target = self._partial = None
+    def target_completed(self, manifest: Manifest) -> None:
+        """The target became a ``StagedVersion`` (its ``attempt`` came from the assembly)."""
+        if self._target is not None and self._target.manifest is manifest:
+            self._target = self._partial = None
 
     def _notify(self, partial: PartialVersion) -> None:
         try:

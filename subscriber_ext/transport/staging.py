@@ -126,6 +126,7 @@ class Assembly:
         self.fetch_version = manifest.version  # what FetchRequests name (deltas: each step)
         self.fetch_base = 0  # FetchRequest.base: 0 = the version's own bytes
         self.data_path = "zmq"  # a collective round sets its backend
+        self.attempt = 0  # this reception (``progress.ProgressFeed`` numbers it)
 
     @property
     def done_fraction(self) -> float:
@@ -175,7 +176,8 @@ class Assembly:
         staged = StagedVersion(manifest=self.manifest, buffer=self.buffer, tensors=tensors,
                                received_at=time.time(),
                                fetch_seconds=time.monotonic() - self.started,
-                               data_path=self.data_path, _pool=self.pool)
+                               data_path=self.data_path, attempt=self.attempt,
+                               _pool=self.pool)
         staged._finalizer = weakref.finalize(staged, self.pool.forget, self.buffer.data_ptr())
         return staged
 

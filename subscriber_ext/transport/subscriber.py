@@ -8,7 +8,6 @@ runs on the subscriber thread and must return quickly).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import socket
@@ -24,9 +23,9 @@ import zmq
 from subscriber_ext.transport.collective import CollectiveMember
 from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.memory import derive_staging_budget
-from subscriber_ext.transport.peering import PeerOptions
 from subscriber_ext.transport.progress import PartialVersion, ProgressFeed
 from subscriber_ext.transport.staging import StagedVersion
+from subscriber_ext.transport.subscriber_options import check_subscriber_options
 from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, BufferPool
@@ -43,11 +42,6 @@ from weightpub_wire.security import curve_identity, is_local
 __all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("weightpub.subscriber")
-_CONSTRUCTOR_KEYWORDS = ("on_version", "on_progress", "subscriber_id", "curve_server_key_file",
-                         "curve_secret_key_file", "socket_hooks", "context", "allocator",
-                         "chunk_listener")
-#: keywords that turn on and shape peer sharing (``PeerOptions``)
-_PEER_KEYWORDS = ("peer_share", "peer_bind", "insecure", "upload_mbit", "upload_cpu_share")
 
 
 class WeightSubscriber:
@@ -148,8 +142,9 @@ class WeightSubscriber:
             self._client.collective = CollectiveMember(
                 self.subscriber_id, endpoint=endpoint, device=base.collective_device,
                 run_on_client=self._call, limits=base.limits)
-        if on_progress is not None:
-            self._client.progress = ProgressFeed(on_progress)
+        if on_progress is not None:  # first to hear a chunk: preparing starts at once
+            client = self._client
+            client.listeners.insert(0, ProgressFeed(on_progress, lambda: client.target))
         self._wake = self._ctx.socket(zmq.PULL)
         self._wake.bind(self._wake_address)
         self._thread = threading.Thread(target=self._run, name="weightpub-subscriber",
@@ -161,33 +156,8 @@ class WeightSubscriber:
                       staging_budget_bytes: int | None = None,
                       **option_overrides: Any) -> SyncOptions:
         """Validate the constructor's arguments without starting anything (``ConfigError``)."""
-        parse_endpoint(endpoint)
-        for keyword in _CONSTRUCTOR_KEYWORDS:  # checked where they are used
-            option_overrides.pop(keyword, None)
-        if staging_budget_bytes is not None and (
-                isinstance(staging_budget_bytes, bool) or not isinstance(staging_budget_bytes, int)
-                or staging_budget_bytes <= 0):
-            raise ConfigError(f"staging_budget_bytes: {staging_budget_bytes!r} is not a "
-                              "positive number of bytes")
-        base = options or SyncOptions()
-        peers = _peer_options({k: option_overrides.pop(k) for k in _PEER_KEYWORDS
-                               if k in option_overrides})
-        if peers is not None:
-            option_overrides["peers"] = peers
-        max_bytes = option_overrides.pop("max_version_bytes", None)
-        if max_bytes is not None:
-            limits = option_overrides.get("limits", base.limits)
-            option_overrides["limits"] = dataclasses.replace(limits,
-                                                             max_total_bytes=int(max_bytes))
-        unknown = set(option_overrides) - set(SyncOptions.__slots__)
-        if unknown:
-            raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
-                              f"(known: {sorted(SyncOptions.__slots__)}, max_version_bytes, "
-                              f"staging_budget_bytes, {', '.join(_PEER_KEYWORDS)})")
-        if option_overrides:
-            base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
-                                  **option_overrides})
-        return base
+        return check_subscriber_options(endpoint, options, staging_budget_bytes,
+                                        **option_overrides)
 
     # -- public API ----------------------------------------------------------------------------
     def latest(self) -> StagedVersion | None:
@@ -389,21 +359,3 @@ class WeightSubscriber:
             client.close()
             self._wake.close(linger=0)
 
-
-def _peer_options(given: dict[str, Any]) -> PeerOptions | None:
-    """``PeerOptions`` from the constructor's peer keywords (None: peer sharing is off)."""
-    share = given.pop("peer_share", False)
-    if not isinstance(share, bool):
-        raise ConfigError(f"peer_share: {share!r} is not true or false")
-    if not share:
-        if given:
-            raise ConfigError(f"{', '.join(sorted(given))}: only with peer_share=True")
-        return None
-    mbit = given.get("upload_mbit")
-    if mbit is not None and (isinstance(mbit, bool) or not isinstance(mbit, int | float)
-                             or mbit <= 0):
-        raise ConfigError(f"upload_mbit: {mbit!r} is not a positive number of Mbit/s")
-    return PeerOptions(
-        bind=given.get("peer_bind"), insecure=bool(given.get("insecure", False)),
-        upload_bytes_per_s=None if mbit is None else mbit * 1e6 / 8,
-        upload_cpu_share=given.get("upload_cpu_share", 0.25))

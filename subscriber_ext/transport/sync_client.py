@@ -28,7 +28,8 @@ the member hands the assembled version back through ``deliver``. With
 ``SyncOptions.peers`` (``peer_share=True``) a ``Peering`` (``peering.py``) serves
 verified chunks to other subscribers and routes each chunk to a peer or to the
 publisher; a failing peer only moves its chunks to the next source.
-``ChunkListener``s (``listener.py``) hear each version start, chunk verify and end.
+``ChunkListener``s (``listener.py``) hear each version start, chunk verify and end:
+the one observer mechanism (the peer server, a ``ProgressFeed``, a relay).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
 from subscriber_ext.transport.fetch_credit import expire_requests, top_up
 from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.peering import Peering, PeerOptions
-from subscriber_ext.transport.progress import ProgressFeed
 from subscriber_ext.transport.request_table import RequestTable, VersionBackoff
 from subscriber_ext.transport.staging import Assembly, StagedVersion
 from subscriber_ext.transport.version_choice import consider, deliver, yield_target
@@ -115,7 +115,6 @@ class SyncClient:
         self.deltas = DeltaState()  # the base held for deltas, bytes by path
         self.gate = BudgetGate(self.pool, self.deltas)  # the staging budget
         self.queued: wire.Manifest | None = None
-        self.progress: ProgressFeed | None = None  # tensors final before the version is
         self.requests = RequestTable()  # in flight (also peers', for peering.py); tries
         self.backoff = VersionBackoff()  # versions given up recently
         self._latest_req = 0
@@ -262,8 +261,6 @@ class SyncClient:
 
     def _drop_target(self) -> None:
         if self.target is not None:
-            if self.progress is not None:
-                self.progress.cancel(self.target)
             self._notify("target_dropped", self.target.manifest)
             self.target.abandon()
         self.target = None
@@ -284,8 +281,6 @@ class SyncClient:
         target = self.deltas.assembly_for(manifest, self.pool) or Assembly(manifest, self.pool)
         self.target = target
         self.requests.clear()
-        if self.progress is not None:
-            self.progress.begin(target)
         self._notify("target_started", manifest)
         if not target.missing:
             self._complete(target)
@@ -305,8 +300,6 @@ class SyncClient:
         if self.target is target:
             self.target = None
             self.requests.clear()
-            if self.progress is not None:
-                self.progress.complete(target, staged)
         self.deltas.completed(target, staged)
         self.current_version = staged.version
         self.staged_paths[staged.version] = staged.data_path

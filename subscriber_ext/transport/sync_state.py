@@ -18,7 +18,6 @@ from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
 from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.peering import Peering
-from subscriber_ext.transport.progress import ProgressFeed
 from subscriber_ext.transport.request_table import RequestTable, VersionBackoff
 from subscriber_ext.transport.staging import Assembly
 from weightpub_wire import protocol as wire
@@ -50,7 +49,6 @@ class SyncState(Protocol):
     deltas: DeltaState
     requests: RequestTable
     backoff: VersionBackoff
-    progress: ProgressFeed | None
     listeners: list[ChunkListener]
     peering: Peering | None
     collective: Any  # a ``CollectiveMember`` when the option is on

@@ -117,30 +117,39 @@ def test_a_reception_given_up_is_cancelled_and_a_new_one_gets_a_new_attempt(
     pub.wait_announced(1)
     manifest = pub.manifest(1)
     calls: list[tuple[int, int, bool]] = []
-    feed = ProgressFeed(lambda p: calls.append((p.attempt, p.ready_count(), p.cancelled)))
+    current: list[Assembly] = []  # the client's target, as the feed sees it
+    feed = ProgressFeed(lambda p: calls.append((p.attempt, p.ready_count(), p.cancelled)),
+                        lambda: current[-1] if current else None)
     pool = BufferPool()
     first = Assembly(manifest, pool)
     assert first.order[:2] == [0, 1]  # "a" and "b" are both big: layout order among them
-    feed.begin(first)
+    current.append(first)
+    feed.target_started(manifest)
+    no_bytes = memoryview(b"")
     first.missing.discard(0)  # 4 KiB of 16: no tensor complete yet
-    feed.verified(first, 0)
+    feed.chunk_verified(manifest, 0, no_bytes)
     assert calls == []
     first.missing.discard(1)  # "a" (8 KiB) is final
-    feed.verified(first, 1)
+    feed.chunk_verified(manifest, 1, no_bytes)
     attempt = calls[-1][0]
-    assert calls == [(attempt, 1, False)]
-    feed.cancel(first)  # conflated or failed: whatever was built from it is thrown away
+    assert calls == [(attempt, 1, False)] and first.attempt == attempt
+    feed.target_dropped(manifest)  # conflated or failed: whatever was built from it goes
     assert calls[-1] == (attempt, 1, True)
     first.abandon()
     second = Assembly(manifest, pool)  # the same version again, maybe in the same buffer
-    feed.begin(second)
+    current.append(second)
+    feed.target_started(manifest)
     second.missing.difference_update({2, 3})  # "b" first this time
-    feed.verified(second, 2)
-    feed.verified(second, 3)
+    feed.chunk_verified(manifest, 2, no_bytes)
+    feed.chunk_verified(manifest, 3, no_bytes)
     assert calls[-1][0] != attempt and calls[-1][1:] == (1, False)
     second.missing.clear()  # complete: no partial, the staged version itself follows
-    feed.verified(second, 0)
+    feed.chunk_verified(manifest, 0, no_bytes)
     assert len(calls) == 3
+    staged = second.finish()  # the staged version carries the attempt its partials had
+    feed.target_completed(manifest)
+    assert staged.attempt == calls[-1][0]
+    staged.release()
 
 
 def test_the_largest_tensors_travel_first_and_are_copied_first() -> None:

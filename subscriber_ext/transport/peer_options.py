@@ -1,0 +1,84 @@
+"""What peer sharing is given: its options, and what it needs of its ``SyncClient``.
+
+Why apart from ``peering.py``: these are checked when a ``WeightSubscriber`` is
+built (``subscriber_options.py``), before any socket exists, and they are the
+contract between peering and the client (``PeerClient``), which reads best
+without the socket work of ``Peering`` around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import zmq
+
+from subscriber_ext.transport.budget_gate import BudgetGate
+from subscriber_ext.transport.delta import DeltaState
+from subscriber_ext.transport.peer_server import PeerServerLimits
+from subscriber_ext.transport.request_table import RequestTable
+from subscriber_ext.transport.staging import Assembly
+from weightpub_wire import protocol as wire
+from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.errors import ConfigError
+from weightpub_wire.security import is_local
+
+__all__ = ["PeerClient", "PeerOptions", "default_peer_bind"]
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOptions:
+    """What ``peer_share=True`` means for one subscriber (``WeightSubscriber`` keywords
+    ``peer_bind``, ``insecure``, ``upload_mbit``, ``upload_cpu_share``)."""
+
+    bind: str | None = None  # None: 127.0.0.1 for a loopback publisher, else 0.0.0.0; port 0
+    insecure: bool = False  # serve peers on a non-loopback address without CURVE
+    upload_bytes_per_s: float | None = None  # None: no rate bound
+    upload_cpu_share: float | None = 0.25  # of one core, for serving; None: no CPU bound
+    window_chunks: int = 4  # chunks asked ahead of each peer (they wait there: cut-through)
+    hello_interval: float = 1.0
+    plan_wait: float = 0.5  # a version without a place in the held plan waits for one
+    server: PeerServerLimits = field(default_factory=PeerServerLimits)
+
+    def __post_init__(self) -> None:
+        if self.bind is not None:
+            parse_endpoint(self.bind)
+        if self.upload_bytes_per_s is not None and self.upload_bytes_per_s <= 0:
+            raise ConfigError(f"upload rate: {self.upload_bytes_per_s} must be positive")
+        if self.upload_cpu_share is not None and not 0 < self.upload_cpu_share <= 64:
+            raise ConfigError(f"upload_cpu_share: {self.upload_cpu_share} is outside (0, 64]")
+        if not 1 <= self.window_chunks <= wire.MAX_CHUNKS_IN_FLIGHT:
+            raise ConfigError(f"peer window: {self.window_chunks} chunks is outside "
+                              f"[1, {wire.MAX_CHUNKS_IN_FLIGHT}]")
+
+
+class PeerClient(Protocol):
+    """What peering uses of its ``SyncClient`` (the subscriber's protocol state)."""
+
+    dealer: zmq.Socket
+    endpoint: str
+    state: str
+    instance: str | None
+    target: Assembly | None
+    current_version: int
+    latest_seen: int
+    queued: wire.Manifest | None
+    gate: BudgetGate
+    deltas: DeltaState
+    requests: RequestTable  # its requests in flight; peers' are marked with their link
+
+    @property
+    def options(self) -> Any: ...
+
+    def send(self, message: Any) -> bool: ...
+
+    def discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None: ...
+
+    def on_chunk(self, header: wire.ChunkHeader, more: int,
+                 sock: zmq.Socket | None = None) -> None: ...
+
+
+def default_peer_bind(publisher_endpoint: str) -> str:
+    """Loopback when the publisher is on this host (tests, one machine), else every interface."""
+    return "tcp://127.0.0.1:0" if is_local(parse_endpoint(publisher_endpoint)) \
+        else "tcp://0.0.0.0:0"
