@@ -67,7 +67,7 @@ class Node:
         log_dir = os.environ.get("FLEET_LOG_DIR")  # keep each node's log there
         stderr: Any = subprocess.DEVNULL
         if log_dir:
-            stderr = open(os.path.join(log_dir, f"{host.name}-{role}.log"), "w")  # noqa: SIM115
+            stderr = open(os.path.join(log_dir, f"{host.name}-{role}.log"), "w")
         proc = host.popen([sys.executable, "-m", "benchmarks.fleet_node", role,
                            json.dumps(args)], cwd=str(REPO), env=env,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -32,6 +32,9 @@ class RequestTable:
         self._ids = itertools.count(1)
         self.requests: dict[int, Request] = {}
         self.retries: dict[int, int] = {}
+        # when the publisher last answered a chunk: it serves a client's requests in
+        # order, so while chunks keep coming the ones queued behind them are not lost
+        self.publisher_answered = 0.0
 
     def next_id(self) -> int:
         """A fresh request id (shared by fetches, ``latest`` requests and peers' fetches)."""
@@ -57,6 +60,8 @@ class RequestTable:
 
     def chunk_done(self, req: int, request: Request, chunk: int) -> None:
         request.chunks.discard(chunk)
+        if request.source is None:
+            self.publisher_answered = time.monotonic()
         if not request.chunks:
             del self.requests[req]
 
@@ -91,10 +96,17 @@ class RequestTable:
             del self.requests[req]
 
     def timed_out(self, now: float, timeout: float) -> Iterator[Request]:
-        """Publisher requests older than ``timeout``, each removed before it is yielded
-        (peers' requests: peering.py gives up on a peer that stalls)."""
+        """Publisher requests unanswered for ``timeout`` while no chunk came from the
+        publisher either, each removed before it is yielded (peers' requests: peering.py
+        gives up on a peer that stalls).
+
+        Counting from the publisher's last answer, not from the send: on a shared,
+        slow uplink (16 replicas behind one 400 Mbit/s link) a full window takes longer
+        than ``timeout`` to drain, and re-asking what is merely queued would send it
+        twice and collapse the link."""
         for req, request in list(self.requests.items()):
-            if request.source is not None or now - request.sent_at < timeout:
+            if request.source is not None or \
+                    now - max(request.sent_at, self.publisher_answered) < timeout:
                 continue
             del self.requests[req]
             yield request

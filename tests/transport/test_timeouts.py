@@ -123,3 +123,25 @@ def test_close_returns_while_on_version_callback_is_stuck() -> None:
         pub.close()
     sub._thread.join(timeout=10)
     assert not sub._thread.is_alive()  # and the thread ends once the callback returns
+
+
+def test_a_slow_link_is_not_a_lost_request() -> None:
+    """A window that takes longer than ``request_timeout`` to drain through a slow link
+    is still being answered: nothing is asked twice, nothing is given up (the fleet
+    simulator found 16 replicas behind one 400 Mbit/s uplink abandoning versions)."""
+    from tests.transport.byte_relay import ByteRelay
+
+    chunk = 64 << 10
+    weights = det_weights(7, 1, [("w", "float32", [1 << 20])])  # 4 MiB: 64 chunks
+    total = 4 << 20
+    with WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk) as pub:
+        slow = ByteRelay.in_front_of(pub.endpoint, down_rate=total / 2.5)  # about 2.5 s
+        try:
+            with WeightSubscriber(slow.endpoint, request_timeout=0.5, window_bytes=total,
+                                  max_chunk_retries=1) as sub:
+                version = pub.publish(weights)
+                sub.wait_for_version(version, timeout=30)
+                assert sub.status()["last_error"] is None
+            assert pub.data_stats()["bytes_sent_full"] == total  # each chunk once
+        finally:
+            slow.close()
