@@ -38,15 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.streaming_generation import (  # noqa: E402
-    Streamer,
-    build_model,
-    generate,
-    start_engine,
-)
+from weightpub.bench.engines import build_model, start_engine  # noqa: E402
+from weightpub.bench.streaming import Streamer, generate  # noqa: E402
 
 ARMS = ("quiet", "no-serving", "serving", "serving-capped")
 
@@ -94,7 +92,8 @@ def main() -> int:
     from subscriber_ext import wait_until_applied
 
     hf_logging.disable_progress_bar()
-    model = build_model(args.tiny)
+    model = build_model("tiny" if args.tiny else "80MB",
+                        torch.float32 if args.tiny else torch.bfloat16)
     weights = {k: v.contiguous() for k, v in model.state_dict().items()}
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     dtype = "float32" if args.tiny else "bfloat16"

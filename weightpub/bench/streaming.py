@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["run_streaming"]
+__all__ = ["Streamer", "generate", "run_streaming"]
 
 
-def _generate(llm: Any, requests: int, tokens: int, repeat: int = 1) -> int:
+def generate(llm: Any, requests: int, tokens: int, repeat: int = 1) -> int:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -38,7 +38,7 @@ def _generate(llm: Any, requests: int, tokens: int, repeat: int = 1) -> int:
     return n
 
 
-class _Streamer:
+class Streamer:
     """Publishes a slightly changed version every ``every`` seconds until stopped."""
 
     def __init__(self, pub: Any, weights: dict[str, torch.Tensor], every: float) -> None:
@@ -58,7 +58,7 @@ class _Streamer:
             self.published.append(self.pub.publish(self.weights))
             self._stop.wait(max(0.0, self.every - (time.monotonic() - t0)))
 
-    def __enter__(self) -> _Streamer:
+    def __enter__(self) -> Streamer:
         self._thread.start()
         return self
 
@@ -97,7 +97,7 @@ def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[
         try:
             wait_until_applied(llm, pub.publish(weights), timeout=300)
             t0 = time.perf_counter()
-            _generate(llm, requests, tokens)  # warm-up, untimed
+            generate(llm, requests, tokens)  # warm-up, untimed
             repeat = max(1, math.ceil(round_s / (time.perf_counter() - t0)))
             for every in cadences:
                 tps: dict[str, list[float]] = {"quiet": [], "streaming": []}
@@ -109,11 +109,11 @@ def run_streaming(llm: Any, weights: dict[str, torch.Tensor], *, cadences: list[
                     before = _status(llm)
                     t0 = time.perf_counter()
                     if kind == "quiet":
-                        n = _generate(llm, requests, tokens, repeat)
+                        n = generate(llm, requests, tokens, repeat)
                         took = time.perf_counter() - t0
                     else:
-                        with _Streamer(pub, weights, every) as streamer:
-                            n = _generate(llm, requests, tokens, repeat)
+                        with Streamer(pub, weights, every) as streamer:
+                            n = generate(llm, requests, tokens, repeat)
                             took = time.perf_counter() - t0
                         after = _status(llm)  # what was committed while the batch ran
                         count = after["commit_count"] - before["commit_count"]
