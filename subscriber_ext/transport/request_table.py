@@ -17,6 +17,10 @@ from typing import Any
 
 __all__ = ["Request", "RequestTable", "VersionBackoff"]
 
+#: a request the publisher is still working through (chunks keep coming) waits at most
+#: this many ``request_timeout``s before it is asked again
+QUEUED_TIMEOUT_FACTOR = 10
+
 
 @dataclass(slots=True)
 class Request:
@@ -103,9 +107,14 @@ class RequestTable:
         Counting from the publisher's last answer, not from the send: on a shared,
         slow uplink (16 replicas behind one 400 Mbit/s link) a full window takes longer
         than ``timeout`` to drain, and re-asking what is merely queued would send it
-        twice and collapse the link."""
+        twice and collapse the link. Still, nothing waits longer than
+        ``QUEUED_TIMEOUT_FACTOR`` timeouts: a publisher that answers others but never
+        this one (a reply dropped on its side) cannot hold a chunk forever."""
         for req, request in list(self.requests.items()):
-            if request.source is not None or \
+            if request.source is not None:
+                continue
+            waited = now - request.sent_at
+            if waited < QUEUED_TIMEOUT_FACTOR * timeout and \
                     now - max(request.sent_at, self.publisher_answered) < timeout:
                 continue
             del self.requests[req]
