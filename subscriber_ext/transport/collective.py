@@ -38,6 +38,7 @@ from subscriber_ext.transport.collective_receiver import (
     GroupJob,
     IpcJob,
 )
+from subscriber_ext.transport.progress import ProgressFeed
 from subscriber_ext.transport.staging import Assembly
 from weightpub_wire import protocol as wire
 from weightpub_wire.collective import CollectiveAnnounce
@@ -87,6 +88,8 @@ class CollectiveMember:
         self._claims: dict[int, float] = {}  # version -> when to give up waiting for it
         self._manifests: OrderedDict[int, wire.Manifest] = OrderedDict()
         self._given_up: OrderedDict[int, None] = OrderedDict()  # versions fetched over zmq
+        # progress feeds of the assemblies rounds are filling (by id of the assembly)
+        self._feeds: dict[int, ProgressFeed] = {}
         self._ids = itertools.count(1)
         self._next_poll = 0.0
         self._ended_epoch = 0  # the newest epoch the publisher says is over
@@ -277,9 +280,26 @@ class CollectiveMember:
             return None
         assembly = Assembly(manifest, client.pool)
         assembly.data_path = backend
+        feed = next((f for f in client.listeners if isinstance(f, ProgressFeed)), None)
+        if feed is not None:  # prepare layers while the buckets arrive, as for frames
+            follower = feed.follow(assembly)
+            follower.target_started(manifest)  # sets assembly.attempt for the commit side
+            self._feeds[id(assembly)] = follower
+            while len(self._feeds) > 4:  # bounded: a round hands its assembly back
+                self._feeds.pop(next(iter(self._feeds)))
         return assembly
 
+    def verified(self, client: SyncClient, assembly: Assembly, chunks: range) -> None:
+        """A bucket's chunks matched the manifest: their tensors may be final."""
+        follower = self._feeds.get(id(assembly))
+        if follower is not None:
+            for chunk in chunks:
+                follower.chunk_verified(assembly.manifest, chunk, memoryview(b""))
+
     def finish(self, client: SyncClient, assembly: Assembly, nbytes: int) -> None:
+        follower = self._feeds.pop(id(assembly), None)
+        if follower is not None:
+            follower.target_completed(assembly.manifest)
         self.rounds += 1
         self.bytes_received += nbytes
         version = assembly.manifest.version
@@ -290,6 +310,9 @@ class CollectiveMember:
     def failed(self, client: SyncClient, version: int, assembly: Assembly | None,
                why: str) -> None:
         if assembly is not None:
+            follower = self._feeds.pop(id(assembly), None)
+            if follower is not None:
+                follower.target_dropped(assembly.manifest)  # drop what was prepared from it
             assembly.abandon()
         self._give_up(client, version, why)
 

@@ -76,6 +76,7 @@ class Member(Protocol):
     def failed(self, client: Any, version: int, assembly: Assembly | None,
                why: str) -> None: ...
     def left(self, client: Any, why: str) -> None: ...
+    def verified(self, client: Any, assembly: Assembly, chunks: range) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,18 +102,26 @@ class IpcJob:
 
 
 class _Verifier:
-    """Checks each received bucket's chunks on a helper thread (xxh3 releases the GIL)."""
+    """Checks each received bucket's chunks on a helper thread (xxh3 releases the GIL);
+    ``on_verified`` hears each bucket that matched (its tensors may be prepared early)."""
 
-    def __init__(self, assembly: Assembly) -> None:
+    def __init__(self, assembly: Assembly,
+                 on_verified: Callable[[range], None] | None = None) -> None:
         self.assembly = assembly
+        self.on_verified = on_verified
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightpub-verify")
         self._results: list[Future[bool]] = []
 
     def submit(self, start: int, size: int) -> None:
         chunk_size = self.assembly.manifest.chunk_size
         chunks = range(start // chunk_size, (start + size - 1) // chunk_size + 1)
-        self._results.append(self._pool.submit(
-            lambda: all([self.assembly.verify(c) for c in chunks])))
+        self._results.append(self._pool.submit(self._check, chunks))
+
+    def _check(self, chunks: range) -> bool:
+        ok = all([self.assembly.verify(c) for c in chunks])
+        if ok and self.on_verified is not None:
+            self.on_verified(chunks)
+        return ok
 
     def ok(self) -> bool:
         try:
@@ -257,7 +266,7 @@ class CollectiveReceiver(threading.Thread):
     def _round(self, group: CollectiveGroup, header: RoundHeader, backend: str) -> None:
         self.receiving = header.version
         assembly = self._begin(header.version, header.total_bytes, backend)
-        verifier = None if assembly is None else _Verifier(assembly)
+        verifier = None if assembly is None else self._verifier(assembly)
         ok = False
         try:
             ready = group.all_gather_flags(1 if assembly is not None else 0)
@@ -279,6 +288,11 @@ class CollectiveReceiver(threading.Thread):
         if assembly is not None:  # staged before the last all_gather: a peer failing there
             self._hand_back(assembly, ok, "a bucket failed its checksum")  # cannot cost it
         group.all_gather_flags(1 if ok else 0)
+
+    def _verifier(self, assembly: Assembly) -> _Verifier:
+        def verified(chunks: range) -> None:  # on the subscriber thread, like fetched chunks
+            self.member.call(lambda client: self.member.verified(client, assembly, chunks))
+        return _Verifier(assembly, verified)
 
     def _bucket(self, group: CollectiveGroup, assembly: Assembly | None, start: int,
                 size: int) -> None:
@@ -316,7 +330,7 @@ class CollectiveReceiver(threading.Thread):
         if assembly is None:
             return
         ok, why = False, "a chunk failed its checksum"
-        verifier = _Verifier(assembly)
+        verifier = self._verifier(assembly)
         try:
             source = open_buffer(job.handle, job.device)
             total = assembly.manifest.total_bytes

@@ -157,6 +157,12 @@ class ProgressFeed:
         if self._target is not None and self._target.manifest is manifest:
             self._target = self._partial = None
 
+    def follow(self, assembly: Assembly) -> ProgressFeed:
+        """A feed with the same consumer for a reception outside the client's target (a
+        collective round assembling a version): its hooks must run on the subscriber
+        thread too."""
+        return ProgressFeed(self._on_progress, lambda: assembly)
+
     def _notify(self, partial: PartialVersion) -> None:
         try:
             self._on_progress(partial)
