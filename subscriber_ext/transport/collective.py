@@ -88,8 +88,8 @@ class CollectiveMember:
         self._claims: dict[int, float] = {}  # version -> when to give up waiting for it
         self._manifests: OrderedDict[int, wire.Manifest] = OrderedDict()
         self._given_up: OrderedDict[int, None] = OrderedDict()  # versions fetched over zmq
-        # progress feeds of the assemblies rounds are filling (by id of the assembly)
-        self._feeds: dict[int, ProgressFeed] = {}
+        # progress feeds of the assemblies rounds are filling (held: an id is never reused)
+        self._feeds: dict[Assembly, ProgressFeed] = {}
         self._ids = itertools.count(1)
         self._next_poll = 0.0
         self._ended_epoch = 0  # the newest epoch the publisher says is over
@@ -284,20 +284,20 @@ class CollectiveMember:
         if feed is not None:  # prepare layers while the buckets arrive, as for frames
             follower = feed.follow(assembly)
             follower.target_started(manifest)  # sets assembly.attempt for the commit side
-            self._feeds[id(assembly)] = follower
+            self._feeds[assembly] = follower
             while len(self._feeds) > 4:  # bounded: a round hands its assembly back
                 self._feeds.pop(next(iter(self._feeds)))
         return assembly
 
     def verified(self, client: SyncClient, assembly: Assembly, chunks: range) -> None:
         """A bucket's chunks matched the manifest: their tensors may be final."""
-        follower = self._feeds.get(id(assembly))
+        follower = self._feeds.get(assembly)
         if follower is not None:
             for chunk in chunks:
                 follower.chunk_verified(assembly.manifest, chunk, memoryview(b""))
 
     def finish(self, client: SyncClient, assembly: Assembly, nbytes: int) -> None:
-        follower = self._feeds.pop(id(assembly), None)
+        follower = self._feeds.pop(assembly, None)
         if follower is not None:
             follower.target_completed(assembly.manifest)
         self.rounds += 1
@@ -310,7 +310,7 @@ class CollectiveMember:
     def failed(self, client: SyncClient, version: int, assembly: Assembly | None,
                why: str) -> None:
         if assembly is not None:
-            follower = self._feeds.pop(id(assembly), None)
+            follower = self._feeds.pop(assembly, None)
             if follower is not None:
                 follower.target_dropped(assembly.manifest)  # drop what was prepared from it
             assembly.abandon()
