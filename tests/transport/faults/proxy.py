@@ -9,6 +9,10 @@ Commands on stdin, one per line, answered ``ok <command>`` on stdout:
 - ``stall``: stop forwarding (both directions; connections stay open, data waits)
 - ``truncate``: cut every open connection at once (RST), then forward again
 - ``corrupt N``: flip one byte in every N forwarded publisher->subscriber bytes
+- ``desync``: on each open connection to the first port (the ROUTER), slip a frame
+  header announcing 512 MiB between two publisher->subscriber frames, then send
+  only a trickle of zeros: the subscriber's stream stays busy but never frames
+  again (what one flipped bit in a length field does), until it reconnects
 """
 
 from __future__ import annotations
@@ -23,15 +27,46 @@ import threading
 __all__ = ["main"]
 
 
+class FrameCursor:
+    """Where the frames of one direction of a ZMTP 3 stream begin (after the greeting)."""
+
+    GREETING = 64
+
+    def __init__(self) -> None:
+        self.skip = self.GREETING
+        self.head = bytearray()
+
+    def boundaries(self, data: bytes) -> list[int]:
+        starts, i = [], 0
+        while i < len(data):
+            if self.skip:
+                take = min(self.skip, len(data) - i)
+                self.skip -= take
+                i += take
+                continue
+            if not self.head:
+                starts.append(i)
+            self.head.append(data[i])
+            i += 1
+            if len(self.head) == (9 if self.head[0] & 0x02 else 2):
+                self.skip = int.from_bytes(self.head[1:], "big")
+                self.head = bytearray()
+        return starts
+
+
 class Proxy:
     def __init__(self, listen_host: str, target_host: str, ports: list[int]) -> None:
         self.target_host = target_host
         self.mode = "pass"
         self.corrupt_every = 0
         self.flipped = 0
+        self.desynced = 0  # streams broken by ``desync``
         self.lock = threading.Lock()
         self.open: list[socket.socket] = []
         self.rng = random.Random(7)
+        self.first_port = ports[0]
+        self.desync_pending: set[socket.socket] = set()  # upstream sockets still to break
+        self.router_upstreams: set[socket.socket] = set()
         for port in ports:
             server = socket.create_server((listen_host, port), reuse_port=False)
             threading.Thread(target=self._accept, args=(server, port), daemon=True).start()
@@ -46,10 +81,13 @@ class Proxy:
                 continue
             with self.lock:
                 self.open += [client, upstream]
+                if port == self.first_port:
+                    self.router_upstreams.add(upstream)
             threading.Thread(target=self._pump, args=(client, upstream), daemon=True).start()
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         pairs = {client: upstream, upstream: client}
+        cursor, broken = FrameCursor(), False
         try:
             while True:
                 if self.mode == "stall":
@@ -60,12 +98,22 @@ class Proxy:
                     data = sock.recv(65536)
                     if not data:
                         return
+                    if sock is upstream and broken:
+                        data = bytes(min(len(data), 8))  # busy, but never a whole frame
+                    elif sock is upstream:
+                        starts = cursor.boundaries(data)
+                        if starts and upstream in self.desync_pending:
+                            self.desync_pending.discard(upstream)
+                            data = data[: starts[0]] + b"\x02" + (512 << 20).to_bytes(8, "big")
+                            broken = True
+                            self.desynced += 1
                     if sock is upstream and self.mode == "corrupt" and self.corrupt_every:
                         data = self._corrupt(bytearray(data))
                     pairs[sock].sendall(data)
         except (OSError, ValueError):  # ValueError: a socket closed by ``truncate``
             return
         finally:
+            self.router_upstreams.discard(upstream)
             for sock in pairs:
                 sock.close()
 
@@ -97,12 +145,16 @@ def main() -> None:
             continue
         if command[0] == "truncate":
             proxy.truncate()
+        elif command[0] == "desync":
+            with proxy.lock:
+                proxy.desync_pending = set(proxy.router_upstreams)
         elif command[0] == "corrupt":
             proxy.corrupt_every = int(command[1])
             proxy.mode = "corrupt"
         else:
             proxy.mode = command[0]
-        print(f"ok {' '.join(command)} flipped={proxy.flipped}", flush=True)
+        print(f"ok {' '.join(command)} flipped={proxy.flipped} desynced={proxy.desynced}",
+              flush=True)
 
 
 if __name__ == "__main__":
