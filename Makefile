@@ -31,7 +31,8 @@ PACKAGES := weightpub_wire publisher subscriber_ext weightpub
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy $(PACKAGES)
-	$(PY) -m pytest -q -p no:cacheprovider
+	@# a crash of pytest itself (a native abort) names the test it was running, at the end
+	$(PY) -m pytest -q -p no:cacheprovider || { rc=$$?; $(PY) tests/crash_report.py; exit $$rc; }
 
 bench: $(STAMP)
 	$(PY) -m weightpub bench
