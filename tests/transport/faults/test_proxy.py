@@ -94,7 +94,13 @@ def _in_flight(rig: dict[str, Any], version: int) -> None:
 
 def _arrives(rig: dict[str, Any], version: int, timeout: float = 60) -> None:
     pub_id = rig["pub"].publisher_id
-    wait_until(lambda: rig["recorder"].got(pub_id, version), timeout, f"v{version} bit-exact")
+    try:
+        wait_until(lambda: rig["recorder"].got(pub_id, version), timeout,
+                   f"v{version} bit-exact")
+    except AssertionError as exc:  # say where the subscriber stands, not only that it is late
+        status = {k: v for k, v in rig["sub"].status().items() if v not in (None, 0, {}, [])}
+        raise AssertionError(f"{exc}; subscriber: {status}; publisher fleet: "
+                             f"{rig['pub'].fleet()}") from None
     assert rig["recorder"].problems == []
 
 
