@@ -263,7 +263,8 @@ class CollectivePublisher:
         assert group is not None
         manifest = version.manifest
         spans = bucket_spans(manifest.total_bytes, self.options.bucket_bytes)
-        version.pins.append(self)  # the store keeps the bytes until the round ends
+        if not version.pin(self):  # the store keeps the bytes until the round ends
+            return
         started = time.monotonic()
         try:
             self._header(RoundHeader(kind=KIND_DATA, epoch=self._epoch(),
@@ -278,7 +279,7 @@ class CollectivePublisher:
                     self.bytes_sent += size
             verified = group.all_gather_flags(1)[1:]
         finally:
-            version.pins.remove(self)
+            version.unpin(self)
         self._last_round = manifest.version
         self._last_op = time.monotonic()
         self.rounds += 1

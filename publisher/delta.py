@@ -151,14 +151,17 @@ class DeltaPublisher:
         """Queue the encoding of ``new`` against ``base`` (both pinned until it ends)."""
         if new.manifest.delta is None or base is None or self._closed:
             return
+        token = object()
+        if not new.pin(token):
+            return
+        if not base.pin(token):  # the base's buffer is already reused: no delta this time
+            new.unpin(token)
+            return
         delta = EncodedDelta(version=new.manifest.version, base_version=base.manifest.version,
                              payloads=[None] * new.manifest.num_chunks)
         with self._lock:
             self._deltas[delta.version] = delta
             self._evict_locked(new.manifest.total_bytes)
-        token = object()
-        new.pins.append(token)
-        base.pins.append(token)
         self._jobs.put((delta, new, base, token))
 
     def lookup(self, version: int, base: int) -> EncodedDelta | None:
@@ -200,8 +203,8 @@ class DeltaPublisher:
                 log.exception("encoding the delta of version %d failed", delta.version)
             finally:
                 delta.finished = True
-                new.pins.remove(token)
-                base.pins.remove(token)
+                new.unpin(token)
+                base.unpin(token)
                 with self._lock:
                     self._evict_locked(new.manifest.total_bytes)
 

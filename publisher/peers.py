@@ -164,9 +164,13 @@ class PeerTable:
             return True
         if not self._room(peer, len(body)):
             return False
-        if not self._send(peer, head, body):
-            return identity not in self._peers
-        if version is not None:
+        if version is None:
+            return self._send(peer, head, body) or identity not in self._peers
+        with version.sending() as live:
+            if not live:
+                return True  # the version is gone: the peer re-asks and is told so
+            if not self._send(peer, head, body):
+                return identity not in self._peers
             version.track(peer.queue[-1][0])
         return True
 
@@ -204,9 +208,14 @@ class PeerTable:
                 return
             header = wire.ChunkHeader(req=req, version=version.manifest.version, chunk=chunk,
                                       size=len(data))
-            if not self._send(peer, [wire.encode(header)], data):
-                return
-            version.track(peer.queue[-1][0])
+            with version.sending() as live:
+                if not live:  # retired since is_held(): never send bytes reused by another
+                    peer.deferred.popleft()
+                    self._unavailable(peer, req, version)
+                    continue
+                if not self._send(peer, [wire.encode(header)], data):
+                    return
+                version.track(peer.queue[-1][0])
             self.chunk_bytes += len(data)
             peer.deferred.popleft()
 

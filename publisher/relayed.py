@@ -42,7 +42,7 @@ class RelayedVersion:
         self._lock = threading.Lock()
         self._done = False
         self.written_bytes = 0
-        published.pins.append(self)
+        published.pin(self)  # new, not yet in the store: cannot be retired yet
         if self._missing == 0:
             self._release()
 
@@ -91,8 +91,7 @@ class RelayedVersion:
 
     def _release(self) -> None:
         self._done = True
-        if self in self.published.pins:
-            self.published.pins.remove(self)
+        self.published.unpin(self)
 
 
 def relay_upstream(upstream: wire.Manifest, number: int, snapshot: Snapshot,

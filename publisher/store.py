@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,12 @@ class PublishedVersion:
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     pins: list[object] = field(default_factory=list)  # readers besides ZeroMQ (delta encoder)
     ready: Callable[[int], bool] | None = None  # chunk by chunk (a relayed version, relayed.py)
+    #: set once the buffer went back to the pool: nothing may read it any more
+    retired: bool = False
+    # the server thread tracks sends and other threads pin while a publish() retires
+    # evicted versions: one lock, so no tracker or pin is lost and nothing starts
+    # reading a buffer already handed to a newer version
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     def chunk_ready(self, chunk: int) -> bool:
         """Whether the chunk's bytes are final (the manifest may precede the copy's end)."""
@@ -54,14 +61,40 @@ class PublishedVersion:
         start, size = self.manifest.chunk_span(chunk)
         return self.view[start: start + size]
 
-    def track(self, tracker: zmq.MessageTracker) -> None:
-        if len(self.trackers) > 64:
-            self.trackers = [t for t in self.trackers if not t.done]
-        self.trackers.append(tracker)
+    @contextmanager
+    def sending(self) -> Iterator[bool]:
+        """Hold while queueing a zero-copy send of these bytes and ``track``-ing it, so the
+        buffer cannot be retired in between; yields False once it was retired."""
+        with self._lock:
+            yield not self.retired
 
-    def in_flight(self) -> bool:
-        self.trackers = [t for t in self.trackers if not t.done]
-        return bool(self.trackers) or bool(self.pins)
+    def track(self, tracker: zmq.MessageTracker) -> None:
+        with self._lock:
+            if len(self.trackers) > 64:
+                self.trackers = [t for t in self.trackers if not t.done]
+            self.trackers.append(tracker)
+
+    def pin(self, reader: object) -> bool:
+        """Keep the bytes for ``reader`` until ``unpin``; False if they are already gone."""
+        with self._lock:
+            if self.retired:
+                return False
+            self.pins.append(reader)
+            return True
+
+    def unpin(self, reader: object) -> None:
+        with self._lock:
+            if reader in self.pins:
+                self.pins.remove(reader)
+
+    def retire_if_idle(self) -> bool:
+        """Retire the buffer unless a send or a reader still uses it; True if retired."""
+        with self._lock:
+            self.trackers = [t for t in self.trackers if not t.done]
+            if self.trackers or self.pins:
+                return False
+            self.retired = True
+            return True
 
 
 class VersionStore:
@@ -109,10 +142,10 @@ class VersionStore:
     def _recycle_locked(self) -> None:
         still: list[PublishedVersion] = []
         for old in self._evicted:
-            if old.in_flight():
-                still.append(old)
-            else:
+            if old.retire_if_idle():
                 self._pool.give(old.buffer)
+            else:
+                still.append(old)
         self._evicted = still
 
     def clear(self) -> None:
