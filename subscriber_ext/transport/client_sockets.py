@@ -12,13 +12,14 @@ from collections.abc import Callable
 
 import zmq
 
+from subscriber_ext.transport.reply_watch import SILENT_TIMEOUTS
 from subscriber_ext.transport.sync_state import SyncState
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import TransportError
 from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events
 from weightpub_wire.sockets import configure_socket, connect
 
-__all__ = ["on_handshake_events", "open_client_sockets"]
+__all__ = ["on_handshake_events", "open_client_sockets", "redial_sub", "watch_replies"]
 
 
 def open_client_sockets(ctx: zmq.Context, endpoint: str, request_timeout: float,
@@ -61,3 +62,34 @@ def on_handshake_events(client: SyncState) -> None:
             client.error = TransportError(why)
             client._report_dirty = True
             client.warn.warning("handshake", why)
+
+
+def watch_replies(client: SyncState, now: float) -> None:
+    """Dial the ROUTER anew when the client has waited ``SILENT_TIMEOUTS`` request
+    timeouts for a reply that cannot come (``reply_watch.py``). What was in flight
+    times out and is asked again on the new connection."""
+    waiting = client.requests.in_flight() > 0 or client.state != "ACTIVE" \
+        or client.replies.refused
+    if not waiting:
+        client.replies.idle()
+        return
+    timeout = client.options.request_timeout
+    if not client.replies.stalled(now, timeout):
+        return
+    client.warn.warning("redial", f"no reply from {client.endpoint} for "
+                        f"{SILENT_TIMEOUTS * timeout:.0f}s while waiting for one; dialling again")
+    _redial(client.dealer, client.endpoint)
+
+
+def redial_sub(client: SyncState) -> None:
+    """Dial the PUB endpoint anew (after the publisher went silent on it)."""
+    if client._pub_endpoint:
+        _redial(client.sub, client._pub_endpoint)
+
+
+def _redial(sock: zmq.Socket, endpoint: str) -> None:
+    try:
+        sock.disconnect(endpoint)
+    except zmq.ZMQError:
+        pass  # ZeroMQ had already dropped it: connecting again is all there is to do
+    connect(sock, endpoint)

@@ -237,6 +237,7 @@ class WeightSubscriber:
             "publisher_latest_version": client.latest_seen,
             "ignored_manifests": client.ignored_manifests,
             "handshake_failures": client.handshake_failures,
+            "redials": client.replies.redials,  # ROUTER connections dialled anew
             "publisher_id": client.instance,
             "last_error": client.last_error,
             **client.deltas.stats(),  # bytes received full vs delta, the delta base

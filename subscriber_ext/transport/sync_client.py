@@ -43,14 +43,15 @@ from typing import Any
 
 import zmq
 
+from subscriber_ext.transport import client_sockets as sockets
 from subscriber_ext.transport import instance_following
 from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.chunk_replies import discard_rest, receive_chunk
-from subscriber_ext.transport.client_sockets import on_handshake_events, open_client_sockets
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
 from subscriber_ext.transport.fetch_credit import expire_requests, top_up
 from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.peering import Peering, PeerOptions
+from subscriber_ext.transport.reply_watch import ReplyWatch
 from subscriber_ext.transport.request_table import RequestTable, VersionBackoff
 from subscriber_ext.transport.staging import Assembly, StagedVersion
 from subscriber_ext.transport.version_choice import consider, deliver, yield_target
@@ -117,6 +118,7 @@ class SyncClient:
         self.queued: wire.Manifest | None = None
         self.requests = RequestTable()  # in flight (also peers', for peering.py); tries
         self.backoff = VersionBackoff()  # versions given up recently
+        self.replies = ReplyWatch()  # a DEALER that stopped answering (reply_watch.py)
         self._latest_req = 0
         self._latest_sent = 0.0
         self._last_heard = 0.0
@@ -125,7 +127,7 @@ class SyncClient:
         self._next_report = 0.0
         self._report_dirty = True
         self._hooks = socket_hooks or []
-        self.dealer, self.sub, self.monitor = open_client_sockets(
+        self.dealer, self.sub, self.monitor = sockets.open_client_sockets(
             ctx, endpoint, options.request_timeout, options.limits, self._hooks)
         self.listeners: list[ChunkListener] = []
         self.peering: Peering | None = None
@@ -159,7 +161,7 @@ class SyncClient:
 
     def on_monitor(self) -> None:
         """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
-        on_handshake_events(self)
+        sockets.on_handshake_events(self)
 
     # -- time-driven work ----------------------------------------------------------------------
     def tick(self, now: float) -> float:
@@ -168,8 +170,10 @@ class SyncClient:
             if self.state == "ACTIVE":
                 log.warning("publisher silent for %.1fs; re-syncing", now - self._last_heard)
                 self.state = "SYNCING"
+                sockets.redial_sub(self)  # a SUB connection ended by a protocol error
             if now - self._latest_sent >= min(1.0, self.options.request_timeout):
                 instance_following.request_latest(self, now)
+        sockets.watch_replies(self, now)
         expire_requests(self, now)
         wait = 0.1 if self.peering is None else min(0.1, self.peering.tick(now))
         self._top_up(now)
@@ -187,8 +191,10 @@ class SyncClient:
         """One control message to the publisher; False when not connected yet."""
         try:
             self.dealer.send(wire.encode(message), zmq.NOBLOCK)
+            self.replies.sent(time.monotonic(), queued=True)
             return True
         except zmq.Again:  # not connected yet (IMMEDIATE): retried on a later tick
+            self.replies.sent(time.monotonic(), queued=False)
             return False
 
     def _notify(self, event: str, manifest: wire.Manifest) -> None:
@@ -339,6 +345,7 @@ class SyncClient:
     def on_dealer(self) -> None:
         first = self.dealer.recv(copy=False)
         more = int(self.dealer.getsockopt(zmq.RCVMORE))
+        self.replies.heard(time.monotonic())
         try:
             message = wire.decode(first.buffer, limits=self.options.limits,
                                   expect=(wire.ChunkHeader, wire.LatestReply, wire.ErrorReply,

@@ -18,6 +18,7 @@ from subscriber_ext.transport.budget_gate import BudgetGate
 from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
 from subscriber_ext.transport.listener import ChunkListener
 from subscriber_ext.transport.peering import Peering
+from subscriber_ext.transport.reply_watch import ReplyWatch
 from subscriber_ext.transport.request_table import RequestTable, VersionBackoff
 from subscriber_ext.transport.staging import Assembly
 from weightpub_wire import protocol as wire
@@ -49,6 +50,7 @@ class SyncState(Protocol):
     deltas: DeltaState
     requests: RequestTable
     backoff: VersionBackoff
+    replies: ReplyWatch
     listeners: list[ChunkListener]
     peering: Peering | None
     collective: Any  # a ``CollectiveMember`` when the option is on

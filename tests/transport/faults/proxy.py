@@ -9,10 +9,11 @@ Commands on stdin, one per line, answered ``ok <command>`` on stdout:
 - ``stall``: stop forwarding (both directions; connections stay open, data waits)
 - ``truncate``: cut every open connection at once (RST), then forward again
 - ``corrupt N``: flip one byte in every N forwarded publisher->subscriber bytes
-- ``desync``: on each open connection to the first port (the ROUTER), slip a frame
-  header announcing 512 MiB between two publisher->subscriber frames, then send
-  only a trickle of zeros: the subscriber's stream stays busy but never frames
-  again (what one flipped bit in a length field does), until it reconnects
+- ``desync N``: on each open connection to the first port (the ROUTER), slip a frame
+  header announcing N MiB between two publisher->subscriber frames, then send
+  only a trickle of zeros (what one flipped bit in a length field does): below
+  the receiver's ``MAXMSGSIZE`` the stream stays busy but never frames again;
+  above it ZeroMQ ends the connection as a protocol error and does not redial
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Proxy:
         self.corrupt_every = 0
         self.flipped = 0
         self.desynced = 0  # streams broken by ``desync``
+        self.desync_mib = 0
         self.lock = threading.Lock()
         self.open: list[socket.socket] = []
         self.rng = random.Random(7)
@@ -104,7 +106,8 @@ class Proxy:
                         starts = cursor.boundaries(data)
                         if starts and upstream in self.desync_pending:
                             self.desync_pending.discard(upstream)
-                            data = data[: starts[0]] + b"\x02" + (512 << 20).to_bytes(8, "big")
+                            data = data[: starts[0]] + b"\x02" + \
+                                (self.desync_mib << 20).to_bytes(8, "big")
                             broken = True
                             self.desynced += 1
                     if sock is upstream and self.mode == "corrupt" and self.corrupt_every:
@@ -146,6 +149,7 @@ def main() -> None:
         if command[0] == "truncate":
             proxy.truncate()
         elif command[0] == "desync":
+            proxy.desync_mib = int(command[1])
             with proxy.lock:
                 proxy.desync_pending = set(proxy.router_upstreams)
         elif command[0] == "corrupt":

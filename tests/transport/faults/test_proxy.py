@@ -129,21 +129,26 @@ def test_truncating_proxy(rig: dict[str, Any]) -> None:
     assert rig["sub"]._thread.is_alive()
 
 
-def test_a_reply_stream_that_never_frames_again_is_dropped_and_redialled(
-        rig: dict[str, Any]) -> None:
-    """One flipped bit in a length field: the DEALER waits for a 512 MiB frame while bytes
-    keep coming, and every reply is swallowed into it. The publisher's ZMTP heartbeats
-    (PINGs that now go unanswered) drop the connection; the DEALER dials again and the
-    versions arrive, without anything partial offered."""
+@pytest.mark.parametrize("mib", [512, 4 << 20])
+def test_a_reply_stream_that_never_frames_again_is_dialled_anew(
+        rig: dict[str, Any], mib: int) -> None:
+    """One corrupted length field on the ROUTER -> DEALER stream. 512 MiB (under the
+    DEALER's ``MAXMSGSIZE``): every reply is swallowed into a frame that never ends
+    and ZMTP heartbeats drop the connection. 4 TiB: ZeroMQ ends it as a protocol
+    error and never redials by itself, while the SUB socket's heartbeats keep the
+    publisher looking alive; the subscriber notices that no reply came and dials
+    again. Either way the versions arrive and nothing partial is offered."""
     _version(rig, 1)
     _arrives(rig, 1)
     _version(rig, 2)
     _in_flight(rig, 2)
-    rig["proxy"].command("desync")  # at the next frame boundary: during v2, or after it
+    rig["proxy"].command(f"desync {mib}")  # at the next frame boundary: during v2, or after
     _arrives(rig, 2, timeout=30)
     _version(rig, 3)
     _arrives(rig, 3, timeout=30)
     assert rig["proxy"].command("pass").endswith("desynced=1")  # the stream did break
+    if mib > 1024:
+        assert rig["sub"].status()["redials"] >= 1
 
 
 def test_corrupting_proxy(rig: dict[str, Any]) -> None:
