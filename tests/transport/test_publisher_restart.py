@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from subscriber_ext import StagedVersion, WeightSubscriber
-from tests.transport.procs import Child, det_weights, digests, free_port, wait_until
+from tests.transport.procs import Child, det_weights, digests, free_port, pace_replies, wait_until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -20,14 +19,7 @@ BIG = [("big", "float32", [75, 1 << 20])]  # 300 MiB
 
 def throttle(sub: WeightSubscriber, seconds: float) -> None:
     """Slow the subscriber down per chunk so a kill reliably lands mid-transfer."""
-    client = sub._client
-    receive = client._on_chunk
-
-    def slow(header: Any, more: int) -> None:
-        time.sleep(seconds)
-        receive(header, more)
-
-    client._on_chunk = slow
+    pace_replies(sub._client, seconds)
 
 
 def test_publisher_kill9_mid_transfer_then_restart_on_same_endpoint(

@@ -7,7 +7,6 @@ paced (a sleep per chunk, as the kill matrix does) so "while" is observable.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
-from tests.transport.procs import det_weights, digests, drift_weights, wait_until
+from tests.transport.procs import det_weights, digests, drift_weights, pace_replies, wait_until
 from weightpub.config import RelayConfig
 from weightpub.relay import Relay
 
@@ -32,14 +31,7 @@ def relay_of(pub: WeightPublisher, closing: Callable[[Any], Any], *, cut_through
         "upstream": {"endpoint": pub.endpoint}, "cut_through": cut_through,
         "downstream": {"endpoint": "tcp://127.0.0.1:0", "heartbeat_interval": 0.2,
                        **downstream}})))
-    client = relay.subscriber._client
-    receive = client._on_chunk
-
-    def paced(header: Any, more: int, sock: Any = None) -> None:
-        time.sleep(pace)
-        receive(header, more, sock)
-
-    client._on_chunk = paced  # type: ignore[method-assign]
+    pace_replies(relay.subscriber._client, pace)
     return relay
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from publisher import ClosedError, WeightPublisher, WeightPubTimeout
 from subscriber_ext import WeightSubscriber
-from tests.transport.procs import det_weights, free_port, wait_until
+from tests.transport.procs import det_weights, free_port, pace_replies, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,14 +79,7 @@ def test_close_mid_transfer_is_prompt_and_leaves_no_threads(
     """Both sides closed while a version is half way across."""
     pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=64 << 10, heartbeat_interval=0.2)
     sub = WeightSubscriber(pub.endpoint, window_bytes=64 << 10, chunks_per_request=1)
-    client = sub._client
-    receive = client._on_chunk
-
-    def slow(header: object, more: int) -> None:
-        time.sleep(0.01)
-        receive(header, more)
-
-    client._on_chunk = slow
+    pace_replies(sub._client, 0.01)
     try:
         pub.publish(det_weights(2, 1, [("w", "float32", [64, 1 << 16])]))  # 16 MiB, 256 chunks
         wait_until(lambda: (sub.status()["fetching_fraction"] or 0) > 0, 30, "a transfer")

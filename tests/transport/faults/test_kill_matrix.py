@@ -27,7 +27,7 @@ import pytest
 from subscriber_ext import StagedVersion, WeightSubscriber
 from tests.transport.faults.harness import Proc, Recorder
 from tests.transport.faults.tools import rss_mib
-from tests.transport.procs import det_weights, digests, free_port, wait_until
+from tests.transport.procs import det_weights, digests, free_port, pace_replies, wait_until
 from weightpub.status import fetch_status
 from weightpub_wire.errors import WeightPubTimeout
 
@@ -86,13 +86,7 @@ def _subscriber(endpoint: str, recorder: Recorder, *, slow: bool = False) -> Wei
     sub = WeightSubscriber(endpoint, on_version=recorder, request_timeout=1.0,
                            window_bytes=1 << 20, chunks_per_request=2, report_interval=0.3)
     if slow:  # so an outside kill lands at a known fraction
-        client, receive = sub._client, sub._client._on_chunk
-
-        def paced(header: Any, more: int) -> None:
-            time.sleep(0.01)
-            receive(header, more)
-
-        client._on_chunk = paced
+        pace_replies(sub._client, 0.01)
     return sub
 
 

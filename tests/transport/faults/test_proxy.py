@@ -20,7 +20,7 @@ from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.harness import Recorder
 from tests.transport.faults.tools import rss_mib
-from tests.transport.procs import REPO, det_weights, wait_until
+from tests.transport.procs import REPO, det_weights, pace_replies, wait_until
 from weightpub_wire.endpoints import parse_endpoint
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,13 +64,7 @@ def rig() -> Iterator[dict[str, Any]]:
                         specs={v: SPEC for v in range(1, 10)})
     sub = WeightSubscriber(f"tcp://127.0.0.2:{router_port}", on_version=recorder,
                            request_timeout=1.0, window_bytes=1 << 20, chunks_per_request=2)
-    client, receive = sub._client, sub._client._on_chunk
-
-    def paced(header: Any, more: int) -> None:  # ~0.5 s per version: faults land mid-way
-        time.sleep(0.008)
-        receive(header, more)
-
-    client._on_chunk = paced
+    pace_replies(sub._client, 0.008)  # ~0.5 s per version: faults land mid-way
     before = rss_mib()
     yield {"pub": pub, "proxy": proxy, "sub": sub, "recorder": recorder}
     grown = rss_mib() - before
