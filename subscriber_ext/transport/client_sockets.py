@@ -32,7 +32,11 @@ def open_client_sockets(ctx: zmq.Context, endpoint: str, request_timeout: float,
         configure_socket(sock, heartbeat_interval=1.0)
         for hook in hooks:
             hook(sock, server=False)
-    dealer.setsockopt(zmq.IMMEDIATE, 1)
+    # no IMMEDIATE: with it, libzmq 4.3.5 ends a dropped connection's pipe at once, with
+    # the rest of a chunk reply whose header frame was already read, and then aborts
+    # the process on the next frame (zmq_recv; seen in the kill matrix, about 1 run
+    # in 4). Requests sent while disconnected wait in the pipe (bounded by SNDHWM);
+    # a new publisher instance refuses the stale ones and they are asked again.
     dealer.setsockopt(zmq.RCVHWM, 0)
     # a refused or silent handshake is given up (and reported) after request_timeout
     dealer.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(request_timeout * 1000)))

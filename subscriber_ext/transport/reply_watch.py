@@ -3,7 +3,7 @@
 Why: ZeroMQ redials a connection that dropped or timed out, but not one that
 ended in a protocol error. One corrupted byte on the wire (a flipped flag or an
 impossible frame length from a bad middlebox) is such an error: the DEALER's
-session ends for good, every send is refused (``IMMEDIATE``), and nothing says
+session ends for good, every send is refused (no pipe left), and nothing says
 so, while the SUB socket's heartbeats keep the publisher looking alive. So the
 client counts from the moment it wanted a reply: after ``SILENT_TIMEOUTS``
 request timeouts with no frame back, it dials the endpoint anew

@@ -140,7 +140,8 @@ class Sources:
         configure_socket(sock, heartbeat_interval=1.0)
         for hook in self.hooks_for(key):
             hook(sock, server=False)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
+        # no IMMEDIATE: libzmq aborts on a half-read reply when it drops the pipe at
+        # once (client_sockets.py); a dead peer is found by its silence instead
         sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(self.timeout * 1000)))
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         monitor = open_monitor(sock, _EVENTS)

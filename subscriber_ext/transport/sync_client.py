@@ -193,7 +193,7 @@ class SyncClient:
             self.dealer.send(wire.encode(message), zmq.NOBLOCK)
             self.replies.sent(time.monotonic(), queued=True)
             return True
-        except zmq.Again:  # not connected yet (IMMEDIATE): retried on a later tick
+        except zmq.Again:  # no pipe (ended by a protocol error) or full: retried later
             self.replies.sent(time.monotonic(), queued=False)
             return False
 
