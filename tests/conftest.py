@@ -24,8 +24,6 @@ _faults: list[IO[str]] = []
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
-    if hasattr(config, "workerinput"):  # not used, but a worker must not share the file
-        return
     _faults.append(FAULTS.open("w"))
     faulthandler.enable(file=_faults[0], all_threads=True)
 

@@ -178,10 +178,9 @@ def pace_replies(client: Any, seconds: float) -> None:
     """Slow a ``SyncClient`` to one DEALER message per ``seconds`` (so a kill or a fault
     lands mid-transfer).
 
-    The sleep comes before a message is read, never between its frames: libzmq 4.3.5
-    aborts the whole process when a connection drops while a multipart message is
-    half read (``zmq_recv`` of the chunk payload; the kill matrix, which used to
-    sleep between header and payload, hit it about once in eight runs).
+    The sleep comes before a message is read, never between its frames, so a test
+    slows the transfer without holding a multipart reply half read (the libzmq abort
+    on a half-read reply came from ``IMMEDIATE``, see ``client_sockets.py``).
     """
     receive = client.on_dealer
 
