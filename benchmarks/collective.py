@@ -34,7 +34,7 @@ import torch
 
 from subscriber_ext import WORKER_EXTENSION as EXT
 from subscriber_ext import wait_until_applied
-from weightpub.bench.e2e import GAP_TOL, GEN_TOKENS, PROMPT, greedy_gap, perturb, vllm_greedy
+from weightpub.bench.e2e_bench import GAP_TOL, GEN_TOKENS, PROMPT, greedy_gap, perturb, vllm_greedy
 from weightpub.bench.engines import build_model
 from weightpub.demos.tiny_vllm import hf_greedy
 

@@ -1,7 +1,7 @@
 """New weights in trainer memory -> vLLM engine generating with them, weightpub vs baselines.
 
 A thin wrapper around ``weightpub bench --sections e2e`` (the logic lives in
-``weightpub/bench/e2e.py``): weightpub vs save + ``reload_weights`` from disk vs one
+``weightpub/bench/e2e_bench.py``): weightpub vs save + ``reload_weights`` from disk vs one
 seed RPC per tensor, interleaved, every generation checked against transformers,
 plus the engine's step loop blocked by a commit vs vLLM's own ``reload_weights``.
 Targets: <= 0.33x disk, <= 0.2x per-parameter RPC, commit pause <= 0.1x reload.

@@ -45,7 +45,7 @@ def _subscriber(endpoint: str, versions: int, window_mib: int, conn: Any) -> Non
 
 
 def _relay(upstream: str, chunk_mib: int, window_mib: int, conn: Any) -> None:
-    from weightpub.config import PublisherConfig, RelayConfig, SubscriberConfig
+    from weightpub.deployment_config import PublisherConfig, RelayConfig, SubscriberConfig
     from weightpub.relay import Relay
 
     config = RelayConfig(

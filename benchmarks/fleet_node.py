@@ -92,9 +92,9 @@ def run_subscriber(args: dict[str, Any]) -> None:
 
 
 def run_relay(args: dict[str, Any]) -> None:
-    from publisher.config import PublisherConfig
-    from subscriber_ext.transport.config import SubscriberConfig
-    from weightpub.config import RelayConfig
+    from publisher.publisher_config import PublisherConfig
+    from subscriber_ext.transport.subscriber_config import SubscriberConfig
+    from weightpub.deployment_config import RelayConfig
     from weightpub.relay import Relay
 
     config = RelayConfig(upstream=SubscriberConfig(endpoint=args["connect"]),

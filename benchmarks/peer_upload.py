@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from weightpub.bench.engines import build_model, start_engine  # noqa: E402
-from weightpub.bench.streaming import Streamer, generate  # noqa: E402
+from weightpub.bench.streaming_bench import Streamer, generate  # noqa: E402
 
 ARMS = ("quiet", "no-serving", "serving", "serving-capped")
 

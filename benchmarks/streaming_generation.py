@@ -1,7 +1,7 @@
 """Generation throughput while versions stream in vs no updates, in one run.
 
 A thin wrapper around ``weightpub bench --sections streaming`` (the logic lives in
-``weightpub/bench/streaming.py``): quiet and streaming rounds alternate, for each
+``weightpub/bench/streaming_bench.py``): quiet and streaming rounds alternate, for each
 cadence. Target: >= 0.9x the tokens/s of no updates at one version per second.
 
     python benchmarks/streaming_generation.py                 # 80 MB bf16, every 1 s and 0.3 s

@@ -1,7 +1,7 @@
 """Transport vs a raw TCP socket moving the same bytes across processes, in one run.
 
 A thin wrapper around ``weightpub bench --sections transport`` (the logic lives in
-``weightpub/bench/transport.py``): raw, tcp:// and ipc:// interleaved; steady-state
+``weightpub/bench/transport_bench.py``): raw, tcp:// and ipc:// interleaved; steady-state
 and first-version (cold) ratios. Target: >= 0.8x steady, >= 0.6x cold.
 
     python benchmarks/throughput.py --mib 256,1024 --rounds 8

@@ -8,7 +8,7 @@ never pulls in transformers.
 
 from typing import Any as _Any
 
-from publisher.config import PublisherConfig
+from publisher.publisher_config import PublisherConfig
 from publisher.server import ServerLimits
 from publisher.snapshot import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher

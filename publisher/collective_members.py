@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass, field
 
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective import MAX_MEMBERS, GroupStatus
+from weightpub_wire.collective_layout import MAX_MEMBERS, GroupStatus
 
 __all__ = ["MemberLimits", "MemberTable", "Plan"]
 

@@ -6,7 +6,7 @@ pay is sent from the version's full bytes, zero-copy. The held-back requests
 are bounded, per peer and in all: past either bound a request gets a
 ``bad_request`` error (the subscriber then fetches the full version). They
 drain on their own: every encoding ends, or is cut short and served raw.
-Every frame goes out through the server's per-peer credit (``publisher/peers.py``):
+Every frame goes out through the server's per-peer credit (``publisher/connection_credit.py``):
 a chunk a peer has no room for waits here like one still being encoded.
 """
 
@@ -16,7 +16,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 
-from publisher.delta import RAW, DeltaPublisher, EncodedDelta
+from publisher.delta_encoder import RAW, DeltaPublisher, EncodedDelta
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 

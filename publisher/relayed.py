@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from publisher.delta import DeltaPublisher
+from publisher.delta_encoder import DeltaPublisher
 from publisher.snapshot import Snapshot
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire

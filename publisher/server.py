@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from publisher.collective import CollectivePublisher
+from publisher.collective_sender import CollectivePublisher
+from publisher.connection_credit import Peer, PeerLimits, PeerTable
 from publisher.connections import ConnectionGuard, GuardLimits
-from publisher.delta import DeltaPublisher
+from publisher.delta_encoder import DeltaPublisher
 from publisher.delta_server import DeltaServing
-from publisher.peers import Peer, PeerLimits, PeerTable
 from publisher.reports import ReportLimits, ReportTable
 from publisher.store import PublishedVersion, VersionStore
 from publisher.tracker import Tracker, TrackerLimits

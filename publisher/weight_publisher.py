@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import zmq
 
-from publisher.collective import CollectiveOptions, CollectivePublisher
-from publisher.config import PublisherConfig, load_publisher_config
-from publisher.delta import DeltaPublisher
-from publisher.metrics import MetricsServer, PublisherCollector, PublisherFigures
+from publisher.collective_sender import CollectiveOptions, CollectivePublisher
+from publisher.delta_encoder import DeltaPublisher
+from publisher.publisher_config import PublisherConfig, load_publisher_config
+from publisher.publisher_metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.relayed import RelayedVersion, relay_upstream
 from publisher.reports import counts_for
 from publisher.server import ServerLimits, ServerOptions, ServingThread
@@ -36,7 +36,7 @@ from publisher.version_preparer import VersionPreparer
 from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList, start_authenticator
 from weightpub_wire.buffers import BufferPool, byte_view
-from weightpub_wire.collective import GroupStatus
+from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
 from weightpub_wire.peer_protocol import MAX_STRIPES
@@ -60,13 +60,13 @@ class WeightPublisher:
     ``ConfigError`` unless ``insecure=True``.
     ``metrics_port`` serves Prometheus metrics on ``metrics_host`` (loopback by default).
     ``delta_anchor_every`` > 1 also serves versions as deltas against the previous one
-    (``publisher.delta``), with a full anchor version every that many versions.
+    (``publisher.delta_encoder``), with a full anchor version every that many versions.
     ``limits`` overrides the serving thread's bounds (``ServerLimits``).
 
     ``collective`` (``"gloo"`` on CPUs, ``"nccl"`` on GPUs, ``"cuda_ipc"`` for a replica
     on this process's GPU, or None) also serves every version by a collective broadcast
     in packed buckets of ``collective_bucket_bytes`` to the subscribers that ask to join
-    (``publisher.collective``); manifests announce it, ZeroMQ frames stay the fallback.
+    (``publisher.collective_sender``); manifests announce it, ZeroMQ frames stay the fallback.
     Its rendezvous binds ``collective_host`` (default: the endpoint's host) on
     ``collective_port`` (0: any free port); ``collective_timeout`` bounds every
     rendezvous and collective wait; ``collective_device`` is the GPU (nccl, cuda_ipc).

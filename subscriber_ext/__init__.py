@@ -19,10 +19,10 @@ from subscriber_ext.staleness import (
     request_version_range,
     version_range,
 )
-from subscriber_ext.transport.config import SubscriberConfig
-from subscriber_ext.transport.staging import StagedVersion
+from subscriber_ext.transport.client.sync_client import SyncOptions
+from subscriber_ext.transport.staging.assembly import StagedVersion
 from subscriber_ext.transport.subscriber import WeightSubscriber
-from subscriber_ext.transport.sync_client import SyncOptions
+from subscriber_ext.transport.subscriber_config import SubscriberConfig
 
 __all__ = [
     "WORKER_EXTENSION",

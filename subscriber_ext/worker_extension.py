@@ -8,7 +8,7 @@ public RPC name. Each method runs on every rank through ``collective_rpc``,
 between two steps (a worker serves RPCs and ``execute_model`` from one queue).
 
 A version's way through a worker: the node's one ``WeightSubscriber`` (on the
-first local rank to start, ``transport/node_staging.py``) stages it in shared
+first local rank to start, ``transport/node/node_join.py``) stages it in shared
 memory and offers it to every local rank's ``CommitCoordinator`` (``commit/``), which
 may prepare it off the step path (``apply/prepare.py``); the coordinator's
 strategy decides when it is committed on every rank (the engine core with our
@@ -38,7 +38,7 @@ from subscriber_ext.commit.strategies import CommitStrategy, EngineDriven, RankA
 from subscriber_ext.commit.vllm_patches import wrap_execute_model
 from subscriber_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.seed_rpcs import SeedRpcs
-from subscriber_ext.transport.node_staging import join_node_staging
+from subscriber_ext.transport.node.node_join import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.vllm_compat import check_vllm
 from subscriber_ext.worker_state import VersionSource

@@ -18,7 +18,7 @@ from subscriber_ext.apply.applier import WeightApplier
 from subscriber_ext.apply.names import Target
 from subscriber_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.commit.shared_slots import SlotTable
-from subscriber_ext.observe.metrics import RankMetrics
+from subscriber_ext.observe.replica_metrics import RankMetrics
 from subscriber_ext.seed.communicator import WeightCommunicator
 from weightpub_wire.errors import WeightPubError
 

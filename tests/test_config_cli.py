@@ -14,7 +14,7 @@ import torch
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import wait_until
-from weightpub.config import (
+from weightpub.deployment_config import (
     PublisherConfig,
     RelayConfig,
     ReplicaConfig,
@@ -48,7 +48,7 @@ def test_shipped_configs_load(name, kind):
      "replica.subscriber.staging_budget_bytes"),
     ("replica:\n  model: m\n  node_staging: perhaps\n  subscriber: {endpoint: 'tcp://h:1'}\n",
      "replica.node_staging"),
-    ("publisher:\n  endpoint: tcp://h:1\n  collective: mpi\n", "publisher.collective"),
+    ("publisher:\n  endpoint: tcp://h:1\n  collective: mpi\n", "publisher.collective_sender"),
     ("publisher:\n  endpoint: tcp://h:1\n  chunk_mib: 4\n  collective_bucket_mib: 6\n",
      "collective_bucket_mib 6 is not a multiple of chunk_mib 4"),
     ("publisher:\n  endpoint: tcp://h:1\n  collective_timeout: 0\n",

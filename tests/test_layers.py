@@ -17,10 +17,17 @@ PACKAGES = ("weightpub_wire", "publisher", "subscriber_ext", "weightpub")
 
 #: (module prefix, layer): a module may import modules of a lower layer, or of its own
 #: group (the longest matching prefix names a module's group).
-LAYERS: list[tuple[str, int]] = [
+LAYERS: list[tuple[str, float]] = [
     ("weightpub_wire", 0),
     ("subscriber_ext.vllm_compat", 1),
-    ("subscriber_ext.transport", 2),
+    # the subscriber's transport, its sub-systems bottom up: what is being staged,
+    # then peers and the collective path, the sync client, the subscriber, node staging
+    ("subscriber_ext.transport.staging", 2.0),
+    ("subscriber_ext.transport.peers", 2.1),
+    ("subscriber_ext.transport.collective", 2.1),
+    ("subscriber_ext.transport.client", 2.2),
+    ("subscriber_ext.transport", 2.3),  # subscriber, subscriber_options, subscriber_config
+    ("subscriber_ext.transport.node", 2.4),
     ("subscriber_ext.apply", 2),
     ("subscriber_ext.seed", 2),
     ("subscriber_ext.observe", 2),
@@ -81,7 +88,7 @@ def _source_of(module: str) -> Path | None:
     return None
 
 
-def group(module: str) -> tuple[str, int]:
+def group(module: str) -> tuple[str, float]:
     matches = [(p, layer) for p, layer in LAYERS if module == p or module.startswith(p + ".")]
     return max(matches, key=lambda m: len(m[0]))
 
@@ -123,8 +130,8 @@ def test_imports_point_down(path: Path) -> None:
 def test_the_checker_can_fail() -> None:
     """Upward and sideways imports, and vLLM in the trainer package, are all caught."""
     assert violations("weightpub_wire.protocol", [("publisher", 3)])
-    assert violations("publisher.server", [("subscriber_ext.transport.staging", 1)])
-    assert violations("subscriber_ext.transport.sync_client", [("subscriber_ext.commit", 1)])
+    assert violations("publisher.server", [("subscriber_ext.transport.staging.assembly", 1)])
+    assert violations("subscriber_ext.transport.client.sync_client", [("subscriber_ext.commit", 1)])
     assert violations("publisher.snapshot", [("vllm.config", 9)])
     assert violations("publisher.snapshot", [("transformers", 9)])
     assert violations("publisher.callback", [("vllm", 9)])

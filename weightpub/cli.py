@@ -24,7 +24,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                     json_out=args.json, quiet=not args.verbose, log_dir=args.log_dir)
         return 0
     if args.transport_only:
-        from weightpub.demos.transport import run_transport_demo
+        from weightpub.demos.transport_demo import run_transport_demo
 
         run_transport_demo(versions=args.versions)
         return 0
@@ -70,7 +70,7 @@ def _cmd_keys(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    from weightpub.config import load_config
+    from weightpub.deployment_config import load_config
 
     config = load_config(args.path)
     print(f"{args.path}: ok ({type(config).__name__})")
@@ -78,7 +78,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_relay(args: argparse.Namespace) -> int:
-    from weightpub.config import load_relay_config
+    from weightpub.deployment_config import load_relay_config
     from weightpub.relay import run_relay
 
     run_relay(load_relay_config(args.config))
@@ -86,7 +86,7 @@ def _cmd_relay(args: argparse.Namespace) -> int:
 
 
 def _cmd_replica(args: argparse.Namespace) -> int:
-    from weightpub.config import load_replica_config
+    from weightpub.deployment_config import load_replica_config
     from weightpub.replica import serve_replica
 
     return serve_replica(load_replica_config(args.config), dry_run=args.dry_run)

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective import GroupStatus
+from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.errors import WeightPubTimeout
 
 __all__ = ["fleet_table", "group_line", "printable", "watch_fleet"]

@@ -21,7 +21,7 @@ import threading
 from publisher import WeightPublisher
 from publisher.relayed import RelayedVersion
 from subscriber_ext import StagedVersion, WeightSubscriber
-from weightpub.config import RelayConfig
+from weightpub.deployment_config import RelayConfig
 from weightpub_wire.buffers import byte_view
 from weightpub_wire.protocol import Manifest
 

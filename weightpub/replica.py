@@ -16,7 +16,7 @@ import orjson
 
 from subscriber_ext import WORKER_EXTENSION
 from subscriber_ext.observe.status_board import ENV as STATUS_ENV
-from weightpub.config import ReplicaConfig
+from weightpub.deployment_config import ReplicaConfig
 
 __all__ = ["replica_command", "serve_replica"]
 

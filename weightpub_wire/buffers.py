@@ -13,7 +13,7 @@ buffers that will come back) or raises ``StagingBudgetError`` (never fits).
 
 Where the memory comes from is the allocator's business: ``HostAllocator``
 (plain or pinned host memory, the default) or a shared-memory allocator
-(``subscriber_ext.transport.shared_segments``) whose buffers other processes map.
+(``subscriber_ext.transport.node.shared_segments``) whose buffers other processes map.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """YAML config files validated by pydantic models; every failure names the file and the key.
 
-Each side owns the schema of its options (``publisher.config``,
-``subscriber_ext.transport.config``, the application's replica/relay files);
+Each side owns the schema of its options (``publisher.publisher_config``,
+``subscriber_ext.transport.subscriber_config``, the application's replica/relay files);
 this module only reads a file and turns validation errors into ``ConfigError``
 such as ``configs/replica.yaml: replica.subscriber.window_mib: Input should be
 greater than 0``.

@@ -13,7 +13,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
-from weightpub_wire.collective import (
+from weightpub_wire.collective_layout import (
     BACKENDS,
     DATA_PATHS,
     MAX_MEMBERS,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from weightpub_wire.collective import IpcHandle
+from weightpub_wire.collective_layout import IpcHandle
 from weightpub_wire.errors import TransportError
 
 __all__ = ["device_uuid", "export_buffer", "open_buffer"]

@@ -15,7 +15,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from weightpub_wire.collective import CollectiveAnnounce
+from weightpub_wire.collective_layout import CollectiveAnnounce
 from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.message_base import (

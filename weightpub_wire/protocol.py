@@ -14,7 +14,7 @@ Sockets and frames::
 
 A publisher with a collective data path announces it in manifests and ``latest``
 replies (``collective``); ``coll_poll`` / ``coll_rep`` are how a subscriber asks to
-join its group and learns its rank (``weightpub_wire.collective``).
+join its group and learns its rank (``weightpub_wire.collective_layout``).
 
 A fetch that names a ``base`` gets each chunk as a delta payload instead
 (``weightpub_wire.delta_codec``); manifests of such versions carry ``delta``.
@@ -49,7 +49,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from weightpub_wire.collective import CollectiveAnnounce, GroupStatus, IpcHandle
+from weightpub_wire.collective_layout import CollectiveAnnounce, GroupStatus, IpcHandle
 from weightpub_wire.control_messages import (  # noqa: F401 - ERROR_CODES.. re-exported
     ERROR_CODES,
     POLL_STATES,

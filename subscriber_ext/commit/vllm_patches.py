@@ -35,7 +35,7 @@ from typing import Any
 from subscriber_ext.commit.engine_driver import EngineDriver
 from subscriber_ext.commit.idle_wake import WakeListener, wake_address
 from subscriber_ext.commit.shared_slots import ENV, SlotTable
-from subscriber_ext.observe.metrics import ReplicaCollector
+from subscriber_ext.observe.replica_metrics import ReplicaCollector
 from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_compat import check_vllm
 

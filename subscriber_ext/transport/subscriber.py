@@ -20,13 +20,13 @@ from typing import Any
 import msgspec
 import zmq
 
-from subscriber_ext.transport.collective import CollectiveMember
-from subscriber_ext.transport.listener import ChunkListener
-from subscriber_ext.transport.memory import derive_staging_budget
-from subscriber_ext.transport.progress import PartialVersion, ProgressFeed
-from subscriber_ext.transport.staging import StagedVersion
+from subscriber_ext.transport.client.sync_client import SyncClient, SyncOptions
+from subscriber_ext.transport.collective.collective_member import CollectiveMember
+from subscriber_ext.transport.staging.assembly import StagedVersion
+from subscriber_ext.transport.staging.chunk_listener import ChunkListener
+from subscriber_ext.transport.staging.memory_budget import derive_staging_budget
+from subscriber_ext.transport.staging.progress import PartialVersion, ProgressFeed
 from subscriber_ext.transport.subscriber_options import check_subscriber_options
-from subscriber_ext.transport.sync_client import SyncClient, SyncOptions
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, BufferPool
 from weightpub_wire.endpoints import parse_endpoint
@@ -55,7 +55,7 @@ class WeightSubscriber:
 
     ``staging_budget_bytes`` bounds the host memory of all staged versions alive
     at once (default: half of the memory available at start, see
-    ``transport/memory.py``); a version that can never fit is refused before
+    ``transport/staging/memory_budget.py``); a version that can never fit is refused before
     anything is allocated, one that fits once you ``release()`` what you hold
     waits. ``allocator`` chooses where staging buffers live (default: private
     host memory; node staging passes shared memory).
@@ -68,11 +68,11 @@ class WeightSubscriber:
     ``on_progress`` (optional, runs on the subscriber thread, must return quickly)
     sees each version while it arrives: a ``PartialVersion`` whose ``ready()``
     tensors are already verified and final, so work on them can start early; it is
-    ``cancelled`` if that reception is given up (``transport/progress.py``).
+    ``cancelled`` if that reception is given up (``transport/staging/progress.py``).
 
     ``peer_share=True`` serves the chunks this subscriber has verified to other
     subscribers of the same publisher and fetches from them as the publisher's
-    tracker plans (``transport/peering.py``): ``peer_bind`` (where to serve;
+    tracker plans (``transport/peers/peering.py``): ``peer_bind`` (where to serve;
     default 127.0.0.1 for a loopback publisher, else every interface, which
     needs CURVE or ``insecure=True``), ``upload_mbit`` (None: no rate bound) and
     ``upload_cpu_share`` (of one core, default 0.25) bound what serving costs.

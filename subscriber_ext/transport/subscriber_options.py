@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from subscriber_ext.transport.peer_options import PeerOptions
-from subscriber_ext.transport.sync_client import SyncOptions
+from subscriber_ext.transport.client.sync_client import SyncOptions
+from subscriber_ext.transport.peers.peer_options import PeerOptions
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError
 

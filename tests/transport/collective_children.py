@@ -81,7 +81,7 @@ def trainer_child(conn: multiprocessing.connection.Connection, args: dict[str, A
     faulthandler.dump_traceback_later(60, exit=True)
     _logging("trainer")
     from publisher import WeightPublisher
-    from publisher.collective import CollectivePublisher
+    from publisher.collective_sender import CollectivePublisher
 
     _count_buckets(CollectivePublisher, args.get("kill_at"), after=False)
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 64 << 10),
@@ -120,7 +120,7 @@ def member_child(conn: multiprocessing.connection.Connection, args: dict[str, An
     faulthandler.dump_traceback_later(60, exit=True)
     _logging(args["name"])
     from subscriber_ext import WeightSubscriber
-    from subscriber_ext.transport.collective_receiver import CollectiveReceiver
+    from subscriber_ext.transport.collective.collective_receiver import CollectiveReceiver
 
     _count_buckets(CollectiveReceiver, args.get("kill_at"), after=True)
     seeds: dict[str, int] = {}

@@ -16,7 +16,7 @@ from tests.transport.procs import _commands, _emit, digests
 
 def run_node_rank(args: dict[str, Any]) -> None:
     from subscriber_ext import SyncOptions, WeightSubscriber
-    from subscriber_ext.transport.node_staging import NodeStagingOwner, join_node_staging
+    from subscriber_ext.transport.node.node_join import NodeStagingOwner, join_node_staging
 
     offered: queue.Queue[Any] = queue.Queue()
     options = SyncOptions(**args.get("options", {}))

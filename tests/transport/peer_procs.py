@@ -16,7 +16,7 @@ from tests.transport.procs import _commands, _emit, det_weights, digests
 
 
 def _corrupt_what_it_serves() -> None:
-    from subscriber_ext.transport import peer_server
+    from subscriber_ext.transport.peers import peer_server
 
     original = peer_server.PeerServer._send_chunk
 

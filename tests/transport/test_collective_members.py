@@ -13,7 +13,7 @@ import pytest
 
 from publisher.collective_members import MemberLimits, MemberTable
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective import RoundHeader, bucket_spans
+from weightpub_wire.collective_layout import RoundHeader, bucket_spans
 
 pytestmark = pytest.mark.timeout(30)
 LIMITS = MemberLimits(member_ttl=3.0, join_delay=0.3, regroup=1.5, max_members=8,

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import zmq
 
-import publisher.delta as publisher_delta
+import publisher.delta_encoder as publisher_delta
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import StagedVersion, WeightSubscriber
 from tests.transport.procs import REPO, digests, drift_weights, spec_bytes, wait_until
 from tests.transport.test_metrics import scrape
-from weightpub.config import RelayConfig
+from weightpub.deployment_config import RelayConfig
 from weightpub.relay import Relay
 from weightpub_wire import protocol as wire
 from weightpub_wire.delta_codec import HEADER_BYTES
@@ -266,7 +266,7 @@ def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublishe
 def test_a_bad_delta_anchor_every_is_a_config_error_naming_the_key(tmp_path: Any,
                                                                   value: object) -> None:
     from publisher import ConfigError
-    from publisher.config import load_publisher_config
+    from publisher.publisher_config import load_publisher_config
 
     path = tmp_path / "publisher.yaml"
     path.write_text(f"publisher:\n  endpoint: tcp://127.0.0.1:0\n  delta_anchor_every: {value}\n")

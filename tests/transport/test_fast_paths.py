@@ -18,8 +18,8 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
-from subscriber_ext.transport.progress import PartialVersion, ProgressFeed
-from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.progress import PartialVersion, ProgressFeed
 from tests.transport.procs import Child, as_bytes, digests, roundtrip_case, scribble
 from weightpub_wire.buffers import BufferPool
 

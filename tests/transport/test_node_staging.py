@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from publisher import WeightPublisher
-from subscriber_ext.transport.node_staging import node_label
+from subscriber_ext.transport.node.node_join import node_label
 from tests.transport.byte_relay import ByteRelay
 from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
 from tests.transport.shm_probe import memfd_holders, our_shm_files

@@ -12,7 +12,7 @@ import pytest
 
 from publisher import ProtocolError, WeightPubError
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective import CollectiveAnnounce, GroupStatus, IpcHandle
+from weightpub_wire.collective_layout import CollectiveAnnounce, GroupStatus, IpcHandle
 from weightpub_wire.protocol import Limits, Manifest, TensorEntry, decode, encode
 
 pytestmark = pytest.mark.timeout(30)

@@ -15,7 +15,7 @@ import pytest
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import det_weights, digests, drift_weights, pace_replies, wait_until
-from weightpub.config import RelayConfig
+from weightpub.deployment_config import RelayConfig
 from weightpub.relay import Relay
 
 pytestmark = pytest.mark.timeout(90)

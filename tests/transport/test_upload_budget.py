@@ -13,7 +13,7 @@ import time
 
 import zmq
 
-from subscriber_ext.transport.upload_budget import ThreadCpu, UploadBudget, find_thread
+from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget, find_thread
 
 CHUNK = 1 << 20
 

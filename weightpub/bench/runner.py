@@ -98,14 +98,14 @@ def run_bench(options: BenchOptions, progress: Progress | None = None) -> dict[s
                     "load_avg_start": os.getloadavg()},
     }
     if "transport" in options.sections:
-        from weightpub.bench.transport import run_transport
+        from weightpub.bench.transport_bench import run_transport
 
         out["transport"] = run_transport(options.transport_mib, options.transport_rounds,
                                          options.schemes, ticker("transport"))
     if "e2e" in options.sections or "streaming" in options.sections:
         _engine_sections(options, out, ticker)
     if "delta" in options.sections:
-        from weightpub.bench.delta import run_delta
+        from weightpub.bench.delta_bench import run_delta
 
         out["delta"] = run_delta(options.delta_mib, options.delta_steps, 1e-6,
                                  ticker("delta"))
@@ -142,14 +142,14 @@ def _engine_sections(options: BenchOptions, out: dict[str, Any],
                     loaded = models[section]
                 nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
                 if section == "e2e":
-                    from weightpub.bench.e2e import run_e2e
+                    from weightpub.bench.e2e_bench import run_e2e
 
                     oracle = build_model(models[section], torch.float32)
                     result = run_e2e(llm, model, oracle, reps=options.e2e_reps,
                                      warmup=options.e2e_warmup, tick=ticker("e2e"),
                                      subscriber_options=options.subscriber_options)
                 else:
-                    from weightpub.bench.streaming import run_streaming
+                    from weightpub.bench.streaming_bench import run_streaming
 
                     result = run_streaming(
                         llm, weights_of(model), cadences=options.cadences,

@@ -60,7 +60,7 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
     if not kill_at:
         return
     point, _, arg = kill_at.partition(":")
-    from publisher import peers, server, snapshot, weight_publisher
+    from publisher import connection_credit, server, snapshot, weight_publisher
 
     if point == "announce":
         original_announce = weight_publisher.WeightPublisher._announce
@@ -123,7 +123,7 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
         relayed.RelayedVersion.write_chunk = write_chunk  # type: ignore[method-assign]
     elif point in ("chunk", "chunk_after"):
         target = int(arg)
-        original_send = peers.PeerTable._send
+        original_send = connection_credit.PeerTable._send
         count = {"n": 0}
 
         def send(self: Any, peer: Any, head: list[bytes], body: Any) -> bool:
@@ -137,7 +137,7 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
                 _die()
             return sent
 
-        peers.PeerTable._send = send  # type: ignore[method-assign]
+        connection_credit.PeerTable._send = send  # type: ignore[method-assign]
     elif point in ("latest", "report", "status"):
         from weightpub_wire import protocol as wire
 
@@ -190,7 +190,7 @@ def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str,
         _exact_rss()
     _install(args.get("kill_at"))
     from publisher import WeightPublisher
-    from publisher.peers import PeerLimits
+    from publisher.connection_credit import PeerLimits
     from publisher.server import ServerLimits
 
     limits = ServerLimits(peers=PeerLimits(stall_timeout=args.get("stall_timeout", 30.0)))
@@ -218,7 +218,7 @@ def relay_child(conn: multiprocessing.connection.Connection, args: dict[str, Any
     """A relay (``weightpub.relay.Relay``) between ``upstream`` and ``endpoint``."""
     faulthandler.dump_traceback_later(30, exit=True)
     _install(args.get("kill_at"))
-    from weightpub.config import RelayConfig
+    from weightpub.deployment_config import RelayConfig
     from weightpub.relay import Relay
 
     if args.get("kill_at") == "forward":

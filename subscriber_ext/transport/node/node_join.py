@@ -18,11 +18,11 @@ import hashlib
 import time
 from collections.abc import Callable
 
-from subscriber_ext.transport.node_channel import bind_node, connect_node, node_address
-from subscriber_ext.transport.node_follower import NodeStagingFollower
-from subscriber_ext.transport.node_owner import NodeStagingOwner, Subscribe
-from subscriber_ext.transport.progress import PartialVersion
-from subscriber_ext.transport.staging import SharedView
+from subscriber_ext.transport.node.node_channel import bind_node, connect_node, node_address
+from subscriber_ext.transport.node.node_follower import NodeStagingFollower
+from subscriber_ext.transport.node.node_owner import NodeStagingOwner, Subscribe
+from subscriber_ext.transport.staging.assembly import SharedView
+from subscriber_ext.transport.staging.progress import PartialVersion
 from weightpub_wire.errors import TransportError
 
 __all__ = ["NodeStagingFollower", "NodeStagingOwner", "join_node_staging", "node_label"]
@@ -41,7 +41,7 @@ def join_node_staging(key: str, *, rank: int, on_version: Callable[[SharedView],
     """Own the node's subscription (first local rank to arrive) or follow its owner.
 
     ``on_progress``: this rank also sees each version while it arrives (every rank
-    of the node, through the owner; ``transport/progress.py``).
+    of the node, through the owner; ``transport/staging/progress.py``).
     """
     address = node_address(key)
     label = node_label(key)

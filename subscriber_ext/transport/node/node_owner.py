@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from subscriber_ext.transport.node_channel import (
+from subscriber_ext.transport.node.node_channel import (
     Applied,
     Channel,
     Forget,
@@ -33,10 +33,10 @@ from subscriber_ext.transport.node_channel import (
     Status,
     Welcome,
 )
-from subscriber_ext.transport.node_offers import Follower, Share, offer_for, partial_for
-from subscriber_ext.transport.progress import PartialVersion
-from subscriber_ext.transport.shared_segments import Segment, SharedSegments
-from subscriber_ext.transport.staging import SharedView, StagedVersion, tensor_views
+from subscriber_ext.transport.node.node_offers import Follower, Share, offer_for, partial_for
+from subscriber_ext.transport.node.shared_segments import Segment, SharedSegments
+from subscriber_ext.transport.staging.assembly import SharedView, StagedVersion, tensor_views
+from subscriber_ext.transport.staging.progress import PartialVersion
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, WeightPubError

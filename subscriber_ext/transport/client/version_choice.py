@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-from subscriber_ext.transport import instance_following
-from subscriber_ext.transport.staging import Assembly
-from subscriber_ext.transport.sync_state import SyncState
+from subscriber_ext.transport.client import instance_following
+from subscriber_ext.transport.client.sync_state import SyncState
+from subscriber_ext.transport.staging.assembly import Assembly
 from weightpub_wire import protocol as wire
 
 __all__ = ["consider", "deliver", "yield_target"]

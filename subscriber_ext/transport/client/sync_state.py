@@ -14,13 +14,13 @@ from typing import Any, Protocol
 
 import zmq
 
-from subscriber_ext.transport.budget_gate import BudgetGate
-from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
-from subscriber_ext.transport.listener import ChunkListener
-from subscriber_ext.transport.peering import Peering
-from subscriber_ext.transport.reply_watch import ReplyWatch
-from subscriber_ext.transport.request_table import RequestTable, VersionBackoff
-from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.client.reply_watch import ReplyWatch
+from subscriber_ext.transport.peers.peering import Peering
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.budget_gate import BudgetGate
+from subscriber_ext.transport.staging.chunk_listener import ChunkListener
+from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
+from subscriber_ext.transport.staging.request_table import RequestTable, VersionBackoff
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import WeightPubError
 from weightpub_wire.ratelog import RateLimitedLog

@@ -28,26 +28,26 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from subscriber_ext.transport.collective_receiver import (
+from subscriber_ext.transport.collective.collective_receiver import (
     LATER,
     CollectiveReceiver,
     GroupJob,
     IpcJob,
 )
-from subscriber_ext.transport.progress import ProgressFeed
-from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.budget_gate import BudgetGate
+from subscriber_ext.transport.staging.chunk_listener import ChunkListener
+from subscriber_ext.transport.staging.progress import ProgressFeed
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective import CollectiveAnnounce
+from weightpub_wire.buffers import BufferPool
+from weightpub_wire.collective_layout import CollectiveAnnounce
 from weightpub_wire.cuda_ipc import device_uuid
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.ratelog import RateLimitedLog
-
-if TYPE_CHECKING:
-    from subscriber_ext.transport.sync_client import SyncClient
 
 __all__ = ["LATER", "CollectiveMember"]
 
@@ -56,7 +56,27 @@ POLL_S = 0.25
 REFUSED_POLL_S = 2.0
 _KEEP_VERSIONS = 16
 
-RunOnClient = Callable[[Callable[["SyncClient"], None]], None]
+
+
+class SyncClient(Protocol):
+    """What the collective path needs of the sync client: its public face only."""
+
+    @property
+    def current_version(self) -> int: ...
+    @property
+    def gate(self) -> BudgetGate: ...
+    @property
+    def pool(self) -> BufferPool: ...
+    @property
+    def listeners(self) -> list[ChunkListener]: ...
+
+    def send(self, message: wire.Message) -> bool: ...
+    def yield_target(self, version: int) -> bool: ...
+    def consider(self, manifest: wire.Manifest) -> None: ...
+    def deliver(self, assembly: Assembly) -> None: ...
+
+
+RunOnClient = Callable[[Callable[[SyncClient], None]], None]
 
 
 class CollectiveMember:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from subscriber_ext.transport.listener import final_bytes
-from subscriber_ext.transport.staging import Assembly, tensor_views
+from subscriber_ext.transport.staging.assembly import Assembly, tensor_views
+from subscriber_ext.transport.staging.chunk_listener import final_bytes
 from weightpub_wire.protocol import Manifest
 
 __all__ = ["PartialVersion", "ProgressFeed"]

@@ -14,10 +14,10 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from subscriber_ext.transport.node_channel import Channel, Offer, Partial
-from subscriber_ext.transport.progress import PartialVersion
-from subscriber_ext.transport.shared_segments import Segment
-from subscriber_ext.transport.staging import StagedVersion
+from subscriber_ext.transport.node.node_channel import Channel, Offer, Partial
+from subscriber_ext.transport.node.shared_segments import Segment
+from subscriber_ext.transport.staging.assembly import StagedVersion
+from subscriber_ext.transport.staging.progress import PartialVersion
 
 __all__ = ["PARTIALS_KEPT", "Follower", "Share", "offer_for", "partial_for"]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import zmq
 
-from subscriber_ext.transport.reply_watch import SILENT_TIMEOUTS
-from subscriber_ext.transport.sync_state import SyncState
+from subscriber_ext.transport.client.reply_watch import SILENT_TIMEOUTS
+from subscriber_ext.transport.client.sync_state import SyncState
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import TransportError
 from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events

@@ -43,18 +43,18 @@ from typing import Any
 
 import zmq
 
-from subscriber_ext.transport import client_sockets as sockets
-from subscriber_ext.transport import instance_following
-from subscriber_ext.transport.budget_gate import BudgetGate
-from subscriber_ext.transport.chunk_replies import discard_rest, receive_chunk
-from subscriber_ext.transport.delta import DeltaAssembly, DeltaState
-from subscriber_ext.transport.fetch_credit import expire_requests, top_up
-from subscriber_ext.transport.listener import ChunkListener
-from subscriber_ext.transport.peering import Peering, PeerOptions
-from subscriber_ext.transport.reply_watch import ReplyWatch
-from subscriber_ext.transport.request_table import RequestTable, VersionBackoff
-from subscriber_ext.transport.staging import Assembly, StagedVersion
-from subscriber_ext.transport.version_choice import consider, deliver, yield_target
+from subscriber_ext.transport.client import client_sockets as sockets
+from subscriber_ext.transport.client import instance_following
+from subscriber_ext.transport.client.chunk_replies import discard_rest, receive_chunk
+from subscriber_ext.transport.client.fetch_credit import expire_requests, top_up
+from subscriber_ext.transport.client.reply_watch import ReplyWatch
+from subscriber_ext.transport.client.version_choice import consider, deliver, yield_target
+from subscriber_ext.transport.peers.peering import Peering, PeerOptions
+from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
+from subscriber_ext.transport.staging.budget_gate import BudgetGate
+from subscriber_ext.transport.staging.chunk_listener import ChunkListener
+from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
+from subscriber_ext.transport.staging.request_table import RequestTable, VersionBackoff
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubError

@@ -8,7 +8,7 @@ timed out. The table itself is ``request_table.py``.
 
 from __future__ import annotations
 
-from subscriber_ext.transport.sync_state import SyncState
+from subscriber_ext.transport.client.sync_state import SyncState
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import WeightPubTimeout
 

@@ -17,7 +17,7 @@ not mapped yet carries the buffer's memfd as ``SCM_RIGHTS`` ancillary data::
                       | forget {segment} | status {fields, ranks}
 
 A ``partial`` tells a follower which tensors of a version still arriving are
-final (``transport/progress.py``): the first one of an attempt carries the
+final (``transport/staging/progress.py``): the first one of an attempt carries the
 manifest (and the memfd when new to the follower), each one the indices of the
 tensors that became final since the last.
 """

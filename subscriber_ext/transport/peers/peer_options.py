@@ -13,11 +13,11 @@ from typing import Any, Protocol
 
 import zmq
 
-from subscriber_ext.transport.budget_gate import BudgetGate
-from subscriber_ext.transport.delta import DeltaState
-from subscriber_ext.transport.peer_server import PeerServerLimits
-from subscriber_ext.transport.request_table import RequestTable
-from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.peers.peer_server import PeerServerLimits
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.budget_gate import BudgetGate
+from subscriber_ext.transport.staging.delta_assembly import DeltaState
+from subscriber_ext.transport.staging.request_table import RequestTable
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from subscriber_ext.transport.sync_state import SyncState
+from subscriber_ext.transport.client.sync_state import SyncState
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import resolve_pub_endpoint
 from weightpub_wire.errors import ProtocolError

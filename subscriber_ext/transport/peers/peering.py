@@ -29,13 +29,13 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from subscriber_ext.transport.delta import DeltaAssembly
-from subscriber_ext.transport.listener import final_bytes
-from subscriber_ext.transport.peer_options import PeerClient, PeerOptions, default_peer_bind
-from subscriber_ext.transport.peer_server import GONE, WAIT, PeerServer
-from subscriber_ext.transport.sources import PeerLink, Sources, VersionKey, decode_reply
-from subscriber_ext.transport.staging import Assembly
-from subscriber_ext.transport.upload_budget import ThreadCpu, UploadBudget
+from subscriber_ext.transport.peers.chunk_sources import PeerLink, Sources, VersionKey, decode_reply
+from subscriber_ext.transport.peers.peer_options import PeerClient, PeerOptions, default_peer_bind
+from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer
+from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.chunk_listener import final_bytes
+from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, ProtocolError

@@ -12,8 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from publisher.config import PublisherConfig
-from subscriber_ext.transport.config import SubscriberConfig
+from publisher.publisher_config import PublisherConfig
+from subscriber_ext.transport.subscriber_config import SubscriberConfig
 from weightpub_wire.config_file import StrictConfig, load_yaml_as, load_yaml_section
 
 __all__ = [

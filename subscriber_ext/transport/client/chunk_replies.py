@@ -14,10 +14,10 @@ import time
 
 import zmq
 
-from subscriber_ext.transport.delta import DeltaAssembly
-from subscriber_ext.transport.fetch_credit import top_up
-from subscriber_ext.transport.listener import final_bytes
-from subscriber_ext.transport.sync_state import SyncState
+from subscriber_ext.transport.client.fetch_credit import top_up
+from subscriber_ext.transport.client.sync_state import SyncState
+from subscriber_ext.transport.staging.chunk_listener import final_bytes
+from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ChecksumError, ProtocolError
 

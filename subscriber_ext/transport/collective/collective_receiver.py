@@ -4,7 +4,7 @@ Why a thread of its own: a rendezvous and every broadcast block (bounded by the
 announced timeout); the subscriber thread must keep serving ZeroMQ meanwhile,
 since that is where any failed round is fetched again.
 
-A group member loops on round headers (``weightpub_wire.collective``): keepalive,
+A group member loops on round headers (``weightpub_wire.collective_layout``): keepalive,
 data, or close. For a data round it asks the subscriber thread for a staging
 buffer, says in the ready all_gather whether it has one, receives every bucket
 (into the buffer, or into a scratch bucket it throws away when it is not ready:
@@ -35,9 +35,15 @@ from typing import Any, Protocol
 
 import torch
 
-from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.staging.assembly import Assembly
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective import (
+from weightpub_wire.collective_group import (
+    CollectiveGroup,
+    GroupError,
+    connect_store,
+    local_address_towards,
+)
+from weightpub_wire.collective_layout import (
     KIND_CLOSE,
     KIND_KEEPALIVE,
     CollectiveAnnounce,
@@ -45,12 +51,6 @@ from weightpub_wire.collective import (
     RoundHeader,
     bucket_spans,
     publisher_tag,
-)
-from weightpub_wire.collective_group import (
-    CollectiveGroup,
-    GroupError,
-    connect_store,
-    local_address_towards,
 )
 from weightpub_wire.cuda_ipc import open_buffer
 from weightpub_wire.errors import TransportError

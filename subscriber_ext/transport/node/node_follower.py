@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from subscriber_ext.transport.node_channel import (
+from subscriber_ext.transport.node.node_channel import (
     Applied,
     Channel,
     Forget,
@@ -32,9 +32,9 @@ from subscriber_ext.transport.node_channel import (
     Welcome,
     connect_node,
 )
-from subscriber_ext.transport.progress import PartialVersion
-from subscriber_ext.transport.shared_segments import map_segment
-from subscriber_ext.transport.staging import SharedView, tensor_views
+from subscriber_ext.transport.node.shared_segments import map_segment
+from subscriber_ext.transport.staging.assembly import SharedView, tensor_views
+from subscriber_ext.transport.staging.progress import PartialVersion
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, WeightPubError
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from subscriber_ext.transport.staging import Assembly, StagedVersion
+from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.delta_codec import decode_chunk, version_digest

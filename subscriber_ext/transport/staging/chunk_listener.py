@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from subscriber_ext.transport.delta import DeltaAssembly
-from subscriber_ext.transport.staging import Assembly
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from weightpub_wire.protocol import Manifest
 
 __all__ = ["ChunkListener", "final_bytes"]

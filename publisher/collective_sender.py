@@ -8,7 +8,7 @@ leave (a new epoch each time), and sends every newly announced version as packed
 buckets straight out of the version's host buffer (gloo) or through one device
 bucket (NCCL), pinned in the store while it goes out.
 
-A round (see ``weightpub_wire.collective``): header, all_gather(ready), the buckets
+A round (see ``weightpub_wire.collective_layout``): header, all_gather(ready), the buckets
 if anyone is ready, all_gather(verified). Between versions a keepalive header goes
 out every ``keepalive`` seconds, so members learn within the timeout that the
 publisher is gone. Any failure tears the group down; its members fetch that
@@ -29,7 +29,13 @@ from publisher.collective_ipc import IpcExporter
 from publisher.collective_members import MemberLimits, MemberTable
 from publisher.store import PublishedVersion
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective import (
+from weightpub_wire.collective_group import (
+    CollectiveGroup,
+    GroupError,
+    Rendezvous,
+    arrived_ranks,
+)
+from weightpub_wire.collective_layout import (
     BACKENDS,
     KIND_CLOSE,
     KIND_DATA,
@@ -40,12 +46,6 @@ from weightpub_wire.collective import (
     RoundHeader,
     bucket_spans,
     publisher_tag,
-)
-from weightpub_wire.collective_group import (
-    CollectiveGroup,
-    GroupError,
-    Rendezvous,
-    arrived_ranks,
 )
 from weightpub_wire.cuda_ipc import device_uuid
 from weightpub_wire.errors import ConfigError

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 
-from subscriber_ext.transport.delta import DeltaState
+from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import StagingBudgetError

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from subscriber_ext.transport.upload_budget import UploadBudget
+from subscriber_ext.transport.peers.upload_budget import UploadBudget
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.ratelog import RateLimitedLog

@@ -1,0 +1,1 @@
+"""The sync client: the protocol state machine and its parts."""

@@ -1,0 +1,1 @@
+"""A node's side of the collective (gloo/NCCL) path."""

@@ -1,0 +1,1 @@
+"""One staging per node: the owner rank stages, the other local ranks map it."""

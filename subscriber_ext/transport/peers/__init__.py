@@ -1,0 +1,1 @@
+"""Peer sharing: serving verified chunks to peers and fetching from them."""

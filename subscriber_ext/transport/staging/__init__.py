@@ -1,0 +1,1 @@
+"""A version while it arrives: assemblies, deltas, budget, requests in flight, progress."""
