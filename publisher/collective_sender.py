@@ -117,7 +117,7 @@ class CollectivePublisher:
             self._ipc = IpcExporter(self.table, self._device, options.timeout)
         else:
             self._rendezvous = Rendezvous(options.host, options.port, timeout=options.timeout)
-        self._thread = threading.Thread(target=self._run, name="weightpub-collective",
+        self._thread = threading.Thread(target=self._run, name="weightpub-collective-send",
                                         daemon=True)
         self._thread.start()
         log.info("collective path %s on %s:%s (buckets of %d KiB)", self.backend, options.host,

@@ -115,8 +115,8 @@ class DeltaPublisher:
         self.cpu_seconds = 0.0
         if anchor_every > 1:
             threads = threads or max(2, min(8, (os.cpu_count() or 2) // 2))
-            self._executor = ThreadPoolExecutor(threads, thread_name_prefix="weightpub-delta")
-            self._thread = threading.Thread(target=self._encode_loop, name="weightpub-delta",
+            self._executor = ThreadPoolExecutor(threads, thread_name_prefix="weightpub-delta-chunk")
+            self._thread = threading.Thread(target=self._encode_loop, name="weightpub-delta-encode",
                                             daemon=True)
             self._thread.start()
 

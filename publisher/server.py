@@ -77,7 +77,7 @@ class ServingThread(threading.Thread):
                  *, publisher_id: str, started_at: float,
                  configure: list | None = None, deltas: DeltaPublisher | None = None,
                  collective: CollectivePublisher | None = None) -> None:
-        super().__init__(name="weightpub-server", daemon=True)
+        super().__init__(name="weightpub-publish-serve", daemon=True)
         self.collective = collective  # answers polls; its own thread does the rest
         self.ctx = ctx
         self.store = store

@@ -43,12 +43,12 @@ class VersionPreparer:
     def __init__(self, chunk_size: int, announce: Announce) -> None:
         self.chunk_size = chunk_size
         self._announce = announce
-        self._hash_executor = ThreadPoolExecutor(2, thread_name_prefix="weightpub-hash")
+        self._hash_executor = ThreadPoolExecutor(2, thread_name_prefix="weightpub-publish-hash")
         self._pending: queue.Queue[
             tuple[int, Snapshot, Callable[[], tuple[int, ...]], float] | None
         ] = queue.Queue()
-        self._thread = threading.Thread(target=self._prepare_loop, name="weightpub-prepare",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._prepare_loop,
+                                        name="weightpub-publish-announce", daemon=True)
         self._thread.start()
 
     def copy_and_hash(self, number: int, snapshot: Snapshot,

@@ -66,7 +66,8 @@ class Preparer:
         self.failures = 0
         self.last_error: str | None = None
         self.early_layers = 0  # layers built while their version was arriving, in all
-        self._thread = threading.Thread(target=self._run, name="weightpub-prepare", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="weightpub-apply-prepare",
+                                        daemon=True)
         self._thread.start()
 
     @property

@@ -45,7 +45,8 @@ class Streamer:
         self.pub, self.weights, self.every = pub, weights, every
         self.published: list[int] = []
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="weightpub-bench-publish",
+                                        daemon=True)
 
     @torch.no_grad()
     def _run(self) -> None:

@@ -109,7 +109,7 @@ class _Verifier:
                  on_verified: Callable[[range], None] | None = None) -> None:
         self.assembly = assembly
         self.on_verified = on_verified
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightpub-verify")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="weightpub-collective-verify")
         self._results: list[Future[bool]] = []
 
     def submit(self, start: int, size: int) -> None:
