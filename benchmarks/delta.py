@@ -33,6 +33,8 @@ import orjson
 import torch
 import xxhash
 
+from weightpub_wire.buffers import byte_view, flat_bytes
+
 MODES = ("full", "delta")
 
 
@@ -93,7 +95,7 @@ def _subscriber(endpoint: str, versions: int, conn: Any) -> None:
             at = time.time()
             state = xxhash.xxh3_64()
             for tensor in staged.tensors.values():
-                state.update(tensor.view(torch.uint8).numpy())
+                state.update(byte_view(flat_bytes(tensor)))
             digest = state.hexdigest()
             status = sub.status()
             conn.send((at, digest, status["delta_decode_cpu_seconds"],
@@ -160,7 +162,7 @@ def main() -> None:
             changed /= total / 2
         want = xxhash.xxh3_64()
         for t in weights.values():
-            want.update(t.view(torch.uint8).numpy())
+            want.update(byte_view(flat_bytes(t)))
         order = MODES if version % 2 else MODES[::-1]
         line = []
         for mode in order:

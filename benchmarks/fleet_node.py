@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import xxhash
 
+from weightpub_wire.buffers import byte_view, flat_bytes
+
 
 def emit(**event: Any) -> None:
     event.setdefault("t", time.time())
@@ -40,7 +42,7 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     state = xxhash.xxh3_64()
     for name in sorted(tensors):
         state.update(name.encode())
-        state.update(tensors[name].contiguous().view(torch.uint8).numpy())
+        state.update(byte_view(flat_bytes(tensors[name].contiguous())))
     return state.hexdigest()
 
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 import gc
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["MODELS", "build_model", "close_engine", "replica_metrics", "start_engine",
            "weights_of"]
@@ -29,7 +32,7 @@ MODELS: dict[str, dict[str, int]] = {
 
 
 def build_model(name: str, dtype: torch.dtype, seed: int = 0,
-                initializer_range: float = 0.2) -> torch.nn.Module:
+                initializer_range: float = 0.2) -> PreTrainedModel:
     """A random Qwen2-shaped model. ``initializer_range`` 0.2 gives peaked logits, so greedy
     tokens are well defined and stale weights are told apart by the oracle."""
     from transformers import AutoModelForCausalLM, Qwen2Config

@@ -134,7 +134,7 @@ def _engine_sections(options: BenchOptions, out: dict[str, Any],
                     if llm is not None:
                         close_engine(llm)
                     path = os.path.join(tmp, models[section])
-                    model.save_pretrained(path, safe_serialization=True)  # type: ignore[operator]
+                    model.save_pretrained(path, safe_serialization=True)
                     t0 = time.perf_counter()
                     llm = start_engine(path, dtype_name, max_seqs=options.stream_requests)
                     out.setdefault("engine_start_s", {})[models[section]] = \
