@@ -3,13 +3,19 @@
 A report is filed under ``(client, subscriber_id)`` where ``client`` is the
 CURVE public key its connection authenticated with (``User-Id``), or the peer's
 address without CURVE. So a stranger cannot overwrite another client's rows;
-with an allow-list it cannot report at all. Every resource is bounded: rows per
-client, rows in total (expired rows make room first), the text kept per row,
-and the rows a status reply carries.
+with an allow-list it cannot report at all. Under CURVE a subscriber id also
+belongs to the key that first reported it for as long as its row lives: another
+key's report under that id is refused, not filed as a second row. Every resource
+is bounded: rows per client, rows in total (expired rows make room first), the
+text kept per row, and the rows a status reply carries.
 
 ``counts_for`` is the rule ``wait_for_subscribers`` applies: only reports about
 this publisher instance's versions, and no version it has not announced (a
-report of version 2**63-1 is a lie, not a quorum).
+report of version 2**63-1 is a lie, not a quorum). ``reporters`` counts who
+stands behind those reports: under CURVE one per authenticated key, so one key
+over many connections (or many ids) is one subscriber; without CURVE nothing is
+authenticated and it counts ids, which any host that reaches the endpoint can
+invent (``UNAUTHENTICATED_QUORUM``).
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ import msgspec
 
 from weightpub_wire import protocol as wire
 
-__all__ = ["ReportLimits", "ReportTable"]
+__all__ = ["UNAUTHENTICATED_QUORUM", "ReportLimits", "ReportTable", "counts_for", "reporters"]
+
+UNAUTHENTICATED_QUORUM = (
+    "wait_for_subscribers without CURVE counts subscriber ids that nobody authenticated: any "
+    "host that reaches the ROUTER can report any id and version and satisfy it; use "
+    "curve_secret_key_file (and an allow-list) for a quorum you can trust")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +51,7 @@ class ReportTable:
         self.limits = limits
         self._rows: dict[tuple[str, str], tuple[wire.Report, float]] = {}
         self._per_client: dict[str, int] = {}
+        self._owners: dict[str, str] = {}  # CURVE: subscriber id -> the key whose row it is
         self._lock = threading.Lock()
 
     def record(self, report: wire.Report, client: str, now: float,
@@ -48,6 +60,16 @@ class ReportTable:
         report = msgspec.structs.replace(report, client_key=client_key)
         key = (client, report.subscriber_id)
         with self._lock:
+            if client_key is not None:
+                owner = self._owners.get(report.subscriber_id)
+                if owner is not None and owner != client:
+                    held = self._rows.get((owner, report.subscriber_id))
+                    if held is None or held[1] < now - self.limits.ttl:
+                        self._drop_locked((owner, report.subscriber_id))  # it expired: free
+                        owner = None
+                if owner is not None and owner != client:
+                    return (f"subscriber id {report.subscriber_id[:64]!r} belongs to another "
+                            f"CURVE key ({owner[:12]}...)")
             if key in self._rows:
                 self._rows[key] = (report, now)
                 return None
@@ -62,18 +84,26 @@ class ReportTable:
                     return f"{self.limits.max_reports} subscriber rows already tracked"
             self._rows[key] = (report, now)
             self._per_client[client] = self._per_client.get(client, 0) + 1
+            if client_key is not None:
+                self._owners[report.subscriber_id] = client
         return None
 
     def _expire_locked(self, now: float) -> None:
         cutoff = now - self.limits.ttl
         for key, (_, seen) in list(self._rows.items()):
             if seen < cutoff:
-                del self._rows[key]
-                left = self._per_client[key[0]] - 1
-                if left:
-                    self._per_client[key[0]] = left
-                else:
-                    del self._per_client[key[0]]
+                self._drop_locked(key)
+
+    def _drop_locked(self, key: tuple[str, str]) -> None:
+        if self._owners.get(key[1]) == key[0]:
+            del self._owners[key[1]]
+        if self._rows.pop(key, None) is None:
+            return
+        left = self._per_client[key[0]] - 1
+        if left:
+            self._per_client[key[0]] = left
+        else:
+            del self._per_client[key[0]]
 
     def live(self, now: float) -> list[wire.Report]:
         """Reports refreshed within the TTL, newest first."""
@@ -105,3 +135,10 @@ def counts_for(report: wire.Report, *, publisher_id: str, announced: int, versio
         return False
     got = report.applied_version if applied else report.staged_version
     return version <= got <= announced
+
+
+def reporters(reports: list[wire.Report]) -> int:
+    """How many distinct reporters stand behind ``reports``: one per CURVE key (a key on
+    many connections, under many ids, is one), else one per subscriber id."""
+    return len({("key", r.client_key) if r.client_key is not None else ("id", r.subscriber_id)
+                for r in reports})

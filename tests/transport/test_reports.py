@@ -1,7 +1,9 @@
-"""The back-channel: reports bound to their sender's key, bounded, never a fake quorum."""
+"""The back-channel: reports bound to their sender's key, bounded, never a fake quorum
+(under CURVE a quorum counts keys; without it, the first wait says anyone can fake one)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import zmq
 
 from publisher import WeightPublisher, WeightPubTimeout
-from publisher.reports import ReportLimits
+from publisher.reports import UNAUTHENTICATED_QUORUM, ReportLimits, ReportTable
 from publisher.server import ServerLimits
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.tools import RawPeer, rss_mib
@@ -143,3 +145,91 @@ def test_a_long_subscriber_error_is_cut_and_its_reports_still_arrive(
     assert len(sub.status()["last_error"]) == wire.MAX_ERROR_CHARS
     assert pub._server.bad_messages == 0
     pub.wait_for_subscribers(version, 1, timeout=10)
+
+
+def test_under_curve_one_allow_listed_key_on_five_connections_is_one_reporter(
+    tmp_path, make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    """Issue 22.4: a holder of an allow-listed key, over five connections, files ghost rows
+    and a report under the real subscriber's id: the real row stays the real one, and the
+    quorum counts keys (real + ghost holder = 2), not the six ids."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    public, secret = create_key_pair(tmp_path, "server")
+    _, real_secret = create_key_pair(allowed, "real")
+    _, ghost_secret = create_key_pair(allowed, "ghost")
+    server_key = zmq.auth.load_certificate(str(public))[0]
+    ghost_pair = zmq.auth.load_certificate(str(ghost_secret))
+    assert ghost_pair[1] is not None
+    with WeightPublisher("tcp://127.0.0.1:0", curve_secret_key_file=str(secret),
+                         curve_allowed_clients_dir=str(allowed), heartbeat_interval=0.2) as pub:
+        sub = make_sub(pub.endpoint, curve_server_key_file=str(public),
+                       curve_secret_key_file=str(real_secret), subscriber_id="real",
+                       report_interval=0.2)
+        version = pub.publish({"w": torch.arange(10)})
+        sub.wait_for_version(version, timeout=20)
+        sub.mark_applied(version)
+        real_key = pub.wait_for_subscribers(version, 1, timeout=20)[0].client_key
+        ctx = zmq.Context()
+        ghosts = [RawPeer(ctx, pub.endpoint, server_key=server_key,
+                          keypair=(ghost_pair[0], ghost_pair[1])) for _ in range(5)]
+        try:
+            for i, ghost in enumerate(ghosts):
+                ghost.send(_report("real", version, pub.publisher_id, "owned"))
+                ghost.send(_report(f"ghost-{i}", version, pub.publisher_id))
+            for ghost in ghosts:  # a reply on each connection: its reports were read
+                assert isinstance(ghost.call(wire.StatusRequest(req=1)), wire.StatusReply)
+        finally:
+            for ghost in ghosts:
+                ghost.close()
+            ctx.destroy(linger=0)
+        fleet = pub.fleet()
+        assert {r.subscriber_id for r in fleet} == {"real", *(f"ghost-{i}" for i in range(5))}
+        real = [r for r in fleet if r.subscriber_id == "real"]
+        assert len(real) == 1 and real[0].client_key == real_key and real[0].last_error is None
+        assert pub._server.refused_reports >= 5  # "real" from another key: refused each time
+        ghost_keys = {r.client_key for r in fleet if r.subscriber_id != "real"}
+        assert len(ghost_keys) == 1 and real_key not in ghost_keys
+        with pytest.raises(WeightPubTimeout, match="2/3 subscribers"):
+            pub.wait_for_subscribers(version, 3, timeout=1)
+        assert len(pub.wait_for_subscribers(version, 2, timeout=5)) == 6  # two keys, six rows
+        # a fleet sharing one key may count ids instead, knowingly
+        assert len(pub.wait_for_subscribers(version, 6, timeout=5, distinct_keys=False)) == 6
+
+
+def test_a_subscriber_id_belongs_to_its_first_key_until_its_row_expires() -> None:
+    table = ReportTable(ReportLimits(ttl=30.0))
+    first = _report("node", 3, "p")
+    assert table.record(first, "key-a", 100.0, "key-a") is None
+    refused = table.record(_report("node", 9, "p", "mine now"), "key-b", 110.0, "key-b")
+    assert refused is not None and "another CURVE key" in refused
+    assert [(r.client_key, r.applied_version) for r in table.live(120.0)] == [("key-a", 3)]
+    assert table.record(_report("node", 4, "p"), "key-a", 120.0, "key-a") is None  # its own
+    # the owner stops reporting: once its row has expired the id is free again
+    assert table.record(_report("node", 9, "p"), "key-b", 151.0, "key-b") is None
+    assert [(r.client_key, r.applied_version) for r in table.live(152.0)] == [("key-b", 9)]
+
+
+def test_without_curve_ghost_ids_satisfy_a_quorum_and_the_first_wait_says_so(
+    make_pub: Callable[..., WeightPublisher], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What plain TCP cannot prevent, said where it matters: five invented ids from one
+    stranger are a quorum of five, and the first wait_for_subscribers warns (once)."""
+    pub = make_pub()
+    version = pub.publish({"w": torch.arange(3)})
+    pub.wait_announced(version, timeout=20)
+    assert "any host" in (WeightPublisher.wait_for_subscribers.__doc__ or "")
+    ctx = zmq.Context()
+    peer = RawPeer(ctx, pub.endpoint)
+    try:
+        for i in range(5):
+            peer.send(_report(f"ghost-{i}", version, pub.publisher_id))
+        peer.call(wire.StatusRequest(req=1))
+    finally:
+        peer.close()
+        ctx.destroy(linger=0)
+    with caplog.at_level(logging.WARNING, logger="weightpub.publisher"):
+        assert len(pub.wait_for_subscribers(version, 5, timeout=5)) == 5
+        pub.wait_for_subscribers(version, 1, timeout=5)
+    warned = [r for r in caplog.records if UNAUTHENTICATED_QUORUM in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelno == logging.WARNING
