@@ -17,7 +17,9 @@ Rules:
   epoch waits up to ``regroup`` seconds for the previous members to report back
   free, so one re-form takes everyone who is still alive;
 * rows are bounded per client (CURVE key or address) and in total; a refused
-  poll gets ``state="refused"`` with the reason.
+  poll gets ``state="refused"`` with the reason;
+* each poll carries the node's fallback counts by cause (versions it held back
+  for the group but fetched over ZeroMQ frames); ``status`` shows them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import threading
 from dataclasses import dataclass, field
 
 from weightpub_wire import protocol as wire
-from weightpub_wire.collective_layout import MAX_MEMBERS, GroupStatus
+from weightpub_wire.collective_layout import MAX_FALLBACK_CAUSES, MAX_MEMBERS, GroupStatus
 
 __all__ = ["MemberLimits", "MemberTable", "Plan"]
 
@@ -53,6 +55,7 @@ class _Row:
     ipc_done: int = 0
     strikes: int = 0
     penalty_until: float = 0.0
+    fallbacks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -116,6 +119,7 @@ class MemberTable:
                 row.free_since = float("inf")
             row.state, row.epoch, row.last_poll = poll.state, poll.epoch, now
             row.ipc_done = max(row.ipc_done, poll.ipc_done)
+            row.fallbacks = poll.fallbacks
             if poll.state == "leaving":
                 del self._rows[key]
                 return reply("idle")
@@ -233,8 +237,13 @@ class MemberTable:
                 state = "active" if members else "idle"
             else:
                 state = "idle" if plan is None else "active" if plan.active else "forming"
+            ttl = self.limits.member_ttl
+            fallbacks = tuple((row.subscriber_id, cause, count)
+                              for row in self._rows.values() if now - row.last_poll <= ttl
+                              for cause, count in row.fallbacks if count)
             return GroupStatus(backend=self.backend, state=state,
                                epoch=plan.epoch if plan is not None else self._epoch,
                                members=tuple(k[1] for k in members)[:MAX_MEMBERS],
                                waiting=tuple(k[1] for k in waiting)[:MAX_MEMBERS],
+                               fallbacks=fallbacks[:MAX_MEMBERS * MAX_FALLBACK_CAUSES],
                                **counters)  # type: ignore[arg-type]

@@ -69,6 +69,10 @@ class WorkerStatus(StateAccess):
             "received_bytes": 0 if follower else source.get("received_bytes", 0),
             # how the applied version's bytes reached this node: zmq, gloo, nccl, cuda_ipc
             "data_path": coord.applied_data_path if coord else None,
+            # versions held back for the collective path but fetched over ZeroMQ, by cause
+            # (the node's subscription: counted at its owner rank only)
+            "collective_fallbacks": {} if follower else dict(
+                (source.get("collective") or {}).get("fallback_causes") or {}),
             "metrics": metrics,
         }
 
@@ -102,6 +106,9 @@ class WorkerStatus(StateAccess):
             "step_check_s": st.step_check_s,
             "driven": coord.driven if coord else st.slots is not None,
             "collectives": coord.strategy.collectives if coord else 0,
+            # the node's collective path: versions fetched over ZeroMQ instead, by cause
+            "collective_fallbacks": dict(((source_status or {}).get("collective") or {})
+                                         .get("fallback_causes") or {}),
             "seed_tensors": st.seed_tensors,
             "seed_pending": sorted(st.seed_pending),
             "subscriber": source_status,

@@ -40,6 +40,10 @@ def group_line(group: GroupStatus | None) -> Text | None:
         line.append_text(printable(", ".join(group.waiting), 200))
     line.append(f"; {group.rounds} round(s), last version {group.last_version}, "
                 f"{group.bytes_sent} bytes")
+    if group.fallbacks:  # versions nodes held back for the group but fetched over ZeroMQ
+        line.append("; fell back to zmq: ", style="yellow")
+        line.append_text(printable(", ".join(f"{member} {cause}={count}" for member, cause, count
+                                             in group.fallbacks), 400, style="yellow"))
     if group.last_error:
         line.append("; last error: ")
         line.append_text(printable(group.last_error, 200, style="red"))

@@ -16,10 +16,12 @@ from msgspec import Meta
 from weightpub_wire.collective_layout import (
     BACKENDS,
     DATA_PATHS,
+    MAX_FALLBACK_CAUSES,
     MAX_MEMBERS,
     CollectiveAnnounce,
     GroupStatus,
     IpcHandle,
+    Label,
 )
 from weightpub_wire.manifest import Manifest
 from weightpub_wire.message_base import (
@@ -176,6 +178,9 @@ class CollectivePoll(_Message, tag="coll_poll", kw_only=True, frozen=True):
     backend: Annotated[str, Meta(max_length=16)]
     device_uuid: Annotated[str, Meta(max_length=64)] = ""
     ipc_done: U63 = 0
+    #: (cause, count): versions this node fetched over ZeroMQ instead (``FALLBACK_CAUSES``)
+    fallbacks: Annotated[tuple[tuple[Label, U63], ...],
+                         Meta(max_length=MAX_FALLBACK_CAUSES)] = ()
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

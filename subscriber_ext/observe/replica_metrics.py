@@ -120,6 +120,10 @@ class ReplicaCollector(Collector):
         failures = CounterMetricFamily("weightpub_failures",
                                        "Versions or transfers that failed, by reason",
                                        labels=["rank", "reason"])
+        fallbacks = CounterMetricFamily(
+            "weightpub_collective_fallbacks",
+            "Versions held back for the collective path but fetched over ZeroMQ, by cause",
+            labels=["rank", "cause"])
         path = GaugeMetricFamily("weightpub_data_path_info",
                                  "The data path that delivered the applied version (1)",
                                  labels=["rank", "path"])
@@ -144,6 +148,9 @@ class ReplicaCollector(Collector):
             for reason, count in sorted((metrics.get("failures") or {}).items()):
                 if _number(count) is not None:
                     failures.add_metric([*label, str(reason)[:64]], float(count))
+            for cause, count in sorted((state.get("collective_fallbacks") or {}).items()):
+                if _number(count) is not None:
+                    fallbacks.add_metric([*label, str(cause)[:32]], float(count))
             if isinstance(state.get("data_path"), str):
                 path.add_metric([*label, state["data_path"][:16]], 1.0)
             for name, (_, bounds) in HISTOGRAMS.items():
@@ -160,5 +167,6 @@ class ReplicaCollector(Collector):
         yield received
         yield commits
         yield failures
+        yield fallbacks
         yield path
         yield from histograms.values()

@@ -3,7 +3,9 @@
 One engine (TP=2, the engine-driven commit) and a trainer *process* (a
 ``WeightPublisher(collective="gloo")`` publishing real model weights), in order:
 
-1. three versions arrive by broadcast into the node's shared staging, every rank
+1. three versions arrive by broadcast into the node's shared staging, the first
+   published right after ``start_weight_subscriber`` (the node asked to join
+   before it was announced, so it waits for its epoch's first round: issue 22.1), every rank
    runs them (``weight_version()["data_path"] == "gloo"`` on both ranks, the
    publisher's report says ``gloo`` for ranks 0 and 1), transformers agrees;
 2. a second node joins late and is brought into the group: a transport-level
@@ -88,20 +90,20 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
 
 
 def test_three_versions_arrive_by_gloo_into_the_tp2_replica(rig):
-    first = rig.group({rig.node})
-    for version, seed in ((1, 41), (2, 42), (3, 43)):
+    for version, seed in ((1, 41), (2, 42), (3, 43)):  # no wait for the group first
         rig.publish(version, seed)
         states = rig.applied(version)
         assert [s["data_path"] for s in states] == ["gloo", "gloo"], states
         rig.check(version)
-    status = rig.trainer.call("group")[1]
-    assert status["epoch"] == first["epoch"] and status["rounds"] >= 3, status
+    status = rig.group({rig.node})
+    assert status["rounds"] >= 3 and not status["fallbacks"], status
     report = wait_until(lambda: [r for r in rig.trainer.call("fleet")[1]
                                  if r["applied_version"] == 3], 10, "the replica's report")[0]
     assert report["data_path"] == "gloo" and list(report["ranks"]) == [0, 1], report
     owner = next(s for s in states if s["subscriber"]["node_staging"]["role"] == "owner")
     path = owner["subscriber"]["collective"]
     assert path["rounds"] >= 3 and path["fallbacks"] == 0, path
+    assert [s["collective_fallbacks"] for s in states] == [{}, {}], states
 
 
 def test_a_late_node_joins_and_its_kill_9_mid_broadcast_leaves_the_replica_working(rig):

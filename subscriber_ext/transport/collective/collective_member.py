@@ -10,11 +10,19 @@ delivered exactly like a fetched one (``SyncClient.deliver``).
 
 The rules that keep it from ever costing a version:
 
-* while this node is a member of the publisher's group, a new manifest is not
-  fetched over ZeroMQ (``defer``) for up to the announced timeout: the publisher
-  broadcasts it to the group;
-* the moment the round for that version fails here, the group is lost, or the
-  round does not come in time, the version is fetched over ZeroMQ frames;
+* while this node is a member of the publisher's group, **or has asked to join
+  it** (the path is announced and usable, the publisher has not refused it), a new
+  manifest is not fetched over ZeroMQ (``defer``) for up to the announced timeout
+  (plus ``JOIN_GRACE_S`` while the epoch forms): the publisher starts every epoch
+  with a round of its newest version, so a version announced while this node's
+  epoch was forming, or while a re-form closed its old epoch, still comes by the
+  group;
+* the moment a named failure happens (``FALLBACK_CAUSES``: the round fails here,
+  the group is lost, the join fails or does not happen in time, the publisher
+  refuses the node, no staging memory ...), the version is fetched over ZeroMQ
+  frames; each such fallback is counted by cause (``status()``, the polls, so
+  ``weightpub status``, and the replica's metric) and logged at WARNING
+  (rate-limited per cause);
 * a partial broadcast is never staged: the buffer is abandoned unless every chunk
   matched its checksum.
 """
@@ -44,7 +52,7 @@ from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.progress import ProgressFeed
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
-from weightpub_wire.collective_layout import CollectiveAnnounce
+from weightpub_wire.collective_layout import MAX_FALLBACK_CAUSES, CollectiveAnnounce
 from weightpub_wire.cuda_ipc import device_uuid
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.ratelog import RateLimitedLog
@@ -54,6 +62,9 @@ __all__ = ["LATER", "CollectiveMember"]
 log = logging.getLogger("weightpub.collective")
 POLL_S = 0.25
 REFUSED_POLL_S = 2.0
+#: a node that asked to join waits this much beyond the timeout for its epoch: the
+#: publisher's join delay (0.3 s), its wait for old members after a teardown (1.5 s), polls
+JOIN_GRACE_S = 3.0
 _KEEP_VERSIONS = 16
 
 
@@ -96,10 +107,10 @@ class CollectiveMember:
         self.limits = limits
         self.announced: CollectiveAnnounce | None = None
         self.instance: str | None = None
-        self.state = "off"  # the publisher's last answer
+        self.state = ""  # the publisher's last answer ("" before the first)
         self.reason = ""
         self.rounds = 0
-        self.fallbacks = 0
+        self.fallback_causes: dict[str, int] = {}  # versions fetched over zmq instead, by cause
         self.bytes_received = 0
         self.last_error: str | None = None
         self.ipc_done = 0
@@ -113,9 +124,15 @@ class CollectiveMember:
         self._ids = itertools.count(1)
         self._next_poll = 0.0
         self._ended_epoch = 0  # the newest epoch the publisher says is over
+        self._ended_at = 0.0  # when it said so while the receiver was still in it
         self._warn = RateLimitedLog(log)
         self.receiver = CollectiveReceiver(self)
         self.receiver.start()
+
+    @property
+    def fallbacks(self) -> int:
+        """Versions held back for the group but fetched over ZeroMQ frames (every cause)."""
+        return sum(self.fallback_causes.values())
 
     # -- what the publisher offers ---------------------------------------------------------
     def announce(self, info: CollectiveAnnounce | None) -> None:
@@ -135,6 +152,8 @@ class CollectiveMember:
         self._manifests.clear()
         self._given_up.clear()
         self._ended_epoch = 0
+        self._ended_at = 0.0
+        self.state, self.reason = "", ""
         self.ipc_done = 0
 
     def in_group(self) -> bool:
@@ -166,17 +185,34 @@ class CollectiveMember:
         self._manifests[manifest.version] = manifest
         while len(self._manifests) > 8:
             self._manifests.popitem(last=False)
-        if not self.usable() or manifest.version in self._given_up:
+        if manifest.collective is None or manifest.version in self._given_up:
+            return False  # no path offered, or given up already (counted then)
+        if manifest.version in self._claims:
+            return True
+        blocked = self._blocked()
+        if blocked is not None:  # the path cannot bring it: counted, fetched by the caller
+            self._give_up(client, manifest.version, *blocked, fetch=False)
             return False
-        if manifest.collective is None or not self.in_group():
-            return False  # not in a group: this version is fetched like any other
-        if manifest.version not in self._claims:
-            assert self.announced is not None
-            wait = self.announced.timeout
-            if self.announced.backend == "cuda_ipc":  # no group round: the handle comes by poll
-                wait = min(wait, 10.0)
-            self._claims[manifest.version] = time.monotonic() + wait
+        assert self.announced is not None
+        wait = self.announced.timeout
+        if self.announced.backend == "cuda_ipc":  # no group round: the handle comes by poll
+            wait = min(wait, 10.0)
+        elif not self.in_group():  # asked to join: the next epoch's first round brings it
+            wait += JOIN_GRACE_S
+        self._claims[manifest.version] = time.monotonic() + wait
         return True
+
+    def _blocked(self) -> tuple[str, str] | None:
+        """(cause, why) when versions cannot wait for the collective path here."""
+        if self.closed or self.receiver.poll_state(self.instance)[0] == "leaving":
+            return "closing", "this subscriber is closing"
+        if self.announced is None:
+            return "unusable", "the publisher no longer announces a collective path"
+        if not self.usable():
+            return "unusable", self._unusable_reason()
+        if self.state == "refused":
+            return "refused", f"the publisher refused this node: {self.reason or 'no reason'}"
+        return None
 
     def tick(self, client: SyncClient, now: float) -> None:
         if self.usable() and now >= self._next_poll:
@@ -186,24 +222,41 @@ class CollectiveMember:
                                        state=state, epoch=epoch, backend=self.announced.backend,
                                        device_uuid=device_uuid(self.device)
                                        if self.device.type == "cuda" else "",
-                                       ipc_done=self.ipc_done)
+                                       ipc_done=self.ipc_done,
+                                       fallbacks=tuple(sorted(self.fallback_causes.items())))
             if client.send(poll):
                 self._next_poll = now + (REFUSED_POLL_S if self.state == "refused" else POLL_S)
         if not self._claims:
             return
         receiving = self.receiver.receiving
-        for version, deadline in list(self._claims.items()):
+        keepalive = self.announced.keepalive if self.announced is not None else 1.0
+        for version, deadline in sorted(self._claims.items(), reverse=True):  # newest first:
+            if version not in self._claims:  # an older one gives way when a newer is given up
+                continue
             if version <= client.current_version:
                 del self._claims[version]
-            elif not self.in_group():
-                self._give_up(client, version, "the node left the collective group")
-            elif version <= self.receiver.passed and receiving != version:
-                self._give_up(client, version, "its round has passed (the group was formed "
-                                               "after it was announced)")
+                continue
+            blocked = self._blocked()
+            in_group = self.in_group()
+            if blocked is not None:
+                self._give_up(client, version, *blocked)
+            elif in_group and version <= self.receiver.passed and receiving != version:
+                self._give_up(client, version, "round_passed", "its round went by without "
+                                                               "this node")
+            elif not in_group and self._ended_at and self.receiver.state == "member" and \
+                    now - self._ended_at > 2 * keepalive + 1.0:  # no CLOSE came: it failed
+                self._give_up(client, version, "epoch_ended", "the publisher ended epoch "
+                                                              f"{self.receiver.epoch}")
             elif receiving:
                 self._claims[version] = max(deadline, now + 1.0)  # a round is under way
             elif now > deadline:
-                self._give_up(client, version, "no broadcast round came in time")
+                if in_group:
+                    self._give_up(client, version, "round_timeout", "no broadcast round came "
+                                                                    "in time")
+                else:
+                    self._give_up(client, version, "join_timeout",
+                                  f"asked to join, but no epoch took this node in time "
+                                  f"(the publisher says {self.state or 'nothing'})")
 
     def on_reply(self, client: SyncClient, reply: wire.CollectiveReply) -> None:
         if reply.publisher_id != self.instance or self.announced is None:
@@ -223,10 +276,11 @@ class CollectiveMember:
         mine = self.receiver.epoch if self.receiver.publisher_id == self.instance else 0
         if reply.epoch > mine or (reply.epoch == mine and reply.state not in ("forming",
                                                                               "active")):
+            if mine > self._ended_epoch and self.receiver.state == "member":
+                self._ended_at = time.monotonic()  # its CLOSE, or its failure, is on the way
             self._ended_epoch = max(self._ended_epoch, mine)  # its rounds will not come
-        if self._claims and not self.in_group():
-            self.left(client, f"the publisher ended epoch {self.receiver.epoch}")
         if reply.state in ("forming", "active") and reply.rank > 0 and self.instance:
+            self._ended_at = 0.0
             self.receiver.submit(GroupJob(
                 epoch=reply.epoch, rank=reply.rank, world_size=reply.world_size,
                 announce=info, host=self.host, publisher_id=self.instance,
@@ -240,11 +294,13 @@ class CollectiveMember:
             "usable": self.usable(),
             "receiver": state,
             "epoch": epoch,
-            "publisher_says": self.state,
+            "publisher_says": self.state or None,
             "reason": self.reason or None,
             "rounds": self.rounds,
             "bytes_received": self.bytes_received,
+            "held_back": sorted(self._claims),  # versions waiting for a round
             "fallbacks": self.fallbacks,
+            "fallback_causes": dict(self.fallback_causes),
             "last_error": self.last_error,
         }
 
@@ -294,9 +350,8 @@ class CollectiveMember:
         if not client.yield_target(version):
             return None  # already fetching it (or newer) over zmq
         if client.gate.is_refused(manifest) or not client.gate.admit(manifest):
-            self._given_up[version] = None  # the zmq path waits for memory, or reports
-            client.gate.take_waiting()
-            client.consider(manifest)
+            client.gate.take_waiting()  # the zmq path waits for memory, or reports
+            self._give_up(client, version, "staging_budget", "no staging memory for it now")
             return None
         assembly = Assembly(manifest, client.pool)
         assembly.data_path = backend
@@ -328,34 +383,51 @@ class CollectiveMember:
         client.deliver(assembly)
 
     def failed(self, client: SyncClient, version: int, assembly: Assembly | None,
-               why: str) -> None:
+               why: str, cause: str = "round_failed") -> None:
         if assembly is not None:
             follower = self._feeds.pop(assembly, None)
             if follower is not None:
                 follower.target_dropped(assembly.manifest)  # drop what was prepared from it
             assembly.abandon()
-        self._give_up(client, version, why)
+        self._give_up(client, version, cause, why)
 
-    def left(self, client: SyncClient, why: str) -> None:
-        """The receiver left its group: every version held back is fetched now."""
+    def left(self, client: SyncClient, why: str, cause: str = "") -> None:
+        """The receiver left its group. ``cause`` "": the publisher closed the epoch to
+        re-form it, and the next epoch's first round brings what is held back; otherwise
+        every version held back is fetched now."""
+        self._ended_at = 0.0
+        if not cause:
+            deadline = time.monotonic() + JOIN_GRACE_S + (
+                self.announced.timeout if self.announced is not None else 0.0)
+            for version in self._claims:
+                self._claims[version] = max(self._claims[version], deadline)
+            return
         if why:
             self.last_error = why[:1024]
-        for version in sorted(self._claims):
-            self._give_up(client, version, f"left the group ({why})")
+        for version in sorted(self._claims, reverse=True):
+            if version in self._claims:
+                self._give_up(client, version, cause, f"left the group ({why})")
 
-    def _give_up(self, client: SyncClient, version: int, why: str) -> None:
+    def _give_up(self, client: SyncClient, version: int, cause: str, why: str, *,
+                 fetch: bool = True) -> None:
+        """Fetch ``version`` over ZeroMQ frames (``fetch`` False: the caller does), counted
+        under ``cause``; older versions held back give way to it without a count."""
         claimed = self._claims.pop(version, None) is not None
         if version in self._given_up and not claimed:
             return  # already fetched over zmq (the group was given up before its round)
+        for older in [v for v in self._claims if v < version]:
+            del self._claims[older]
+            self._given_up[older] = None
         self._given_up[version] = None
         while len(self._given_up) > _KEEP_VERSIONS:
             self._given_up.popitem(last=False)
         if version <= client.current_version:
             return
-        self.fallbacks += 1
-        self.last_error = f"version {version}: {why}"[:1024]
-        self._warn.warning("fallback", f"collective path: {self.last_error}; fetching it over "
-                                       "ZeroMQ frames")
+        if cause in self.fallback_causes or len(self.fallback_causes) < MAX_FALLBACK_CAUSES:
+            self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
+        self.last_error = f"version {version}: {why} ({cause})"[:1024]
+        self._warn.warning(f"fallback:{cause}", f"collective path: {self.last_error}; fetching "
+                                                "it over ZeroMQ frames")
         manifest = self._manifests.get(version)
-        if manifest is not None:
+        if fetch and manifest is not None:
             client.consider(manifest)

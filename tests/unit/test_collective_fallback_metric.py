@@ -1,0 +1,21 @@
+"""The replica's /metrics counts collective-path fallbacks per cause (issue 22.1)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from subscriber_ext.observe.replica_metrics import ReplicaCollector
+from subscriber_ext.observe.status_board import StatusBoard
+
+
+def test_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
+    board = StatusBoard(tmp_path)
+    board.write(0, {"rank": 0, "collective_fallbacks": {"join_timeout": 2, "checksum": 1}})
+    board.write(1, {"rank": 1, "collective_fallbacks": {}})  # a follower: its owner counts
+    registry = CollectorRegistry()
+    registry.register(ReplicaCollector(board))
+    text = generate_latest(registry).decode()
+    assert 'weightpub_collective_fallbacks_total{cause="join_timeout",rank="0"} 2.0' in text
+    assert 'weightpub_collective_fallbacks_total{cause="checksum",rank="0"} 1.0' in text
+    assert 'rank="1"' not in "".join(line for line in text.splitlines()
+                                     if line.startswith("weightpub_collective_fallbacks"))
