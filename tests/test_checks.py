@@ -39,7 +39,7 @@ def test_installed_vllm_is_one_we_support() -> None:
     from subscriber_ext.commit import vllm_patches
 
     assert vllm_compat.problems() == []
-    vllm_patches.register()  # our own patches keep the signatures the check reads
+    vllm_patches.install()  # our own patches keep the signatures the check reads
     assert vllm_compat.problems() == []
 
 

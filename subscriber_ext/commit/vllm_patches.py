@@ -1,10 +1,15 @@
 """Every place weightpub patches vLLM, in one module (vLLM 0.32; see ``vllm_compat``).
 
-Three hooks, all installed by ``register`` (the ``vllm.general_plugins:
-weightpub`` entry point vLLM calls in every process: front end, engine core,
-workers) except the last, which the extension installs on its own worker.
-``register`` also exposes the replica's Prometheus metrics in the process that
-serves ``/metrics`` (``observe/``).
+Three hooks, all installed by ``install`` except the last, which the extension
+installs on its own worker. ``register`` is the ``vllm.general_plugins:
+weightpub`` entry point vLLM calls in every process (front end, engine core,
+workers): it registers the ``weightpub`` weight-transfer backends (by module
+path) and installs the hooks only where the process asks for weightpub
+(``vllm_plugin.asked_here``: the backend, the ``additional_config`` entry or our
+worker extension); every other vLLM process runs untouched. Even in a patched
+process, an engine whose own config does not ask gets no slot table, no driver
+and no hooks that act (``_setup``). ``install`` also exposes the replica's
+Prometheus metrics in the process that serves ``/metrics`` (``observe/``).
 
 1. ``EngineCore`` (engine-core process): ``__init__`` creates the rank slot
    table before workers spawn; ``step`` / ``step_with_batch_queue`` and our RPCs
@@ -12,7 +17,11 @@ serves ``/metrics`` (``observe/``).
    rank's slot write (``idle_wake``) so an idle engine commits at once;
    ``_attach_weight_version`` tags outputs of batches queued before a commit
    with the old version. ``WEIGHTPUB_ENGINE_DRIVER=0`` leaves the engine alone
-   (ranks then agree among themselves, ``strategies.RankAgreement``).
+   (ranks then agree among themselves, ``strategies.RankAgreement``). With the
+   ``weightpub`` weight-transfer backend: our worker extension is mixed in when
+   none is named, vLLM's ``update_weights`` RPC first waits (committing) until
+   every rank runs the version asked for, and ``set_weight_version`` cannot
+   relabel outputs away from the version actually committed.
 2. ``WorkerWrapperBase.initialize_from_config`` (worker processes): once the
    model is loaded and the KV cache sized, map the slot table and start the
    subscriber named in ``--additional-config`` (an extension gets no init hook:
@@ -29,22 +38,33 @@ import logging
 import os
 import queue
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 from subscriber_ext.commit.engine_driver import EngineDriver
 from subscriber_ext.commit.idle_wake import WakeListener, wake_address
 from subscriber_ext.commit.shared_slots import ENV, SlotTable
+from subscriber_ext.commit.vllm_plugin import (
+    asked_here,
+    ensure_backends,
+    uses_backend,
+    wants_weightpub,
+)
 from subscriber_ext.observe.replica_metrics import ReplicaCollector
 from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_compat import check_vllm
 
-__all__ = ["DRIVER_RPCS", "register", "wrap_execute_model"]
+__all__ = ["DRIVER_RPCS", "EXTENSION", "install", "installed", "register", "wrap_execute_model"]
 
 logger = logging.getLogger("weightpub.engine")
 
 #: Worker RPCs the engine commits before forwarding (so they see the newest version).
 DRIVER_RPCS = frozenset({"weight_version", "commit_pending"})
+#: the worker extension mixed in for the ``weightpub`` backend (``subscriber_ext.WORKER_EXTENSION``)
+EXTENSION = "subscriber_ext.worker_extension.BatchWeightSyncWorkerExtension"
+#: vLLM's RPC that, with the ``weightpub`` backend, means "every rank runs version >= v"
+UPDATE_RPC = "update_weights"
 _PATCHED = "_weightpub_patched"
 _ORIGINAL: dict[str, Any] = {}
 
@@ -69,9 +89,13 @@ def _setup(core: Any, vllm_config: Any) -> None:
     Why an env var: workers are spawned by this process (or live in it) while the
     engine is constructing, and each maps the table at init (``_wp_attach_slots``).
     """
+    if not wants_weightpub(vllm_config):
+        return  # an engine that did not ask, in a process patched for another one
+    par = vllm_config.parallel_config
+    if uses_backend(vllm_config) and not par.worker_extension_cls:
+        par.worker_extension_cls = EXTENSION  # the backend drives the extension's machinery
     if "_wp_driver" in core.__dict__ or os.environ.get("WEIGHTPUB_ENGINE_DRIVER", "1") == "0":
         return
-    par = vllm_config.parallel_config
     nslots = par.tensor_parallel_size * par.pipeline_parallel_size
     if par.world_size != nslots:
         logger.warning("weightpub: world size %d != TP x PP; ranks agree among themselves",
@@ -196,7 +220,53 @@ def _collective_rpc(self: Any, method: Any, timeout: float | None = None, args: 
     driver = _driver(self)
     if driver is not None and method in DRIVER_RPCS and not _is_sleeping(self):
         driver.maybe_commit(self)
+    if driver is not None and method == UPDATE_RPC and uses_backend(self.vllm_config):
+        _commit_until(self, driver, _update_info(args, kwargs))
     return _ORIGINAL["collective_rpc"](self, method, timeout, args, kwargs)
+
+
+def _update_info(args: tuple, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``update_info`` of vLLM's ``update_weights`` RPC (one dict, or one per rank)."""
+    info = (kwargs or {}).get("update_info", args[0] if args else None)
+    if isinstance(info, list):
+        info = max((i for i in info if isinstance(i, dict)),
+                   key=lambda i: int(i.get("version", 0)), default=None)
+    return info if isinstance(info, dict) else {}
+
+
+def _commit_until(core: Any, driver: EngineDriver, info: dict[str, Any]) -> None:
+    """Commit (engine-driven, on every rank at once) until version >= ``info["version"]`` runs.
+
+    Why here: the workers cannot wait for the engine's commit while the engine waits
+    for their RPC reply. The workers then only check what is live and name what is
+    missing (``WeightpubWeightTransferEngine.receive_weights``). The engine steps no
+    request while it waits: a trainer that waits for its replicas to have *staged*
+    the version first (``wait_replicas``) keeps this wait short.
+    """
+    try:
+        version = int(info.get("version", 0))
+        wait_s = float(info.get("timeout", 120.0))
+    except (TypeError, ValueError):
+        return  # the workers' parser names the bad field
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while not _is_sleeping(core):
+        driver.maybe_commit(core)
+        if driver.applied is not None and driver.applied[1] >= version:
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+
+
+def _set_weight_version(self: Any, weight_version: str) -> None:
+    """Keep the label on the version actually committed (engine-driven ``weightpub``)."""
+    driver = _driver(self)
+    if driver is not None and driver.applied is not None and uses_backend(self.vllm_config):
+        if str(weight_version) != str(self._weight_version):
+            logger.warning("weightpub: outputs stay labelled %s (the version committed), "
+                           "not %r", self._weight_version, weight_version)
+        return
+    _ORIGINAL["set_weight_version"](self, weight_version)
 
 
 def _weightpub_driver_status(self: Any) -> dict[str, Any]:
@@ -221,13 +291,14 @@ def _patch_engine_core() -> None:
     if getattr(EngineCore, _PATCHED, False):
         return
     for name in ("__init__", "step", "step_with_batch_queue", "collective_rpc",
-                 "_attach_weight_version"):
+                 "_attach_weight_version", "set_weight_version"):
         _ORIGINAL[name] = getattr(EngineCore, name)
     EngineCore.__init__ = _init
     EngineCore.step = _step
     EngineCore.step_with_batch_queue = _step_with_batch_queue
     EngineCore.collective_rpc = _collective_rpc
     EngineCore._attach_weight_version = _attach_weight_version
+    EngineCore.set_weight_version = _set_weight_version
     EngineCore.weightpub_driver_status = _weightpub_driver_status
     setattr(EngineCore, _PATCHED, True)
 
@@ -243,6 +314,10 @@ def _patch_worker_init() -> None:
     @functools.wraps(original)  # keeps vLLM's signature visible (``vllm_compat`` reads it)
     def initialize_from_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
+        attach = getattr(getattr(self.worker, "weight_transfer_engine", None),
+                         "attach_worker", None)
+        if attach is not None:  # our backend needs the worker it serves
+            attach(self.worker)
         started = getattr(self.worker, "_wp_started", None)
         if started is not None:  # only workers that carry our extension
             started()
@@ -275,12 +350,34 @@ def _expose_metrics() -> None:
     prometheus_client.REGISTRY.register(ReplicaCollector(StatusBoard.create()))
 
 
+def installed() -> dict[str, bool]:
+    """Which of our hooks this process carries (tests: an untouched process has none)."""
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    return {
+        "engine_core": bool(getattr(EngineCore, _PATCHED, False)),
+        "worker_init": bool(getattr(WorkerWrapperBase.initialize_from_config, _PATCHED, False)),
+        "slot_table": ENV in os.environ,
+    }
+
+
 def register() -> None:
-    """vLLM plugin entry point: check vLLM, patch once per process (idempotent, cheap)."""
+    """vLLM plugin entry point: register the backends; patch only where weightpub is asked for.
+
+    Idempotent and cheap: vLLM may call it more than once in a process.
+    """
     try:
         import vllm.v1.engine.core  # noqa: F401
     except ImportError:  # pragma: no cover - vLLM without the v1 engine
         return
+    ensure_backends()
+    if asked_here():
+        install()
+
+
+def install() -> None:
+    """Check vLLM and install every hook in this process (idempotent)."""
     check_vllm()
     _expose_metrics()
     _patch_engine_core()

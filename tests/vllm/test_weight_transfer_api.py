@@ -1,0 +1,131 @@
+"""vLLM's own weight-transfer API switched to ``"weightpub"``: vLLM's RLHF loop, unchanged.
+
+The replica is an ``LLM`` with ``weight_transfer_config={"backend": "weightpub"}`` and
+nothing else of ours (no ``worker_extension_cls``); the trainer uses only vLLM's
+trainer API (``WeightTransferTrainerFactory.trainer_init`` with a ``ModuleSource``,
+``send_weights``). The oracle is transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from .helpers import assert_matches_hf, build_hf, new_weights, save_tiny
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+KIND = "qwen2"
+N = 6
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_an_engine_without_weightpub_options_runs_untouched(tmp_path_factory) -> None:
+    """A fresh process (no earlier engine decides for it): plugin loaded, nothing patched."""
+    path = save_tiny(KIND, 0, tmp_path_factory.mktemp("plain"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("WEIGHTPUB_VLLM_PATCHES", None)
+    run = subprocess.run([sys.executable, "-m", "tests.vllm.plugin_probe", str(path)], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=240)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    seen = json.loads(lines[-1])
+    front, workers = seen["front"], seen["workers"]
+    assert front["backend_registered"]  # the plugin did run here
+    assert not any(front[k] for k in ("engine_core", "worker_init", "slot_table",
+                                      "replica_metrics")), front
+    for w in workers:
+        assert not any(w[k] for k in ("engine_core", "worker_init", "slot_table", "extension")), w
+        assert w["weight_transfer_engine"] == "NoneType"
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightpub.vllm_trainer import LLMClient, WeightpubTrainerInitInfo
+
+    path = save_tiny(KIND, 0, tmp_path_factory.mktemp("wt"))
+    llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
+              max_num_seqs=16, gpu_memory_utilization=0.2, max_model_len=256,
+              weight_transfer_config={"backend": "weightpub"})
+    model = build_hf(KIND, 0)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightpubTrainerInitInfo(rank=0, wait_replicas=1, timeout=60.0),
+        client=LLMClient(llm), source=ModuleSource(model))
+    yield SimpleNamespace(llm=llm, model=model, trainer=trainer)
+    trainer.shutdown()
+    del llm
+
+
+def _labels(llm) -> list[str]:
+    from vllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": [5, 17, 42]}],
+                       SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    return [span.version for span in out[0].outputs[0].weight_versions]
+
+
+def test_the_rlhf_loop_runs_three_versions_checked_by_the_oracle(rig) -> None:
+    import torch
+
+    ranks = rig.llm.collective_rpc("weight_status")  # the backend mixed our extension in
+    assert all(r["endpoint"] == rig.trainer.replica_endpoint for r in ranks), ranks
+    for version, seed in enumerate((11, 12, 13), start=1):
+        weights = new_weights(KIND, seed)
+        with torch.no_grad():
+            rig.model.load_state_dict(weights)
+        rig.trainer.send_weights()  # publish, wait for the replica, start/update/finish
+        assert rig.trainer.last_version == version
+        assert [r["applied_version"] for r in rig.llm.collective_rpc("weight_status")] \
+            == [version]
+        assert rig.llm.get_weight_version() == str(version)
+        assert _labels(rig.llm) == [str(version)]  # outputs carry the committed version
+        assert_matches_hf(rig.llm, KIND, weights, N)
+
+
+def test_the_label_stays_the_committed_version(rig) -> None:
+    before = rig.llm.get_weight_version()
+    rig.llm.start_weight_update()
+    rig.llm.finish_weight_update(weight_version="made-up")
+    assert rig.llm.get_weight_version() == before
+    assert _labels(rig.llm) == [before]
+
+
+def test_update_weights_names_what_each_rank_runs_when_the_version_never_comes(rig) -> None:
+    applied = int(rig.llm.get_weight_version())
+    rig.llm.start_weight_update()
+    with pytest.raises(Exception, match=rf"runs version {applied} .*not >= 999 after 1s"):
+        rig.llm.update_weights({"update_info": {"version": 999, "timeout": 1.0}})
+    rig.llm.start_weight_update()  # the failed update ended the session; a new one starts
+    rig.llm.finish_weight_update()
+    assert rig.llm.get_weight_version() == str(applied)
+
+
+def test_a_late_subscriber_on_the_same_endpoint_gets_the_newest_version(rig) -> None:
+    """Fan-out and late join: the trainer's endpoint serves whoever comes, when it comes."""
+    from subscriber_ext import WeightSubscriber
+
+    got: list[int] = []
+    arrived = threading.Event()
+
+    def on_version(staged) -> None:
+        got.append(staged.version)
+        staged.release()
+        arrived.set()
+
+    sub = WeightSubscriber(rig.trainer.replica_endpoint, on_version=on_version)
+    try:
+        assert arrived.wait(60), "the late subscriber got nothing"
+    finally:
+        sub.close()
+    assert got[0] == rig.trainer.last_version
