@@ -5,7 +5,9 @@ NCCL (it needs two devices), and sending the weights through host memory and TCP
 wastes the fastest link there is. The publisher copies each announced version
 once into device memory (one more copy of the weights on the trainer's GPU while
 members copy it) and hands its handle to every polling member; a member copies
-out bucket by bucket into its staging buffer and verifies the chunks.
+out bucket by bucket into its staging buffer and verifies the chunks. The copy
+runs on a side stream (``cuda_ipc.side_stream``): it never queues behind the
+trainer's step, and the handle's IPC event marks its end for the importers.
 
 An old device copy is freed once every live member reports it copied the newest
 version (``CollectivePoll.ipc_done``), or ``timeout`` seconds after it was
@@ -25,7 +27,7 @@ import torch
 
 from publisher.collective_members import MemberTable
 from publisher.store import PublishedVersion
-from weightpub_wire.cuda_ipc import export_buffer
+from weightpub_wire.cuda_ipc import export_buffer, side_stream
 
 __all__ = ["IpcExporter"]
 
@@ -81,10 +83,13 @@ class IpcExporter:
         manifest = version.manifest
         if not manifest.total_bytes:
             return
-        buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=self.device)
-        buffer.copy_(version.buffer[: manifest.total_bytes])
-        torch.cuda.synchronize(self.device)
-        handle = export_buffer(buffer, manifest.version)
+        with side_stream(self.device) as stream:  # never the trainer's stream, nor a
+            buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8,  # device-wide sync
+                                 device=self.device)
+            buffer.copy_(version.buffer[: manifest.total_bytes], non_blocking=True)
+            handle = export_buffer(buffer, manifest.version)  # its event: after the copy
+            assert stream is not None
+            stream.synchronize()  # the host buffer may be recycled once this returns
         now = time.monotonic()
         for shared in self._shared:
             shared.superseded_at = shared.superseded_at or now

@@ -14,11 +14,6 @@ out every ``keepalive`` seconds, so members learn within the timeout that the
 publisher is gone. Any failure tears the group down; its members fetch that
 version over ZeroMQ frames, and the next epoch is formed with whoever polls
 afterwards (a replica that died does not).
-
-Every new epoch starts with a round of the newest version, even one announced
-before the epoch formed: a node that asked to join holds that version back for
-the group (``collective_member.py``), so it must come. Members that have it say
-"not ready" and no bucket moves (the round costs a header and two all_gathers).
 """
 
 from __future__ import annotations
@@ -111,7 +106,6 @@ class CollectivePublisher:
         self._closed = False
         self._group: CollectiveGroup | None = None
         self._last_round = 0
-        self._epoch_round = 0  # the newest version sent to this epoch (0: none yet)
         self._last_op = 0.0
         self._bounce: torch.Tensor | None = None  # nccl: one device bucket
         self.rounds = 0
@@ -201,9 +195,9 @@ class CollectivePublisher:
         if version is not None:
             self._round(version)
         elif time.monotonic() - self._last_op >= self.options.keepalive:
-            # the version of this epoch's last round: members stop holding back older ones
+            # the version of the last round: members stop holding back older versions
             self._header(RoundHeader(kind=KIND_KEEPALIVE, epoch=self._epoch(),
-                                     version=self._epoch_round, publisher=self._tag))
+                                     version=self._last_round, publisher=self._tag))
         else:
             self._sleep(min(0.05, self.options.keepalive))
 
@@ -217,11 +211,11 @@ class CollectivePublisher:
         return self._group.epoch
 
     def _due_version(self) -> PublishedVersion | None:
-        """The newest announced version, if not sent to this epoch yet (its copy may still be
-        running: each bucket goes out once its bytes are final, as ZeroMQ chunks do)."""
+        """The newest announced version, if not sent yet (its copy may still be running:
+        each bucket goes out once its bytes are final, as ZeroMQ chunks do)."""
         with self._cond:
             newest = self._newest
-        if newest is None or newest.failed or newest.manifest.version <= self._epoch_round:
+        if newest is None or newest.failed or newest.manifest.version <= self._last_round:
             return None
         return newest
 
@@ -249,7 +243,8 @@ class CollectivePublisher:
             return
         self._group = group
         self.table.activate()
-        self._epoch_round = 0  # the newest version goes to this epoch too (module docstring)
+        with self._cond:  # a newcomer already has the newest version (it fetched it alone)
+            self._last_round = 0 if self._newest is None else self._newest.manifest.version
         self._last_op = time.monotonic()
         log.info("collective: epoch %d formed with %d member(s) in %.2fs", plan.epoch,
                  world - 1, time.monotonic() - started)
@@ -260,7 +255,7 @@ class CollectivePublisher:
 
     def _header(self, header: RoundHeader) -> None:
         assert self._group is not None
-        self._group.broadcast(header.to_tensor().to(self._group.device))
+        self._group.broadcast(header.to_tensor())  # host memory: the control group
         self._last_op = time.monotonic()
 
     def _round(self, version: PublishedVersion) -> None:
@@ -269,7 +264,6 @@ class CollectivePublisher:
         manifest = version.manifest
         spans = bucket_spans(manifest.total_bytes, self.options.bucket_bytes)
         if not version.pin(self):  # the store keeps the bytes until the round ends
-            self._epoch_round = manifest.version  # retired meanwhile: a newer one follows
             return
         started = time.monotonic()
         try:
@@ -286,7 +280,7 @@ class CollectivePublisher:
             verified = group.all_gather_flags(1)[1:]
         finally:
             version.unpin(self)
-        self._last_round = self._epoch_round = manifest.version
+        self._last_round = manifest.version
         self._last_op = time.monotonic()
         self.rounds += 1
         log.info("collective: version %d to %d/%d ready member(s) in %.3fs (%d verified)",
@@ -308,12 +302,13 @@ class CollectivePublisher:
         if group.device.type == "cpu":
             group.broadcast(source)  # zero-copy: straight out of the version's buffer
             return
-        if self._bounce is None:
-            self._bounce = torch.empty(self.options.bucket_bytes, dtype=torch.uint8,
-                                       device=group.device)
-        target = self._bounce[: source.numel()]
-        target.copy_(source)  # synchronous: the broadcast runs on the group's own stream
-        group.broadcast(target)
+        with group.on_stream():  # not the trainer's stream: never queued behind its step
+            if self._bounce is None:
+                self._bounce = torch.empty(self.options.bucket_bytes, dtype=torch.uint8,
+                                           device=group.device)
+            target = self._bounce[: source.numel()]
+            target.copy_(source, non_blocking=True)  # NCCL's stream waits for this stream
+        group.broadcast(target)  # returns once done: the bounce is free for the next bucket
 
     def _leave(self, why: str) -> None:
         """Tell the members (CLOSE, bounded) and tear the group down."""
@@ -322,7 +317,7 @@ class CollectivePublisher:
             return
         try:
             group.broadcast(RoundHeader(kind=KIND_CLOSE, epoch=group.epoch,
-                                        publisher=self._tag).to_tensor().to(group.device))
+                                        publisher=self._tag).to_tensor())
         except GroupError:
             pass  # a member already gone: they all notice within the timeout
         group.close()

@@ -27,11 +27,13 @@ __all__ = [
     "WeightsLike",
     "copy_in_priority_order",
     "copy_into",
+    "cuda_devices",
     "gather_full_tensors",
     "hashable_in_place",
     "named_tensors",
     "plan_snapshot",
     "source_chunks",
+    "wait_for_copies",
 ]
 
 WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -169,11 +171,17 @@ class Snapshot:
     pending: list[int] | None = None
 
 
-def plan_snapshot(weights: WeightsLike,
-                  pool: BufferPool) -> tuple[Snapshot, list[tuple[str, torch.Tensor]]]:
-    """Lay the version out and take a buffer for it; nothing is copied yet."""
+def plan_snapshot(weights: WeightsLike, pool: BufferPool,
+                  admit: Callable[[int], None] | None = None,
+                  ) -> tuple[Snapshot, list[tuple[str, torch.Tensor]]]:
+    """Lay the version out and take a buffer for it; nothing is copied yet.
+
+    ``admit`` is told the version's bytes before the buffer is taken (and may refuse).
+    """
     pairs = named_tensors(weights)
     entries, total = plan_layout(pairs)
+    if admit is not None:
+        admit(total)
     pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for _, t in pairs)
     return Snapshot(entries=entries, buffer=pool.take(total, pinned=pinned),
                     total_bytes=total), pairs
@@ -226,7 +234,8 @@ def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_s
     start on the first chunks while later ones are still being copied.
     """
     buffer, entries, total = snapshot.buffer, snapshot.entries, snapshot.total_bytes
-    on_gpu = any(t.device.type == "cuda" for _, t in pairs)
+    devices = cuda_devices(t.device for _, t in pairs)
+    on_gpu = bool(devices)
     for index, (entry, (_, tensor)) in enumerate(zip(entries, pairs, strict=True)):
         end = entries[index + 1].offset if index + 1 < len(entries) else total
         buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
@@ -243,8 +252,39 @@ def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_s
         if not on_gpu:
             _advance(snapshot, end, on_progress)
     if on_gpu:
-        torch.cuda.synchronize()
+        wait_for_copies(devices)
     _advance(snapshot, total, on_progress)
+
+
+def cuda_devices(devices: Iterable[torch.device]) -> list[torch.device]:
+    """Every CUDA device among ``devices``, once each, in the order first seen.
+
+    Why: a device-to-host copy runs on the current stream of the *source's*
+    device, so the copies of a model spread over ``cuda:0`` and ``cuda:1`` end
+    only when both devices' streams reach them; ``torch.cuda.synchronize()``
+    waits for the current device alone.
+    """
+    seen: list[torch.device] = []
+    for device in devices:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            found = torch.device("cuda", index)
+            if found not in seen:
+                seen.append(found)
+    return seen
+
+
+def wait_for_copies(devices: list[torch.device]) -> None:
+    """Wait until every copy queued so far on each device's current stream is done
+    (an event per device: later work on those streams, a training step, is not
+    waited for)."""
+    events = []
+    for device in devices:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        events.append(event)
+    for event in events:
+        event.synchronize()
 
 
 def _advance(snapshot: Snapshot, offset: int, on_progress: Callable[[int], None] | None) -> None:

@@ -14,19 +14,74 @@ buffers that will come back) or raises ``StagingBudgetError`` (never fits).
 Where the memory comes from is the allocator's business: ``HostAllocator``
 (plain or pinned host memory, the default) or a shared-memory allocator
 (``subscriber_ext.transport.node.shared_segments``) whose buffers other processes map.
+
+Why pinned memory is not ``torch.empty(pin_memory=True)``: torch's caching host
+allocator rounds every pinned allocation up to a power of two and keeps the block
+cached, page-locked, after it is freed (``ATen/core/CachingHostAllocator.h``,
+torch 2.13: ``PowerOf2Ceil`` unless ``pinned_max_round_threshold`` is configured):
+a 16.1 GB version pins 32 GiB that no budget sees, for the life of the process.
+``page_locked`` pins exactly the bytes of a mapping with ``cudaHostRegister`` and
+unregisters them when the last view of the memory is gone.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import mmap
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
+import numpy
 import torch
 
 from weightpub_wire.errors import StagingBudgetError
 
-__all__ = ["Allocator", "BufferPool", "HostAllocator", "byte_view", "copy_bytes", "flat_bytes"]
+__all__ = ["Allocator", "BufferPool", "HostAllocator", "byte_view", "copy_bytes", "flat_bytes",
+           "page_locked"]
+
+log = logging.getLogger("weightpub.buffers")
+
+Register = Callable[[int, int], None]  # (address, bytes): page-lock them
+Unregister = Callable[[int], None]  # (address): undo a Register
+
+
+def cuda_host_register(address: int, nbytes: int) -> None:
+    """``cudaHostRegister`` (portable: every CUDA context may use the memory)."""
+    status = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
+    if status != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (cudaError {status})")
+
+
+def cuda_host_unregister(address: int) -> None:
+    status = int(torch.cuda.cudart().cudaHostUnregister(address))
+    if status != 0:
+        raise RuntimeError(f"cudaHostUnregister failed (cudaError {status})")
+
+
+def page_locked(mapping: mmap.mmap, nbytes: int, register: Register = cuda_host_register,
+                unregister: Unregister = cuda_host_unregister) -> torch.Tensor:
+    """A flat uint8 tensor over ``mapping``'s first ``nbytes``, page-locked while it lives.
+
+    The tensor holds a numpy array that holds the mapping: the array's weak-reference
+    callbacks run before it releases the mapping, so the memory is unregistered when
+    the last view of it is gone and before it is unmapped.
+    """
+    array = numpy.frombuffer(mapping, dtype=numpy.uint8, count=nbytes)
+    tensor = torch.from_numpy(array)
+    address = tensor.data_ptr()
+    register(address, nbytes)
+    weakref.finalize(array, _unregister_quietly, unregister, address, nbytes)
+    return tensor
+
+
+def _unregister_quietly(unregister: Unregister, address: int, nbytes: int) -> None:
+    try:
+        unregister(address)
+    except Exception:  # a finalizer must not raise; the pages stay locked until exit
+        log.exception("could not unregister %d page-locked bytes", nbytes)
 
 
 class Allocator(Protocol):
@@ -43,10 +98,22 @@ class Allocator(Protocol):
 
 
 class HostAllocator:
-    """Private host memory (pinned on request: host <-> device copies at full PCIe speed)."""
+    """Private host memory (pinned on request: host <-> device copies at full PCIe speed).
+
+    Pinned buffers are exactly ``nbytes`` of an anonymous mapping, registered with
+    ``register`` and unregistered with ``unregister`` once their last view is gone
+    (``page_locked``; CUDA's by default).
+    """
+
+    def __init__(self, register: Register = cuda_host_register,
+                 unregister: Unregister = cuda_host_unregister) -> None:
+        self._register = register
+        self._unregister = unregister
 
     def allocate(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        if not pinned:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        return page_locked(mmap.mmap(-1, nbytes), nbytes, self._register, self._unregister)
 
     def free(self, key: int) -> None:
         return None
@@ -79,6 +146,7 @@ class BufferPool:
         self.budget_bytes = budget_bytes
         self._budget_name = budget_name
         self._out: dict[int, int] = {}  # data_ptr -> bytes, handed out and not given back
+        self._pinned_keys: set[int] = set()  # data_ptr of each live buffer made pinned
         self._lock = threading.Lock()
 
     # -- accounting ------------------------------------------------------------------------
@@ -113,7 +181,7 @@ class BufferPool:
                 dropped.append(self._free.pop().data_ptr())  # the largest idle one first
             fits = self._held_locked() + nbytes <= budget
         for key in dropped:
-            self._allocator.free(key)
+            self._release(key)
         return fits
 
     # -- take and give ---------------------------------------------------------------------
@@ -125,7 +193,7 @@ class BufferPool:
     def _best_free_locked(self, nbytes: int, pin: bool) -> int | None:
         best = None
         for index, buf in enumerate(self._free):
-            if buf.numel() >= nbytes and buf.is_pinned() == pin and (
+            if buf.numel() >= nbytes and (buf.data_ptr() in self._pinned_keys) == pin and (
                     best is None or buf.numel() < self._free[best].numel()):
                 best = index
         return best
@@ -152,7 +220,14 @@ class BufferPool:
         buf = self._allocator.allocate(size, pinned=pin)
         with self._lock:
             self._out[buf.data_ptr()] = buf.numel()
+            if pin:
+                self._pinned_keys.add(buf.data_ptr())
         return buf[:nbytes]
+
+    def _release(self, key: int) -> None:
+        with self._lock:
+            self._pinned_keys.discard(key)
+        self._allocator.free(key)
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer from ``take`` (its whole allocation is kept)."""
@@ -166,7 +241,7 @@ class BufferPool:
             if keep:
                 self._free.append(base)
         if not keep:
-            self._allocator.free(key)
+            self._release(key)
 
     def forget(self, key: int) -> None:
         """A handed-out buffer (``data_ptr()`` ``key``) will never come back: stop counting
@@ -174,7 +249,7 @@ class BufferPool:
         with self._lock:
             known = self._out.pop(key, None) is not None
         if known:
-            self._allocator.free(key)
+            self._release(key)
 
 
 def byte_view(buffer: torch.Tensor, nbytes: int | None = None) -> memoryview:

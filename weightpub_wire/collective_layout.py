@@ -38,8 +38,6 @@ from msgspec import Meta
 __all__ = [
     "BACKENDS",
     "DATA_PATHS",
-    "FALLBACK_CAUSES",
-    "MAX_FALLBACK_CAUSES",
     "HEADER_WORDS",
     "KIND_CLOSE",
     "KIND_DATA",
@@ -48,9 +46,12 @@ __all__ = [
     "MAX_MEMBERS",
     "CollectiveAnnounce",
     "GroupStatus",
+    "MAX_IPC_HANDLE_BYTES",
+    "MAX_IPC_STORAGE_BYTES",
     "IpcHandle",
     "RoundHeader",
     "bucket_spans",
+    "ipc_handle_limit",
     "publisher_tag",
 ]
 
@@ -59,25 +60,6 @@ BACKENDS = ("gloo", "nccl", "cuda_ipc")
 #: how the bytes of a version reached a node (``Report.data_path``, ``weight_version()``)
 DATA_PATHS = ("zmq", "gloo", "nccl", "cuda_ipc")
 MAX_MEMBERS = 256  # subscribers (nodes) in one group
-#: why a version a node held back for the collective path came over ZeroMQ frames instead
-#: (``CollectiveMember``: status, the replica's metric label, polls, ``weightpub status``)
-FALLBACK_CAUSES = (
-    "unusable",  # the backend cannot run here (NCCL without a GPU, cuda_ipc on another GPU)
-    "refused",  # the publisher refused this node (limits, penalty, backend)
-    "join_failed",  # the rendezvous of the epoch failed here
-    "join_timeout",  # asked to join, but no epoch took this node in time
-    "epoch_ended",  # the publisher ended this node's epoch (a failure on its side)
-    "group_lost",  # the group broke while waiting for rounds (peer died, timeout)
-    "round_failed",  # the broadcast round of this version failed mid-way
-    "checksum",  # a received bucket failed its chunk checksums
-    "round_passed",  # its round went by without this node (formed after it)
-    "round_timeout",  # in the group, but no round came within the timeout
-    "staging_budget",  # no staging memory for it now (the ZeroMQ path waits for it)
-    "receiver_error",  # the receiving thread failed unexpectedly
-    "ipc_copy",  # cuda_ipc: the copy out of the publisher's device buffer failed
-    "closing",  # this subscriber is closing
-)
-MAX_FALLBACK_CAUSES = 16  # causes one poll or one member carries (bounded on the wire)
 MIN_BUCKET_BYTES = 4096
 MAX_BUCKET_BYTES = 1 << 30
 HEADER_WORDS = 8
@@ -121,19 +103,49 @@ class CollectiveAnnounce(msgspec.Struct, frozen=True, kw_only=True):
                              f"timeout {self.timeout}s")
 
 
+#: What ``UntypedStorage._share_cuda_()`` returns as its handle (torch 2.13,
+#: ``CUDACachingAllocator::shareIpcHandle``): a format byte and a kind byte, then a
+#: ``cudaIpcMemHandle_t`` (64 bytes) for cudaMalloc memory or, with
+#: ``expandable_segments``, ``ExpandableSegment::share``: a header (pid, segment size,
+#: handle count: 24 bytes) and one shareable handle per segment the block spans, a
+#: POSIX fd (4 bytes) or a ``CUmemFabricHandle`` (64 bytes). Segments are at least
+#: ``kSmallBuffer`` (2 MiB); a block is at most twice its storage (the coarsest
+#: ``roundup_power2_divisions``).
+_IPC_PREFIX, _IPC_MEM_HANDLE, _SEGMENTS_HEADER, _SEGMENT_HANDLE = 2, 64, 24, 64
+_MIN_SEGMENT = 2 << 20
+#: the largest device buffer a handle may describe (more memory than any one GPU has)
+MAX_IPC_STORAGE_BYTES = 256 << 30
+
+
+def ipc_handle_limit(storage_bytes: int) -> int:
+    """The most bytes torch's IPC handle of a ``storage_bytes`` CUDA storage can take."""
+    segments = -(-2 * max(storage_bytes, 1) // _MIN_SEGMENT) + 1  # +1: an unaligned start
+    return _IPC_PREFIX + max(_IPC_MEM_HANDLE, _SEGMENTS_HEADER + _SEGMENT_HANDLE * segments)
+
+
+MAX_IPC_HANDLE_BYTES = ipc_handle_limit(MAX_IPC_STORAGE_BYTES)  # about 16 MiB
+
+
 class IpcHandle(msgspec.Struct, frozen=True, kw_only=True):
     """A CUDA IPC handle of one version's device buffer (``torch.UntypedStorage._share_cuda_``
-    fields, all plain bytes and integers)."""
+    fields, all plain bytes and integers). ``handle`` grows with the buffer when the
+    exporter's allocator uses ``expandable_segments`` (``ipc_handle_limit``)."""
 
     version: Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
     device_index: Annotated[int, Meta(ge=0, le=1024)]
-    handle: Annotated[bytes, Meta(max_length=256)]
-    storage_bytes: U63
+    handle: Annotated[bytes, Meta(max_length=MAX_IPC_HANDLE_BYTES)]
+    storage_bytes: Annotated[int, Meta(ge=0, le=MAX_IPC_STORAGE_BYTES)]
     storage_offset: U63
     ref_counter_handle: Annotated[bytes, Meta(max_length=1024)]
     ref_counter_offset: U63
-    event_handle: Annotated[bytes, Meta(max_length=256)]
+    event_handle: Annotated[bytes, Meta(max_length=256)]  # a cudaIpcEventHandle_t: 64
     event_sync_required: bool
+
+    def __post_init__(self) -> None:
+        limit = ipc_handle_limit(self.storage_bytes)
+        if len(self.handle) > limit:
+            raise ValueError(f"handle: {len(self.handle)} bytes, more than a CUDA IPC handle "
+                             f"of a {self.storage_bytes}-byte storage takes ({limit})")
 
 
 class GroupStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,9 +160,6 @@ class GroupStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_version: U63 = 0
     bytes_sent: U63 = 0
     last_error: Annotated[str, Meta(max_length=1024)] | None = None
-    #: (member, cause, count): versions each polling node fetched over ZeroMQ instead
-    fallbacks: Annotated[tuple[tuple[Member, Label, U63], ...],
-                         Meta(max_length=MAX_MEMBERS * MAX_FALLBACK_CAUSES)] = ()
 
 
 class RoundHeader(msgspec.Struct, frozen=True, kw_only=True):

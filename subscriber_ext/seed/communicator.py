@@ -6,6 +6,14 @@ broadcasts each tensor. On GPUs that is vLLM's ``PyNcclCommunicator`` over a
 ``StatelessProcessGroup``; on the CPU backend a gloo group made by
 ``stateless_init_torch_distributed_process_group`` (the group's own
 ``broadcast`` is used: the functional API wants a global rank).
+
+After each NCCL broadcast the stream it ran on is synchronized, as vLLM's own
+NCCL weight-transfer engine does (``_post_send_sync``): the trainer may then
+overwrite the tensor. No store barrier: vLLM's ``StatelessProcessGroup.barrier``
+broadcasts a pickled id and leaves two keys per rank in the trainer's store, per
+tensor. ``close`` destroys the NCCL communicator (``PyNcclCommunicator.destroy``)
+and drops the store with it, so a trainer can re-initialise the group again and
+again (``init_communicator`` after every replica restart) without leaking.
 """
 
 from __future__ import annotations
@@ -66,8 +74,9 @@ class WeightCommunicator:
         """Broadcast ``tensor`` in place from ``src`` to every member."""
         gloo = self._group()
         if self._nccl is not None:
-            self._nccl.broadcast(tensor, src=src)
-            self._nccl.group.barrier()
+            stream = torch.cuda.current_stream(self.device)
+            self._nccl.broadcast(tensor, src=src, stream=stream)
+            stream.synchronize()  # this stream only: the tensor is free (or filled) now
             return
         from torch.distributed import BroadcastOptions
 
@@ -84,11 +93,16 @@ class WeightCommunicator:
             gloo.barrier().wait()
 
     def close(self) -> None:
-        if self._gloo is not None:
+        """Tear the group down (idempotent): the communicator, its threads and sockets,
+        and, on the trainer (rank 0 of the store), the store's server."""
+        nccl, self._nccl = self._nccl, None
+        gloo, self._gloo = self._gloo, None
+        if nccl is not None:
+            destroy = getattr(nccl, "destroy", None)  # vLLM >= 0.32; aborts, bounded
+            if destroy is not None:
+                destroy()
+            nccl.group = None  # the StatelessProcessGroup and its TCPStore
+        if gloo is not None:
             from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
 
-            try:
-                stateless_destroy_torch_distributed_process_group(self._gloo)
-            finally:
-                self._gloo = None
-        self._nccl = None
+            stateless_destroy_torch_distributed_process_group(gloo)

@@ -52,7 +52,7 @@ from weightpub_wire.collective_layout import (
     bucket_spans,
     publisher_tag,
 )
-from weightpub_wire.cuda_ipc import open_buffer
+from weightpub_wire.cuda_ipc import open_buffer, side_stream
 from weightpub_wire.errors import TransportError
 
 __all__ = ["LATER", "CollectiveReceiver", "GroupJob", "IpcJob", "Member"]
@@ -74,8 +74,8 @@ class Member(Protocol):
               backend: str) -> Assembly | str | None: ...
     def finish(self, client: Any, assembly: Assembly, nbytes: int) -> None: ...
     def failed(self, client: Any, version: int, assembly: Assembly | None,
-               why: str, cause: str = ...) -> None: ...
-    def left(self, client: Any, why: str, cause: str = ...) -> None: ...
+               why: str) -> None: ...
+    def left(self, client: Any, why: str) -> None: ...
     def verified(self, client: Any, assembly: Assembly, chunks: range) -> None: ...
 
 
@@ -204,8 +204,7 @@ class CollectiveReceiver(threading.Thread):
             except Exception as exc:  # never let the thread die: zmq stays the fallback
                 log.exception("collective receiver error")
                 failure = f"{type(exc).__name__}: {exc}"
-                self.member.call(functools.partial(self.member.left, why=failure,
-                                                   cause="receiver_error"))
+                self.member.call(functools.partial(self.member.left, why=failure))
             finally:
                 self.state = "free"
                 self.receiving = 0
@@ -225,22 +224,21 @@ class CollectiveReceiver(threading.Thread):
         except (GroupError, OSError) as exc:
             log.warning("collective: could not join epoch %d: %s", job.epoch, exc)
             failure = f"join failed: {exc}"
-            self.member.call(lambda client: self.member.left(client, failure, "join_failed"))
+            self.member.call(lambda client: self.member.left(client, failure))
             return
         self.state = "member"
         log.info("collective: joined epoch %d as rank %d of %d (%s)", job.epoch, job.rank,
                  job.world_size, info.backend)
         tag = publisher_tag(job.publisher_id)
-        cause = "closing"  # "" below: the publisher closed the epoch (a re-form, not a failure)
         try:
             while not self._stopping.is_set() or self._linger(info):
-                words = RoundHeader.empty().to(group.device)
+                words = RoundHeader.empty()  # host memory: the control group, no GPU spin
                 group.broadcast(words)
                 header = RoundHeader.from_tensor(
                     words, epoch=job.epoch, publisher=tag, bucket_bytes=info.bucket_bytes,
                     max_total_bytes=self.member.limits.max_total_bytes)
                 if header.kind == KIND_CLOSE:
-                    why, cause = "the publisher closed the epoch", ""
+                    why = "the publisher closed the epoch"
                     break
                 if header.kind == KIND_KEEPALIVE:
                     self.passed = max(self.passed, header.version)
@@ -248,13 +246,13 @@ class CollectiveReceiver(threading.Thread):
                     self._round(group, header, info.backend)
                     self.passed = max(self.passed, header.version)
         except (GroupError, ValueError, TransportError) as exc:
-            why, cause = str(exc), "group_lost"
+            why = str(exc)
             log.warning("collective: epoch %d lost: %s", job.epoch, exc)
         finally:
             group.close()
             self._bounce = None
             self.state = "free"
-        self.member.call(lambda client: self.member.left(client, why, cause))
+        self.member.call(lambda client: self.member.left(client, why))
 
     def _begin(self, version: int, total_bytes: int | None, backend: str) -> Assembly | None:
         deadline = time.monotonic() + MANIFEST_WAIT_S
@@ -282,14 +280,13 @@ class CollectiveReceiver(threading.Thread):
             if verifier is not None:
                 verifier.ok()  # no checksum thread may outlive the buffer
             if assembly is not None:
-                self._hand_back(assembly, False, "the broadcast round failed", "round_failed")
+                self._hand_back(assembly, False, "the broadcast round failed")
             raise
         finally:
             self.receiving = 0
             self._scratch = None
         if assembly is not None:  # staged before the last all_gather: a peer failing there
-            self._hand_back(assembly, ok, "a bucket failed its checksum",  # cannot cost it
-                            "checksum")
+            self._hand_back(assembly, ok, "a bucket failed its checksum")  # cannot cost it
         group.all_gather_flags(1 if ok else 0)
 
     def _verifier(self, assembly: Assembly) -> _Verifier:
@@ -305,26 +302,27 @@ class CollectiveReceiver(threading.Thread):
             else:
                 group.broadcast(self._scratch_of(size))
             return
-        if self._bounce is None or self._bounce.numel() < size:  # the first bucket is a full one
-            self._bounce = torch.empty(size, dtype=torch.uint8, device=group.device)
-        bucket = self._bounce[:size]
+        with group.on_stream():  # the group's stream, not the engine's
+            if self._bounce is None or self._bounce.numel() < size:  # the first is a full one
+                self._bounce = torch.empty(size, dtype=torch.uint8, device=group.device)
+            bucket = self._bounce[:size]
         group.broadcast(bucket)
         if assembly is not None:
-            assembly.buffer[start: start + size].copy_(bucket)  # D2H, synchronous
+            with group.on_stream():
+                assembly.buffer[start: start + size].copy_(bucket)  # D2H, waits for this stream
 
     def _scratch_of(self, size: int) -> torch.Tensor:
         if self._scratch is None or self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=torch.uint8)
         return self._scratch[:size]
 
-    def _hand_back(self, assembly: Assembly, ok: bool, why: str, cause: str) -> None:
+    def _hand_back(self, assembly: Assembly, ok: bool, why: str) -> None:
         version = assembly.manifest.version
         if ok:
             self.member.call(lambda client: self.member.finish(
                 client, assembly, assembly.manifest.total_bytes))
         else:
-            self.member.call(lambda client: self.member.failed(client, version, assembly, why,
-                                                               cause))
+            self.member.call(lambda client: self.member.failed(client, version, assembly, why))
 
     # -- cuda_ipc --------------------------------------------------------------------------
     def _copy(self, job: IpcJob) -> None:
@@ -333,22 +331,23 @@ class CollectiveReceiver(threading.Thread):
         assembly = self._begin(version, None, "cuda_ipc")
         if assembly is None:
             return
-        ok, why, cause = False, "a chunk failed its checksum", "checksum"
+        ok, why = False, "a chunk failed its checksum"
         verifier = self._verifier(assembly)
         try:
-            source = open_buffer(job.handle, job.device)
-            total = assembly.manifest.total_bytes
-            if source.numel() < total:
-                raise TransportError(f"cuda_ipc: version {version} buffer has "
-                                     f"{source.numel()} bytes, the manifest {total}")
-            for start, size in bucket_spans(total, job.announce.bucket_bytes):
-                assembly.buffer[start: start + size].copy_(source[start: start + size])
-                verifier.submit(start, size)
-            del source
+            with side_stream(job.device):  # not the engine's stream (cuda_ipc.py)
+                source = open_buffer(job.handle, job.device)
+                total = assembly.manifest.total_bytes
+                if source.numel() < total:
+                    raise TransportError(f"cuda_ipc: version {version} buffer has "
+                                         f"{source.numel()} bytes, the manifest {total}")
+                for start, size in bucket_spans(total, job.announce.bucket_bytes):
+                    assembly.buffer[start: start + size].copy_(source[start: start + size])
+                    verifier.submit(start, size)
+                del source
             ok = verifier.ok()
         except Exception as exc:
             verifier.ok()
-            why, cause = str(exc), "ipc_copy"
+            why = str(exc)
             log.warning("cuda_ipc: version %d not copied: %s", version, exc)
         self.member.ipc_done = max(self.member.ipc_done, version)
-        self._hand_back(assembly, ok, why, cause)
+        self._hand_back(assembly, ok, why)
