@@ -14,6 +14,11 @@ out every ``keepalive`` seconds, so members learn within the timeout that the
 publisher is gone. Any failure tears the group down; its members fetch that
 version over ZeroMQ frames, and the next epoch is formed with whoever polls
 afterwards (a replica that died does not).
+
+Every new epoch starts with a round of the newest version, even one announced
+before the epoch formed: a node that asked to join holds that version back for
+the group (``collective_member.py``), so it must come. Members that have it say
+"not ready" and no bucket moves (the round costs a header and two all_gathers).
 """
 
 from __future__ import annotations
@@ -106,6 +111,7 @@ class CollectivePublisher:
         self._closed = False
         self._group: CollectiveGroup | None = None
         self._last_round = 0
+        self._epoch_round = 0  # the newest version sent to this epoch (0: none yet)
         self._last_op = 0.0
         self._bounce: torch.Tensor | None = None  # nccl: one device bucket
         self.rounds = 0
@@ -195,9 +201,9 @@ class CollectivePublisher:
         if version is not None:
             self._round(version)
         elif time.monotonic() - self._last_op >= self.options.keepalive:
-            # the version of the last round: members stop holding back older versions
+            # the version of this epoch's last round: members stop holding back older ones
             self._header(RoundHeader(kind=KIND_KEEPALIVE, epoch=self._epoch(),
-                                     version=self._last_round, publisher=self._tag))
+                                     version=self._epoch_round, publisher=self._tag))
         else:
             self._sleep(min(0.05, self.options.keepalive))
 
@@ -211,11 +217,11 @@ class CollectivePublisher:
         return self._group.epoch
 
     def _due_version(self) -> PublishedVersion | None:
-        """The newest announced version, if not sent yet (its copy may still be running:
-        each bucket goes out once its bytes are final, as ZeroMQ chunks do)."""
+        """The newest announced version, if not sent to this epoch yet (its copy may still be
+        running: each bucket goes out once its bytes are final, as ZeroMQ chunks do)."""
         with self._cond:
             newest = self._newest
-        if newest is None or newest.failed or newest.manifest.version <= self._last_round:
+        if newest is None or newest.failed or newest.manifest.version <= self._epoch_round:
             return None
         return newest
 
@@ -243,8 +249,7 @@ class CollectivePublisher:
             return
         self._group = group
         self.table.activate()
-        with self._cond:  # a newcomer already has the newest version (it fetched it alone)
-            self._last_round = 0 if self._newest is None else self._newest.manifest.version
+        self._epoch_round = 0  # the newest version goes to this epoch too (module docstring)
         self._last_op = time.monotonic()
         log.info("collective: epoch %d formed with %d member(s) in %.2fs", plan.epoch,
                  world - 1, time.monotonic() - started)
@@ -264,6 +269,7 @@ class CollectivePublisher:
         manifest = version.manifest
         spans = bucket_spans(manifest.total_bytes, self.options.bucket_bytes)
         if not version.pin(self):  # the store keeps the bytes until the round ends
+            self._epoch_round = manifest.version  # retired meanwhile: a newer one follows
             return
         started = time.monotonic()
         try:
@@ -280,7 +286,7 @@ class CollectivePublisher:
             verified = group.all_gather_flags(1)[1:]
         finally:
             version.unpin(self)
-        self._last_round = manifest.version
+        self._last_round = self._epoch_round = manifest.version
         self._last_op = time.monotonic()
         self.rounds += 1
         log.info("collective: version %d to %d/%d ready member(s) in %.3fs (%d verified)",

@@ -38,6 +38,8 @@ from msgspec import Meta
 __all__ = [
     "BACKENDS",
     "DATA_PATHS",
+    "FALLBACK_CAUSES",
+    "MAX_FALLBACK_CAUSES",
     "HEADER_WORDS",
     "KIND_CLOSE",
     "KIND_DATA",
@@ -60,6 +62,25 @@ BACKENDS = ("gloo", "nccl", "cuda_ipc")
 #: how the bytes of a version reached a node (``Report.data_path``, ``weight_version()``)
 DATA_PATHS = ("zmq", "gloo", "nccl", "cuda_ipc")
 MAX_MEMBERS = 256  # subscribers (nodes) in one group
+#: why a version a node held back for the collective path came over ZeroMQ frames instead
+#: (``CollectiveMember``: status, the replica's metric label, polls, ``weightpub status``)
+FALLBACK_CAUSES = (
+    "unusable",  # the backend cannot run here (NCCL without a GPU, cuda_ipc on another GPU)
+    "refused",  # the publisher refused this node (limits, penalty, backend)
+    "join_failed",  # the rendezvous of the epoch failed here
+    "join_timeout",  # asked to join, but no epoch took this node in time
+    "epoch_ended",  # the publisher ended this node's epoch (a failure on its side)
+    "group_lost",  # the group broke while waiting for rounds (peer died, timeout)
+    "round_failed",  # the broadcast round of this version failed mid-way
+    "checksum",  # a received bucket failed its chunk checksums
+    "round_passed",  # its round went by without this node (formed after it)
+    "round_timeout",  # in the group, but no round came within the timeout
+    "staging_budget",  # no staging memory for it now (the ZeroMQ path waits for it)
+    "receiver_error",  # the receiving thread failed unexpectedly
+    "ipc_copy",  # cuda_ipc: the copy out of the publisher's device buffer failed
+    "closing",  # this subscriber is closing
+)
+MAX_FALLBACK_CAUSES = 16  # causes one poll or one member carries (bounded on the wire)
 MIN_BUCKET_BYTES = 4096
 MAX_BUCKET_BYTES = 1 << 30
 HEADER_WORDS = 8
@@ -160,6 +181,9 @@ class GroupStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_version: U63 = 0
     bytes_sent: U63 = 0
     last_error: Annotated[str, Meta(max_length=1024)] | None = None
+    #: (member, cause, count): versions each polling node fetched over ZeroMQ instead
+    fallbacks: Annotated[tuple[tuple[Member, Label, U63], ...],
+                         Meta(max_length=MAX_MEMBERS * MAX_FALLBACK_CAUSES)] = ()
 
 
 class RoundHeader(msgspec.Struct, frozen=True, kw_only=True):

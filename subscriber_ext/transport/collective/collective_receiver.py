@@ -74,8 +74,8 @@ class Member(Protocol):
               backend: str) -> Assembly | str | None: ...
     def finish(self, client: Any, assembly: Assembly, nbytes: int) -> None: ...
     def failed(self, client: Any, version: int, assembly: Assembly | None,
-               why: str) -> None: ...
-    def left(self, client: Any, why: str) -> None: ...
+               why: str, cause: str = ...) -> None: ...
+    def left(self, client: Any, why: str, cause: str = ...) -> None: ...
     def verified(self, client: Any, assembly: Assembly, chunks: range) -> None: ...
 
 
@@ -204,7 +204,8 @@ class CollectiveReceiver(threading.Thread):
             except Exception as exc:  # never let the thread die: zmq stays the fallback
                 log.exception("collective receiver error")
                 failure = f"{type(exc).__name__}: {exc}"
-                self.member.call(functools.partial(self.member.left, why=failure))
+                self.member.call(functools.partial(self.member.left, why=failure,
+                                                   cause="receiver_error"))
             finally:
                 self.state = "free"
                 self.receiving = 0
@@ -224,12 +225,13 @@ class CollectiveReceiver(threading.Thread):
         except (GroupError, OSError) as exc:
             log.warning("collective: could not join epoch %d: %s", job.epoch, exc)
             failure = f"join failed: {exc}"
-            self.member.call(lambda client: self.member.left(client, failure))
+            self.member.call(lambda client: self.member.left(client, failure, "join_failed"))
             return
         self.state = "member"
         log.info("collective: joined epoch %d as rank %d of %d (%s)", job.epoch, job.rank,
                  job.world_size, info.backend)
         tag = publisher_tag(job.publisher_id)
+        cause = "closing"  # "" below: the publisher closed the epoch (a re-form, not a failure)
         try:
             while not self._stopping.is_set() or self._linger(info):
                 words = RoundHeader.empty()  # host memory: the control group, no GPU spin
@@ -238,7 +240,7 @@ class CollectiveReceiver(threading.Thread):
                     words, epoch=job.epoch, publisher=tag, bucket_bytes=info.bucket_bytes,
                     max_total_bytes=self.member.limits.max_total_bytes)
                 if header.kind == KIND_CLOSE:
-                    why = "the publisher closed the epoch"
+                    why, cause = "the publisher closed the epoch", ""
                     break
                 if header.kind == KIND_KEEPALIVE:
                     self.passed = max(self.passed, header.version)
@@ -246,13 +248,13 @@ class CollectiveReceiver(threading.Thread):
                     self._round(group, header, info.backend)
                     self.passed = max(self.passed, header.version)
         except (GroupError, ValueError, TransportError) as exc:
-            why = str(exc)
+            why, cause = str(exc), "group_lost"
             log.warning("collective: epoch %d lost: %s", job.epoch, exc)
         finally:
             group.close()
             self._bounce = None
             self.state = "free"
-        self.member.call(lambda client: self.member.left(client, why))
+        self.member.call(lambda client: self.member.left(client, why, cause))
 
     def _begin(self, version: int, total_bytes: int | None, backend: str) -> Assembly | None:
         deadline = time.monotonic() + MANIFEST_WAIT_S
@@ -280,13 +282,14 @@ class CollectiveReceiver(threading.Thread):
             if verifier is not None:
                 verifier.ok()  # no checksum thread may outlive the buffer
             if assembly is not None:
-                self._hand_back(assembly, False, "the broadcast round failed")
+                self._hand_back(assembly, False, "the broadcast round failed", "round_failed")
             raise
         finally:
             self.receiving = 0
             self._scratch = None
         if assembly is not None:  # staged before the last all_gather: a peer failing there
-            self._hand_back(assembly, ok, "a bucket failed its checksum")  # cannot cost it
+            self._hand_back(assembly, ok, "a bucket failed its checksum",  # cannot cost it
+                            "checksum")
         group.all_gather_flags(1 if ok else 0)
 
     def _verifier(self, assembly: Assembly) -> _Verifier:
@@ -316,13 +319,14 @@ class CollectiveReceiver(threading.Thread):
             self._scratch = torch.empty(size, dtype=torch.uint8)
         return self._scratch[:size]
 
-    def _hand_back(self, assembly: Assembly, ok: bool, why: str) -> None:
+    def _hand_back(self, assembly: Assembly, ok: bool, why: str, cause: str) -> None:
         version = assembly.manifest.version
         if ok:
             self.member.call(lambda client: self.member.finish(
                 client, assembly, assembly.manifest.total_bytes))
         else:
-            self.member.call(lambda client: self.member.failed(client, version, assembly, why))
+            self.member.call(lambda client: self.member.failed(client, version, assembly, why,
+                                                               cause))
 
     # -- cuda_ipc --------------------------------------------------------------------------
     def _copy(self, job: IpcJob) -> None:
@@ -331,7 +335,7 @@ class CollectiveReceiver(threading.Thread):
         assembly = self._begin(version, None, "cuda_ipc")
         if assembly is None:
             return
-        ok, why = False, "a chunk failed its checksum"
+        ok, why, cause = False, "a chunk failed its checksum", "checksum"
         verifier = self._verifier(assembly)
         try:
             with side_stream(job.device):  # not the engine's stream (cuda_ipc.py)
@@ -347,7 +351,7 @@ class CollectiveReceiver(threading.Thread):
             ok = verifier.ok()
         except Exception as exc:
             verifier.ok()
-            why = str(exc)
+            why, cause = str(exc), "ipc_copy"
             log.warning("cuda_ipc: version %d not copied: %s", version, exc)
         self.member.ipc_done = max(self.member.ipc_done, version)
-        self._hand_back(assembly, ok, why)
+        self._hand_back(assembly, ok, why, cause)
