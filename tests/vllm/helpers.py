@@ -41,6 +41,8 @@ def tiny_config(kind: str) -> Any:
     )
     if kind == "qwen2":
         return Qwen2Config(**common, tie_word_embeddings=False)
+    if kind == "qwen2_tied":  # lm_head shares the embedding's storage in vLLM
+        return Qwen2Config(**common, tie_word_embeddings=True)
     if kind == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True)
     moe = dict(common, head_dim=64, tie_word_embeddings=False, num_experts_per_tok=2)
