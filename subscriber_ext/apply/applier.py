@@ -38,6 +38,7 @@ from subscriber_ext.apply.names import NameResolver, Target
 from subscriber_ext.apply.prepare import PreparedVersion
 from subscriber_ext.apply.progressive import LayerPlan, VersionPrep, prepare_version
 from subscriber_ext.apply.spec_checks import CheckedTensor, SpecChecker, TensorSpec
+from subscriber_ext.apply.streams import PrepStream
 from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.errors import ApplyError, ConfigError
 
@@ -73,12 +74,21 @@ class WeightApplier:
         self._layout: CheckpointLayout | None = None
         self._mode: str | None = None
         self.last_report: ApplyReport | None = None
+        self._stream: PrepStream | None = None
+        self._mla: list[torch.nn.Module] | None = None  # MLA attention layers, found once
         #: held while the live modules change (apply, swap) or are snapshot (prepare)
         self.lock = threading.RLock()
 
     @property
     def model(self) -> torch.nn.Module:
         return self.model_runner.get_model()
+
+    @property
+    def stream(self) -> PrepStream:
+        """The preparer's side stream on this rank's device (``streams.py``)."""
+        if self._stream is None:
+            self._stream = PrepStream.for_model(self.model)
+        return self._stream
 
     @property
     def resolver(self) -> NameResolver:
@@ -210,8 +220,10 @@ class WeightApplier:
                 ignored.append(spec.name)
             else:
                 todo.append((target, tensor))
+        self._refuse_derived({t.module_name for t, _ in todo})
         prepared = prepare_version(
-            self.model, todo, version=version, publisher_id=publisher_id, model_lock=self.lock
+            self.model, todo, version=version, publisher_id=publisher_id, model_lock=self.lock,
+            stream=self.stream,
         )
         prepared.applied = [t.checkpoint_name for t, _ in todo]
         prepared.ignored = ignored
@@ -245,17 +257,24 @@ class WeightApplier:
                 continue
             plan.setdefault(target.module_name, []).append((target, spec.name))
             applied.append(target.checkpoint_name)
+        try:
+            self._refuse_derived(set(plan))
+        except ApplyError as exc:
+            logger.info("weightpub: version %d not prepared while arriving: %s", version, exc)
+            return None
         prep = VersionPrep(self.model, plan, version=version, publisher_id=publisher_id,
-                           model_lock=self.lock)
+                           model_lock=self.lock, stream=self.stream)
         prep.applied, prep.ignored = applied, ignored
         return prep
 
     def swap(self, prepared: PreparedVersion) -> ApplyReport:
-        """Install a prepared version: pointer swaps only (µs–ms)."""
+        """Install a prepared version: a device-local copy into the live storage (every
+        parameter and buffer keeps its address), plus attribute swaps."""
         start = time.perf_counter()
-        with self.lock:
+        with torch.no_grad(), self.lock:
             prepared.swap()
-            self._resolver = None  # parameters are new objects
+            self._resolver = None  # a tensor whose shape changed is a new object
+            self._refresh_derived({s.name for s in prepared.swaps})
         report = ApplyReport(mode="prepared", seconds=time.perf_counter() - start)
         report.applied, report.ignored = prepared.applied, prepared.ignored
         self.last_report = report
@@ -268,6 +287,50 @@ class WeightApplier:
         params = self.resolver.params
         for target, tensor in todo:
             load_into(params[target.param_name], target, tensor)
+        touched = {t.module_name for t, _ in todo}
+        self._reprocess_tied(touched)
+        self._refresh_derived(touched)
+
+    def _mla_layers(self, touched: set[str]) -> list[torch.nn.Module]:
+        """MLA attention layers whose ``kv_b_proj`` is among the touched modules."""
+        if self._mla is None:
+            try:
+                from vllm.model_executor.layers.attention import MLAAttention
+            except ImportError:  # pragma: no cover
+                MLAAttention = ()
+            self._mla = [m for m in self.model.modules() if isinstance(m, MLAAttention)]
+        if not self._mla:
+            return []
+        model = self.model
+        fed = {id(model.get_submodule(n)) for n in touched}
+        return [m for m in self._mla if id(getattr(m, "kv_b_proj", None)) in fed]
+
+    def _refuse_derived(self, touched: set[str]) -> None:
+        """Raise if preparing ``touched`` cannot be finished by ``_refresh_derived``.
+
+        Why: on the CPU's AMX MLA path the attention layer packs ``kv_b_proj`` itself and
+        drops its weight; that layer is left to vLLM's reload (which re-processes it).
+        """
+        for layer in self._mla_layers(touched):
+            if getattr(layer, "is_amx_bmm_enabled", False):
+                raise ApplyError(f"{getattr(layer, 'layer_name', 'MLA layer')}: AMX-packed "
+                                 "kv_b_proj; committed by a reload")
+
+    def _refresh_derived(self, touched: set[str]) -> None:
+        """Recompute what attention layers derive from weights written outside a reload.
+
+        Why: an MLA layer keeps ``W_UK_T`` / ``W_UV`` split out of ``kv_b_proj`` at load
+        time; vLLM's layerwise reload re-runs the layer's ``process_weights_after_loading``
+        after the other layers, which rewrites them in place (``replace_parameter(...,
+        prefer_copy=True)``, vLLM 0.32). An in-place or prepared commit does the same.
+        """
+        layers = self._mla_layers(touched)
+        if not layers:
+            return
+        dtype = self.vllm_config.model_config.dtype
+        for layer in layers:
+            process: Any = layer.process_weights_after_loading
+            process(dtype)
 
     def _apply_reload(self, todo: list[tuple[Target, torch.Tensor]]) -> None:
         # model.load_weights (inside reload_weights) does its own stacking; hand it the

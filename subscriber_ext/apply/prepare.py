@@ -1,4 +1,4 @@
-"""Build a version's kernel-format weights off the step path; swap them in at commit.
+"""Build a version's kernel-format weights off the step path; copy them in at commit.
 
 Why: on the CPU backend (and for quantized models) a commit must re-run each
 layer's ``process_weights_after_loading`` (oneDNN / sgl prepacking), which
@@ -8,11 +8,15 @@ shallow copy of the live module whose parameters are fresh tensors created
 from vLLM's own reload metadata (``LAYERWISE_INFO[layer].restore_metadata``),
 filled through the layer's own ``weight_loader`` (TP slicing, fused shards,
 GQA replication, vocab padding) and processed by the layer's own
-``quant_method``. The commit then only moves the shadow's parameters, buffers
-and changed attributes (``cpu_linear``, ``weight``, ...) onto the live module:
-a few dict updates per layer. The shadow is never reachable from the model
-before the swap. Cost: one extra copy of the touched weights per rank while a
-version is prepared.
+``quant_method``. The commit then copies the shadow's parameters and buffers
+into the live tensors' storage (a device-local copy; the live objects, and so
+the addresses captured CUDA graphs read, stay) and swaps in what cannot be
+copied: changed non-tensor attributes (CPU GEMM handles ``cpu_linear``, a MoE
+layer's kernel) and any tensor whose shape or dtype processing changed (see
+``ModuleSwap``). The shadow is never reachable from the model before the
+commit. Cost: one extra copy of the touched weights per rank while a version is
+prepared; at the commit one device-local copy of them (``streams.py`` says on
+which stream).
 
 Fused-expert (MoE) layers are prepared too: each expert tensor goes through the
 layer's loader with its expert id, and the shadow gets a private copy of the
@@ -30,9 +34,10 @@ from typing import Any
 
 import torch
 
+from subscriber_ext.apply.streams import PrepStream
 from weightpub_wire.errors import ApplyError
 
-__all__ = ["ModuleSwap", "PreparedVersion", "Shadow"]
+__all__ = ["ModuleSwap", "PreparedVersion", "Shadow", "copies_into"]
 
 logger = logging.getLogger("weightpub.prepare")
 
@@ -82,9 +87,29 @@ def _clone_param(live: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def copies_into(live: object, new: object) -> bool:
+    """True if ``new``'s values can be copied into ``live``'s storage (same layout).
+
+    Why: captured CUDA graphs keep the addresses of the tensors they read; a commit
+    that keeps them (as vLLM's layerwise reload does) stays valid for the graphs.
+    """
+    return (
+        isinstance(live, torch.Tensor) and isinstance(new, torch.Tensor) and live is not new
+        and live.shape == new.shape and live.dtype == new.dtype
+        and live.device == new.device and live.stride() == new.stride()
+    )
+
+
 @dataclass
 class ModuleSwap:
-    """Everything the commit moves onto one live module."""
+    """Everything the commit moves onto one live module.
+
+    Parameters, buffers and tensor attributes whose live tensor has the same shape,
+    dtype, strides and device are *copied into* the live storage (the live objects
+    stay); only the rest (a tensor whose shape or dtype changed in processing, a new
+    or removed one, non-tensor state such as CPU GEMM handles or a MoE layer's
+    private ``quant_method``) is swapped in as an object.
+    """
 
     name: str
     module: torch.nn.Module
@@ -95,32 +120,79 @@ class ModuleSwap:
     removed: list[str]
     #: submodules replaced on the shadow (a MoE layer's private ``quant_method``)
     modules: dict[str, torch.nn.Module | None] = field(default_factory=dict)
-    #: the live state replaced by ``apply``; kept so freeing it happens off the step path
+    #: the live state replaced by ``apply`` and the tensors it copied from; kept so
+    #: freeing them happens off the step path
     retired: list[Any] = field(default_factory=list)
 
-    def apply(self) -> None:
+    def moved(self) -> list[str]:
+        """Live tensors that cannot keep their storage (shape/dtype changed, or removed)."""
         live = self.module
+        out = []
+        for container, new in ((live._parameters, self.params), (live._buffers, self.buffers)):
+            for key, cur in container.items():
+                t = new.get(key)
+                if cur is not None and cur is not t and not copies_into(cur, t):
+                    out.append(f"{self.name}.{key}")
+        return out
+
+    def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(live tensor, new values) pairs ``apply`` copies."""
+        live = self.module
+        out = []
+        for container, new in ((live._parameters, self.params), (live._buffers, self.buffers)):
+            for key, t in new.items():
+                cur = container.get(key)
+                if copies_into(cur, t):
+                    out.append((cur, t))
+        for key, value in self.attrs.items():
+            cur = live.__dict__.get(key)
+            if copies_into(cur, value):
+                out.append((cur, value))
+        return out  # type: ignore[return-value]
+
+    def apply(self, copied: set[tuple[int, int]] | None = None) -> None:
+        """Copy into (or swap onto) the live module. ``copied``: (dst, src) pointers done
+        (a tied tensor reached through two modules is copied once)."""
+        live = self.module
+        copied = set() if copied is None else copied
+        sources: list[torch.Tensor] = []
+        with torch.no_grad():
+            for dst, src in self.copies():
+                pair = (dst.data_ptr(), src.data_ptr())
+                if pair not in copied:
+                    dst.copy_(src)
+                    copied.add(pair)
+                sources.append(src)
+
+        def keep(container: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+            return {k: container[k] if copies_into(container.get(k), t) else t
+                    for k, t in new.items()}
+
+        params = keep(live._parameters, self.params)
+        buffers = keep(live._buffers, self.buffers)
+        attrs = {k: v for k, v in self.attrs.items() if not copies_into(live.__dict__.get(k), v)}
         self.retired = [
-            dict(live._parameters),
-            dict(live._buffers),
-            [live.__dict__.get(k) for k in [*self.attrs, *self.removed]],
+            sources,
+            [t for k, t in live._parameters.items() if params.get(k) is not t],
+            [t for k, t in live._buffers.items() if buffers.get(k) is not t],
+            [live.__dict__.get(k) for k in [*attrs, *self.removed]],
             [live._modules.get(k) for k in self.modules],
         ]
         live._parameters.clear()
-        live._parameters.update(self.params)  # type: ignore[arg-type]
+        live._parameters.update(params)
         live._buffers.clear()
-        live._buffers.update(self.buffers)
+        live._buffers.update(buffers)
         live._non_persistent_buffers_set.clear()
         live._non_persistent_buffers_set.update(self.non_persistent)
         live._modules.update(self.modules)
-        live.__dict__.update(self.attrs)
+        live.__dict__.update(attrs)
         for key in self.removed:
             live.__dict__.pop(key, None)
 
 
 @dataclass
 class PreparedVersion:
-    """A version ready to swap in; holds its own copy of the touched weights."""
+    """A version ready to commit; holds its own copy of the touched weights."""
 
     version: int
     publisher_id: str
@@ -131,10 +203,19 @@ class PreparedVersion:
     ignored: list[str] = field(default_factory=list)
     #: layers built while the version was still arriving (``progressive.py``)
     early_layers: int = 0
+    #: the preparation's stream discipline and its end event (``streams.py``)
+    stream: PrepStream | None = None
+    ready: Any = None
 
     def swap(self) -> None:
+        """Step thread: copy every prepared tensor into the live storage (swap the rest)."""
+        if self.stream is not None:
+            self.stream.before_copy(self.ready)
+        copied: set[tuple[int, int]] = set()
         for s in self.swaps:
-            s.apply()
+            s.apply(copied)
+        if self.stream is not None:
+            self.stream.read_by_step(t for s in self.swaps for t in s.retired[0])
         self.nbytes = 0
 
 

@@ -5,8 +5,9 @@ arrived adds their cost to every update. The live modules' state is snapshotted
 once (``VersionPrep.__init__``, under the model lock), then each touched layer's
 shadow is loaded and processed on its own (``build``), in any order, while later
 layers are still on the wire; ``finish`` builds what is left, re-processes layers
-tied to rebuilt tensors (a tied ``lm_head``) and returns the ``PreparedVersion``
-the commit swaps in. Nothing here touches a live module: a version that never
+tied to rebuilt tensors (a tied ``lm_head``, sent or not) and returns the
+``PreparedVersion`` the commit copies in. Every build runs on the side stream of
+``streams.py``. Nothing here touches a live module: a version that never
 completes, or is cancelled, is simply dropped.
 
 ``prepare_version`` is the all-at-once form (a version already complete).
@@ -14,6 +15,7 @@ completes, or is cancelled, is simply dropped.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -23,12 +25,15 @@ import torch
 from subscriber_ext.apply.loaders import load_into, private_quant_method
 from subscriber_ext.apply.names import Target
 from subscriber_ext.apply.prepare import PreparedVersion, Shadow
+from subscriber_ext.apply.streams import PrepStream
 from weightpub_wire.errors import ApplyError
 
 __all__ = ["LayerPlan", "VersionPrep", "prepare_version"]
 
 #: per touched module: (where each tensor goes, the tensor's key in the version's mapping)
 LayerPlan = dict[str, list[tuple[Target, str]]]
+
+logger = logging.getLogger("weightpub.prepare")
 
 
 class VersionPrep:
@@ -39,26 +44,31 @@ class VersionPrep:
     """
 
     def __init__(self, model: torch.nn.Module, plan: LayerPlan, *, version: int,
-                 publisher_id: str, model_lock: threading.Lock | threading.RLock) -> None:
+                 publisher_id: str, model_lock: threading.Lock | threading.RLock,
+                 stream: PrepStream | None = None) -> None:
         self.version = version
         self.publisher_id = publisher_id
-        self.plan = plan
-        self.pending = set(plan)
+        self.stream = stream if stream is not None else PrepStream(torch.device("cpu"))
         self.applied: list[str] = []  # checkpoint names, for the commit's report
         self.ignored: list[str] = []
         self.early = 0
         self.work_s = 0.0  # time spent building (not waiting for bytes)
         start = time.perf_counter()
         self._sources: set[int] = set()
-        with model_lock:
+        #: sent tensors dropped for the tied tensor they alias: (alias key, owner key, names)
+        self.aliases: list[tuple[str, str, str]] = []
+        with model_lock, self.stream.building():
+            plan = self._untie(model, plan)
+            self.plan = plan
+            self.pending = set(plan)
             self.shadows = {n: Shadow(n, model.get_submodule(n)) for n in plan}
             owner: dict[int, tuple[str, str]] = {}  # storage ptr -> (module, attr) replaced
             for n, sh in self.shadows.items():
                 for attr, p in sh.live._parameters.items():
                     if p is not None and p.numel():
                         if p.data_ptr() in owner:
-                            raise ApplyError(f"{n}.{attr}: shares storage with another sent "
-                                             "tensor")
+                            raise ApplyError(f"{n}.{attr}: shares storage with "
+                                             f"{'.'.join(owner[p.data_ptr()])}; cannot prepare")
                         owner[p.data_ptr()] = (n, attr)
             self.tied: dict[str, tuple[Shadow, dict[str, tuple[str, str]]]] = {}
             for n, mod in model.named_modules():
@@ -73,6 +83,51 @@ class VersionPrep:
                     self.tied[n] = (Shadow(n, mod), links)
         self.work_s += time.perf_counter() - start
 
+    def _untie(self, model: torch.nn.Module, plan: LayerPlan) -> LayerPlan:
+        """Drop sent tensors whose live storage another sent tensor fills (a tied head).
+
+        Why: a tied ``lm_head.weight`` is the embedding's storage; loading it twice into
+        two shadows would make two tensors of one. The owner is the name the model lists
+        first (the embedding, as vLLM's and transformers' loaders keep it); the alias's
+        layer is then rebuilt as a tied layer on the owner's new tensor.
+        """
+        first: dict[int, str] = {}  # storage -> the model's first name for it
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p.numel():
+                first.setdefault(p.data_ptr(), name)
+        sent: dict[int, list[tuple[str, Target, str]]] = {}
+        for module_name, entries in plan.items():
+            for target, key in entries:
+                if target.expert is not None:
+                    continue
+                live = model.get_submodule(module_name)._parameters.get(target.attr)
+                if live is not None and live.numel():
+                    sent.setdefault(live.data_ptr(), []).append((module_name, target, key))
+        drop: set[str] = set()
+        for ptr, users in sent.items():
+            owners = {m for m, _, _ in users}
+            if len(owners) < 2:
+                continue
+            first_module = first[ptr].rpartition(".")[0]
+            keep = first_module if first_module in owners else users[0][0]
+            by_part = {(t.attr, t.shard_id): (k, t.checkpoint_name)
+                       for m, t, k in users if m == keep}
+            for m, t, k in users:
+                if m != keep:
+                    drop.add(k)
+                    owner_key, owner_name = by_part.get((t.attr, t.shard_id), ("", "?"))
+                    self.aliases.append((k, owner_key, f"{t.checkpoint_name} ({owner_name})"))
+        if not drop:
+            return plan
+        out: LayerPlan = {}
+        for module_name, entries in plan.items():
+            kept = [(t, k) for t, k in entries if k not in drop]
+            if kept and len(kept) < len(entries):
+                raise ApplyError(f"{module_name}: partly tied layer; cannot prepare")
+            if kept:
+                out[module_name] = kept
+        return out
+
     def ready_layers(self, ready: set[str]) -> list[str]:
         """Layers not built yet whose every tensor (by key) is in ``ready``."""
         return [n for n in self.plan if n in self.pending
@@ -85,7 +140,7 @@ class VersionPrep:
 
         start = time.perf_counter()
         sh = self.shadows[module_name]
-        with torch.no_grad():
+        with torch.no_grad(), self.stream.building():
             sh.fresh_params({})
             private_quant_method(sh.module)
             params = sh.module._parameters
@@ -110,7 +165,13 @@ class VersionPrep:
         for name in [n for n in self.plan if n in self.pending]:
             self.build(name, tensors)
         start = time.perf_counter()
-        with torch.no_grad():
+        for alias, owner, names in self.aliases:
+            a, o = tensors.get(alias), tensors.get(owner)
+            if a is not None and o is not None and not torch.equal(a, o):
+                logger.warning("weightpub: version %d: tied tensor %s differs from the one "
+                               "whose storage it shares (in parentheses), which is used",
+                               self.version, names)
+        with torch.no_grad(), self.stream.building():
             for n, (sh, links) in self.tied.items():
                 # the tied layer keeps sharing the (new) tensor; only its own state is rebuilt
                 shared = {a: self.shadows[m].module._parameters[src]
@@ -124,9 +185,17 @@ class VersionPrep:
                     raise ApplyError(f"{n}: partly tied layer; cannot prepare")
                 sh.process()
         out = PreparedVersion(self.version, self.publisher_id, applied=list(self.applied),
-                              ignored=list(self.ignored))
+                              ignored=list(self.ignored), stream=self.stream)
         for sh in [*self.shadows.values(), *(s for s, _ in self.tied.values())]:
             swap = sh.to_swap()
+            moved = swap.moved()
+            if moved and self.stream.cuda:
+                # a captured CUDA graph would keep reading the old tensor (then freed)
+                raise ApplyError(f"{', '.join(moved)}: shape or dtype changed in processing; "
+                                 "cannot keep the storage CUDA graphs read")
+            if moved:
+                logger.info("weightpub: %s swapped in as new tensors (shape or dtype changed)",
+                            ", ".join(moved))
             for t in [*swap.params.values(), *swap.buffers.values()]:
                 if t is not None and t.numel() and t.untyped_storage().data_ptr() in \
                         self._sources:
@@ -137,6 +206,7 @@ class VersionPrep:
                 p.numel() * p.element_size() for p in swap.params.values() if p is not None
             )
         out.early_layers = self.early
+        out.ready = self.stream.done()
         self.work_s += time.perf_counter() - start
         out.seconds = self.work_s
         return out
@@ -149,6 +219,7 @@ def prepare_version(
     version: int,
     publisher_id: str,
     model_lock: threading.Lock | threading.RLock,
+    stream: PrepStream | None = None,
 ) -> PreparedVersion:
     """Build the shadows of every layer ``todo`` touches (and of layers tied to them).
 
@@ -161,5 +232,5 @@ def prepare_version(
     for i, (target, _) in enumerate(todo):
         plan.setdefault(target.module_name, []).append((target, str(i)))
     prep = VersionPrep(model, plan, version=version, publisher_id=publisher_id,
-                       model_lock=model_lock)
+                       model_lock=model_lock, stream=stream)
     return prep.finish(tensors)

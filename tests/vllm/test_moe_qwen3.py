@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from .moe_cases import malformed_expert_rejected, start_engine, three_versions
+from .storage import assert_same_storage, callable_rpcs, storages
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen3_moe"
@@ -20,13 +21,18 @@ KIND = "qwen3_moe"
 
 @pytest.fixture(scope="module", params=[1], ids=["tp1"])
 def llm(request, tmp_path_factory):
-    engine = start_engine(KIND, request.param, tmp_path_factory)
-    yield engine
-    del engine
+    with callable_rpcs():  # storages(): a callable in collective_rpc
+        engine = start_engine(KIND, request.param, tmp_path_factory)
+        yield engine
+        del engine
 
 
 def test_three_versions_per_expert_names_then_publish_model_then_prepared(llm):
+    """... and every parameter and buffer keeps its storage (reload and prepared commits of
+    the fused experts; captured CUDA graphs keep reading it)."""
+    before = storages(llm)
     three_versions(llm, KIND, seed=11)
+    assert_same_storage(before, storages(llm))
 
 
 def test_malformed_expert_tensor_rejected_weights_unchanged(llm, request):

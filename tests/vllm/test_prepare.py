@@ -1,8 +1,11 @@
-"""Prepared commits (kernel-format weights built off the step path, swapped at commit).
+"""Prepared commits (kernel-format weights built off the step path, copied in at commit).
 
-Tiny Llama (tied embeddings, GQA) at TP=1: after each prepared commit the output
-equals transformers on the new weights, and the commit is a swap. The commit's
-blocking time is printed next to the reload path's, not asserted (2 shared cores).
+Tiny Llama (tied embeddings, GQA) at TP=1 and a tied Qwen2 at TP=2: after each prepared
+commit the output equals transformers on the new weights, and every parameter and
+buffer keeps its storage (captured CUDA graphs keep reading it), in every mode. A
+trainer that sends the tied ``lm_head.weight`` too still gets its versions prepared.
+The commit's blocking time is printed next to the reload path's, not asserted (2
+shared cores).
 """
 
 from __future__ import annotations
@@ -22,21 +25,29 @@ from .helpers import (
     save_tiny,
     vllm_greedy,
 )
+from .storage import assert_same_storage, callable_rpcs, storages
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 N = 8
 
 
-def _run_versions(llm, kind, directory, versions, prepare):
+def _run_versions(llm, kind, directory, versions, prepare, **options):
+    """Commit each (version, seed or weights), check the oracle; the commits' pauses.
+
+    ``weights`` may be ``(published, oracle)``: a partial version and the model it makes.
+    """
     llm.collective_rpc(
         "start_weight_subscriber",
         args=(str(directory),),
-        kwargs={"subscriber_cls": FAKE_SUB, "prepare": prepare},
+        kwargs={"subscriber_cls": FAKE_SUB, "prepare": prepare, **options},
     )
     seconds = []
     for version, seed in versions:
-        w = new_weights(kind, seed)
-        publish_to_dir(directory, version, w)
+        if isinstance(seed, tuple):
+            sent, w = seed
+        else:
+            sent = w = seed if isinstance(seed, dict) else new_weights(kind, seed)
+        publish_to_dir(directory, version, sent)
         status = wait_until_applied(llm, version, timeout=30)
         for s in status:
             last = s["commits"][-1]
@@ -52,9 +63,10 @@ def _run_versions(llm, kind, directory, versions, prepare):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = save_tiny("llama", 0, tmp_path_factory.mktemp("llama_prep"))
-    engine = make_llm(path, tp=1)
-    yield engine
-    del engine
+    with callable_rpcs():
+        engine = make_llm(path, tp=1)
+        yield engine
+        del engine
 
 
 def test_prepared_commit_matches_hf_tied(llama, tmp_path):
@@ -73,16 +85,30 @@ def test_prepared_commit_matches_hf_tied(llama, tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen2_tp2(tmp_path_factory):
-    path = save_tiny("qwen2", 0, tmp_path_factory.mktemp("qwen2_prep"))
-    engine = make_llm(path, tp=2)
-    yield engine
-    del engine
+    path = save_tiny(TIED_QWEN2, 0, tmp_path_factory.mktemp("qwen2_prep"))
+    with callable_rpcs():
+        engine = make_llm(path, tp=2)
+        yield engine
+        del engine
+
+
+TIED_QWEN2 = "qwen2_tied"
+
+
+def _with_head(w):
+    """What a trainer's ``state_dict()`` of a tied model holds: the head under its own name."""
+    return {**w, "lm_head.weight": w["model.embed_tokens.weight"].clone()}
 
 
 def test_prepared_commit_matches_hf_tp2(qwen2_tp2, tmp_path):
-    """TP slicing, fused qkv (with bias) / gate_up shards, one KV head replicated on 2 ranks."""
-    swap_s = _run_versions(qwen2_tp2, "qwen2", tmp_path, [(1, 41), (2, 42)], True)
-    print(f"\nTP=2 commit blocking time per rank: prepared swap {swap_s}")
+    """TP slicing, fused qkv (with bias) / gate_up shards, one KV head replicated on 2 ranks,
+    the vocab-parallel embedding tied to the head (sent with and without ``lm_head``)."""
+    before = storages(qwen2_tp2)
+    w2 = new_weights(TIED_QWEN2, 42)
+    swap_s = _run_versions(qwen2_tp2, TIED_QWEN2, tmp_path, [(1, 41), (2, (_with_head(w2), w2))],
+                           True)
+    assert_same_storage(before, storages(qwen2_tp2))
+    print(f"\nTP=2 tied commit blocking time per rank: prepared {swap_s}")
 
 
 def test_layers_are_prepared_while_the_version_arrives(llama):
@@ -110,3 +136,36 @@ def test_layers_are_prepared_while_the_version_arrives(llama):
         finally:
             llama.collective_rpc("stop_weight_subscriber")
             relay.close()
+
+
+#: the Llama tensors that in-place writes reach on the CPU backend (linear weights are
+#: repacked there: reload or prepared only)
+_NOT_LINEAR = ("embed_tokens.", "layernorm.", "model.norm.")
+
+
+def test_commits_keep_every_storage_and_the_tied_head_is_prepared(llama, tmp_path):
+    """Issue 19: prepared, reload and in-place commits write into the live storage (no
+    parameter or buffer moves). Issue 22: a version that also sends the tied
+    ``lm_head.weight`` is prepared (it used to fail: 'shares storage with another sent
+    tensor') and the output is transformers' on the new weights."""
+    before = storages(llama)
+    pauses: dict[str, list[float]] = {}
+    w1 = new_weights("llama", 61)
+    for d in "pri":
+        (tmp_path / d).mkdir()
+    pauses["prepared (lm_head sent too)"] = _run_versions(
+        llama, "llama", tmp_path / "p", [(1, (_with_head(w1), w1))], True, apply_mode="auto")
+    assert_same_storage(before, storages(llama))
+    w2 = new_weights("llama", 62)
+    pauses["reload"] = _run_versions(llama, "llama", tmp_path / "r", [(2, w2)], False,
+                                     apply_mode="auto")
+    assert_same_storage(before, storages(llama))
+    part = {k: v for k, v in new_weights("llama", 63).items() if any(s in k for s in _NOT_LINEAR)}
+    pauses["in place"] = _run_versions(llama, "llama", tmp_path / "i",
+                                       [(3, (part, {**w2, **part}))], False,
+                                       apply_mode="in_place")
+    assert_same_storage(before, storages(llama))
+    llama.collective_rpc("start_weight_subscriber", args=(str(tmp_path / "i"),),
+                         kwargs={"subscriber_cls": FAKE_SUB, "apply_mode": "auto"})
+    llama.collective_rpc("stop_weight_subscriber")
+    print(f"\ncommit blocking time (s): {pauses}")
