@@ -63,7 +63,7 @@ log = logging.getLogger("weightpub.collective")
 @dataclass(frozen=True, slots=True)
 class CollectiveOptions:
     backend: str
-    host: str  # where the rendezvous binds and members reach us
+    host: str | None = None  # where the rendezvous binds, members reach us (None: endpoint's)
     port: int = 0
     bucket_bytes: int = 64 << 20
     timeout: float = 30.0
@@ -122,7 +122,8 @@ class CollectivePublisher:
         if self.backend == "cuda_ipc":
             self._ipc = IpcExporter(self.table, self._device, options.timeout)
         else:
-            self._rendezvous = Rendezvous(options.host, options.port, timeout=options.timeout)
+            self._rendezvous = Rendezvous(options.host or "127.0.0.1", options.port,
+                                          timeout=options.timeout)
         self._thread = threading.Thread(target=self._run, name="weightpub-collective-send",
                                         daemon=True)
         self._thread.start()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from publisher.publisher_options import PublisherOptions
 from weightpub_wire.config_file import StrictConfig, check_endpoint, load_yaml_as
 
 __all__ = ["PublisherConfig", "load_publisher_config"]
@@ -45,28 +46,20 @@ class PublisherConfig(StrictConfig):
                              f"multiple of chunk_mib {self.chunk_mib}")
         return self
 
-    def publisher_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``WeightPublisher`` (besides the endpoint)."""
-        return {
-            "model_id": self.model_id,
-            "keep_versions": self.keep_versions,
-            "chunk_size": self.chunk_mib << 20,
-            "heartbeat_interval": self.heartbeat_interval,
-            "first_version": self.first_version,
-            "delta_anchor_every": self.delta_anchor_every,
-            "curve_secret_key_file": self.curve_secret_key_file,
-            "curve_allowed_clients_dir": self.curve_allowed_clients_dir,
-            "metrics_port": self.metrics_port,
-            "metrics_host": self.metrics_host,
-            "insecure": self.insecure,
-            "collective": self.collective,
-            "collective_bucket_bytes": self.collective_bucket_mib << 20,
-            "collective_timeout": self.collective_timeout,
-            "collective_port": self.collective_port,
-            "collective_host": self.collective_host,
-            "collective_device": self.collective_device,
-            "peer_fanout": self.peer_fanout,
-        }
+    def options(self) -> PublisherOptions:
+        """The ``WeightPublisher``'s options (the endpoint is passed beside them)."""
+        return PublisherOptions.from_keywords(
+            model_id=self.model_id, keep_versions=self.keep_versions,
+            chunk_size=self.chunk_mib << 20, heartbeat_interval=self.heartbeat_interval,
+            first_version=self.first_version, delta_anchor_every=self.delta_anchor_every,
+            curve_secret_key_file=self.curve_secret_key_file,
+            curve_allowed_clients_dir=self.curve_allowed_clients_dir,
+            metrics_port=self.metrics_port, metrics_host=self.metrics_host,
+            insecure=self.insecure, collective=self.collective,
+            collective_bucket_bytes=self.collective_bucket_mib << 20,
+            collective_timeout=self.collective_timeout, collective_port=self.collective_port,
+            collective_host=self.collective_host, collective_device=self.collective_device,
+            peer_fanout=self.peer_fanout)
 
 
 def load_publisher_config(path: str | os.PathLike[str]) -> PublisherConfig:

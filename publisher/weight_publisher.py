@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import Unpack
 
 import zmq
 
@@ -27,9 +28,10 @@ from publisher.collective_sender import CollectiveOptions, CollectivePublisher
 from publisher.delta_encoder import DeltaPublisher
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_metrics import MetricsServer, PublisherCollector, PublisherFigures
+from publisher.publisher_options import PublisherKeywords, PublisherOptions
 from publisher.relayed import RelayedVersion, relay_upstream
 from publisher.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
-from publisher.server import ServerLimits, ServerOptions, ServingThread
+from publisher.server import ServerOptions, ServingThread
 from publisher.snapshot import Snapshot, WeightsLike, plan_snapshot
 from publisher.store import PublishedVersion, VersionStore
 from publisher.version_preparer import VersionPreparer
@@ -37,16 +39,13 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList, start_authenticator
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.collective_layout import GroupStatus
-from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
+from weightpub_wire.endpoints import Endpoint, parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
-from weightpub_wire.peer_protocol import MAX_STRIPES
 from weightpub_wire.security import check_bind_allowed, curve_server_hook, is_local
 
 __all__ = ["WeightPublisher"]
 
 log = logging.getLogger("weightpub.publisher")
-
-DEFAULT_CHUNK_SIZE = 4 << 20
 
 
 class WeightPublisher:
@@ -74,78 +73,49 @@ class WeightPublisher:
     ``peer_fanout`` (default 4; 0: off) is the number of stripes the tracker splits a
     version into for subscribers started with ``peer_share=True`` (``publisher.tracker``):
     the trainer sends each chunk once, to the stripe's root, and the subscribers pass it on.
+
+    These keywords build one ``PublisherOptions`` (``publisher.publisher_options``),
+    checked before anything starts; ``options=`` passes one whole instead (the YAML
+    path does). ``socket_hooks`` and ``context`` are not options: they are objects
+    of this process.
     """
 
     def __init__(
         self,
         endpoint: str,
         *,
-        model_id: str = "",
-        keep_versions: int = 2,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
-        heartbeat_interval: float = 1.0,
-        first_version: int = 1,
-        delta_anchor_every: int = 1,
-        curve_secret_key_file: str | None = None,
-        curve_allowed_clients_dir: str | None = None,
-        insecure: bool = False,
-        limits: ServerLimits | None = None,
-        peer_fanout: int | None = None,
+        options: PublisherOptions | None = None,
         socket_hooks: list[Callable[..., None]] | None = None,
         context: zmq.Context | None = None,
-        metrics_port: int | None = None,
-        metrics_host: str = "127.0.0.1",
-        collective: str | None = None,
-        collective_bucket_bytes: int = 64 << 20,
-        collective_timeout: float = 30.0,
-        collective_port: int = 0,
-        collective_host: str | None = None,
-        collective_device: str | None = None,
+        **keywords: Unpack[PublisherKeywords],
     ) -> None:
+        if options is None:
+            options = PublisherOptions.from_keywords(**keywords)
+        elif keywords:
+            raise ConfigError(f"WeightPublisher: {', '.join(sorted(keywords))} given with "
+                              "options= (put them in the options)")
         router = parse_endpoint(endpoint)
-        curve = curve_secret_key_file is not None
-        check_bind_allowed(router, curve=curve, insecure=insecure,
-                           allowed_clients_dir=curve_allowed_clients_dir)
-        if not wire.MIN_CHUNK_SIZE <= chunk_size <= wire.MAX_CHUNK_SIZE:
-            raise ConfigError(f"chunk_size: {chunk_size} is outside [{wire.MIN_CHUNK_SIZE}, "
-                              f"{wire.MAX_CHUNK_SIZE}]")
-        if first_version < 1:
-            raise ConfigError(f"first_version: {first_version} must be >= 1")
-        if not 0 < heartbeat_interval <= 3600:
-            raise ConfigError(f"heartbeat_interval: {heartbeat_interval} is outside (0, 3600]")
-        limits = limits or ServerLimits()
-        if peer_fanout is not None:
-            if not 0 <= peer_fanout <= MAX_STRIPES:
-                raise ConfigError(f"peer_fanout: {peer_fanout} is outside [0, {MAX_STRIPES}]")
-            limits = dataclasses.replace(limits, tracker=dataclasses.replace(
-                limits.tracker, fanout=peer_fanout))
-        self.model_id = model_id
-        self.chunk_size = chunk_size
+        curve = options.curve_secret_key_file is not None
+        check_bind_allowed(router, curve=curve, insecure=options.insecure,
+                           allowed_clients_dir=options.curve_allowed_clients_dir)
+        self.options = options
+        self.model_id = options.model_id
+        self.chunk_size = options.chunk_size
         self.publisher_id = uuid.uuid4().hex
         self.started_at = time.time()
-        self._next_version = first_version
+        self._next_version = options.first_version
         self._pool = BufferPool(max_buffers=2)
-        self._store = VersionStore(keep_versions, self._pool)
-        self._deltas = DeltaPublisher(delta_anchor_every)
+        self._store = VersionStore(options.keep_versions, self._pool)
+        self._deltas = DeltaPublisher(options.delta_anchor_every)
         hooks = list(socket_hooks or [])
         allow_list = None
-        if curve_secret_key_file is not None:
-            hooks.append(curve_server_hook(curve_secret_key_file))  # validates before any socket
-            if curve_allowed_clients_dir is not None:
-                allow_list = AllowList(curve_allowed_clients_dir)
-        self._collective: CollectivePublisher | None = None
-        if collective is not None:
-            host = collective_host or (router.host if router.scheme == "tcp" else "127.0.0.1")
-            self._collective = CollectivePublisher(
-                CollectiveOptions(backend=collective, host="0.0.0.0" if host == "*" else host,
-                                  port=collective_port, bucket_bytes=collective_bucket_bytes,
-                                  timeout=collective_timeout, device=collective_device),
-                publisher_id=self.publisher_id, started_at=self.started_at,
-                chunk_size=chunk_size)
-            if not is_local(router) or collective_host is not None:
-                log.warning("collective path %s: gloo/NCCL traffic and its rendezvous are "
-                            "neither encrypted nor authenticated (only join requests pass "
-                            "CURVE); use it on a trusted fabric", collective)
+        if options.curve_secret_key_file is not None:
+            # validates before any socket
+            hooks.append(curve_server_hook(options.curve_secret_key_file))
+            if options.curve_allowed_clients_dir is not None:
+                allow_list = AllowList(options.curve_allowed_clients_dir)
+        self._collective = None if options.collective is None else \
+            self._start_collective(options.collective, router)
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
@@ -154,8 +124,8 @@ class WeightPublisher:
         self._server = ServingThread(
             self._ctx, self._store,
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
-                          heartbeat_interval=heartbeat_interval,
-                          limits=limits, curve=curve, allow_list=allow_list),
+                          heartbeat_interval=options.heartbeat_interval,
+                          limits=options.limits, curve=curve, allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
             configure=hooks, deltas=self._deltas, collective=self._collective,
         )
@@ -175,18 +145,32 @@ class WeightPublisher:
         self._publish_lock = threading.Lock()
         self._closed = False
         # copies and hashes each snapshot; its thread calls _announce with the checksums
-        self._preparer = VersionPreparer(chunk_size, self._announce)
+        self._preparer = VersionPreparer(options.chunk_size, self._announce)
         self._versions_published = 0
         self.metrics: MetricsServer | None = None
-        if metrics_port is not None:
+        if options.metrics_port is not None:
             try:
-                self.metrics = MetricsServer(PublisherCollector(self._figures), metrics_port,
-                                             metrics_host)
+                self.metrics = MetricsServer(PublisherCollector(self._figures),
+                                             options.metrics_port, options.metrics_host)
             except BaseException:
                 self.close()
                 raise
         log.info("publisher %s serving on %s (PUB %s)", self.publisher_id[:8],
                  self.endpoint, self._server.pub_endpoint)
+
+    def _start_collective(self, options: CollectiveOptions,
+                          router: Endpoint) -> CollectivePublisher:
+        """The collective path; its rendezvous binds the endpoint's host unless told."""
+        host = options.host or (router.host if router.scheme == "tcp" else "127.0.0.1")
+        collective = CollectivePublisher(
+            dataclasses.replace(options, host="0.0.0.0" if host == "*" else host),
+            publisher_id=self.publisher_id, started_at=self.started_at,
+            chunk_size=self.chunk_size)
+        if not is_local(router) or options.host is not None:
+            log.warning("collective path %s: gloo/NCCL traffic and its rendezvous are "
+                        "neither encrypted nor authenticated (only join requests pass "
+                        "CURVE); use it on a trusted fabric", options.backend)
+        return collective
 
     # -- public API ----------------------------------------------------------------------------
     @classmethod
@@ -194,7 +178,7 @@ class WeightPublisher:
         """Start a publisher from a ``publisher:`` YAML file (path) or a ``PublisherConfig``."""
         if not isinstance(config, PublisherConfig):
             config = load_publisher_config(config)
-        return cls(config.endpoint, **config.publisher_kwargs())
+        return cls(config.endpoint, options=config.options())
 
     @property
     def endpoint(self) -> str:

@@ -23,6 +23,7 @@ executor reads every rank's reply and the next RPC gets its own.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -40,46 +41,56 @@ from subscriber_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.seed_rpcs import SeedRpcs
 from subscriber_ext.transport.node.node_join import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
+from subscriber_ext.transport.subscriber_options import SubscriberOptions
 from subscriber_ext.vllm_compat import check_vllm
+from subscriber_ext.worker_options import WorkerOptions
 from subscriber_ext.worker_state import VersionSource
 from subscriber_ext.worker_status import WorkerStatus
+from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError
 
 __all__ = ["BatchWeightSyncWorkerExtension"]
 
 logger = logging.getLogger("weightpub.worker")
 
-_EXT_OPTIONS = (
-    "apply_mode", "keep", "subscriber_cls", "record_requests", "request_log_size", "prepare",
-    "node_staging", "prepare_while_arriving",
-)
-_DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
-
 
 class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
     """Worker extension adding subscription, step-boundary commit and the seed API."""
 
     # ------------------------------------------------------------ internals
-    def _wp_coordinator(self, keep: int = 2) -> CommitCoordinator:
+    def _wp_coordinator(self) -> CommitCoordinator:
         st = self._wp()
         if st.coordinator is None:
+            settings = st.options.commit
             applier = self._wp_applier()
             strategy: CommitStrategy
             if st.slots is not None:
                 strategy = EngineDriven(SlotWriter(st.slots, st.slot_index))
             else:
-                strategy = RankAgreement(self._wp_groups(), keep)
-            prepare = st.prepare if st.prepare is not None else applier.mode() == "reload"
-            early = prepare and st.prepare_while_arriving
+                strategy = RankAgreement(self._wp_groups(), settings.keep)
+            prepare = settings.prepare if settings.prepare is not None else \
+                applier.mode() == "reload"
+            early = prepare and settings.prepare_while_arriving
             st.coordinator = CommitCoordinator(
-                applier.apply, strategy, keep=keep,
+                applier.apply, strategy, keep=settings.keep,
                 on_commit=self._wp_report_applied, on_failure=self._wp_report_failed,
                 prepare=self._wp_prepare if prepare else None,
                 apply_prepared=applier.swap if prepare else None,
-                prepare_policy="always" if st.prepare else "auto",
+                prepare_policy="always" if settings.prepare else "auto",
                 start_progressive=self._wp_start_progressive if early else None,
             )
         return st.coordinator
+
+    def _wp_configure(self, options: WorkerOptions) -> None:
+        """Take ``options``; an applier or coordinator built with other settings goes."""
+        st = self._wp()
+        if options.apply_mode != st.options.apply_mode:
+            st.applier = None
+        if st.coordinator is not None and options.commit != st.options.commit:
+            st.coordinator.close()
+            st.coordinator = None
+        st.options = options
+        self._wp_coordinator()
 
     def _wp_groups(self) -> list[Any]:
         from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -167,7 +178,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         coord = st.coordinator
         if coord is not None:
             coord.before_step()
-            if st.record_requests:
+            if st.options.record_requests:
                 st.record_step(scheduler_output, coord.applied_version)
         st.step_check_s += time.perf_counter() - t0
 
@@ -182,8 +193,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         options = {k: v for k, v in cfg.items() if k != "endpoint"}
         self.start_weight_subscriber(cfg["endpoint"], **options)
 
-    def _wp_source_class(self, qualname: object) -> Any:
-        module_name, _, cls_name = str(qualname).partition(":")
+    def _wp_source_class(self, qualname: str) -> Any:
+        module_name, _, cls_name = qualname.partition(":")
         try:
             return getattr(importlib.import_module(module_name), cls_name)
         except (ImportError, AttributeError, ValueError) as exc:
@@ -200,85 +211,77 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         reload mode while the engine is busy, so a commit never stalls generation,
         and off while it is idle, where a direct reload is sooner; ``True`` always;
         costs one extra copy of the weights per rank), ``subscriber_cls``
-        ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``),
+        ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``; called
+        as ``cls(endpoint, on_version=..., options=SubscriberOptions)``),
         ``prepare_while_arriving`` (default True: with ``prepare`` on, each layer is
         prepared as soon as its bytes are verified, while later layers are still on
         the wire, busy engine or idle; the commit then only swaps),
-        ``record_requests``, ``node_staging`` (default: on when the replica has
-        more than one rank: the ranks of this replica on one node share one
-        subscription and one staged copy in shared memory; a single-rank replica
-        keeps private, on CUDA pinned, staging; True/False force it). Everything
-        else goes to the subscriber (e.g. ``staging_budget_bytes``, or
-        ``collective=True``: the node joins the publisher's collective data path,
-        gloo on CPUs, NCCL / CUDA IPC on this rank's GPU; ``weight_version()``'s
-        ``data_path`` then says which path brought the applied version).
+        ``record_requests``, ``request_log_size``, ``node_staging`` (default: on when
+        the replica has more than one rank: the ranks of this replica on one node
+        share one subscription and one staged copy in shared memory; a single-rank
+        replica keeps private, on CUDA pinned, staging; True/False force it).
+        Everything else is the subscriber's (``WeightSubscriber``'s keywords, e.g.
+        ``staging_budget_bytes``, or ``collective=True``: the node joins the
+        publisher's collective data path, gloo on CPUs, NCCL / CUDA IPC on this rank's
+        GPU; ``weight_version()``'s ``data_path`` then says which path brought the
+        applied version). All are checked at once (``WorkerOptions``), on every rank.
         """
         check_vllm()
+        wanted = WorkerOptions.from_keywords(**options)  # the same error on every rank
         st = self._wp()
         with st.lock:
             if st.source is not None:
                 if st.endpoint == endpoint:
                     return self._wp_status()
                 self.stop_weight_subscriber()
-            ext = {k: options.pop(k) for k in _EXT_OPTIONS if k in options}
-            mode = ext.get("apply_mode", st.apply_mode)
-            prepare = ext.get("prepare", st.prepare)
-            prepare = None if prepare is None else bool(prepare)
-            early = bool(ext.get("prepare_while_arriving", st.prepare_while_arriving))
-            if st.coordinator is not None and early != st.prepare_while_arriving:
-                st.coordinator.close()
-                st.coordinator = None
-            st.prepare_while_arriving = early
-            if st.applier is not None and mode != st.apply_mode:
-                st.applier = None
-                if st.coordinator is not None:
-                    st.coordinator.close()
-                st.coordinator = None
-            if st.coordinator is not None and prepare != st.prepare:
-                st.coordinator.close()
-                st.coordinator = None
-            st.apply_mode = mode
-            st.prepare = prepare
-            st.record_requests = bool(ext.get("record_requests", True))
-            st.request_log_size = int(ext.get("request_log_size", st.request_log_size))
-            self._wp_coordinator(keep=int(ext.get("keep", 2)))
+            self._wp_configure(wanted)
             self._wp_start_status_writer()
-            cls = self._wp_source_class(ext.get("subscriber_cls", _DEFAULT_SOURCE))
             if not st.hooked:
                 wrap_execute_model(self, self._wp_before_step)
                 st.hooked = True
-            if cls is WeightSubscriber:
-                options.setdefault("subscriber_id",
-                                   f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}")
-                if options.get("collective") and getattr(self.device, "type", "") == "cuda":
-                    options.setdefault("collective_device", str(self.device))
-            node_staging = ext.get("node_staging")
-            if node_staging is None:
-                node_staging = self.vllm_config.parallel_config.world_size > 1
-            node_key = self._wp_node_key(endpoint) if cls is WeightSubscriber and \
-                node_staging else None
-            if node_key is not None:
-                WeightSubscriber.check_options(endpoint, **options)  # same error on every rank
-                source = join_node_staging(
-                    node_key, rank=self.rank, on_version=self._wp_on_version,
-                    on_progress=self._wp_on_progress,
-                    subscribe=lambda on_version, allocator, **more: WeightSubscriber(
-                        endpoint, on_version=on_version, allocator=allocator, **more,
-                        **options))
-            else:
-                if cls is WeightSubscriber:  # sees each version while it arrives
-                    options["on_progress"] = self._wp_on_progress
-                source = cls(endpoint, on_version=self._wp_on_version, **options)
-                if isinstance(source, WeightSubscriber):
-                    source.set_ranks((self.rank,))
+            st.source = self._wp_subscribe(endpoint, wanted)
+            st.endpoint = endpoint
+            logger.info("weightpub: rank %s subscribed to %s", self.rank, endpoint)
+        return self._wp_status()
+
+    def _wp_subscribe(self, endpoint: str, options: WorkerOptions) -> VersionSource:
+        """This rank's source: the node's shared subscription, its own, or a stand-in."""
+        cls = self._wp_source_class(options.subscriber_cls)
+        if cls is not WeightSubscriber:
+            source = cls(endpoint, on_version=self._wp_on_version, options=options.subscriber)
             if not isinstance(source, VersionSource):
                 source.close()
                 raise ConfigError(f"subscriber_cls: {cls.__name__} lacks status/mark_applied/"
                                   "close")
-            st.source = source
-            st.endpoint = endpoint
-            logger.info("weightpub: rank %s subscribed to %s", self.rank, endpoint)
-        return self._wp_status()
+            return source
+        parse_endpoint(endpoint)  # here too on followers, which start no subscriber
+        sub = self._wp_subscriber_options(options.subscriber)
+        node_staging = options.node_staging
+        if node_staging is None:
+            node_staging = self.vllm_config.parallel_config.world_size > 1
+        node_key = self._wp_node_key(endpoint) if node_staging else None
+        if node_key is not None:
+            return join_node_staging(
+                node_key, rank=self.rank, on_version=self._wp_on_version,
+                on_progress=self._wp_on_progress,
+                subscribe=lambda on_version, allocator, **more: WeightSubscriber(
+                    endpoint, options=sub, on_version=on_version, allocator=allocator,
+                    **more))
+        subscriber = WeightSubscriber(endpoint, options=sub, on_version=self._wp_on_version,
+                                      on_progress=self._wp_on_progress)  # sees arrivals
+        subscriber.set_ranks((self.rank,))
+        return subscriber
+
+    def _wp_subscriber_options(self, options: SubscriberOptions) -> SubscriberOptions:
+        """This rank's defaults: an id naming host, process and rank; the rank's GPU for a
+        collective path."""
+        sync = options.sync
+        if sync.collective and sync.collective_device is None and \
+                getattr(self.device, "type", "") == "cuda":
+            sync = dataclasses.replace(sync, collective_device=str(self.device))
+        return dataclasses.replace(
+            options, sync=sync, subscriber_id=options.subscriber_id or
+            f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}")
 
     def _wp_node_key(self, endpoint: str) -> str | None:
         """What every local rank of this replica (and no other replica) shares: vLLM's

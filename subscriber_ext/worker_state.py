@@ -20,6 +20,7 @@ from subscriber_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.commit.shared_slots import SlotTable
 from subscriber_ext.observe.replica_metrics import RankMetrics
 from subscriber_ext.seed.communicator import WeightCommunicator
+from subscriber_ext.worker_options import WorkerOptions
 from weightpub_wire.errors import WeightPubError
 
 __all__ = ["StateAccess", "VersionSource", "VersionSourceFactory", "WorkerState"]
@@ -40,7 +41,7 @@ class VersionSource(Protocol):
     def close(self) -> None: ...
 
 
-#: ``cls(endpoint, on_version=..., **options)``
+#: ``cls(endpoint, on_version=..., options=SubscriberOptions)``
 VersionSourceFactory = Callable[..., VersionSource]
 OnVersion = Callable[[StagedLike], None]
 
@@ -51,9 +52,7 @@ class WorkerState:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.applier: WeightApplier | None = None
-        self.apply_mode = "auto"
-        self.prepare: bool | None = None  # None: prepare while busy, in reload mode
-        self.prepare_while_arriving = True  # layer by layer as the bytes are verified
+        self.options = WorkerOptions()  # what start_weight_subscriber was last asked for
         self.coordinator: CommitCoordinator | None = None
         self.source: VersionSource | None = None
         self.endpoint: str | None = None
@@ -61,10 +60,8 @@ class WorkerState:
         self.seed_pending: dict[str, tuple[Target, torch.Tensor]] = {}
         self.seed_tensors = 0
         self.hooked = False
-        self.record_requests = True
         self.requests: collections.OrderedDict[str, list[int | None]] = \
             collections.OrderedDict()
-        self.request_log_size = 65536
         self.last_error: str | None = None
         self.step_check_s = 0.0
         self.slots: SlotTable | None = None  # engine-driven commit, see _wp_attach_slots
@@ -79,7 +76,7 @@ class WorkerState:
             span = reqs.get(req_id)
             if span is None:
                 reqs[req_id] = [version, version]
-                if len(reqs) > self.request_log_size:
+                if len(reqs) > self.options.request_log_size:
                     reqs.popitem(last=False)
             else:
                 span[1] = version
@@ -103,5 +100,6 @@ class StateAccess:
     def _wp_applier(self) -> WeightApplier:
         st = self._wp()
         if st.applier is None:
-            st.applier = WeightApplier(self.model_runner, self.vllm_config, st.apply_mode)
+            st.applier = WeightApplier(self.model_runner, self.vllm_config,
+                                       st.options.apply_mode)
         return st.applier

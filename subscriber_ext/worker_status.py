@@ -96,7 +96,7 @@ class WorkerStatus(StateAccess):
             "publisher_id": coord.publisher_id if coord else None,
             "last_error": (coord.last_error if coord else None)
             or (source_status or {}).get("refused") or st.last_error,
-            "apply_mode": applier.mode() if applier else st.apply_mode,
+            "apply_mode": applier.mode() if applier else st.options.apply_mode,
             "last_apply_s": report.seconds if report else None,
             # the newest few: this dict crosses the RPC boundary on every poll
             "commits": list(coord.commit_log)[-16:] if coord else [],

@@ -36,14 +36,14 @@ class Relay:
     def __init__(self, config: RelayConfig) -> None:
         down = config.downstream
         self.cut_through = config.cut_through
-        self.publisher = WeightPublisher(down.endpoint, **down.publisher_kwargs())
+        self.publisher = WeightPublisher(down.endpoint, options=down.options())
         self._last = 0
         self._lock = threading.Lock()
         self._open: RelayedVersion | None = None
         self.subscriber = WeightSubscriber(
             config.upstream.endpoint, on_version=self._staged,
             chunk_listener=self if self.cut_through else None,
-            **config.upstream.subscriber_kwargs(),
+            options=config.upstream.subscriber_options(),
         )
 
     @property

@@ -38,12 +38,16 @@ logger = logging.getLogger("weightpub.commit")
 
 
 class StagedLike(Protocol):
-    """What the transport hands over (``subscriber_ext.transport.StagedVersion``)."""
+    """What the transport hands over (``subscriber_ext.transport.StagedVersion``); read only."""
 
-    version: int
-    publisher_id: str
-    tensors: dict[str, torch.Tensor]
-    total_bytes: int
+    @property
+    def version(self) -> int: ...
+    @property
+    def publisher_id(self) -> str: ...
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]: ...
+    @property
+    def total_bytes(self) -> int: ...
 
     def release(self) -> None: ...
 

@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import msgspec
 import zmq
 
 from subscriber_ext.transport.client.sync_client import SyncClient, SyncOptions
@@ -26,8 +25,7 @@ from subscriber_ext.transport.staging.assembly import StagedVersion
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.memory_budget import derive_staging_budget
 from subscriber_ext.transport.staging.progress import PartialVersion, ProgressFeed
-from subscriber_ext.transport.subscriber_options import check_subscriber_options
-from weightpub_wire import protocol as wire
+from subscriber_ext.transport.subscriber_options import SubscriberOptions
 from weightpub_wire.buffers import Allocator, BufferPool
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import (
@@ -48,9 +46,12 @@ class WeightSubscriber:
     """Follow a ``WeightPublisher`` at ``endpoint`` and stage each new version.
 
     The background thread starts at construction. Every blocking call takes a
-    timeout and raises ``WeightPubTimeout`` when it runs out. Options override
-    ``SyncOptions`` fields (``window_bytes``, ``request_timeout``, ...), plus
-    ``max_version_bytes`` (refuse larger manifests before allocating).
+    timeout and raises ``WeightPubTimeout`` when it runs out. The option keywords
+    build one ``SubscriberOptions`` (``transport/subscriber_options.py``), checked
+    before anything starts; ``options=`` passes one whole instead (or the
+    ``SyncOptions`` the keywords override). They override ``SyncOptions`` fields
+    (``window_bytes``, ``request_timeout``, ...), plus ``max_version_bytes`` (refuse
+    larger manifests before allocating) and ``subscriber_id`` (in every report).
     ``curve_server_key_file`` (the publisher's public key) turns on CurveZMQ.
 
     ``staging_budget_bytes`` bounds the host memory of all staged versions alive
@@ -84,39 +85,30 @@ class WeightSubscriber:
         self,
         endpoint: str,
         *,
+        options: SubscriberOptions | SyncOptions | None = None,
         on_version: Callable[[StagedVersion], None] | None = None,
         on_progress: Callable[[PartialVersion], None] | None = None,
-        subscriber_id: str | None = None,
-        options: SyncOptions | None = None,
-        curve_server_key_file: str | None = None,
-        curve_secret_key_file: str | None = None,
         socket_hooks: list[Callable[..., None]] | None = None,
         context: zmq.Context | None = None,
-        staging_budget_bytes: int | None = None,
         allocator: Allocator | None = None,
         chunk_listener: ChunkListener | None = None,
-        **option_overrides: Any,
+        **keywords: Any,
     ) -> None:
-        base = self.check_options(endpoint, options, staging_budget_bytes, **option_overrides)
+        router = parse_endpoint(endpoint)
+        opts = self.build_options(options, **keywords)
+        base = opts.sync
         hooks = list(socket_hooks or [])
         curve = None
-        if curve_server_key_file is not None:
-            curve = curve_identity(curve_server_key_file, curve_secret_key_file)
+        if opts.curve_server_key_file is not None:
+            curve = curve_identity(opts.curve_server_key_file, opts.curve_secret_key_file)
             hooks.append(curve.client_hook())
-        elif curve_secret_key_file is not None:
-            raise ConfigError(
-                "curve_secret_key_file: given without curve_server_key_file (the publisher's "
-                "public key); CURVE needs both, and this client key would be ignored")
-        elif not is_local(parse_endpoint(endpoint)):
+        elif not is_local(router):
             log.warning("subscribing to %s without CURVE: the weights travel in plaintext "
                         "(checksums catch corruption, not a forger)", endpoint)
         self.endpoint = endpoint
-        self.subscriber_id = subscriber_id or f"{socket.gethostname()}-{os.getpid()}-" \
-                                              f"{uuid.uuid4().hex[:6]}"
-        try:  # the id travels in every report: refuse here what the publisher would refuse
-            msgspec.convert(self.subscriber_id, wire.Name)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(f"subscriber_id: {exc}") from exc
+        self.options = opts
+        self.subscriber_id = opts.subscriber_id or f"{socket.gethostname()}-{os.getpid()}-" \
+                                                   f"{uuid.uuid4().hex[:6]}"
         self._on_version = on_version
         self._own_context = context is None
         self._ctx = context or zmq.Context()
@@ -126,7 +118,7 @@ class WeightSubscriber:
         self._closed = False
         self._wake_address = f"inproc://weightpub-sub-wake-{uuid.uuid4().hex}"
         self._commands: list[Callable[[SyncClient], None]] = []
-        budget = derive_staging_budget() if staging_budget_bytes is None else staging_budget_bytes
+        budget = opts.staging_budget_bytes or derive_staging_budget()
         pool = BufferPool(max_buffers=2, allocator=allocator, budget_bytes=budget,
                           pinned=None if allocator is None else False,
                           max_pinned_bytes=base.limits.max_pinned_bytes)
@@ -152,12 +144,19 @@ class WeightSubscriber:
         self._thread.start()
 
     @staticmethod
-    def check_options(endpoint: str, options: SyncOptions | None = None,
-                      staging_budget_bytes: int | None = None,
-                      **option_overrides: Any) -> SyncOptions:
-        """Validate the constructor's arguments without starting anything (``ConfigError``)."""
-        return check_subscriber_options(endpoint, options, staging_budget_bytes,
-                                        **option_overrides)
+    def build_options(options: SubscriberOptions | SyncOptions | None = None,
+                      **keywords: Any) -> SubscriberOptions:
+        """The constructor's options as one object, checked (``ConfigError``), nothing started.
+
+        ``options`` is a whole ``SubscriberOptions`` (then no keywords), or the
+        ``SyncOptions`` base that keywords override.
+        """
+        if isinstance(options, SubscriberOptions):
+            if keywords:
+                raise ConfigError(f"WeightSubscriber: {', '.join(sorted(keywords))} given "
+                                  "with options=SubscriberOptions (put them in the options)")
+            return options
+        return SubscriberOptions.from_keywords(sync=options, **keywords)
 
     # -- public API ----------------------------------------------------------------------------
     def latest(self) -> StagedVersion | None:

@@ -6,13 +6,14 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from subscriber_ext.transport.subscriber_options import SubscriberOptions
 from weightpub_wire.config_file import StrictConfig, check_endpoint
 
 __all__ = ["SubscriberConfig"]
 
 
 class SubscriberConfig(StrictConfig):
-    """Inference side transport options (map onto ``SyncOptions``)."""
+    """Inference side transport options (map onto ``SubscriberOptions``)."""
 
     endpoint: str
     request_timeout: float = Field(5.0, gt=0, le=600)
@@ -53,6 +54,10 @@ class SubscriberConfig(StrictConfig):
             raise ValueError("curve_secret_key_file needs curve_server_key_file (the "
                              "publisher's public key); without it the client key is unused")
         return self
+
+    def subscriber_options(self) -> SubscriberOptions:
+        """The ``WeightSubscriber``'s options (the endpoint is passed beside them)."""
+        return SubscriberOptions.from_keywords(**self.subscriber_kwargs())
 
     def subscriber_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``WeightSubscriber`` (JSON-able: they also travel in

@@ -1,78 +1,125 @@
-"""The ``WeightSubscriber`` constructor's keywords, checked before anything starts.
+"""``SubscriberOptions``: everything a ``WeightSubscriber`` is configured with, checked once.
 
-Why apart: turning keyword overrides into one ``SyncOptions`` (unknown names,
-peer-sharing keywords into ``PeerOptions``, ``max_version_bytes`` into the
-limits) is pure validation with its own error messages; the worker extension
-runs it on every rank before it builds a subscriber, so a bad option fails the
-same way everywhere, and the subscriber module keeps only the thread and its API.
+Why one object: the subscriber takes flat keywords (``window_bytes=``,
+``peer_share=``, ``max_version_bytes=``, ...), which land in nested typed
+options (``SyncOptions``, ``PeerOptions``, ``wire.Limits``). They are turned
+into this object once, by ``SubscriberOptions.from_keywords`` (``ConfigError``
+naming the keyword), and the object is passed whole: the worker extension builds
+it on every rank before anything starts (so a bad option fails the same way
+everywhere) and hands it to the node's owner; the subscriber module keeps only
+the thread and its API.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from subscriber_ext.transport.client.sync_client import SyncOptions
 from subscriber_ext.transport.peers.peer_options import PeerOptions
-from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ConfigError
 
-__all__ = ["check_subscriber_options"]
-
-_CONSTRUCTOR_KEYWORDS = ("on_version", "on_progress", "subscriber_id", "curve_server_key_file",
-                         "curve_secret_key_file", "socket_hooks", "context", "allocator",
-                         "chunk_listener")
-#: keywords that turn on and shape peer sharing (``PeerOptions``)
-_PEER_KEYWORDS = ("peer_share", "peer_bind", "insecure", "upload_mbit", "upload_cpu_share")
+__all__ = ["SubscriberOptions"]
 
 
-def check_subscriber_options(endpoint: str, options: SyncOptions | None = None,
-                             staging_budget_bytes: int | None = None,
-                             **option_overrides: Any) -> SyncOptions:
-    """Validate the constructor's arguments without starting anything (``ConfigError``)."""
-    parse_endpoint(endpoint)
-    for keyword in _CONSTRUCTOR_KEYWORDS:  # checked where they are used
-        option_overrides.pop(keyword, None)
-    if staging_budget_bytes is not None and (
-            isinstance(staging_budget_bytes, bool) or not isinstance(staging_budget_bytes, int)
-            or staging_budget_bytes <= 0):
-        raise ConfigError(f"staging_budget_bytes: {staging_budget_bytes!r} is not a "
-                          "positive number of bytes")
-    base = options or SyncOptions()
-    peers = _peer_options({k: option_overrides.pop(k) for k in _PEER_KEYWORDS
-                           if k in option_overrides})
-    if peers is not None:
-        option_overrides["peers"] = peers
-    max_bytes = option_overrides.pop("max_version_bytes", None)
-    if max_bytes is not None:
-        limits = option_overrides.get("limits", base.limits)
-        option_overrides["limits"] = dataclasses.replace(limits,
-                                                         max_total_bytes=int(max_bytes))
-    unknown = set(option_overrides) - set(SyncOptions.__slots__)
-    if unknown:
-        raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
-                          f"(known: {sorted(SyncOptions.__slots__)}, max_version_bytes, "
-                          f"staging_budget_bytes, {', '.join(_PEER_KEYWORDS)})")
-    if option_overrides:
-        base = SyncOptions(**{**{f: getattr(base, f) for f in base.__slots__},
-                              **option_overrides})
-    return base
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubscriberOptions:
+    """A subscriber's options (see ``WeightSubscriber`` for what each one does).
+
+    ``subscriber_id`` None: a fresh one per subscriber (host, pid, random).
+    ``staging_budget_bytes`` None: half of the memory available at start.
+    """
+
+    sync: SyncOptions = field(default_factory=SyncOptions)
+    subscriber_id: str | None = None
+    curve_server_key_file: str | None = None  # the publisher's public key: CurveZMQ on
+    curve_secret_key_file: str | None = None  # this client's key pair (allow-listing)
+    staging_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        budget = self.staging_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget <= 0):
+            raise ConfigError(f"staging_budget_bytes: {budget!r} is not a positive number "
+                              "of bytes")
+        if self.curve_secret_key_file is not None and self.curve_server_key_file is None:
+            raise ConfigError(
+                "curve_secret_key_file: given without curve_server_key_file (the publisher's "
+                "public key); CURVE needs both, and this client key would be ignored")
+        if self.subscriber_id is not None:
+            try:  # the id travels in every report: refuse here what the publisher would
+                msgspec.convert(self.subscriber_id, wire.Name)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(f"subscriber_id: {exc}") from exc
+
+    @classmethod
+    def from_keywords(
+        cls,
+        *,
+        sync: SyncOptions | None = None,
+        subscriber_id: str | None = None,
+        curve_server_key_file: str | None = None,
+        curve_secret_key_file: str | None = None,
+        staging_budget_bytes: int | None = None,
+        max_version_bytes: int | None = None,
+        peer_share: bool = False,
+        peer_bind: str | None = None,
+        insecure: bool | None = None,
+        upload_mbit: float | None = None,
+        upload_cpu_share: float | None = None,
+        **sync_fields: Any,
+    ) -> SubscriberOptions:
+        """The options of ``WeightSubscriber(endpoint, **keywords)``.
+
+        ``sync`` is the base the ``SyncOptions`` field keywords (``window_bytes``, ...)
+        override; ``max_version_bytes`` bounds ``limits.max_total_bytes``; the peer
+        keywords make ``sync.peers`` (only with ``peer_share=True``).
+        """
+        known = set(SyncOptions.__dataclass_fields__)
+        unknown = set(sync_fields) - known - {"peers"}
+        if unknown:
+            own = [p for p in inspect.signature(cls.from_keywords).parameters
+                   if p != "sync_fields"]
+            raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
+                              f"(known: {sorted(known | set(own))})")
+        peers = _peer_options(peer_share, bind=peer_bind, insecure=insecure,
+                              upload_mbit=upload_mbit, upload_cpu_share=upload_cpu_share)
+        if peers is not None:
+            sync_fields["peers"] = peers
+        base = sync or SyncOptions()
+        if max_version_bytes is not None:
+            limits = sync_fields.get("limits", base.limits)
+            sync_fields["limits"] = dataclasses.replace(
+                limits, max_total_bytes=int(max_version_bytes))
+        return cls(sync=dataclasses.replace(base, **sync_fields) if sync_fields else base,
+                   subscriber_id=subscriber_id, curve_server_key_file=curve_server_key_file,
+                   curve_secret_key_file=curve_secret_key_file,
+                   staging_budget_bytes=staging_budget_bytes)
 
 
-def _peer_options(given: dict[str, Any]) -> PeerOptions | None:
-    """``PeerOptions`` from the constructor's peer keywords (None: peer sharing is off)."""
-    share = given.pop("peer_share", False)
+def _peer_options(share: object, *, bind: str | None, insecure: bool | None,
+                  upload_mbit: float | None,
+                  upload_cpu_share: float | None) -> PeerOptions | None:
+    """``PeerOptions`` from the peer keywords (None: peer sharing is off)."""
     if not isinstance(share, bool):
         raise ConfigError(f"peer_share: {share!r} is not true or false")
     if not share:
-        if given:
-            raise ConfigError(f"{', '.join(sorted(given))}: only with peer_share=True")
+        given = {"peer_bind": bind, "insecure": insecure, "upload_mbit": upload_mbit,
+                 "upload_cpu_share": upload_cpu_share}
+        named = sorted(k for k, v in given.items() if v is not None)
+        if named:
+            raise ConfigError(f"{', '.join(named)}: only with peer_share=True")
         return None
-    mbit = given.get("upload_mbit")
-    if mbit is not None and (isinstance(mbit, bool) or not isinstance(mbit, int | float)
-                             or mbit <= 0):
-        raise ConfigError(f"upload_mbit: {mbit!r} is not a positive number of Mbit/s")
+    if upload_mbit is not None and (isinstance(upload_mbit, bool) or
+                                    not isinstance(upload_mbit, int | float)
+                                    or upload_mbit <= 0):
+        raise ConfigError(f"upload_mbit: {upload_mbit!r} is not a positive number of Mbit/s")
     return PeerOptions(
-        bind=given.get("peer_bind"), insecure=bool(given.get("insecure", False)),
-        upload_bytes_per_s=None if mbit is None else mbit * 1e6 / 8,
-        upload_cpu_share=given.get("upload_cpu_share", 0.25))
+        bind=bind, insecure=bool(insecure),
+        upload_bytes_per_s=None if upload_mbit is None else upload_mbit * 1e6 / 8,
+        upload_cpu_share=0.25 if upload_cpu_share is None else upload_cpu_share)

@@ -211,11 +211,14 @@ class DirSubscriber:
     """A ``VersionSource`` reading a directory of ``vNNNNNN.safetensors`` (no transport).
 
     Lets the vLLM tests drive versions without sockets where the transport is not
-    what they test."""
+    what they test. ``options`` (the ``SubscriberOptions`` every source is given) is
+    kept for the tests to look at; nothing here is a transport."""
 
-    def __init__(self, endpoint: str, *, on_version: Any = None, poll_s: float = 0.01) -> None:
+    def __init__(self, endpoint: str, *, on_version: Any = None, options: Any = None,
+                 poll_s: float = 0.01) -> None:
         self.dir = Path(endpoint)
         self.on_version = on_version
+        self.options = options
         self.poll_s = poll_s
         self.seen = 0
         self.marked: list[tuple[int, str | None]] = []

@@ -1,0 +1,78 @@
+"""``WorkerOptions``: one rank's ``start_weight_subscriber`` options, as one checked object.
+
+Why: ``start_weight_subscriber(endpoint, **options)`` (and the
+``additional_config.weightpub`` YAML section that reaches it) mixes the
+extension's own options (how and when to commit) with the subscriber's
+(``SubscriberOptions``: transport, staging, peers). ``from_keywords`` splits them
+by this class's fields, checks both (``ConfigError`` naming the keyword, the
+same on every rank, before anything starts), and the result is passed whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from subscriber_ext.apply.applier import APPLY_MODES
+from subscriber_ext.transport.subscriber_options import SubscriberOptions
+from weightpub_wire.errors import ConfigError
+
+__all__ = ["DEFAULT_SOURCE", "CommitSettings", "WorkerOptions"]
+
+DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
+
+
+@dataclass(frozen=True, slots=True)
+class CommitSettings:
+    """The options a rank's ``CommitCoordinator`` is built with: a change rebuilds it."""
+
+    apply_mode: str
+    keep: int
+    prepare: bool | None
+    prepare_while_arriving: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkerOptions:
+    """What ``start_weight_subscriber`` was asked for (its docstring says what each does)."""
+
+    apply_mode: str = "auto"
+    keep: int = 2
+    prepare: bool | None = None  # None: prepare while the engine is busy, in reload mode
+    prepare_while_arriving: bool = True
+    record_requests: bool = True
+    request_log_size: int = 65536
+    subscriber_cls: str = DEFAULT_SOURCE  # "module:Class" of a ``VersionSource``
+    node_staging: bool | None = None  # None: on when the replica has more than one rank
+    subscriber: SubscriberOptions = field(default_factory=SubscriberOptions)
+
+    def __post_init__(self) -> None:
+        if self.apply_mode not in APPLY_MODES:
+            raise ConfigError(f"apply_mode: expected one of {APPLY_MODES}, "
+                              f"got {self.apply_mode!r}")
+        for name in ("keep", "request_log_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}: {value!r} is not a positive integer")
+        for name in ("prepare_while_arriving", "record_requests"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not true or false")
+        for name in ("prepare", "node_staging"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not true, false or "
+                                  "None (the default)")
+        if not isinstance(self.subscriber_cls, str) or ":" not in self.subscriber_cls:
+            raise ConfigError(f"subscriber_cls: {self.subscriber_cls!r} is not "
+                              "'module:Class'")
+
+    @classmethod
+    def from_keywords(cls, **keywords: Any) -> WorkerOptions:
+        """Split ``start_weight_subscriber``'s keywords: ours, and the subscriber's."""
+        own = {name: keywords.pop(name) for name in list(keywords)
+               if name in cls.__dataclass_fields__ and name != "subscriber"}
+        return cls(**own, subscriber=SubscriberOptions.from_keywords(**keywords))
+
+    @property
+    def commit(self) -> CommitSettings:
+        return CommitSettings(self.apply_mode, self.keep, self.prepare,
+                              self.prepare_while_arriving)
