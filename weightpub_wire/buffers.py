@@ -39,7 +39,8 @@ import torch
 
 from weightpub_wire.errors import StagingBudgetError
 
-__all__ = ["Allocator", "BufferPool", "HostAllocator", "byte_view", "copy_bytes", "flat_bytes",
+__all__ = ["Allocator", "BufferPool", "HostAllocator", "Register", "Unregister", "byte_view",
+           "copy_bytes", "cuda_host_register", "cuda_host_unregister", "flat_bytes",
            "page_locked"]
 
 log = logging.getLogger("weightpub.buffers")

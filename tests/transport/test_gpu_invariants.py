@@ -213,6 +213,27 @@ def test_memory_is_unregistered_before_it_is_unmapped() -> None:
     assert registry.mapped_at_unregister == [True]
 
 
+def test_node_staging_segments_are_page_locked_exactly_when_asked() -> None:
+    from subscriber_ext.transport.node.shared_segments import SharedSegments
+
+    registry = _Registry()
+    segments = SharedSegments("gpu-invariants", register=registry.register,
+                              unregister=registry.unregister)
+    pool = BufferPool(max_buffers=0, pinned=True, allocator=segments, budget_bytes=1 << 30)
+    buffer = pool.take(5_000_001)
+    segment = segments.segment_of(buffer)
+    assert segment is not None and segment.nbytes == 5_000_001
+    assert registry.registered == {buffer.data_ptr(): 5_000_001}
+    address = buffer.data_ptr()
+    pool.give(buffer)  # dropped: the descriptor closes, the mapping lives with its views
+    del buffer
+    gc.collect()
+    assert registry.unregistered == [address] and segments.total_bytes == 0
+    plain = pool.take(4096, pinned=False)
+    assert not registry.registered and plain.numel() == 4096
+    segments.close()
+
+
 # -- finding 5: a snapshot waits for every device its sources live on -----------------------------
 def test_a_snapshot_waits_for_each_source_device_once() -> None:
     devices = [torch.device("cuda", 1), torch.device("cpu"), torch.device("cuda", 0),

@@ -26,6 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from weightpub_wire.buffers import (
+    Register,
+    Unregister,
+    cuda_host_register,
+    cuda_host_unregister,
+    page_locked,
+)
+
 __all__ = ["MEMFD_PREFIX", "Segment", "SharedSegments", "map_segment"]
 
 MEMFD_PREFIX = "weightpub-stage-"
@@ -47,15 +55,20 @@ class SharedSegments:
     thread gave it back (the node owner forwards it to the other ranks).
     """
 
-    def __init__(self, label: str, on_free: Callable[[int], None] | None = None) -> None:
+    def __init__(self, label: str, on_free: Callable[[int], None] | None = None, *,
+                 register: Register = cuda_host_register,
+                 unregister: Unregister = cuda_host_unregister) -> None:
         self.name = (MEMFD_PREFIX + label)[:240]
         self.on_free = on_free
+        self._register = register
+        self._unregister = unregister
         self._ids = itertools.count(1)
         self._by_ptr: dict[int, Segment] = {}
         self._lock = threading.Lock()
 
     def allocate(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
-        """A new shared buffer of ``nbytes`` (``pinned`` is not supported and ignored)."""
+        """A new shared buffer of exactly ``nbytes``; ``pinned``: page-locked in this
+        process while any view of it lives (``weightpub_wire.buffers.page_locked``)."""
         fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
@@ -64,7 +77,10 @@ class SharedSegments:
         except BaseException:
             os.close(fd)
             raise
-        buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # unmapped with its last view
+        if pinned:
+            buffer = page_locked(mapping, nbytes, self._register, self._unregister)
+        else:
+            buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # unmapped with its last view
         with self._lock:
             self._by_ptr[buffer.data_ptr()] = Segment(next(self._ids), fd, nbytes)
         return buffer
