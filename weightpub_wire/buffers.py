@@ -21,7 +21,10 @@ cached, page-locked, after it is freed (``ATen/core/CachingHostAllocator.h``,
 torch 2.13: ``PowerOf2Ceil`` unless ``pinned_max_round_threshold`` is configured):
 a 16.1 GB version pins 32 GiB that no budget sees, for the life of the process.
 ``page_locked`` pins exactly the bytes of a mapping with ``cudaHostRegister`` and
-unregisters them when the last view of the memory is gone.
+unregisters them when the last view of the memory is gone. Unlike torch's pinned
+blocks, no event recorded by an asynchronous copy keeps such a buffer from being
+reused: whoever copies out of a staged buffer with ``non_blocking=True`` waits for
+that copy before releasing the buffer (``subscriber_ext/apply/streams.py`` does).
 """
 
 from __future__ import annotations
