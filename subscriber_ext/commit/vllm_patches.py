@@ -186,7 +186,16 @@ def _idle_commit(core: Any) -> None:
 
 
 def _is_sleeping(core: Any) -> bool:
+    """The weights are offloaded (vLLM sleep level >= 1): nothing to commit into.
+
+    Not ``EngineCore.is_sleeping()``, which is also true while the scheduler is
+    paused (``/pause``, sleep level 0): a paused engine commits (idle or on our
+    RPCs), so ``update_weights`` works during ``/pause?mode=keep``.
+    """
+    executor = getattr(core, "model_executor", None)
     try:
+        if executor is not None:
+            return bool(executor.is_sleeping)
         return bool(core.is_sleeping())
     except Exception:
         return False
