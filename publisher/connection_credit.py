@@ -2,8 +2,10 @@
 
 Every reply to a peer is sent tracked (``zmq.MessageTracker`` says when ZeroMQ
 has written the frame to the kernel), so for each peer the serving thread knows
-the bytes it handed to ZeroMQ that have not left yet. Chunk frames point into a
-version's buffer (zero-copy), so those bytes also pin that version in memory.
+the bytes it handed to ZeroMQ that have not left yet. A chunk reply is one frame
+(``weightpub_wire.chunk_frame``): its payload is copied behind the header into a
+reused scratch buffer, which goes back to the pool once ZeroMQ has sent it; so a
+slow reader holds scratch (bounded by the queued bytes below), never a version.
 
 Bounds, per peer (a ROUTER identity):
 
@@ -30,6 +32,7 @@ import zmq
 
 from publisher.connections import ConnectionGuard
 from publisher.store import PublishedVersion
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.ratelog import RateLimitedLog
 
@@ -56,7 +59,9 @@ class Peer:
     fd: int | None
     last_seen: float
     last_progress: float
-    queue: deque[tuple[zmq.MessageTracker, int]] = field(default_factory=deque)
+    #: frames handed to ZeroMQ: (tracker, bytes, the scratch buffer of a chunk frame)
+    queue: deque[tuple[zmq.MessageTracker, int, bytearray | None]] = field(
+        default_factory=deque)
     queued_bytes: int = 0
     deferred: deque[tuple[int, PublishedVersion, int]] = field(default_factory=deque)
 
@@ -79,6 +84,7 @@ class PeerTable:
         self._next_forget = 0.0
         self.total_queued = 0
         self.chunk_bytes = 0  # full-version chunk bytes handed to ZeroMQ
+        self.scratch = chunk_frame.ScratchPool()  # chunk frames' send buffers
         self.dropped_replies = 0
         self.cut_peers = 0
         self._warn = RateLimitedLog(log)
@@ -120,8 +126,9 @@ class PeerTable:
         return gone
 
     # -- sending -------------------------------------------------------------------------------
-    def _send(self, peer: Peer, head: list[bytes], body: memoryview | bytes) -> bool:
-        """Send ``head`` frames then the tracked ``body``; False if ZeroMQ refused it."""
+    def _send(self, peer: Peer, body: memoryview | bytes,
+              scratch: bytearray | None = None) -> bool:
+        """Send the one-frame ``body`` tracked; False if ZeroMQ refused it."""
         try:
             self.router.send(peer.identity, zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:  # the peer's pipe is at its high-water mark: try again later
@@ -131,11 +138,9 @@ class PeerTable:
                 self._drop(peer)
                 return False
             raise
-        for frame in head:
-            self.router.send(frame, zmq.SNDMORE)
         tracker = self.router.send(body, copy=False, track=True)
         self._active.add(peer.identity)
-        peer.queue.append((tracker, len(body)))
+        peer.queue.append((tracker, len(body), scratch))
         peer.queued_bytes += len(body)
         self.total_queued += len(body)
         return True
@@ -151,27 +156,38 @@ class PeerTable:
             self._warn.warning("reply", f"dropped a reply: peer has {peer.queued_bytes} bytes "
                                         "unread (max_queued_bytes)")
             return False
-        return self._send(peer, [], body)
+        return self._send(peer, body)
 
-    def send_to(self, identity: bytes, head: list[bytes], body: memoryview | bytes,
-                version: PublishedVersion | None) -> bool:
-        """Send for another server part (delta chunks) under the same credit.
+    def _send_chunk(self, peer: Peer, header: chunk_frame.ChunkHeader,
+                    data: memoryview | bytes) -> bool:
+        """One chunk frame: ``data`` copied behind its header into scratch, then sent."""
+        scratch = self.scratch.take(chunk_frame.frame_bytes(len(data)))
+        frame = chunk_frame.pack(scratch, req=header.req, version=header.version,
+                                 chunk=header.chunk, payload=data)
+        if self._send(peer, frame, scratch):
+            return True
+        self.scratch.give(scratch)
+        return False
+
+    def send_to(self, identity: bytes, header: chunk_frame.ChunkHeader,
+                data: memoryview | bytes, version: PublishedVersion | None) -> bool:
+        """Send a chunk for another server part (delta chunks) under the same credit;
+        ``version``: the one ``data`` points into (held while it is copied).
 
         False: no room now, try again later. True: sent, or the peer is gone (drop it).
         """
         peer = self._peers.get(identity)
         if peer is None:
             return True
-        if not self._room(peer, len(body)):
+        if not self._room(peer, chunk_frame.frame_bytes(len(data))):
             return False
         if version is None:
-            return self._send(peer, head, body) or identity not in self._peers
+            return self._send_chunk(peer, header, data) or identity not in self._peers
         with version.sending() as live:
             if not live:
                 return True  # the version is gone: the peer re-asks and is told so
-            if not self._send(peer, head, body):
+            if not self._send_chunk(peer, header, data):
                 return identity not in self._peers
-            version.track(peer.queue[-1][0])
         return True
 
     def reply_to(self, identity: bytes, body: bytes) -> bool:
@@ -185,7 +201,7 @@ class PeerTable:
             error = wire.ErrorReply(req=req, code="bad_request", version=version.manifest.version,
                                     message=f"more than {self.limits.max_pending_chunks} chunks "
                                             "outstanding; connection closed")
-            self._send(peer, [], wire.encode(error))
+            self._send(peer, wire.encode(error))
             self.cut(peer, f"{peer.pending + len(chunks)} chunks outstanding "
                            f"(max_pending_chunks {self.limits.max_pending_chunks})")
             return
@@ -204,18 +220,17 @@ class PeerTable:
             if not version.chunk_ready(chunk):
                 return  # announced before its copy ended: sent once the bytes are final
             data = version.chunk_view(chunk)
-            if not self._room(peer, len(data)):
+            if not self._room(peer, chunk_frame.frame_bytes(len(data))):
                 return
-            header = wire.ChunkHeader(req=req, version=version.manifest.version, chunk=chunk,
-                                      size=len(data))
-            with version.sending() as live:
+            header = chunk_frame.ChunkHeader(req=req, version=version.manifest.version,
+                                             chunk=chunk, size=len(data))
+            with version.sending() as live:  # not retired while its bytes are copied
                 if not live:  # retired since is_held(): never send bytes reused by another
                     peer.deferred.popleft()
                     self._unavailable(peer, req, version)
                     continue
-                if not self._send(peer, [wire.encode(header)], data):
+                if not self._send_chunk(peer, header, data):
                     return
-                version.track(peer.queue[-1][0])
             self.chunk_bytes += len(data)
             peer.deferred.popleft()
 
@@ -241,9 +256,11 @@ class PeerTable:
                 continue
             progressed = False
             while peer.queue and peer.queue[0][0].done:
-                _, nbytes = peer.queue.popleft()
+                _, nbytes, scratch = peer.queue.popleft()
                 peer.queued_bytes -= nbytes
                 self.total_queued -= nbytes
+                if scratch is not None:
+                    self.scratch.give(scratch)
                 progressed = True
             if progressed or not peer.queue:
                 peer.last_progress = now
@@ -273,7 +290,7 @@ class PeerTable:
         self._drop(peer)
 
     def _drop(self, peer: Peer) -> None:
-        # its queued frames stay tracked by their versions until ZeroMQ frees them
+        # its queued frames' scratch is freed by the GC once ZeroMQ lets go of it
         self.total_queued -= peer.queued_bytes
         self._peers.pop(peer.identity, None)
         self._active.discard(peer.identity)

@@ -2,7 +2,8 @@
 
 A chunk still being encoded is held back and sent once ready (checked every
 loop turn, like chunks still being copied); a chunk where the delta did not
-pay is sent from the version's full bytes, zero-copy. The held-back requests
+pay is sent from the version's full bytes; either way as one chunk frame
+(``weightpub_wire.chunk_frame``). The held-back requests
 are bounded, per peer and in all: past either bound a request gets a
 ``bad_request`` error (the subscriber then fetches the full version). They
 drain on their own: every encoding ends, or is cut short and served raw.
@@ -19,13 +20,14 @@ from collections.abc import Callable
 from publisher.delta_encoder import RAW, DeltaPublisher, EncodedDelta
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
+from weightpub_wire.chunk_frame import ChunkHeader
 
 __all__ = ["DeltaServing"]
 
 log = logging.getLogger("weightpub.publisher")
 
-#: (identity, header frames, body, version the body points into) -> sent (or peer gone)
-Send = Callable[[bytes, list[bytes], "memoryview | bytes", "PublishedVersion | None"], bool]
+#: (identity, chunk header, payload, version the payload points into) -> sent (or peer gone)
+Send = Callable[[bytes, ChunkHeader, "memoryview | bytes", "PublishedVersion | None"], bool]
 Reply = Callable[[bytes, bytes], bool]
 
 
@@ -105,9 +107,10 @@ class DeltaServing:
             if not version.chunk_ready(chunk):
                 return False
             data = version.chunk_view(chunk)
-        header = wire.ChunkHeader(req=req, version=delta.version, chunk=chunk, size=len(data))
-        # zero-copy either way: a delta payload is immutable, a raw chunk is tracked
-        if not self._send(identity, [wire.encode(header)], data, version):
+        header = ChunkHeader(req=req, version=delta.version, chunk=chunk, size=len(data))
+        # one frame: the payload is copied behind the header (a raw chunk while its
+        # version is held), the same form as full chunks (chunk_frame.py)
+        if not self._send(identity, header, data, version):
             return False
         self.bytes_sent += len(data)
         return True

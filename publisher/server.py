@@ -33,7 +33,8 @@ from publisher.store import PublishedVersion, VersionStore
 from publisher.tracker import Tracker, TrackerLimits
 from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList
-from weightpub_wire.errors import ProtocolError
+from weightpub_wire.chunk_frame import ChunkHeader
+from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.peer_protocol import PeerHello
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.sockets import bind, configure_socket
@@ -128,10 +129,10 @@ class ServingThread(threading.Thread):
         """Full-version chunk bytes sent (delta chunks: ``delta_serving.bytes_sent``)."""
         return 0 if self.peers is None else self.peers.chunk_bytes
 
-    def _send_to(self, identity: bytes, head: list[bytes], body: memoryview | bytes,
+    def _send_to(self, identity: bytes, header: ChunkHeader, body: memoryview | bytes,
                  version: PublishedVersion | None) -> bool:
         assert self.peers is not None
-        return self.peers.send_to(identity, head, body, version)
+        return self.peers.send_to(identity, header, body, version)
 
     def _reply_to(self, identity: bytes, body: bytes) -> bool:
         assert self.peers is not None
@@ -266,6 +267,10 @@ class ServingThread(threading.Thread):
                 continue
             try:
                 request = wire.decode(frames[1].buffer, expect=_REQUESTS)
+            except ProtocolVersionError as exc:
+                self._bad("protocol", f"refused a request: {exc}")
+                self._refuse_version(peers, frames, fd, exc)
+                continue
             except ProtocolError as exc:
                 self._bad("decode", f"dropped a bad request: {exc}")
                 continue
@@ -275,6 +280,20 @@ class ServingThread(threading.Thread):
                 continue
             self._handle(peers, peer, request, body_frame,
                          client_key if isinstance(client_key, str) else None)
+
+    def _refuse_version(self, peers: PeerTable, frames: list[zmq.Frame], fd: object,
+                        exc: ProtocolVersionError) -> None:
+        """Answer a request of another protocol version with an ``error`` naming both:
+        its sender cannot decode our reply either, and says so (a ``ProtocolError``
+        naming both versions) instead of waiting for an answer that never comes."""
+        peer = peers.peer(frames[0].bytes, fd if isinstance(fd, int) else None,
+                          time.monotonic())
+        if peer is None:
+            return
+        error = wire.ErrorReply(req=wire.peek_req(frames[1].buffer), code="bad_request",
+                                message=f"protocol version {exc.theirs} is not spoken here: "
+                                        f"this publisher speaks {exc.ours}")
+        peers.reply(peer, wire.encode(error))
 
     def _handle(self, peers: PeerTable, peer: Peer, request: wire.Message,
                 frame: zmq.Frame, client_key: str | None) -> None:

@@ -1,7 +1,8 @@
 """The newest K published versions, kept in host memory for slow subscribers.
 
-Chunks are sent zero-copy straight out of a version's buffer, so a buffer is
-only recycled once ZeroMQ reports every frame that points into it as sent.
+A chunk reply copies its bytes out of a version's buffer (behind its one-frame
+header) while holding the version (``sending``); a buffer is recycled only once
+no reader pins it and no tracked frame points into it (``track``).
 """
 
 from __future__ import annotations

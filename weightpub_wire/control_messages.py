@@ -1,10 +1,10 @@
 """The request/reply messages of a publisher's ROUTER (also spoken between peers).
 
-``latest`` (snapshot for late joiners), ``fetch`` / ``chunk`` / ``error`` (the
-data path, credit-bounded), ``report`` / ``status`` (the back-channel and what
-``weightpub status`` prints), ``coll_poll`` / ``coll_rep`` (joining a collective
-group). Split from ``weightpub_wire.protocol``, which keeps the message union
-and the codec.
+``latest`` (snapshot for late joiners), ``fetch`` / ``error`` (the data path,
+credit-bounded; the ``chunk`` reply itself is binary, ``chunk_frame.py``),
+``report`` / ``status`` (the back-channel and what ``weightpub status`` prints),
+``coll_poll`` / ``coll_rep`` (joining a collective group). Split from
+``weightpub_wire.protocol``, which keeps the message union and the codec.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from weightpub_wire.collective_layout import (
 )
 from weightpub_wire.manifest import Manifest
 from weightpub_wire.message_base import (
-    MAX_CHUNK_SIZE,
     MAX_CHUNKS,
     MAX_CHUNKS_PER_FETCH,
     MAX_REPORTED_RANKS,
@@ -43,7 +42,6 @@ from weightpub_wire.message_base import (
 )
 
 __all__ = [
-    "ChunkHeader",
     "CollectivePoll",
     "CollectiveReply",
     "ErrorReply",
@@ -85,15 +83,6 @@ class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
     chunks: Annotated[tuple[Annotated[int, Meta(ge=0, le=MAX_CHUNKS)], ...],
                       Meta(max_length=MAX_CHUNKS_PER_FETCH)]
     base: U63 = 0
-
-
-class ChunkHeader(_Message, tag="chunk", kw_only=True, frozen=True):
-    """First frame of a chunk reply; the second frame carries exactly ``size`` bytes."""
-
-    req: U63
-    version: Version
-    chunk: Annotated[int, Meta(ge=0, le=MAX_CHUNKS)]
-    size: Annotated[int, Meta(ge=0, le=MAX_CHUNK_SIZE)]
 
 
 ERROR_CODES = ("version_unavailable", "bad_request")

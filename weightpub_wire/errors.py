@@ -4,6 +4,7 @@
 
     WeightPubError
      ├── ProtocolError        a message broke the wire rules (names the field)
+     │    └── ProtocolVersionError   the peer speaks another protocol version (names both)
      ├── ChecksumError        a chunk kept failing its checksum; the version was given up
      ├── TransportError       a socket could not be bound or connected
      ├── WeightPubTimeout     a bounded wait ran out (also a ``TimeoutError``)
@@ -25,6 +26,7 @@ __all__ = [
     "ClosedError",
     "ConfigError",
     "ProtocolError",
+    "ProtocolVersionError",
     "StagingBudgetError",
     "TransportError",
     "VersionUnavailable",
@@ -39,6 +41,17 @@ class WeightPubError(Exception):
 
 class ProtocolError(WeightPubError):
     """A message from the network is malformed; the message names the field."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """The peer speaks protocol ``theirs``, this side ``ours``: nothing it sends is used."""
+
+    def __init__(self, what: str, theirs: int, ours: int) -> None:
+        super().__init__(f"{what}: protocol version {theirs} from the peer, this side "
+                         f"speaks {ours}")
+        self.what = what
+        self.theirs = theirs
+        self.ours = ours
 
 
 class ChecksumError(WeightPubError):

@@ -10,7 +10,14 @@ Sockets and frames::
                          | "peer_hello"} ]
     ROUTER -> DEALER  [ {t: "latest_rep" | "status_rep" | "error" | "coll_rep"
                          | "peer_plan"} ]
-                    | [ {t: "chunk", req, version, chunk, size}, <size raw bytes> ]
+                    | [ b"WPck", protocol, req, version, chunk, size, <size raw bytes> ]
+
+A chunk reply is one binary frame (``weightpub_wire.chunk_frame``: a 32-byte header,
+then the payload), never split over two: a reconnect cannot tear it. Its magic
+tells it from a control frame. Protocol 2 sent it as two frames; a peer of
+another version is refused with ``ProtocolVersionError`` naming both versions
+(control frames: ``p``; chunk frames: the header's protocol field), and a
+publisher or peer server answers such a request with an ``error`` reply.
 
 A publisher with a collective data path announces it in manifests and ``latest``
 replies (``collective``); ``coll_poll`` / ``coll_rep`` are how a subscriber asks to
@@ -49,12 +56,13 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from weightpub_wire.chunk_frame import HEADER_BYTES as CHUNK_HEADER_BYTES
+from weightpub_wire.chunk_frame import ChunkHeader
 from weightpub_wire.collective_layout import CollectiveAnnounce, GroupStatus, IpcHandle
 from weightpub_wire.control_messages import (  # noqa: F401 - ERROR_CODES.. re-exported
     ERROR_CODES,
     POLL_STATES,
     REPLY_STATES,
-    ChunkHeader,
     CollectivePoll,
     CollectiveReply,
     ErrorReply,
@@ -65,7 +73,7 @@ from weightpub_wire.control_messages import (  # noqa: F401 - ERROR_CODES.. re-e
     StatusReply,
     StatusRequest,
 )
-from weightpub_wire.errors import ProtocolError
+from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.manifest import DeltaBase, DeltaInfo, Heartbeat, Manifest, TensorEntry
 from weightpub_wire.message_base import (  # noqa: F401 - field types re-exported
     CHECKSUM_ALGORITHM,
@@ -102,6 +110,7 @@ from weightpub_wire.message_base import (  # noqa: F401 - field types re-exporte
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
+    "CHUNK_HEADER_BYTES",
     "DEFAULT_LIMITS",
     "MAX_CHUNKS_IN_FLIGHT",
     "MAX_CHUNK_SIZE",
@@ -132,14 +141,16 @@ __all__ = [
     "decode",
     "decode_as",
     "encode",
+    "peek_protocol",
+    "peek_req",
 ]
 
 Message = (
-    Manifest | Heartbeat | LatestRequest | LatestReply | FetchRequest | ChunkHeader
+    Manifest | Heartbeat | LatestRequest | LatestReply | FetchRequest
     | ErrorReply | Report | StatusRequest | StatusReply | CollectivePoll | CollectiveReply
 )
 ALL_TYPES: tuple[type[_Message], ...] = (
-    Manifest, Heartbeat, LatestRequest, LatestReply, FetchRequest, ChunkHeader, ErrorReply,
+    Manifest, Heartbeat, LatestRequest, LatestReply, FetchRequest, ErrorReply,
     Report, StatusRequest, StatusReply, CollectivePoll, CollectiveReply,
 )
 
@@ -177,6 +188,10 @@ def decode(frame: bytes | memoryview, *, expect: tuple[type[_Message], ...] = AL
     try:
         message = _decoder(expect).decode(frame)
     except msgspec.ValidationError as exc:
+        theirs = peek_protocol(frame)
+        if theirs is not None and theirs != PROTOCOL_VERSION:
+            raise ProtocolVersionError(f"{_root(frame) or 'message'}.p", theirs,
+                                       PROTOCOL_VERSION) from exc
         raise ProtocolError(_describe(frame, exc, expect)) from exc
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"message: not valid msgpack ({exc})") from exc
@@ -185,6 +200,36 @@ def decode(frame: bytes | memoryview, *, expect: tuple[type[_Message], ...] = AL
         if isinstance(manifest, Manifest):
             manifest.check(limits)
     return message
+
+
+class _Peek(msgspec.Struct):
+    p: int = PROTOCOL_VERSION
+    req: int = 0
+
+
+def peek_protocol(frame: bytes | memoryview) -> int | None:
+    """The ``p`` field of a control frame, whatever else it holds (None: unreadable)."""
+    try:
+        return msgspec.msgpack.decode(frame, type=_Peek).p
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def peek_req(frame: bytes | memoryview) -> int:
+    """The ``req`` of a request this side could not decode (0 when unreadable), so the
+    refusal can be addressed to it."""
+    try:
+        req = msgspec.msgpack.decode(frame, type=_Peek).req
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return 0
+    return req if 0 <= req < 1 << 63 else 0
+
+
+def _root(frame: bytes | memoryview) -> str | None:
+    try:
+        return msgspec.msgpack.decode(frame, type=_Tag).t[:32]
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 M = TypeVar("M", bound=_Message)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import zmq
 
-from publisher import ProtocolError, WeightPublisher
+from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import as_bytes, det_weights, wait_until
-from weightpub_wire import protocol as wire
+from weightpub_wire import chunk_frame
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,18 +67,16 @@ class CorruptingProxy(threading.Thread):
             self.backend.close()
 
     def _maybe_corrupt(self, frames: list[bytes]) -> None:
-        if (self.flipped is not None and not self.always) or len(frames) != 2:
+        if (self.flipped is not None and not self.always) or len(frames) != 1 \
+                or not chunk_frame.is_chunk(frames[0]):
             return
-        try:
-            header = wire.decode(frames[0], expect=(wire.ChunkHeader,))
-        except ProtocolError:
-            return
+        header = chunk_frame.parse(frames[0])
         self.chunks_seen += 1
         if (self.always or self.chunks_seen == self.nth) and header.size:
             self.corrupted += 1
-            data = bytearray(frames[1])
-            data[len(data) // 2] ^= 0x40
-            frames[1] = bytes(data)
+            data = bytearray(frames[0])
+            data[chunk_frame.HEADER_BYTES + header.size // 2] ^= 0x40
+            frames[0] = bytes(data)
             self.flipped = (header.version, header.chunk)
 
 

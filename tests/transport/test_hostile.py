@@ -17,6 +17,7 @@ import zmq
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import SyncOptions, WeightSubscriber
 from tests.transport.procs import as_bytes, det_weights, digests, wait_until
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.dtypes import dtype_name
@@ -27,8 +28,8 @@ pytestmark = pytest.mark.timeout(60)
 SPEC = [("w", "float32", [64, 1000]), ("b", "bfloat16", [777])]
 
 
-def pack(body: dict[str, Any]) -> bytes:
-    return msgpack.packb({"p": wire.PROTOCOL_VERSION, **body}, use_bin_type=True)
+def pack(body: dict[str, Any], protocol: int = wire.PROTOCOL_VERSION) -> bytes:
+    return msgpack.packb({"p": protocol, **body}, use_bin_type=True)
 
 
 class RawClient:
@@ -47,10 +48,12 @@ class RawClient:
             raise AssertionError(f"no reply within {timeout}s")
         return self.sock.recv_multipart()
 
-    def call(self, message: wire.Message) -> wire.Message:
+    def call(self, message: wire.Message) -> wire.Message | chunk_frame.ChunkHeader:
         self.send(wire.encode(message))
         frames = self.recv()
         self.last_frames = frames
+        if chunk_frame.is_chunk(frames[0]):
+            return chunk_frame.parse(frames[0])
         return wire.decode(frames[0])
 
 
@@ -76,7 +79,7 @@ def test_garbage_to_publisher_router_is_refused_and_service_continues(
             (msgpack.packb([1, 2, 3]),),  # not a map
             (pack({"t": "fetch", "req": 1}),),  # missing fields
             (pack({"t": "no-such-type", "req": 1}),),
-            (wire.encode(wire.ChunkHeader(req=1, version=1, chunk=0, size=0)),),  # wrong way
+            (bytes(chunk_frame.build(req=1, version=1, chunk=0, payload=b"")),),  # wrong way
             (wire.encode(latest.manifest),),  # a manifest is not a request
             (pack({"t": "fetch", "req": 2, "publisher_id": pub.publisher_id, "version": 1,
                    "chunks": list(range(5000))}),),  # more ids than any fetch may carry
@@ -106,8 +109,9 @@ def test_garbage_to_publisher_router_is_refused_and_service_continues(
         assert isinstance(other, wire.ErrorReply) and other.code == "version_unavailable"
 
         good = fetch(chunks=(0,))  # the same socket is still served
-        assert isinstance(good, wire.ChunkHeader) and good.chunk == 0
-        assert len(raw.last_frames) == 2 and len(raw.last_frames[1]) == good.size == 4096
+        assert isinstance(good, chunk_frame.ChunkHeader) and good.chunk == 0
+        assert len(raw.last_frames) == 1  # one frame: header and payload (protocol 3)
+        assert len(chunk_frame.payload(raw.last_frames[0])) == good.size == 4096
         assert pub._server.is_alive()
     finally:
         ctx.destroy(linger=0)
@@ -145,7 +149,8 @@ def manifest_for(weights: dict[str, torch.Tensor], version: int, chunk_size: int
 class FakePublisher(threading.Thread):
     """ROUTER + PUB written by hand: answers ``latest`` with ``latest_manifest`` (a raw,
     possibly malformed wire dict), serves chunks of ``data[version]``, and publishes
-    whatever is put into ``outbox`` on PUB."""
+    whatever is put into ``outbox`` on PUB. ``protocol`` is the ``p`` of its ``latest``
+    replies; ``old_chunks`` serves chunks as protocol 2 did (two frames, ``p`` 2)."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         super().__init__(name="test-fake-publisher", daemon=True)
@@ -163,6 +168,9 @@ class FakePublisher(threading.Thread):
         self.outbox: queue.Queue[bytes] = queue.Queue()
         self.latest_requests = 0
         self.evicted: set[int] = set()  # fetches of these get a version_unavailable error
+        self.protocol = wire.PROTOCOL_VERSION
+        self.old_chunks = False
+        self.chunk_replies = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -186,7 +194,7 @@ class FakePublisher(threading.Thread):
             reply = {"t": "latest_rep", "req": request.req, "publisher_id": self.publisher_id,
                      "started_at": self.started_at, "pub_endpoint": self.pub_endpoint,
                      "heartbeat_interval": 1.0, "manifest": self.latest_manifest}
-            self.router.send_multipart([identity, pack(reply)])
+            self.router.send_multipart([identity, pack(reply, self.protocol)])
         elif isinstance(request, wire.FetchRequest):
             if request.version in self.evicted:
                 error = wire.ErrorReply(req=request.req, code="version_unavailable",
@@ -198,9 +206,15 @@ class FakePublisher(threading.Thread):
             chunk_size = self.latest_manifest["chunk_size"] if self.latest_manifest else 0
             for chunk in request.chunks:
                 piece = data[chunk * chunk_size: (chunk + 1) * chunk_size]
-                header = wire.ChunkHeader(req=request.req, version=request.version,
-                                          chunk=chunk, size=len(piece))
-                self.router.send_multipart([identity, wire.encode(header), piece])
+                self.chunk_replies += 1
+                if self.old_chunks:  # protocol 2: [msgpack header][payload]
+                    header = pack({"t": "chunk", "req": request.req, "version": request.version,
+                                   "chunk": chunk, "size": len(piece)}, protocol=2)
+                    self.router.send_multipart([identity, header, piece])
+                    continue
+                frame = chunk_frame.build(req=request.req, version=request.version,
+                                          chunk=chunk, payload=piece)
+                self.router.send_multipart([identity, frame])
 
     def manifest(self, weights: dict[str, torch.Tensor], version: int,
                  chunk_size: int = 4096) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import zmq.auth
 
 from publisher import WeightPublisher
 from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.keys import create_key_pair
@@ -174,8 +175,9 @@ def test_curve_between_peers_and_strangers_get_nothing(
                 req=1, publisher_id=manifest.publisher_id, version=1, chunks=(0,))))
             if not dealer.poll(int(wait * 1000)):
                 return False
-            header = wire.decode_as(dealer.recv(), wire.ChunkHeader)
-            return chunk_checksum(memoryview(dealer.recv())) == manifest.checksums[header.chunk]
+            frame = dealer.recv()
+            header = chunk_frame.parse(frame)
+            return chunk_checksum(chunk_frame.payload(frame)) == manifest.checksums[header.chunk]
         finally:
             dealer.close()
 

@@ -16,6 +16,7 @@ from weightpub_wire.collective_layout import CollectiveAnnounce, GroupStatus, Ip
 from weightpub_wire.protocol import Limits, Manifest, TensorEntry, decode, encode
 
 pytestmark = pytest.mark.timeout(30)
+P = wire.PROTOCOL_VERSION
 
 
 def manifest(**overrides: Any) -> Manifest:
@@ -57,7 +58,6 @@ def every_message() -> list[wire.Message]:
         wire.LatestReply(req=3, publisher_id="pub-1", started_at=1.5,
                          pub_endpoint="ipc:///tmp/x.pub", heartbeat_interval=1.0, manifest=None),
         wire.FetchRequest(req=4, publisher_id="pub-1", version=3, chunks=(0, 1)),
-        wire.ChunkHeader(req=5, version=3, chunk=1, size=1096),
         wire.ErrorReply(req=6, code="version_unavailable", message="gone", version=3),
         wire.ErrorReply(req=7, code="bad_request", message="bad"),
         report,
@@ -277,7 +277,7 @@ def test_bad_collective_announce_names_the_field(mutate: Mutation, field: str) -
 ])
 def test_bad_collective_messages_name_the_field(body: dict[str, Any], field: str) -> None:
     with pytest.raises(ProtocolError) as info:
-        decode(pack({"p": 2, **body}))
+        decode(pack({"p": P, **body}))
     assert field in str(info.value), str(info.value)
 
 
@@ -317,7 +317,7 @@ def test_empty_tensor_with_overflowing_shape_is_refused() -> None:
 HEADER_CASES: list[tuple[str, bytes, str]] = [
     ("garbage bytes", b"\xc1\xff\x00garbage", "message"),
     ("empty frame", b"", "message"),
-    ("truncated msgpack", pack({"p": 2, "t": "latest", "req": 1})[:-2], "message"),
+    ("truncated msgpack", pack({"p": P, "t": "latest", "req": 1})[:-2], "message"),
     ("not a map: list", pack([1, "latest"]), "message"),
     ("not a map: int", pack(7), "message"),
     ("not a map: bytes", pack(b"\x00" * 10), "message"),
@@ -326,55 +326,56 @@ HEADER_CASES: list[tuple[str, bytes, str]] = [
     ("p zero", pack({"p": 0, "t": "latest", "req": 1}), "latest.p"),
     ("bool p", pack({"p": True, "t": "latest", "req": 1}), "latest.p"),
     ("string p", pack({"p": "2", "t": "latest", "req": 1}), "latest.p"),
-    ("unknown t", pack({"p": 2, "t": "exec", "req": 1}), "message.t"),
-    ("missing t", pack({"p": 2, "req": 1}), "message.t"),
-    ("t not a string", pack({"p": 2, "t": 3, "req": 1}), "message.t"),
-    ("negative req", pack({"p": 2, "t": "latest", "req": -1}), "latest.req"),
-    ("bool req", pack({"p": 2, "t": "status", "req": False}), "status.req"),
+    ("unknown t", pack({"p": P, "t": "exec", "req": 1}), "message.t"),
+    ("missing t", pack({"p": P, "req": 1}), "message.t"),
+    ("t not a string", pack({"p": P, "t": 3, "req": 1}), "message.t"),
+    ("negative req", pack({"p": P, "t": "latest", "req": -1}), "latest.req"),
+    ("bool req", pack({"p": P, "t": "status", "req": False}), "status.req"),
     ("fetch negative chunk",
-     pack({"p": 2, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1, "chunks": [-1]}),
+     pack({"p": P, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1, "chunks": [-1]}),
      "fetch.chunks[0]"),
     ("fetch bool chunk",
-     pack({"p": 2, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1, "chunks": [True]}),
+     pack({"p": P, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1, "chunks": [True]}),
      "fetch.chunks[0]"),
     ("fetch too many chunks",
-     pack({"p": 2, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1,
+     pack({"p": P, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1,
            "chunks": list(range(5000))}), "fetch.chunks"),
     ("fetch chunk past limit",
-     pack({"p": 2, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1,
+     pack({"p": P, "t": "fetch", "req": 1, "publisher_id": "x", "version": 1,
            "chunks": [10_000_001]}), "fetch.chunks[0]"),
     ("fetch version zero",
-     pack({"p": 2, "t": "fetch", "req": 1, "publisher_id": "x", "version": 0, "chunks": [0]}),
+     pack({"p": P, "t": "fetch", "req": 1, "publisher_id": "x", "version": 0, "chunks": [0]}),
      "fetch.version"),
     ("chunk negative size",
-     pack({"p": 2, "t": "chunk", "req": 1, "version": 1, "chunk": 0, "size": -5}), "chunk.size"),
+     pack({"p": P, "t": "chunk", "req": 1, "version": 1, "chunk": 0, "size": -5}),
+     "message.t"),  # protocol 2's msgpack chunk header: chunk replies are binary now
     ("heartbeat zero interval",
-     pack({"p": 2, "t": "heartbeat", "publisher_id": "x", "started_at": 1.0,
+     pack({"p": P, "t": "heartbeat", "publisher_id": "x", "started_at": 1.0,
            "latest_version": 1, "sent_at": 1.0, "interval": 0}), "heartbeat.interval"),
     ("error unknown code",
-     pack({"p": 2, "t": "error", "req": 1, "code": "nope", "message": "", "version": 0}),
+     pack({"p": P, "t": "error", "req": 1, "code": "nope", "message": "", "version": 0}),
      "error.code"),
     ("report control char id",
-     pack({"p": 2, "t": "report", "subscriber_id": "a\rb", "staged_version": 1,
+     pack({"p": P, "t": "report", "subscriber_id": "a\rb", "staged_version": 1,
            "applied_version": 1}), "report.subscriber_id"),
     ("report long error",
-     pack({"p": 2, "t": "report", "subscriber_id": "a", "staged_version": 1,
+     pack({"p": P, "t": "report", "subscriber_id": "a", "staged_version": 1,
            "applied_version": 1, "last_error": "x" * 5000}), "report.last_error"),
     ("report missing field",
-     pack({"p": 2, "t": "report", "subscriber_id": "a", "staged_version": 1}),
+     pack({"p": P, "t": "report", "subscriber_id": "a", "staged_version": 1}),
      "report.applied_version"),
     ("report too many ranks",
-     pack({"p": 2, "t": "report", "subscriber_id": "a", "staged_version": 1,
+     pack({"p": P, "t": "report", "subscriber_id": "a", "staged_version": 1,
            "applied_version": 1, "ranks": list(range(2000))}), "report.ranks"),
     ("report negative rank",
-     pack({"p": 2, "t": "report", "subscriber_id": "a", "staged_version": 1,
+     pack({"p": P, "t": "report", "subscriber_id": "a", "staged_version": 1,
            "applied_version": 1, "ranks": [0, -1]}), "report.ranks[1]"),
     ("latest_rep bad manifest",
-     pack({"p": 2, "t": "latest_rep", "req": 1, "publisher_id": "x", "started_at": 1.0,
+     pack({"p": P, "t": "latest_rep", "req": 1, "publisher_id": "x", "started_at": 1.0,
            "pub_endpoint": "tcp://h:1", "heartbeat_interval": 1.0, "manifest": [1]}),
      "latest_rep.manifest"),
     ("status_rep many versions",
-     pack({"p": 2, "t": "status_rep", "req": 1, "publisher_id": "x", "started_at": 1.0,
+     pack({"p": P, "t": "status_rep", "req": 1, "publisher_id": "x", "started_at": 1.0,
            "latest_version": 1, "versions": [1] * 5000, "subscribers": []}),
      "status_rep.versions"),
 ]

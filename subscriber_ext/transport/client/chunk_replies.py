@@ -1,10 +1,11 @@
 """One chunk reply, from the publisher or a peer: receive it into place, verify, route on.
 
-Split from ``sync_client.py``: the two-frame ``chunk`` reply is the data path's
-hot spot and has the most outcomes (stale, duplicate, truncated, checksum
-mismatch, a delta that does not decode, verified), each with its own
-consequence for the request table, the peer that sent it and the target. The
-bytes go straight into the target's buffer (``recv_into``), never copied.
+Split from ``sync_client.py``: the one-frame ``chunk`` reply
+(``weightpub_wire.chunk_frame``) is the data path's hot spot and has the most
+outcomes (stale, duplicate, malformed, checksum mismatch, a delta that does not
+decode, verified), each with its own consequence for the request table, the
+peer that sent it and the target. The frame is taken as ZeroMQ delivered it
+(``recv(copy=False)``) and its payload copied once, into the target's buffer.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from subscriber_ext.transport.client.fetch_credit import top_up
 from subscriber_ext.transport.client.sync_state import SyncState
 from subscriber_ext.transport.staging.chunk_listener import final_bytes
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
-from weightpub_wire import protocol as wire
-from weightpub_wire.errors import ChecksumError, ProtocolError
+from weightpub_wire import chunk_frame
+from weightpub_wire.errors import ChecksumError, ProtocolError, ProtocolVersionError
 
-__all__ = ["discard_rest", "receive_chunk"]
+__all__ = ["discard_rest", "parse_chunk", "receive_chunk", "within"]
 
 log = logging.getLogger("weightpub.subscriber")
 
@@ -33,38 +34,41 @@ def discard_rest(sock: zmq.Socket, more: int) -> None:
         more = int(sock.getsockopt(zmq.RCVMORE))
 
 
-def receive_chunk(client: SyncState, header: wire.ChunkHeader, more: int,
+def within(context: str, exc: ProtocolError) -> ProtocolError:
+    """``exc`` with ``context`` in front, of the same kind (a version mismatch stays one)."""
+    if isinstance(exc, ProtocolVersionError):
+        return ProtocolVersionError(f"{context}: {exc.what}", exc.theirs, exc.ours)
+    return ProtocolError(f"{context}: {exc}")
+
+
+def parse_chunk(frame: zmq.Frame, more: int) -> chunk_frame.ChunkHeader:
+    """The header of a chunk frame; ``ProtocolError`` if it is malformed or not alone."""
+    header = chunk_frame.parse(frame.buffer)
+    if more:
+        raise ProtocolError(f"chunk {header.chunk}: more frames follow a one-frame reply")
+    return header
+
+
+def receive_chunk(client: SyncState, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
                   sock: zmq.Socket) -> None:
-    """Handle one ``chunk`` header whose payload frame is next on ``sock``."""
+    """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``)."""
     target = client.target
     table = client.requests
     request = table.get(header.req)
     source = None if request is None else request.source
     if not (
-        more and target is not None and request is not None
+        target is not None and request is not None
         and sock is (client.dealer if source is None else source.sock)
         and header.version == target.fetch_version and header.chunk in request.chunks
         and target.accepts(header.chunk, header.size)
     ):
-        discard_rest(sock, more)
         return  # stale (conflated / timed out) or not ours
-    if header.chunk not in target.missing:  # already here from another source
-        discard_rest(sock, more)
-        table.chunk_done(header.req, request, header.chunk)
-        return
-    size = sock.recv_into(target.chunk_target(header.chunk))
-    client.received_bytes += size
-    extra = int(sock.getsockopt(zmq.RCVMORE))
     table.chunk_done(header.req, request, header.chunk)
-    if size != header.size or extra:
-        discard_rest(sock, extra)
-        why = f"chunk {header.chunk}: {size} bytes received, header said {header.size}"
-        if source is not None and client.peering is not None:
-            client.peering.chunk_failed(source, "truncated", why, time.monotonic())
-            return
-        client._bad(ProtocolError(why))
-        client._count_retry(header.chunk, "arrived truncated", ProtocolError)
+    if header.chunk not in target.missing:  # already here from another source
         return
+    size = header.size
+    target.chunk_target(header.chunk)[:size] = chunk_frame.payload(frame.buffer)
+    client.received_bytes += size
     client.deltas.count(target, size)
     final = final_bytes(target)
     if not target.verify(header.chunk, size):

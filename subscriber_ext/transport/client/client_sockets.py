@@ -41,7 +41,8 @@ def open_client_sockets(ctx: zmq.Context, endpoint: str, request_timeout: float,
     # a refused or silent handshake is given up (and reported) after request_timeout
     dealer.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(request_timeout * 1000)))
     # no frame larger than a chunk (or a control message) is ever accepted off the wire
-    dealer.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE, limits.max_control_bytes))
+    dealer.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE + wire.CHUNK_HEADER_BYTES,
+                                          limits.max_control_bytes))
     sub.setsockopt(zmq.MAXMSGSIZE, limits.max_control_bytes)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     monitor = open_monitor(dealer, zmq.EVENT_HANDSHAKE_FAILED_AUTH

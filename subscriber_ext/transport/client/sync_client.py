@@ -45,7 +45,12 @@ import zmq
 
 from subscriber_ext.transport.client import client_sockets as sockets
 from subscriber_ext.transport.client import instance_following
-from subscriber_ext.transport.client.chunk_replies import discard_rest, receive_chunk
+from subscriber_ext.transport.client.chunk_replies import (
+    discard_rest,
+    parse_chunk,
+    receive_chunk,
+    within,
+)
 from subscriber_ext.transport.client.fetch_credit import expire_requests, top_up
 from subscriber_ext.transport.client.reply_watch import ReplyWatch
 from subscriber_ext.transport.client.version_choice import consider, deliver, yield_target
@@ -55,6 +60,7 @@ from subscriber_ext.transport.staging.budget_gate import BudgetGate
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
 from subscriber_ext.transport.staging.request_table import RequestTable, VersionBackoff
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubError
@@ -335,7 +341,7 @@ class SyncClient:
             message = wire.decode(frame.buffer, expect=(wire.Manifest, wire.Heartbeat),
                                   limits=self.options.limits)
         except ProtocolError as exc:
-            self._bad(ProtocolError(f"bad PUB message: {exc}"))
+            self._bad(within("bad PUB message", exc))
             return
         if isinstance(message, wire.Heartbeat):
             instance_following.on_heartbeat(self, message)
@@ -347,17 +353,19 @@ class SyncClient:
         more = int(self.dealer.getsockopt(zmq.RCVMORE))
         self.replies.heard(time.monotonic())
         try:
+            if chunk_frame.is_chunk(first.buffer):  # one frame: header and payload
+                header = parse_chunk(first, more)
+                self._last_heard = time.monotonic()
+                self._on_chunk(header, first)
+                return
             message = wire.decode(first.buffer, limits=self.options.limits,
-                                  expect=(wire.ChunkHeader, wire.LatestReply, wire.ErrorReply,
+                                  expect=(wire.LatestReply, wire.ErrorReply,
                                           wire.CollectiveReply, *PEER_REPLIES))
         except ProtocolError as exc:
             self._discard_rest(more)
-            self._bad(ProtocolError(f"bad reply: {exc}"))
+            self._bad(within("bad reply", exc))
             return
         self._last_heard = time.monotonic()
-        if isinstance(message, wire.ChunkHeader):
-            self._on_chunk(message, more)
-            return
         self._discard_rest(more)
         if isinstance(message, (PeerPlan, wire.ErrorReply)) and self.peering is not None \
                 and self.peering.owns(message):
@@ -391,9 +399,9 @@ class SyncClient:
             kind = VersionUnavailable if error.code == "version_unavailable" else ProtocolError
             self._fail_target(kind(f"publisher: {error.message}"))
 
-    def _on_chunk(self, header: wire.ChunkHeader, more: int,
+    def _on_chunk(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
                   sock: zmq.Socket | None = None) -> None:
-        """A chunk reply (chunk_replies.py); tests wrap this attribute to pace or drop."""
-        receive_chunk(self, header, more, self.dealer if sock is None else sock)
+        """A chunk frame (chunk_replies.py); tests wrap this attribute to pace or drop."""
+        receive_chunk(self, header, frame, self.dealer if sock is None else sock)
 
     on_chunk = _on_chunk

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ProtocolError
@@ -255,9 +256,16 @@ class Sources:
                 "peer_failures": dict(self.failures)}
 
 
-def decode_reply(frame: zmq.Frame, limits: wire.Limits) -> wire.ChunkHeader | wire.ErrorReply:
-    """The first frame of a peer's reply (what a publisher's DEALER would accept)."""
-    message = wire.decode(frame.buffer, expect=(wire.ChunkHeader, wire.ErrorReply), limits=limits)
-    if not isinstance(message, (wire.ChunkHeader, wire.ErrorReply)):  # pragma: no cover
+def decode_reply(frame: zmq.Frame, more: int,
+                 limits: wire.Limits) -> chunk_frame.ChunkHeader | wire.ErrorReply:
+    """A peer's reply (what a publisher's DEALER would accept): a one-frame chunk
+    (``weightpub_wire.chunk_frame``) or an ``error``; ``ProtocolError`` otherwise."""
+    if chunk_frame.is_chunk(frame.buffer):
+        header = chunk_frame.parse(frame.buffer)
+        if more:
+            raise ProtocolError(f"chunk {header.chunk}: more frames follow a one-frame reply")
+        return header
+    message = wire.decode(frame.buffer, expect=(wire.ErrorReply,), limits=limits)
+    if not isinstance(message, wire.ErrorReply):  # pragma: no cover
         raise ProtocolError("message.t: expected chunk or error")
     return message

@@ -18,6 +18,7 @@ from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.budget_gate import BudgetGate
 from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from subscriber_ext.transport.staging.request_table import RequestTable
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError
@@ -74,7 +75,7 @@ class PeerClient(Protocol):
 
     def discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None: ...
 
-    def on_chunk(self, header: wire.ChunkHeader, more: int,
+    def on_chunk(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
                  sock: zmq.Socket | None = None) -> None: ...
 
 

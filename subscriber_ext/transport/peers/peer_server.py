@@ -1,7 +1,7 @@
 """The peer ROUTER: a peer-sharing subscriber serves the verified chunks it holds.
 
-It answers the publisher's own ``FetchRequest`` with the publisher's own
-``ChunkHeader`` + bytes, from two places (``lookup``): the version being
+It answers the publisher's own ``FetchRequest`` with the publisher's own one-frame
+chunk reply (``weightpub_wire.chunk_frame``), from two places (``lookup``): the version being
 received (a chunk only once it matched the manifest's checksum; for a delta
 rebuild, only final bytes) and the newest complete version it holds (the delta
 base a subscriber keeps anyway, so serving costs no extra staging memory).
@@ -17,7 +17,7 @@ request, chunks handed to ZeroMQ and not yet written to the kernel (per client
 and, in bytes, for all; a dropped client's unsent bytes keep counting until
 ZeroMQ lets go of them), and the upload budget (rate and CPU share,
 ``upload_budget.py``). A client whose bytes stay unsent for ``stall_timeout``
-is dropped. Each chunk is copied into a reused send buffer first: staging
+is dropped. Each chunk is copied behind its header into a reused send buffer: staging
 buffers are reused for newer versions while ZeroMQ may still be sending, and a
 peer must only ever see verified bytes. With CURVE, only keys the tracker
 vouched for connect (ZAP), and every request is checked again.
@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from subscriber_ext.transport.peers.upload_budget import UploadBudget
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import ProtocolError
+from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.ratelog import RateLimitedLog
 
 __all__ = ["GONE", "WAIT", "Lookup", "PeerServer", "PeerServerLimits"]
@@ -136,6 +137,14 @@ class PeerServer:
                 return
         try:
             request = wire.decode_as(frames[1].buffer, wire.FetchRequest)
+        except ProtocolVersionError as exc:  # say so: the asker then moves on
+            self._bad(f"refused a request: {exc}")
+            client = self._client(frames[0].bytes, now)
+            if client is not None:
+                self._error(client, wire.peek_req(frames[1].buffer), "bad_request", 0,
+                            f"protocol version {exc.theirs} is not spoken here: this peer "
+                            f"speaks {exc.ours}")
+            return
         except ProtocolError as exc:
             self._bad(f"dropped a bad request: {exc}")
             return
@@ -238,11 +247,9 @@ class PeerServer:
         return math.inf
 
     def _send_chunk(self, client: _Client, ask: _Ask, data: memoryview) -> bool:
-        size = len(data)
-        buffer = self._buffer(size)
-        buffer[:size] = data
-        header = wire.encode(wire.ChunkHeader(req=ask.req, version=ask.version, chunk=ask.chunk,
-                                              size=size))
+        buffer = self._buffer(chunk_frame.frame_bytes(len(data)))
+        frame = chunk_frame.pack(buffer, req=ask.req, version=ask.version, chunk=ask.chunk,
+                                 payload=data)
         try:
             self.router.send(client.identity, zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:
@@ -254,8 +261,7 @@ class PeerServer:
                 self._drop(client)
                 return False
             raise
-        self.router.send(header, zmq.SNDMORE)
-        tracker = self.router.send(memoryview(buffer)[:size], copy=False, track=True)
+        tracker = self.router.send(frame, copy=False, track=True)
         client.queued.append((tracker, buffer))
         self._queued_bytes += len(buffer)
         self.chunks_served += 1

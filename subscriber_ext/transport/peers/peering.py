@@ -36,6 +36,7 @@ from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import final_bytes
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, ProtocolError
@@ -83,7 +84,8 @@ class Peering:
         self.sources = Sources(
             client.dealer.context, self._hooks_for, window=options.window_chunks,
             timeout=client.options.request_timeout,
-            max_message_bytes=max(wire.MAX_CHUNK_SIZE, client.options.limits.max_control_bytes),
+            max_message_bytes=max(chunk_frame.frame_bytes(wire.MAX_CHUNK_SIZE),
+                                  client.options.limits.max_control_bytes),
             on_open=self._watch, on_close=self._unwatch)
         self.plan: PeerPlan | None = None
         self.disabled: str | None = None  # why the publisher will not give a plan
@@ -186,14 +188,14 @@ class Peering:
                 return
             more = int(link.sock.getsockopt(zmq.RCVMORE))
             try:
-                message = decode_reply(first, self.client.options.limits)
+                message = decode_reply(first, more, self.client.options.limits)
             except ProtocolError as exc:
                 self.client.discard_rest(more, link.sock)
                 self._fail(link, self._key(), "bad_reply", f"sent a bad reply ({exc})", now,
                            ban=True)
                 continue
-            if isinstance(message, wire.ChunkHeader):
-                self.client.on_chunk(message, more, link.sock)
+            if isinstance(message, chunk_frame.ChunkHeader):
+                self.client.on_chunk(message, first, link.sock)
                 continue
             self.client.discard_rest(more, link.sock)
             if message.req in self.client.requests.peer_requests(link):
@@ -272,7 +274,7 @@ class Peering:
         self.chunks_from_peers += 1
 
     def chunk_failed(self, link: PeerLink, kind: str, why: str, now: float) -> None:
-        """A chunk from ``link`` was truncated or failed its checksum: never that peer
+        """A chunk from ``link`` failed its checksum: never that peer
         again for a while; its chunks go to the next source."""
         self._fail(link, self._key(), kind, why, now, ban=True)
 

@@ -29,6 +29,7 @@ from subscriber_ext import WeightSubscriber
 from tests.transport.faults.tools import RawPeer, pack, rss_mib
 from tests.transport.procs import det_weights, digests, wait_until
 from tests.transport.test_hostile import FakePublisher
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(300)
@@ -281,9 +282,9 @@ class ReplyFuzzer(threading.Thread):
             size = fake.latest_manifest["chunk_size"]
             for chunk in request.chunks:
                 piece = data[chunk * size: (chunk + 1) * size]
-                header = wire.ChunkHeader(req=request.req, version=request.version,
-                                          chunk=chunk, size=len(piece))
-                self.router.send_multipart([identity, wire.encode(header), piece])
+                frame = chunk_frame.build(req=request.req, version=request.version,
+                                          chunk=chunk, payload=piece)
+                self.router.send_multipart([identity, frame])
 
 
 @pytest.fixture(scope="module")

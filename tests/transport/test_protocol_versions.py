@@ -1,0 +1,188 @@
+"""Protocol 3 (one-frame chunk replies) meets protocol 2: a named error, never a crash or a hang.
+
+Protocol 2 sent a chunk reply as two frames; a reconnect between them tore the
+message and libzmq 4.3.5 aborted the process. Protocol 3 sends one frame
+(``weightpub_wire.chunk_frame``). The two cannot share a transfer, so each side
+must say so, naming both versions: an old subscriber's requests get an ``error``
+reply from a new publisher (which an old decoder refuses by its ``p``), and a
+new subscriber refuses an old publisher's replies and two-frame chunks with a
+``ProtocolVersionError``, and carries on with anything that speaks its version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from publisher import WeightPublisher
+from subscriber_ext import WeightSubscriber
+from tests.transport.procs import det_weights, digests, wait_until
+from tests.transport.test_hostile import SPEC, FakePublisher, RawClient, pack
+from weightpub_wire import chunk_frame
+from weightpub_wire import protocol as wire
+from weightpub_wire.errors import ProtocolError, ProtocolVersionError
+
+pytestmark = pytest.mark.timeout(90)
+
+OLD = 2
+NEW = wire.PROTOCOL_VERSION
+BOTH = f"protocol version {OLD} from the peer, this side speaks {NEW}"
+
+
+def test_the_step_is_from_2_to_3() -> None:
+    assert (OLD, NEW) == (2, 3)
+
+
+# -- the chunk frame itself ----------------------------------------------------------------------
+def test_a_chunk_frame_carries_header_and_payload_in_one_frame() -> None:
+    payload = bytes(range(256)) * 17
+    frame = chunk_frame.build(req=9, version=4, chunk=7, payload=payload)
+    assert len(frame) == chunk_frame.HEADER_BYTES + len(payload) == 32 + len(payload)
+    assert chunk_frame.is_chunk(frame) and not chunk_frame.is_chunk(pack({"t": "latest"}))
+    assert chunk_frame.parse(frame) == chunk_frame.ChunkHeader(req=9, version=4, chunk=7,
+                                                               size=len(payload))
+    assert bytes(chunk_frame.payload(frame)) == payload
+    empty = chunk_frame.build(req=1, version=1, chunk=0, payload=b"")
+    assert chunk_frame.parse(empty).size == 0
+
+
+def _patched(frame: bytearray, offset: int, value: bytes) -> bytes:
+    out = bytearray(frame)
+    out[offset: offset + len(value)] = value
+    return bytes(out)
+
+
+GOOD = chunk_frame.build(req=1, version=2, chunk=3, payload=b"x" * 100)
+BAD_FRAMES = [
+    ("another protocol", _patched(GOOD, 4, (2).to_bytes(2, "little")), "chunk.protocol"),
+    ("a future protocol, short", b"WPck" + (9).to_bytes(2, "little"), "chunk.protocol"),
+    ("short header", bytes(GOOD[:20]), "shorter than its header"),
+    ("bad magic", b"WPcx" + bytes(GOOD[4:]), "bad magic"),
+    ("flags", _patched(GOOD, 6, b"\x01\x00"), "chunk.flags"),
+    ("size past the frame", _patched(GOOD, 28, (101).to_bytes(4, "little")), "chunk.size"),
+    ("size short of the frame", bytes(GOOD) + b"!", "chunk.size"),
+    ("version 0", _patched(GOOD, 16, bytes(8)), "version 0"),
+    ("req past 2**63", _patched(GOOD, 8, b"\xff" * 8), "req"),
+    ("chunk past the limit", _patched(GOOD, 24, b"\xff" * 4), "chunk.chunk"),
+]
+
+
+@pytest.mark.parametrize(("frame", "named"), [c[1:] for c in BAD_FRAMES],
+                         ids=[c[0] for c in BAD_FRAMES])
+def test_a_bad_chunk_frame_is_refused_by_name(frame: bytes, named: str) -> None:
+    with pytest.raises(ProtocolError, match=named):
+        chunk_frame.parse(frame)
+
+
+def test_another_protocol_names_both_versions() -> None:
+    with pytest.raises(ProtocolVersionError) as info:
+        chunk_frame.parse(_patched(GOOD, 4, (OLD).to_bytes(2, "little")))
+    assert (info.value.theirs, info.value.ours) == (OLD, NEW) and BOTH in str(info.value)
+    old_header = pack({"t": "chunk", "req": 1, "version": 1, "chunk": 0, "size": 4}, OLD)
+    with pytest.raises(ProtocolVersionError, match=f"chunk.p: {BOTH}"):
+        wire.decode(old_header, expect=(wire.ErrorReply, wire.LatestReply))
+    with pytest.raises(ProtocolVersionError, match=f"latest.p: {BOTH}"):
+        wire.decode(pack({"t": "latest", "req": 5}, OLD))
+
+
+# -- an old subscriber, a new publisher ----------------------------------------------------------
+def test_an_old_subscriber_is_answered_with_an_error_naming_both_versions(
+    make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A protocol-2 DEALER's ``latest`` and ``fetch`` each get an ``error`` reply at once
+    (silence would leave it waiting); its decoder refuses that reply by its ``p``, which
+    is how it learns. The publisher logs both versions and serves on."""
+    caplog.set_level(logging.WARNING, logger="weightpub.publisher")
+    pub = make_pub(chunk_size=4096)
+    version = pub.publish(det_weights(5, 1, SPEC))
+    pub.wait_announced(version, timeout=30)
+    ctx = zmq.Context()
+    try:
+        raw = RawClient(ctx, pub.endpoint)
+        before = pub._server.bad_messages
+        old_requests = [
+            (7, {"t": "latest", "req": 7}),
+            (8, {"t": "fetch", "req": 8, "publisher_id": pub.publisher_id, "version": version,
+                 "chunks": [0]}),
+        ]
+        for req, body in old_requests:
+            raw.send(pack(body, OLD))
+            frames = raw.recv(timeout=10)  # an answer, never silence
+            assert len(frames) == 1 and not chunk_frame.is_chunk(frames[0])
+            reply = msgpack.unpackb(frames[0])
+            assert reply["p"] == NEW  # a protocol-2 decoder refuses this by ``p``
+            assert (reply["t"], reply["req"], reply["code"]) == ("error", req, "bad_request")
+            assert f"protocol version {OLD} is not spoken here" in reply["message"]
+            assert f"speaks {NEW}" in reply["message"]
+        assert pub._server.bad_messages - before == len(old_requests)
+        assert any(BOTH in record.getMessage() for record in caplog.records), caplog.text
+        # the same connection, speaking protocol 3, is served as before
+        assert isinstance(raw.call(wire.StatusRequest(req=9)), wire.StatusReply)
+        good = raw.call(wire.FetchRequest(req=10, publisher_id=pub.publisher_id,
+                                          version=version, chunks=(0,)))
+        assert isinstance(good, chunk_frame.ChunkHeader) and len(raw.last_frames) == 1
+    finally:
+        ctx.destroy(linger=0)
+    assert pub._server.is_alive()
+    sub = make_sub(pub.endpoint)
+    staged = sub.wait_for_version(version, timeout=30)
+    assert digests(staged.items()) == digests(det_weights(5, 1, SPEC).items())
+
+
+# -- a new subscriber, an old publisher ----------------------------------------------------------
+@pytest.fixture
+def fake() -> Iterator[FakePublisher]:
+    ctx = zmq.Context()
+    server = FakePublisher(ctx)
+    server.start()
+    yield server
+    server.stop.set()
+    server.join(timeout=5)
+    ctx.term()
+
+
+def _status(sub: WeightSubscriber) -> dict[str, Any]:
+    return sub.status()
+
+
+def test_a_new_subscriber_names_both_versions_to_an_old_publisher(
+    fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    """Every reply and heartbeat of a protocol-2 publisher is refused by name; the
+    subscriber keeps asking (the publisher may be upgraded) and closes promptly."""
+    fake.protocol = OLD
+    fake.latest_manifest = fake.manifest(det_weights(8, 1, SPEC), 1)
+    fake.outbox.put(pack({"t": "heartbeat", "publisher_id": fake.publisher_id,
+                          "started_at": fake.started_at, "latest_version": 1,
+                          "sent_at": fake.started_at, "interval": 1.0}, OLD))
+    sub = make_sub(fake.endpoint)
+    wait_until(lambda: BOTH in (_status(sub)["last_error"] or ""), 15, "the version error")
+    assert "latest_rep.p" in _status(sub)["last_error"]
+    wait_until(lambda: fake.latest_requests >= 2, 15, "the subscriber asking again")
+    status = _status(sub)
+    assert status["failures"].get("ProtocolVersionError", 0) >= 1, status
+    assert status["staged_version"] == 0 and fake.chunk_replies == 0
+
+
+def test_old_two_frame_chunk_replies_are_refused_and_nothing_hangs(
+    fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    """A source that serves chunks in protocol 2's two frames: each is refused with a
+    ``ProtocolVersionError`` naming both versions (both frames read and dropped, nothing
+    staged); once it serves one-frame replies the same subscriber stages the version."""
+    weights = det_weights(8, 1, SPEC)
+    fake.latest_manifest = fake.manifest(weights, 1)
+    fake.old_chunks = True
+    sub = make_sub(fake.endpoint, request_timeout=1.0)
+    wait_until(lambda: f"chunk.p: {BOTH}" in (_status(sub)["last_error"] or ""), 15,
+               "the old chunk reply refused by name")
+    assert fake.chunk_replies >= 1 and _status(sub)["staged_version"] == 0
+    fake.old_chunks = False
+    staged = sub.wait_for_version(1, timeout=60)
+    assert digests(staged.items()) == digests(weights.items())
