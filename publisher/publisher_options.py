@@ -47,6 +47,8 @@ class PublisherOptions:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     collective: CollectiveOptions | None = None
+    #: None: derived from the memory available at start (``publisher.host_budget``)
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not wire.MIN_CHUNK_SIZE <= self.chunk_size <= wire.MAX_CHUNK_SIZE:
@@ -63,6 +65,11 @@ class PublisherOptions:
             raise ConfigError(f"metrics_port: {self.metrics_port} is not a port")
         if self.collective is not None:
             check_options(self.collective, self.chunk_size)
+        budget = self.host_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 1):
+            raise ConfigError(f"host_budget_bytes: {budget!r} must be a positive number of "
+                              "bytes (or None: derived from the memory available)")
 
     @classmethod
     def from_keywords(cls, **keywords: Unpack[PublisherKeywords]) -> PublisherOptions:
@@ -106,6 +113,7 @@ class PublisherKeywords(TypedDict, total=False):
     collective_port: int
     collective_host: str | None
     collective_device: str | None
+    host_budget_bytes: int | None
 
 
 def _collective(given: dict[str, Any]) -> CollectiveOptions | None:

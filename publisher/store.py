@@ -135,6 +135,11 @@ class VersionStore:
         with self._lock:
             return tuple(self._versions)
 
+    def retiring(self) -> int:
+        """Evicted versions whose buffers are still being read (sends, pins)."""
+        with self._lock:
+            return len(self._evicted)
+
     def recycle(self) -> None:
         """Return evicted buffers whose zero-copy sends have all completed to the pool."""
         with self._lock:

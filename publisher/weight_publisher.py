@@ -26,6 +26,7 @@ import zmq
 
 from publisher.collective_sender import CollectiveOptions, CollectivePublisher
 from publisher.delta_encoder import DeltaPublisher
+from publisher.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.publisher_options import PublisherKeywords, PublisherOptions
@@ -61,6 +62,8 @@ class WeightPublisher:
     ``delta_anchor_every`` > 1 also serves versions as deltas against the previous one
     (``publisher.delta_encoder``), with a full anchor version every that many versions.
     ``limits`` overrides the serving thread's bounds (``ServerLimits``).
+    ``host_budget_bytes`` bounds the host memory of the version snapshots (kept, being
+    sent, pooled); default: 3/4 of the memory available at start (``publisher.host_budget``).
 
     ``collective`` (``"gloo"`` on CPUs, ``"nccl"`` on GPUs, ``"cuda_ipc"`` for a replica
     on this process's GPU, or None) also serves every version by a collective broadcast
@@ -104,8 +107,13 @@ class WeightPublisher:
         self.publisher_id = uuid.uuid4().hex
         self.started_at = time.time()
         self._next_version = options.first_version
-        self._pool = BufferPool(max_buffers=2)
+        self._pool = BufferPool(max_buffers=2, budget_name=BUDGET_NAME,
+                                budget_bytes=options.host_budget_bytes or derive_host_budget())
         self._store = VersionStore(options.keep_versions, self._pool)
+        # every snapshot is checked against host_budget_bytes before it is allocated
+        self._budget = HostBudget(self._pool, keep_versions=options.keep_versions,
+                                  held=self._store.versions, recycle=self._store.recycle,
+                                  retiring=self._store.retiring)
         self._deltas = DeltaPublisher(options.delta_anchor_every)
         hooks = list(socket_hooks or [])
         allow_list = None
@@ -195,6 +203,9 @@ class WeightPublisher:
 
         Accepts a ``torch.nn.Module``, a mapping name -> tensor, or an iterable of
         (name, tensor); CPU or CUDA tensors; DTensors are gathered with ``full_tensor()``.
+        A snapshot that cannot fit ``host_budget_bytes`` beside the versions held raises
+        ``StagingBudgetError`` (naming the budget and the bytes) before it is allocated;
+        the versions published before stay served.
         """
         self._check_open()
         with self._publish_lock:
@@ -202,7 +213,8 @@ class WeightPublisher:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
             self._store.recycle()  # free buffers whose zero-copy sends have finished
-            snapshot, pairs = plan_snapshot(weights, self._pool)
+            snapshot, pairs = plan_snapshot(weights, self._pool,
+                                            lambda nbytes: self._budget.admit(number, nbytes))
             self._next_version = number + 1
             try:
                 self._preparer.copy_and_hash(number, snapshot, pairs)
@@ -230,6 +242,7 @@ class WeightPublisher:
                 raise ValueError(f"version {number} is not newer than {self._next_version - 1}")
             self._store.recycle()
             total = upstream.total_bytes
+            self._budget.admit(number, total)
             snapshot = Snapshot(entries=list(upstream.tensors), buffer=self._pool.take(total),
                                 total_bytes=total)
             self._next_version = number + 1
@@ -264,7 +277,8 @@ class WeightPublisher:
         return held.manifest
 
     def data_stats(self) -> dict[str, float]:
-        """Chunk payload bytes sent (full vs delta) and the delta encoder's work so far."""
+        """Chunk payload bytes sent (full vs delta), the delta encoder's work so far, and
+        the host budget (``host_budget_bytes``) with the bytes its snapshot buffers hold."""
         held = self._deltas.held()
         return {
             "bytes_sent_full": self._server.served_bytes,
@@ -275,6 +289,8 @@ class WeightPublisher:
             "delta_bytes_held": held[1],
             "bytes_sent_collective": 0 if self._collective is None
             else self._collective.bytes_sent,
+            "host_budget_bytes": self._budget.budget_bytes,
+            "host_held_bytes": self._pool.held_bytes,
         }
 
     def collective_status(self) -> GroupStatus | None:

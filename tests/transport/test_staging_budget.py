@@ -14,11 +14,12 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import StagedVersion, WeightSubscriber
-from subscriber_ext.transport.staging.memory_budget import available_memory, derive_staging_budget
+from subscriber_ext.transport.staging.memory_budget import derive_staging_budget
 from tests.transport.byte_relay import ByteRelay
 from tests.transport.procs import as_bytes, det_weights, drift_weights, spec_bytes, wait_until
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ConfigError, StagingBudgetError
+from weightpub_wire.host_memory import available_memory
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,0 +1,105 @@
+"""The publisher's host budget: a version that cannot fit is refused before it is allocated.
+
+Real sockets: a subscriber keeps fetching from the publisher while ``publish()``
+refuses, and what it stages afterwards is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from publisher import WeightPublisher
+from publisher.host_budget import DEFAULT_FRACTION
+from subscriber_ext import WeightSubscriber
+from tests.transport.procs import as_bytes, det_weights, spec_bytes
+from weightpub_wire.errors import ConfigError, StagingBudgetError
+from weightpub_wire.host_memory import available_memory
+
+pytestmark = pytest.mark.timeout(60)
+
+SEED = 11
+SPEC = [("w", "float32", [256, 1024]), ("b", "float32", [1024])]  # about 1 MiB
+BIG = [*SPEC, ("extra", "float32", [512, 1024])]  # about 3 MiB
+SIZE = spec_bytes(SPEC)
+
+
+def _same(staged_tensors: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(as_bytes(staged_tensors[name]), as_bytes(tensor))
+               for name, tensor in weights.items())  # bit for bit (NaN patterns included)
+
+
+def test_a_version_larger_than_the_budget_is_refused_and_the_old_one_stays_served(
+    make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    budget = SIZE * 5 // 2
+    pub = make_pub(host_budget_bytes=budget, chunk_size=256 << 10)
+    first = det_weights(SEED, 1, SPEC)
+    assert pub.publish(first) == 1
+    pub.wait_announced(1)
+    held = pub.data_stats()["host_held_bytes"]
+
+    with pytest.raises(StagingBudgetError) as refused:
+        pub.publish(det_weights(SEED, 2, BIG))
+    text = str(refused.value)
+    assert "host_budget_bytes" in text and str(budget) in text
+    assert str(spec_bytes(BIG)) in text  # the bytes the version needed
+    assert pub.data_stats()["host_held_bytes"] == held  # nothing was allocated
+    assert pub.latest_version == 1
+
+    # a subscriber that starts now still gets version 1, bit for bit
+    staged = make_sub(pub.endpoint).wait_for_version(1, timeout=20)
+    assert staged.version == 1 and _same(staged.tensors, first)
+    staged.release()
+
+    # and the next version that fits takes the number the refused one did not use
+    second = det_weights(SEED, 3, SPEC)
+    assert pub.publish(second) == 2
+    sub = make_sub(pub.endpoint)
+    staged = sub.wait_for_version(2, timeout=20)
+    assert _same(staged.tensors, second)
+    staged.release()
+
+
+def test_a_version_that_fits_alone_but_not_beside_the_kept_ones_names_keep_versions(
+    make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    # room for two versions: keep_versions=2 holds two while a third is being copied
+    pub = make_pub(host_budget_bytes=SIZE * 5 // 2, keep_versions=2)
+    sub = make_sub(pub.endpoint)
+    for version in (1, 2):
+        pub.publish(det_weights(SEED, version, SPEC))
+        sub.wait_for_version(version, timeout=20).release()
+    with pytest.raises(StagingBudgetError, match=r"keep_versions=2.*host_budget_bytes"
+                       r"|host_budget_bytes.*keep_versions=2"):
+        pub.publish(det_weights(SEED, 3, SPEC))
+    assert pub.latest_version == 2
+    staged = make_sub(pub.endpoint).wait_for_version(2, timeout=20)
+    assert _same(staged.tensors, det_weights(SEED, 2, SPEC))
+    staged.release()
+
+    # with keep_versions=1 the same budget serves every version
+    lean = make_pub(host_budget_bytes=SIZE * 5 // 2, keep_versions=1)
+    lean_sub = make_sub(lean.endpoint)
+    for version in (1, 2, 3, 4):
+        lean.publish(det_weights(SEED, version, SPEC))
+        staged = lean_sub.wait_for_version(version, timeout=20)
+        assert _same(staged.tensors, det_weights(SEED, version, SPEC))
+        staged.release()
+    assert lean.data_stats()["host_held_bytes"] <= SIZE * 5 // 2
+
+
+@pytest.mark.parametrize("budget", [0, -1, 1.5, True])
+def test_bad_host_budget_is_a_config_error_naming_the_option(budget: object) -> None:
+    with pytest.raises(ConfigError, match="host_budget_bytes"):
+        WeightPublisher("tcp://127.0.0.1:0", host_budget_bytes=budget)  # type: ignore[arg-type]
+
+
+def test_the_derived_budget_is_a_share_of_what_is_available(
+    make_pub: Callable[..., WeightPublisher],
+) -> None:
+    available = available_memory()
+    budget = make_pub().data_stats()["host_budget_bytes"]
+    assert abs(budget - available * DEFAULT_FRACTION) <= available // 10  # moves a little
