@@ -36,6 +36,8 @@ class PublisherConfig(StrictConfig):
     collective_host: str | None = None  # where members reach us (default: endpoint's host)
     collective_device: str | None = None  # nccl / cuda_ipc: e.g. "cuda:0"
     peer_fanout: int = Field(4, ge=0, le=16)  # peer sharing: stripes per version (0: off)
+    # host memory for version snapshots (None: 3/4 of what is available at start)
+    host_budget_bytes: int | None = Field(None, ge=1)
 
     _endpoint = field_validator("endpoint")(check_endpoint)
 
@@ -59,7 +61,7 @@ class PublisherConfig(StrictConfig):
             collective_bucket_bytes=self.collective_bucket_mib << 20,
             collective_timeout=self.collective_timeout, collective_port=self.collective_port,
             collective_host=self.collective_host, collective_device=self.collective_device,
-            peer_fanout=self.peer_fanout)
+            peer_fanout=self.peer_fanout, host_budget_bytes=self.host_budget_bytes)
 
 
 def load_publisher_config(path: str | os.PathLike[str]) -> PublisherConfig:

@@ -13,6 +13,7 @@ import torch
 
 from publisher import WeightPublisher
 from publisher.host_budget import DEFAULT_FRACTION
+from publisher.publisher_config import PublisherConfig
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import as_bytes, det_weights, spec_bytes
 from weightpub_wire.errors import ConfigError, StagingBudgetError
@@ -103,3 +104,11 @@ def test_the_derived_budget_is_a_share_of_what_is_available(
     available = available_memory()
     budget = make_pub().data_stats()["host_budget_bytes"]
     assert abs(budget - available * DEFAULT_FRACTION) <= available // 10  # moves a little
+
+
+def test_the_yaml_key_reaches_the_publisher() -> None:
+    config = PublisherConfig(endpoint="tcp://127.0.0.1:0", host_budget_bytes=SIZE * 3)
+    with WeightPublisher.from_config(config) as pub:
+        assert pub.data_stats()["host_budget_bytes"] == SIZE * 3
+        with pytest.raises(StagingBudgetError, match="host_budget_bytes"):
+            pub.publish(det_weights(SEED, 1, BIG + [("more", "float32", [256, 1024])]))
