@@ -61,7 +61,7 @@ def rig(tmp_path_factory):
     trainer = WeightTransferTrainerFactory.trainer_init(
         WeightpubTrainerInitInfo(rank=0, wait_replicas=1, timeout=60.0),
         client=LLMClient(llm), source=ModuleSource(model))
-    yield SimpleNamespace(llm=llm, model=model, trainer=trainer)
+    yield SimpleNamespace(llm=llm, model=model, trainer=trainer, path=path, last_weights=None)
     trainer.shutdown()
     del llm
 
@@ -91,6 +91,7 @@ def test_the_rlhf_loop_runs_three_versions_checked_by_the_oracle(rig) -> None:
         assert rig.llm.get_weight_version() == str(version)
         assert _labels(rig.llm) == [str(version)]  # outputs carry the committed version
         assert_matches_hf(rig.llm, KIND, weights, N)
+    rig.last_weights = weights
 
 
 def test_the_label_stays_the_committed_version(rig) -> None:
@@ -129,3 +130,43 @@ def test_a_late_subscriber_on_the_same_endpoint_gets_the_newest_version(rig) -> 
     finally:
         sub.close()
     assert got[0] == rig.trainer.last_version
+
+
+def test_a_late_replica_given_the_endpoint_in_additional_config(rig) -> None:
+    """A second replica started after the loop: the endpoint comes from
+    ``--additional-config`` (no init call), and vLLM's update_weights brings it to the
+    newest version, checked by the oracle. It then follows the trainer's next version."""
+    import gc
+
+    import torch
+    from vllm import LLM
+
+    assert rig.last_weights is not None, "runs after the RLHF loop"
+    newest = rig.trainer.last_version
+    late = LLM(model=str(rig.path), dtype="float32", skip_tokenizer_init=True,
+               enforce_eager=True, max_num_seqs=4, gpu_memory_utilization=0.2,
+               max_model_len=256, weight_transfer_config={"backend": "weightpub"},
+               additional_config={"weightpub": {"endpoint": rig.trainer.replica_endpoint}})
+    try:
+        late.start_weight_update()
+        late.update_weights({"update_info": {"version": newest, "timeout": 60.0}})
+        late.finish_weight_update()
+        assert late.get_weight_version() == str(newest)
+        assert_matches_hf(late, KIND, rig.last_weights, N)
+        weights = new_weights(KIND, 14)
+        with torch.no_grad():
+            rig.model.load_state_dict(weights)
+        rig.trainer.info.wait_replicas = 2  # both replicas report it applied
+        try:
+            rig.trainer.send_weights()
+        finally:
+            rig.trainer.info.wait_replicas = 1
+        late.start_weight_update()
+        late.update_weights({"update_info": {"version": newest + 1, "timeout": 60.0}})
+        late.finish_weight_update()
+        for replica in (rig.llm, late):
+            assert replica.get_weight_version() == str(newest + 1)
+            assert_matches_hf(replica, KIND, weights, N)
+    finally:
+        del late
+        gc.collect()
