@@ -123,21 +123,20 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
         relayed.RelayedVersion.write_chunk = write_chunk  # type: ignore[method-assign]
     elif point in ("chunk", "chunk_after"):
         target = int(arg)
-        original_send = connection_credit.PeerTable._send
+        original_send = connection_credit.PeerTable._send_chunk
         count = {"n": 0}
 
-        def send(self: Any, peer: Any, head: list[bytes], body: Any) -> bool:
-            if head:  # a chunk (control replies have no header frame)
-                count["n"] += 1
-                if count["n"] >= target and point == "chunk":
-                    _die()
-            sent = bool(original_send(self, peer, head, body))
-            if head and count["n"] >= target:
+        def send(self: Any, peer: Any, header: Any, data: Any) -> bool:
+            count["n"] += 1  # every chunk reply (one frame) goes through here
+            if count["n"] >= target and point == "chunk":
+                _die()
+            sent = bool(original_send(self, peer, header, data))
+            if count["n"] >= target:
                 time.sleep(0.05)  # let ZeroMQ's I/O thread write it
                 _die()
             return sent
 
-        connection_credit.PeerTable._send = send  # type: ignore[method-assign]
+        connection_credit.PeerTable._send_chunk = send  # type: ignore[method-assign]
     elif point in ("latest", "report", "status"):
         from weightpub_wire import protocol as wire
 
