@@ -1,7 +1,8 @@
 """Staging: where a version's bytes land, are checked, and become usable tensors.
 
 A version is received straight into one preallocated flat buffer laid out as
-its manifest says, chunk by chunk (``recv_into``, no intermediate copy). Only
+its manifest says, chunk by chunk (each one-frame reply's payload copied once,
+from ZeroMQ's message into place: no intermediate buffer). Only
 when every chunk has matched its checksum does it become a ``StagedVersion``,
 whose tensors are zero-copy views into that buffer.
 """
