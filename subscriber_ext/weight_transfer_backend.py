@@ -105,8 +105,12 @@ class WeightpubWeightTransferEngine(WeightTransferEngine[WeightpubInitInfo,
 
     def _w(self) -> Any:
         if self._worker is None:
-            raise ConfigError(f"weight transfer backend {BACKEND!r}: the worker is not "
-                              "attached (is weightpub's vLLM plugin installed in this process?)")
+            raise ConfigError(
+                f"weight transfer backend {BACKEND!r}: the worker is not attached, so "
+                "weightpub's hooks are not installed in this process. vLLM loads plugins "
+                "once per process and a forked engine inherits that: a process whose first "
+                "vLLM engine did not ask for weightpub stays untouched. Set "
+                "WEIGHTPUB_VLLM_PATCHES=1 (or VLLM_WORKER_MULTIPROC_METHOD=spawn)")
         return self._worker
 
     # ------------------------------------------------------------ vLLM's interface

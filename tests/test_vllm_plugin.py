@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -14,6 +16,24 @@ from vllm.engine.arg_utils import EngineArgs
 
 from subscriber_ext.commit import vllm_plugin
 from weightpub_wire.errors import ConfigError
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _first_plugin_load_asks() -> None:
+    """``EngineArgs()`` loads vLLM's plugins, once per process (forked engine cores
+    inherit the decision): make that first load an asking one, so engines built
+    later in this test process still get weightpub's hooks."""
+    from vllm.plugins import load_general_plugins
+
+    old = os.environ.get(vllm_plugin.FORCE_ENV)
+    os.environ[vllm_plugin.FORCE_ENV] = "1"
+    try:
+        load_general_plugins()
+    finally:
+        if old is None:
+            os.environ.pop(vllm_plugin.FORCE_ENV, None)
+        else:
+            os.environ[vllm_plugin.FORCE_ENV] = old
 
 
 def test_backends_register_once_and_a_second_registration_is_refused() -> None:

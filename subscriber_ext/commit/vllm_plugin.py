@@ -16,6 +16,14 @@ configuration it is loaded for: the ``EngineArgs`` being built (front end), the
 ``vllm serve`` front end (plugins load while the CLI parser is built), the
 command line.
 
+A process decides once: vLLM loads plugins once per process, and a forked
+engine core or worker inherits its parent's decision. A process whose *first*
+vLLM configuration did not ask stays untouched even if it later builds an
+engine that does (a forked engine core then lacks our hooks; the backend says
+so): set ``WEIGHTPUB_VLLM_PATCHES=1`` there, or ``VLLM_WORKER_MULTIPROC_METHOD=spawn``
+(a spawned engine core decides from its own configuration). Where a process is
+patched, an engine that does not ask still runs untouched (``vllm_patches._setup``).
+
 The weight-transfer backends are registered by module path (nothing is
 imported until vLLM creates one), so registering them is free and does not
 count as changing the process.
