@@ -12,6 +12,7 @@ new subscriber refuses an old publisher's replies and two-frame chunks with a
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,6 +22,8 @@ import zmq
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.peers.peer_server import PeerServer, PeerServerLimits
+from subscriber_ext.transport.peers.upload_budget import UploadBudget
 from tests.transport.procs import det_weights, digests, wait_until
 from tests.transport.test_hostile import SPEC, FakePublisher, RawClient, pack
 from weightpub_wire import chunk_frame
@@ -186,3 +189,46 @@ def test_old_two_frame_chunk_replies_are_refused_and_nothing_hangs(
     fake.old_chunks = False
     staged = sub.wait_for_version(1, timeout=60)
     assert digests(staged.items()) == digests(weights.items())
+
+
+# -- peers ---------------------------------------------------------------------------------------
+def test_a_peer_server_answers_an_old_peer_with_an_error_and_serves_one_frames() -> None:
+    """A protocol-2 peer's fetch gets an ``error`` naming both versions (it moves on to its
+    next source); a protocol-3 fetch gets the chunk as one frame."""
+    ctx = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        for sock in (router, dealer):
+            sock.setsockopt(zmq.LINGER, 0)
+        port = router.bind_to_random_port("tcp://127.0.0.1")
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        chunk = memoryview(bytes(range(256)) * 16)
+        server = PeerServer(router, lambda publisher_id, version, index: chunk,
+                            UploadBudget(None, None), PeerServerLimits())
+
+        def exchange(body: bytes) -> bytes:
+            dealer.send(body)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if router.poll(50):
+                    server.on_readable(time.monotonic())
+                server.pump(time.monotonic())
+                if dealer.poll(50):
+                    frames = dealer.recv_multipart()
+                    assert len(frames) == 1  # every reply is one frame
+                    return frames[0]
+            raise AssertionError("no reply within 10s")
+
+        fetch = {"t": "fetch", "req": 3, "publisher_id": "pub", "version": 2, "chunks": [0]}
+        reply = msgpack.unpackb(exchange(pack(fetch, OLD)))
+        assert (reply["p"], reply["t"], reply["req"], reply["code"]) == (NEW, "error", 3,
+                                                                         "bad_request")
+        assert f"protocol version {OLD} is not spoken here: this peer speaks {NEW}" \
+            in reply["message"]
+        assert server.bad_requests == 1
+        frame = exchange(pack(dict(fetch, req=4)))
+        assert chunk_frame.parse(frame) == chunk_frame.ChunkHeader(req=4, version=2, chunk=0,
+                                                                   size=len(chunk))
+        assert bytes(chunk_frame.payload(frame)) == bytes(chunk)
+    finally:
+        ctx.destroy(linger=0)
