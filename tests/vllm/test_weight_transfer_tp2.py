@@ -1,0 +1,48 @@
+"""The weightpub weight-transfer backend at TP=2: both ranks subscribe through vLLM's
+``init_weight_transfer_engine`` (one node staging), and ``update_weights`` returns
+once both run the version; transformers is the oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from .helpers import assert_matches_hf, build_hf, new_weights, save_tiny
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+KIND = "qwen2"
+N = 6
+
+
+def test_tp2_replica_follows_vllms_trainer_api(tmp_path) -> None:
+    import torch
+    from vllm import LLM
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightpub.vllm_trainer import LLMClient, WeightpubTrainerInitInfo
+
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    path = save_tiny(KIND, 0, tmp_path / "m")
+    llm = LLM(model=str(path), dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
+              tensor_parallel_size=2, max_num_seqs=8, gpu_memory_utilization=0.2,
+              max_model_len=256, weight_transfer_config={"backend": "weightpub"})
+    model = build_hf(KIND, 0)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        WeightpubTrainerInitInfo(rank=0, timeout=60.0), client=LLMClient(llm),
+        source=ModuleSource(model))
+    try:
+        for version, seed in ((1, 21), (2, 22)):
+            weights = new_weights(KIND, seed)
+            with torch.no_grad():
+                model.load_state_dict(weights)
+            trainer.send_weights()  # no wait_replicas: update_weights alone waits for both
+            ranks = llm.collective_rpc("weight_status")
+            assert [r["applied_version"] for r in ranks] == [version, version], ranks
+            assert llm.get_weight_version() == str(version)
+            assert_matches_hf(llm, KIND, weights, N)
+        assert len(trainer.publisher.fleet()) == 1  # one subscription for the node
+    finally:
+        trainer.shutdown()
+        del llm
