@@ -180,11 +180,11 @@ def _subscriber(endpoint: str) -> None:
 class Child:
     """One child process spoken to in lines of JSON; its /proc readings."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, module: str = "weightpub.bench.scale_bench") -> None:
         self.args = args
         env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightpub.bench.scale_bench", *args],
+            [sys.executable, "-m", module, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         self.baseline = 0
 
@@ -372,13 +372,8 @@ def _main(argv: list[str]) -> None:
         serve_versions(_flat_weights(int(argv[1])), int(argv[2]), int(argv[3]) or None)
     elif argv[0] == "subscriber":
         _subscriber(argv[1])
-    elif argv[0] in ("model-trainer", "replica"):
-        from weightpub.bench.scale_replica import child_main
-
-        child_main(argv)
     else:
-        raise SystemExit(f"usage: {sys.argv[0]} trainer BYTES KEEP BUDGET | subscriber ENDPOINT"
-                         " | model-trainer LAYERS KEEP DIR | replica ENDPOINT DIR")
+        raise SystemExit(f"usage: {sys.argv[0]} trainer BYTES KEEP BUDGET | subscriber ENDPOINT")
 
 
 if __name__ == "__main__":

@@ -27,17 +27,18 @@ __all__ = ["child_main", "run_replica"]
 #: of embeddings and head); the layer count sizes the model
 BASE = "311MB"
 _TIMEOUT = 600.0
+_MODULE = "weightpub.bench.scale_replica"  # the children run this module as a script
 
 
 def _model_trainer(layers: int, keep_versions: int, model_dir: str) -> None:
     import torch
 
-    from weightpub.bench import engines
+    from weightpub.bench.engines import MODELS, build_model, weights_of
 
-    engines.MODELS[f"{layers}-layer"] = {**engines.MODELS[BASE], "num_hidden_layers": layers}
-    model = engines.build_model(f"{layers}-layer", torch.bfloat16)
+    MODELS[f"{layers}-layer"] = {**MODELS[BASE], "num_hidden_layers": layers}
+    model = build_model(f"{layers}-layer", torch.bfloat16)
     model.save_pretrained(model_dir, safe_serialization=True)
-    weights = engines.weights_of(model)
+    weights = weights_of(model)
     del model
     serve_versions(weights, keep_versions, None, ready={"model_dir": model_dir})
 
@@ -67,19 +68,23 @@ def _replica(endpoint: str, model_dir: str) -> None:
 def child_main(argv: list[str]) -> None:
     if argv[0] == "model-trainer":
         _model_trainer(int(argv[1]), int(argv[2]), argv[3])
-    else:
+    elif argv[0] == "replica":
         _replica(argv[1], argv[2])
+    else:
+        raise SystemExit(f"usage: {sys.argv[0]} model-trainer LAYERS KEEP DIR | "
+                         "replica ENDPOINT DIR")
 
 
 def run_replica(layers: int, versions: int, keep_versions: int = 2) -> dict[str, Any]:
     """One model trainer and one replica process tree; versions published one at a time."""
     with tempfile.TemporaryDirectory(prefix="weightpub-scale-") as model_dir:
-        trainer = Child("model-trainer", str(layers), str(keep_versions), model_dir)
+        trainer = Child("model-trainer", str(layers), str(keep_versions), model_dir,
+                        module=_MODULE)
         replica: Child | None = None
         try:
             said = trainer.ready()
             nbytes = int(said["bytes"])
-            replica = Child("replica", str(said["ready"]), model_dir)
+            replica = Child("replica", str(said["ready"]), model_dir, module=_MODULE)
             replica.ready()
             sampler = Sampler([replica.proc.pid])
             seconds, prepared = [], []
@@ -104,3 +109,7 @@ def run_replica(layers: int, versions: int, keep_versions: int = 2) -> dict[str,
             "warm_GBps": nbytes / statistics.median(seconds[1:] or seconds) / 1e9,
             "baseline_bytes": baseline, "sampled_peak_bytes": peak,
             "beyond_start": (peak - baseline) / nbytes, "available_at_start": mem_available()}
+
+
+if __name__ == "__main__":
+    child_main(sys.argv[1:])
