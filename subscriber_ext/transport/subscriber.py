@@ -181,7 +181,7 @@ class WeightSubscriber:
                     raise WeightPubTimeout(
                         f"no version >= {min_version} from {self.endpoint} within {timeout}s "
                         f"(have {have}; state {self._client.state}; "
-                        f"last error {self._client.last_error!r})"
+                        f"last error {self._client.report.last_error!r})"
                     )
                 self._cond.wait(left)
 
@@ -226,19 +226,19 @@ class WeightSubscriber:
             "endpoint": self.endpoint,
             "state": client.state,
             "staged_version": client.current_version,
-            "applied_version": client.applied_version,
+            "applied_version": client.report.applied_version,
             "fetching_version": None if target is None else target.manifest.version,
             "fetching_fraction": None if target is None else round(target.done_fraction, 3),
-            "bad_messages": client.bad_messages,
-            "checksum_failures": client.checksum_failures,
-            "failures": dict(client.failures),
-            "received_bytes": client.received_bytes,
+            "bad_messages": client.report.bad_messages,
+            "checksum_failures": client.receiver.checksum_failures,
+            "failures": dict(client.report.failures),
+            "received_bytes": client.receiver.received_bytes,
             "publisher_latest_version": client.latest_seen,
-            "ignored_manifests": client.ignored_manifests,
-            "handshake_failures": client.handshake_failures,
-            "redials": client.replies.redials,  # ROUTER connections dialled anew
+            "ignored_manifests": client.follower.ignored_manifests,
+            "handshake_failures": client.sockets.handshake_failures,
+            "redials": client.sockets.replies.redials,  # ROUTER connections dialled anew
             "publisher_id": client.instance,
-            "last_error": client.last_error,
+            "last_error": client.report.last_error,
             **client.deltas.stats(),  # bytes received full vs delta, the delta base
             "refused": None if client.gate.refused is None else
             f"StagingBudgetError: {client.gate.refused}",
@@ -246,7 +246,7 @@ class WeightSubscriber:
             client.gate.waiting.version,
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
-            "data_path": client.applied_path or None,  # how the applied version came
+            "data_path": client.report.applied_path or None,  # how the applied version came
             "collective": None if client.collective is None else client.collective.status(),
             "peers": None if client.peering is None else client.peering.stats(),
         }
@@ -309,7 +309,7 @@ class WeightSubscriber:
 
     def _survive(self, client: SyncClient, exc: BaseException) -> None:
         log.exception("subscriber loop error (continuing)")
-        client.error = exc if isinstance(exc, WeightPubError) else WeightPubError(
+        client.report.error = exc if isinstance(exc, WeightPubError) else WeightPubError(
             f"{type(exc).__name__}: {exc}")
         time.sleep(0.05)
 

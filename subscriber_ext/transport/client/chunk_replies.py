@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 
-from subscriber_ext.transport.client.fetch_credit import top_up
-from subscriber_ext.transport.client.sync_state import SyncState
-from subscriber_ext.transport.staging.chunk_listener import final_bytes
-from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
+from subscriber_ext.transport.client.client_report import ClientReport
+from subscriber_ext.transport.client.fetch_credit import FetchCredit
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.chunk_listener import ChunkListener, final_bytes
+from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
 from weightpub_wire import chunk_frame
-from weightpub_wire.errors import ChecksumError, ProtocolError, ProtocolVersionError
+from weightpub_wire.errors import (
+    ChecksumError,
+    ProtocolError,
+    ProtocolVersionError,
+    WeightPubError,
+)
 
-__all__ = ["discard_rest", "parse_chunk", "receive_chunk", "within"]
+__all__ = ["ChunkReceiver", "discard_rest", "parse_chunk", "within"]
 
 log = logging.getLogger("weightpub.subscriber")
 
@@ -49,51 +56,75 @@ def parse_chunk(frame: zmq.Frame, more: int) -> chunk_frame.ChunkHeader:
     return header
 
 
-def receive_chunk(client: SyncState, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
-                  sock: zmq.Socket) -> None:
-    """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``)."""
-    target = client.target
-    table = client.requests
-    request = table.get(header.req)
-    source = None if request is None else request.source
-    if not (
-        target is not None and request is not None
-        and sock is (client.dealer if source is None else source.sock)
-        and header.version == target.fetch_version and header.chunk in request.chunks
-        and target.accepts(header.chunk, header.size)
-    ):
-        return  # stale (conflated / timed out) or not ours
-    table.chunk_done(header.req, request, header.chunk)
-    if header.chunk not in target.missing:  # already here from another source
-        return
-    size = header.size
-    target.chunk_target(header.chunk)[:size] = chunk_frame.payload(frame.buffer)
-    client.received_bytes += size
-    client.deltas.count(target, size)
-    final = final_bytes(target)
-    if not target.verify(header.chunk, size):
-        client.checksum_failures += 1
-        if isinstance(target, DeltaAssembly):
-            client._delta_failed(target, target.error or ChecksumError("delta chunk refused"))
+class ChunkReceiver:
+    """Chunk frames into the target: the table, the peer that sent each, the bytes counted."""
+
+    def __init__(self, dealer: zmq.Socket, credit: FetchCredit, report: ClientReport,
+                 deltas: DeltaState, listeners: list[ChunkListener], *,
+                 target: Callable[[], Assembly | None],
+                 complete: Callable[[Assembly], None],
+                 delta_failed: Callable[[DeltaAssembly, WeightPubError], None]) -> None:
+        """``target()``: the version being fetched; ``complete(target)``: every chunk is
+        in; ``delta_failed(target, why)``: fetch that version in full instead."""
+        self.received_bytes = 0  # data-path bytes accepted into staging
+        self.checksum_failures = 0
+        self._dealer = dealer
+        self._credit = credit
+        self._requests = credit.requests
+        self._report = report
+        self._deltas = deltas
+        self._listeners = listeners
+        self._target = target
+        self._complete = complete
+        self._delta_failed = delta_failed
+
+    def receive(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
+                sock: zmq.Socket) -> None:
+        """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``)."""
+        target = self._target()
+        table = self._requests
+        peering = self._credit.peering
+        request = table.get(header.req)
+        source = None if request is None else request.source
+        if not (
+            target is not None and request is not None
+            and sock is (self._dealer if source is None else source.sock)
+            and header.version == target.fetch_version and header.chunk in request.chunks
+            and target.accepts(header.chunk, header.size)
+        ):
+            return  # stale (conflated / timed out) or not ours
+        table.chunk_done(header.req, request, header.chunk)
+        if header.chunk not in target.missing:  # already here from another source
             return
-        why = f"chunk {header.chunk} of version {header.version}: checksum mismatch"
-        if source is not None and client.peering is not None:
-            client.peering.chunk_failed(source, "checksum", why, time.monotonic())
+        size = header.size
+        target.chunk_target(header.chunk)[:size] = chunk_frame.payload(frame.buffer)
+        self.received_bytes += size
+        self._deltas.count(target, size)
+        final = final_bytes(target)
+        if not target.verify(header.chunk, size):
+            self.checksum_failures += 1
+            if isinstance(target, DeltaAssembly):
+                self._delta_failed(target,
+                                   target.error or ChecksumError("delta chunk refused"))
+                return
+            why = f"chunk {header.chunk} of version {header.version}: checksum mismatch"
+            if source is not None and peering is not None:
+                peering.chunk_failed(source, "checksum", why, time.monotonic())
+                return
+            self._report.bad(ChecksumError(f"{why}, refetching"))
+            self._credit.count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
-        client._bad(ChecksumError(f"{why}, refetching"))
-        client._count_retry(header.chunk, "failed its checksum", ChecksumError)
-        return
-    if source is not None and client.peering is not None:
-        client.peering.arrived(source, size, time.monotonic())
-    if final and client.listeners:
-        start, span = target.manifest.chunk_span(header.chunk)
-        data = target.view[start: start + span]
-        for listener in client.listeners:
-            try:
-                listener.chunk_verified(target.manifest, header.chunk, data)
-            except Exception:
-                log.exception("chunk listener failed")
-    if not target.missing:
-        client._complete(target)
-    else:
-        top_up(client, time.monotonic())
+        if source is not None and peering is not None:
+            peering.arrived(source, size, time.monotonic())
+        if final and self._listeners:
+            start, span = target.manifest.chunk_span(header.chunk)
+            data = target.view[start: start + span]
+            for listener in self._listeners:
+                try:
+                    listener.chunk_verified(target.manifest, header.chunk, data)
+                except Exception:
+                    log.exception("chunk listener failed")
+        if not target.missing:
+            self._complete(target)
+        else:
+            self._credit.top_up(time.monotonic())

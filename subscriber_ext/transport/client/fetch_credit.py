@@ -2,60 +2,94 @@
 
 Split from ``sync_client.py``: the credit (chunks in flight to the publisher,
 bounded by ``window_bytes`` and ``MAX_CHUNKS_IN_FLIGHT``), batching into
-``fetch`` requests, routing through peers when sharing, and re-asking what
-timed out. The table itself is ``request_table.py``.
+``fetch`` requests, routing through peers when sharing, re-asking what timed
+out, and the tries per chunk after which the version is given up. The table
+itself is ``request_table.py``.
 """
 
 from __future__ import annotations
 
-from subscriber_ext.transport.client.sync_state import SyncState
+from collections.abc import Callable
+
+from subscriber_ext.transport.peers.peering import Peering
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.request_table import RequestTable
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import WeightPubTimeout
+from weightpub_wire.errors import WeightPubError, WeightPubTimeout
 
-__all__ = ["credit", "expire_requests", "top_up"]
-
-
-def credit(client: SyncState) -> int:
-    """Chunks the client may have in flight to the publisher for its target."""
-    if client.target is None:
-        return 0
-    chunks = client.options.window_bytes // client.target.manifest.chunk_size
-    return max(1, min(chunks, wire.MAX_CHUNKS_IN_FLIGHT))
+__all__ = ["FetchCredit"]
 
 
-def top_up(client: SyncState, now: float) -> None:
-    """Ask for more chunks of the target while there is credit (peers first, if sharing)."""
-    target = client.target
-    if target is None:
-        return
-    table = client.requests
-    asked = table.asked()
-    room = credit(client) - table.in_flight()
-    if client.peering is not None:  # what peers serve is asked of them, the rest of us
-        # enough to fill the publisher's credit and every peer's window, not the whole
-        # version: this runs after every chunk (4,096 chunks: 16 M checks per version)
-        sources = client.peering.sources
-        limit = max(room, 0) + sources.window * max(1, len(sources.links))
-        todo = target.next_chunks(asked, limit)
-        todo = client.peering.route(target, todo, now) if todo else todo
-    else:
-        todo = target.next_chunks(asked, room) if room > 0 else []
-    while todo and room > 0:
-        batch = todo[: min(room, client.options.chunks_per_request)]
-        todo = todo[len(batch):]
-        req = table.next_id()
-        request = wire.FetchRequest(req=req, publisher_id=target.manifest.publisher_id,
-                                    version=target.fetch_version, chunks=tuple(batch),
-                                    base=target.fetch_base)
-        if not client.send(request):
+class FetchCredit:
+    """Fills the window of chunks in flight for the target; counts each chunk's tries."""
+
+    def __init__(self, requests: RequestTable, peering: Peering | None, *,
+                 target: Callable[[], Assembly | None], send: Callable[[wire.Message], bool],
+                 give_up: Callable[[WeightPubError], None], window_bytes: int,
+                 chunks_per_request: int, request_timeout: float,
+                 max_chunk_retries: int) -> None:
+        """``target()``: the version being fetched; ``send``: to the publisher;
+        ``give_up(why)``: abandon the target (a chunk failed too often)."""
+        self.requests = requests
+        self.peering = peering
+        self._target = target
+        self._send = send
+        self._give_up = give_up
+        self.window_bytes = window_bytes
+        self.chunks_per_request = chunks_per_request
+        self.request_timeout = request_timeout
+        self.max_chunk_retries = max_chunk_retries
+
+    def credit(self) -> int:
+        """Chunks the client may have in flight to the publisher for its target."""
+        target = self._target()
+        if target is None:
+            return 0
+        chunks = self.window_bytes // target.manifest.chunk_size
+        return max(1, min(chunks, wire.MAX_CHUNKS_IN_FLIGHT))
+
+    def top_up(self, now: float) -> None:
+        """Ask for more chunks of the target while there is credit (peers first, if sharing)."""
+        target = self._target()
+        if target is None:
             return
-        table.track(req, batch, now)
-        room -= len(batch)
-
-
-def expire_requests(client: SyncState, now: float) -> None:
-    """Re-ask (or, after too many tries, abandon) what the publisher did not answer in time."""
-    for request in client.requests.timed_out(now, client.options.request_timeout):
-        for chunk in request.chunks:
-            if client._count_retry(chunk, "timed out", WeightPubTimeout):
+        table = self.requests
+        asked = table.asked()
+        room = self.credit() - table.in_flight()
+        if self.peering is not None:  # what peers serve is asked of them, the rest of us
+            # enough to fill the publisher's credit and every peer's window, not the whole
+            # version: this runs after every chunk (4,096 chunks: 16 M checks per version)
+            sources = self.peering.sources
+            limit = max(room, 0) + sources.window * max(1, len(sources.links))
+            todo = target.next_chunks(asked, limit)
+            todo = self.peering.route(target, todo, now) if todo else todo
+        else:
+            todo = target.next_chunks(asked, room) if room > 0 else []
+        while todo and room > 0:
+            batch = todo[: min(room, self.chunks_per_request)]
+            todo = todo[len(batch):]
+            req = table.next_id()
+            request = wire.FetchRequest(req=req, publisher_id=target.manifest.publisher_id,
+                                        version=target.fetch_version, chunks=tuple(batch),
+                                        base=target.fetch_base)
+            if not self._send(request):
                 return
+            table.track(req, batch, now)
+            room -= len(batch)
+
+    def expire(self, now: float) -> None:
+        """Re-ask (or, after too many tries, abandon) what the publisher did not answer in time."""
+        for request in self.requests.timed_out(now, self.request_timeout):
+            for chunk in request.chunks:
+                if self.count_retry(chunk, "timed out", WeightPubTimeout):
+                    return
+
+    def count_retry(self, chunk: int, why: str, error: type[WeightPubError]) -> bool:
+        """Count one more try of a chunk; abandon the version when it has failed too often."""
+        tries = self.requests.count_try(chunk)
+        target = self._target()
+        if tries <= self.max_chunk_retries or target is None:
+            return False
+        self._give_up(error(f"chunk {chunk} of version {target.manifest.version} "
+                            f"{why} {tries} times"))
+        return True

@@ -7,7 +7,7 @@ session ends for good, every send is refused (no pipe left), and nothing says
 so, while the SUB socket's heartbeats keep the publisher looking alive. So the
 client counts from the moment it wanted a reply: after ``SILENT_TIMEOUTS``
 request timeouts with no frame back, it dials the endpoint anew
-(``client_sockets.watch_replies``).
+(``ClientSockets.watch_replies``).
 """
 
 from __future__ import annotations

@@ -56,18 +56,28 @@ class PeerOptions:
 class PeerClient(Protocol):
     """What peering uses of its ``SyncClient`` (the subscriber's protocol state)."""
 
-    dealer: zmq.Socket
-    endpoint: str
-    state: str
-    instance: str | None
-    target: Assembly | None
-    current_version: int
-    latest_seen: int
-    queued: wire.Manifest | None
-    gate: BudgetGate
-    deltas: DeltaState
-    requests: RequestTable  # its requests in flight; peers' are marked with their link
-
+    @property
+    def dealer(self) -> zmq.Socket: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def instance(self) -> str | None: ...
+    @property
+    def target(self) -> Assembly | None: ...
+    @property
+    def current_version(self) -> int: ...
+    @property
+    def latest_seen(self) -> int: ...
+    @property
+    def queued(self) -> wire.Manifest | None: ...
+    @property
+    def gate(self) -> BudgetGate: ...
+    @property
+    def deltas(self) -> DeltaState: ...
+    @property
+    def requests(self) -> RequestTable: ...  # in flight; peers' are marked with their link
     @property
     def options(self) -> Any: ...
 

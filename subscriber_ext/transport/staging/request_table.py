@@ -127,14 +127,15 @@ class VersionBackoff:
     def __init__(self) -> None:
         self._failed: dict[tuple[str, int], tuple[int, float]] = {}
 
-    def record(self, publisher_id: str, version: int) -> None:
+    def record(self, publisher_id: str, version: int, now: float) -> None:
+        """The version was given up at ``now``: wait 1 s, 2 s, 4 s ... (at most 30 s)."""
         key = (publisher_id, version)
         count = self._failed.get(key, (0, 0.0))[0] + 1
-        self._failed[key] = (count, time.monotonic() + min(30.0, 2.0 ** (count - 1)))
+        self._failed[key] = (count, now + min(30.0, 2.0 ** (count - 1)))
 
     def forget(self, publisher_id: str, version: int) -> None:
         self._failed.pop((publisher_id, version), None)
 
-    def waiting(self, publisher_id: str, version: int) -> bool:
+    def waiting(self, publisher_id: str, version: int, now: float) -> bool:
         backoff = self._failed.get((publisher_id, version))
-        return backoff is not None and time.monotonic() < backoff[1]
+        return backoff is not None and now < backoff[1]

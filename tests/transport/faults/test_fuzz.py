@@ -177,7 +177,7 @@ def sub_rig() -> Iterator[dict[str, Any]]:
     fake.latest_manifest = fake.manifest(det_weights(2, 1, SPEC), 1)
     sub = WeightSubscriber(fake.endpoint, request_timeout=0.5, max_chunk_retries=1)
     sub.wait_for_version(1, timeout=30)
-    wait_until(lambda: sub._client._pub_endpoint, 30, "the SUB connection")
+    wait_until(lambda: sub._client.sockets.pub_endpoint, 30, "the SUB connection")
     rig = {"fake": fake, "sub": sub, "rss": rss_mib()}
     yield rig
     sub.close()

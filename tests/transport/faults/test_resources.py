@@ -98,7 +98,7 @@ def test_a_multipart_message_that_never_ends_is_cut(target: str) -> None:
         if target == "pub":
             with WeightSubscriber(endpoint) as probe:  # learn the PUB port it announces
                 probe.wait_for_version(1, timeout=30)
-                port = parse_endpoint(probe._client._pub_endpoint).port
+                port = parse_endpoint(probe._client.sockets.pub_endpoint).port
         assert port is not None
         raw = _zmtp_null_dealer(port)
         # frames under each socket's MAXMSGSIZE (64 KiB ROUTER, 4 KiB PUB), MORE always set:
@@ -212,7 +212,7 @@ def test_a_flood_on_sub_is_drained_in_bounded_steps(
         weights = det_weights(9, 1, SMALL)
         fake.latest_manifest = fake.manifest(weights, 1)
         sub = make_sub(fake.endpoint, request_timeout=1.0)
-        wait_until(lambda: sub._client._pub_endpoint, 30, "the SUB connection")
+        wait_until(lambda: sub._client.sockets.pub_endpoint, 30, "the SUB connection")
         foreign = dict(fake.manifest(det_weights(9, 2, SMALL), 2), publisher_id="intruder",
                        started_at=time.time() + 3600)  # 'newer' by any clock
         for _ in range(20_000):

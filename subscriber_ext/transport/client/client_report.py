@@ -1,0 +1,116 @@
+"""What a ``SyncClient`` tells its publisher (the back-channel ``Report``) and ``status()``.
+
+Why one part: every other part meets problems (a bad frame, a refused handshake,
+a version given up, a budget refusal) and each must reach the publisher as
+``last_error`` soon, without waiting for the next periodic report. They hand the
+problem to this part; it keeps the newest one, counts them by class (a fixed,
+small set), and says when a report is due (``interval``, or at once after a change).
+The applied version and its data path, the replica ranks and the data path of
+each recently staged version are reported here too.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+from weightpub_wire import protocol as wire
+from weightpub_wire.errors import WeightPubError
+from weightpub_wire.ratelog import RateLimitedLog
+
+__all__ = ["ClientReport"]
+
+log = logging.getLogger("weightpub.subscriber")
+_KEEP_PATHS = 16  # staged versions whose data path is remembered
+
+
+class ClientReport:
+    """The newest problem, counts of problems, the applied version; when to report."""
+
+    def __init__(self, subscriber_id: str, interval: float) -> None:
+        self.subscriber_id = subscriber_id
+        self.interval = interval
+        self.error: WeightPubError | None = None  # the newest problem, as our exception
+        self.failures: dict[str, int] = {}  # problems by error class
+        self.bad_messages = 0
+        self.warn = RateLimitedLog(log)
+        self.ranks: tuple[int, ...] = ()  # replica ranks served
+        self.applied_version = 0
+        self.applied_path = ""  # data path of the applied version
+        self.staged_paths: OrderedDict[int, str] = OrderedDict()  # newest few versions
+        self._dirty = True
+        self._next_at = 0.0
+
+    @property
+    def last_error(self) -> str | None:
+        """``"<ErrorClass>: <what>"`` of the newest problem, or None."""
+        if self.error is None:
+            return None
+        return f"{type(self.error).__name__}: {self.error}"[: wire.MAX_ERROR_CHARS]
+
+    # -- what changed ------------------------------------------------------------------------
+    def changed(self) -> None:
+        """Something reported changed: report at once rather than at the next interval."""
+        self._dirty = True
+
+    def problem(self, error: WeightPubError) -> None:
+        """The newest problem (``last_error``), reported at once."""
+        self.error = error
+        self._dirty = True
+
+    def resolved(self, error: WeightPubError) -> None:
+        """``error`` is over: clear it, unless a newer problem replaced it already."""
+        if self.error is error:
+            self.error = None
+            self._dirty = True
+
+    def count_failure(self, error: WeightPubError) -> None:
+        name = type(error).__name__
+        self.failures[name] = self.failures.get(name, 0) + 1
+
+    def bad(self, why: WeightPubError) -> None:
+        """A message that could not be used: counted, reported, logged (rate-limited)."""
+        self.count_failure(why)
+        self.bad_messages += 1
+        self.problem(why)
+        self.warn.warning(type(why).__name__, str(why))
+
+    def set_ranks(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = tuple(sorted(ranks))
+        self._dirty = True
+
+    def staged(self, version: int, data_path: str) -> None:
+        """``version`` is staged, having come by ``data_path`` (reported once applied)."""
+        self.staged_paths[version] = data_path
+        while len(self.staged_paths) > _KEEP_PATHS:
+            self.staged_paths.popitem(last=False)
+        self._dirty = True
+
+    def mark_applied(self, version: int, error: WeightPubError | None = None) -> None:
+        """``version`` 0 leaves the applied version as it is (e.g. to report an error)."""
+        if version:
+            self.applied_version = version
+            self.applied_path = self.staged_paths.get(version, self.applied_path)
+        if error is not None:
+            self.error = error
+        self._dirty = True
+
+    def new_instance(self) -> None:
+        """Another publisher instance: a version applied from the old one means nothing."""
+        self.applied_version = 0
+        self._dirty = True
+
+    # -- sending -----------------------------------------------------------------------------
+    def due(self, now: float) -> bool:
+        return now >= self._next_at or self._dirty
+
+    def message(self, staged_version: int, publisher_id: str | None) -> wire.Report:
+        return wire.Report(subscriber_id=self.subscriber_id, staged_version=staged_version,
+                           applied_version=self.applied_version, last_error=self.last_error,
+                           publisher_id=publisher_id,
+                           ranks=self.ranks[: wire.MAX_REPORTED_RANKS],
+                           data_path=self.applied_path)
+
+    def sent(self, now: float) -> None:
+        self._dirty = False
+        self._next_at = now + self.interval
