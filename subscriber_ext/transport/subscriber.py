@@ -119,8 +119,9 @@ class WeightSubscriber:
         self._wake_address = f"inproc://weightpub-sub-wake-{uuid.uuid4().hex}"
         self._commands: list[Callable[[SyncClient], None]] = []
         budget = opts.staging_budget_bytes or derive_staging_budget()
+        # pinned where CUDA exists, a node's shared segments too (page-locked exactly,
+        # weightpub_wire.buffers.page_locked), so the owner rank copies at full PCIe speed
         pool = BufferPool(max_buffers=2, allocator=allocator, budget_bytes=budget,
-                          pinned=None if allocator is None else False,
                           max_pinned_bytes=base.limits.max_pinned_bytes)
         try:
             self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
