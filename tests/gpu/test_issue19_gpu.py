@@ -46,6 +46,7 @@ import torch
 from publisher import WeightPublisher
 from subscriber_ext import wait_until_applied
 from tests.vllm.helpers import EXT, assert_matches_hf, new_weights, save_tiny
+from weightpub_wire.collective_group import scoped_environment
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.timeout(600),
@@ -78,20 +79,6 @@ def one_gpu_nccl_env(host: str) -> dict[str, str]:
         return {}
     return {"NCCL_HOSTID": f"weightpub-{host}", "NCCL_NET": "Socket",
             "NCCL_SOCKET_IFNAME": "lo"}
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Any:
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _cycles_per_second() -> float:
@@ -327,7 +314,7 @@ def test_seed_communicator_reinitialised_20_times_leaks_nothing() -> None:
     port_box, out = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_seed_worker, args=(port_box, out, worker_device))
     proc.start()
-    with environment(one_gpu_nccl_env("trainer")):
+    with scoped_environment(one_gpu_nccl_env("trainer")):
         before, after = _seed_cycles(port_box, out, proc, worker_device)
     ok = after[0] <= before[0] + 2 and after[1] <= before[1] + 2
     line("seed_reinit_20", "PASS" if ok else "FAIL",
@@ -434,7 +421,7 @@ def test_nccl_between_two_processes_and_a_peer_killed_mid_broadcast() -> None:
     started = time.monotonic()
     try:
         try:
-            with environment(one_gpu_nccl_env("trainer")):  # NCCL reads it at init
+            with scoped_environment(one_gpu_nccl_env("trainer")):  # NCCL reads it at init
                 group = CollectiveGroup("nccl", rendezvous.store, "issue19/1", 0, 2,
                                         timeout=NCCL_TIMEOUT, local_host="127.0.0.1",
                                         device=torch.device("cuda:0"))

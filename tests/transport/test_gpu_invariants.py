@@ -71,22 +71,14 @@ def test_nccl_groups_are_built_so_no_watchdog_or_monitor_can_end_the_process() -
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
 
 
-def test_the_environment_is_scoped_to_the_constructor() -> None:
+def test_the_environment_is_scoped_to_the_constructor(monkeypatch: pytest.MonkeyPatch) -> None:
     keys = list(nccl_environment())
-    saved = {key: os.environ.get(key) for key in keys}
-    os.environ[keys[0]] = "3"  # the trainer's own choice, for its own groups
-    os.environ.pop(keys[1], None)
-    try:
-        with scoped_environment(nccl_environment()):
-            assert {key: os.environ[key] for key in keys} == nccl_environment()
-        assert os.environ[keys[0]] == "3"
-        assert keys[1] not in os.environ
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    monkeypatch.setenv(keys[0], "3")  # the trainer's own choice, for its own groups
+    monkeypatch.delenv(keys[1], raising=False)
+    with scoped_environment(nccl_environment()):
+        assert {key: os.environ[key] for key in keys} == nccl_environment()
+    assert os.environ[keys[0]] == "3"
+    assert keys[1] not in os.environ
 
 
 # -- finding 4: an NCCL rendezvous that never completes is bounded -------------------------------
