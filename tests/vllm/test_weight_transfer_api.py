@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -170,3 +171,103 @@ def test_a_late_replica_given_the_endpoint_in_additional_config(rig) -> None:
     finally:
         del late
         gc.collect()
+
+
+def test_in_flight_requests_complete_across_a_commit_with_their_version_spans(rig) -> None:
+    """A trainer's ``send_weights`` lands while requests generate (no pause, no abort).
+
+    Requests of staggered lengths are kept in flight (one replaced as it finishes), so
+    a commit between any two steps falls inside some request. Every request completes
+    in full; its ``weight_versions`` spans cover its tokens contiguously, old version
+    first; a request running at the commit spans both; one added after the replica
+    reported the version applied carries only the new one.
+    """
+    import torch
+    from vllm import SamplingParams
+
+    from subscriber_ext.staleness import parse_version_label, version_range
+
+    engine = rig.llm.llm_engine
+    old = parse_version_label(rig.llm.get_weight_version())
+    lengths = (120, 150, 180, 210)  # staggered: the requests never all finish at once
+    outs: dict[str, object] = {}
+    wanted: dict[str, int] = {}
+    sent = threading.Event()
+    failure: list[BaseException] = []
+
+    def add(tag: str, i: int) -> None:
+        rid = f"{tag}{i}"
+        wanted[rid] = lengths[i % len(lengths)]
+        engine.add_request(rid, {"prompt_token_ids": [3 + i % 50, 17, 42]},
+                           SamplingParams(temperature=0.0, max_tokens=wanted[rid],
+                                          ignore_eos=True))
+
+    def pump() -> None:
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+
+    def send(weights) -> None:
+        try:
+            with torch.no_grad():
+                rig.model.load_state_dict(weights)
+            rig.trainer.send_weights()  # returns once the replica reports it applied
+        except BaseException as exc:  # re-raised in the test's thread
+            failure.append(exc)
+        finally:
+            sent.set()
+
+    def refill() -> None:  # keep len(lengths) requests in flight
+        for _ in range(len(wanted) - len(outs), len(lengths)):
+            add("run", len(wanted))
+
+    refill()
+    while len(outs) < 2:  # the stream is under way: requests finish and are replaced
+        pump()
+        refill()
+    weights = new_weights(KIND, 15)
+    client, rig.trainer.client = rig.trainer.client, None  # LLM is driven from this thread
+    sender = threading.Thread(target=send, args=(weights,), name="test-send-weights")
+    sender.start()
+    deadline = time.monotonic() + 60
+    try:
+        while not sent.is_set():
+            assert time.monotonic() < deadline, "send_weights did not return within 60 s"
+            pump()
+            refill()
+    finally:
+        sender.join(60)
+        rig.trainer.client = client
+    assert not failure, failure
+    new = rig.trainer.last_version
+    assert new == old + 1
+    for i in range(2):
+        add("after", i)
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline + 30, "requests did not finish"
+        pump()
+
+    assert sorted(outs) == sorted(wanted)  # none lost
+    spanning = []
+    for rid, out in outs.items():
+        comp = out.outputs[0]  # type: ignore[attr-defined]
+        assert comp.finish_reason == "length" and len(comp.token_ids) == wanted[rid], rid
+        spans = comp.weight_versions
+        assert spans and spans[0].start == 0 and spans[-1].end == wanted[rid], (rid, spans)
+        assert all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False)), (rid, spans)
+        versions = [parse_version_label(s.version) for s in spans]
+        assert versions in ([old], [new], [old, new]), (rid, spans)
+        if rid.startswith("after"):
+            assert versions == [new], (rid, spans)
+        if versions == [old, new]:
+            assert version_range(spans).mixed
+            spanning.append(rid)
+    assert spanning, {rid: o.outputs[0].weight_versions for rid, o in outs.items()}  # type: ignore[attr-defined]
+    print(f"{len(outs)} requests, {len(spanning)} across the commit {old} -> {new}")
+    # vLLM's control plane agrees, and the replica runs the new weights
+    client.start_weight_update()
+    client.update_weights({"version": new, "timeout": 60.0})
+    client.finish_weight_update()
+    assert rig.llm.get_weight_version() == str(new)
+    assert_matches_hf(rig.llm, KIND, weights, N)
+    rig.last_weights = weights
