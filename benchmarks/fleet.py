@@ -17,11 +17,22 @@ the trainer's). Modes:
 
 Also reported: the trainer's uplink bytes per version (``data_stats``), in versions.
 Every mode and fleet size runs in one invocation, so the ratios (K hosts vs 1 host)
-are same-run figures.
+are same-run figures. The first version and the steady state (the median of versions
+2..N) are reported apart: the first one meets cold buffers and connections.
+
+What a deployment may do differently can be varied (issue 22.5: an outside harness
+with all of these measured what this one did not): ``--publisher-root`` (the trainer in
+the machine's own namespace, behind a shaped link of its own), ``--chunk-mib 0`` (the
+publisher's default chunk size; the simulator's default is 1 MiB), ``--torch-threads 0``
+(torch's default threads), ``--spacing S`` (the next version S seconds after the last
+host had the previous one), ``--consumer wait`` (subscribers take versions with
+``wait_for_version`` on a thread of their own, then ``release()``), ``--dtype bf16``.
 
     python benchmarks/fleet.py                       # 1, 4, 16 hosts; direct, relay, peers
     python benchmarks/fleet.py --hosts 1 4 --mib 16 --rounds 2 --modes direct peers
     python benchmarks/fleet.py --json
+    python benchmarks/fleet.py --hosts 1 16 --modes peers --rounds 4 --publisher-root \
+        --chunk-mib 0 --torch-threads 0 --spacing 1 --consumer wait --dtype bf16 --diag
 
 Needs root (network namespaces). Cleans up its namespaces and processes on exit,
 Ctrl-C included; ``--reap`` removes leftovers of a run that was killed outright.
@@ -61,13 +72,18 @@ class Node:
     events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
 
     @classmethod
-    def start(cls, host: Host, role: str, args: dict[str, Any]) -> Node:
-        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
+    def start(cls, host: Host, role: str, args: dict[str, Any],
+              torch_threads: int = 1) -> Node:
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
+                   FLEET_TORCH_THREADS=str(torch_threads))
+        if torch_threads:
+            env["OMP_NUM_THREADS"] = str(torch_threads)
+        else:  # torch's default, as an application that never set it
+            env.pop("OMP_NUM_THREADS", None)
         log_dir = os.environ.get("FLEET_LOG_DIR")  # keep each node's log there
         stderr: Any = subprocess.DEVNULL
         if log_dir:
-            stderr = open(os.path.join(log_dir, f"{host.name}-{role}.log"), "w")
+            stderr = open(os.path.join(log_dir, f"{host.name or 'root'}-{role}.log"), "w")
         proc = host.popen([sys.executable, "-m", "benchmarks.fleet_node", role,
                            json.dumps(args)], cwd=str(REPO), env=env,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -117,18 +133,26 @@ class Scenario:
     rounds: int
     link: Link
     relays: int = 0
-    chunk_mib: int = 1
+    chunk_mib: int = 1  # 0: the publisher's default chunk size
     fanout: int = 4
     timeout: float = 300.0
+    torch_threads: int = 1  # in every node; 0: torch's default
+    publisher_root: bool = False  # the trainer in the machine's own namespace
+    spacing: float = 0.0  # seconds from the last host's arrival to the next publish()
+    consumer: str = "callback"  # subscribers: "callback" (on_version) or "wait"
+    dtype: str = "uint8"  # "bf16": 8 bf16 tensors
+    diag: bool = False  # each host's peer figures after every version
+    prefix: str = "wpsim"  # of its namespaces (``Network.reap`` removes them by it)
 
 
 def run_scenario(s: Scenario) -> dict[str, Any]:
-    """One fleet, ``rounds`` versions; returns delivery times and their median."""
-    with Network() as net:
-        trainer = net.add_host(s.link)
+    """One fleet, ``rounds`` versions; returns delivery times, the first version's and
+    the median of the later ones (steady state) apart."""
+    with Network(s.prefix) as net:
+        trainer = net.add_root_host(s.link) if s.publisher_root else net.add_host(s.link)
         publisher = Node.start(trainer, "publisher", {
             "bind": f"tcp://{trainer.address}:{PORT}", "chunk_mib": s.chunk_mib,
-            "publisher_options": {"peer_fanout": s.fanout}})
+            "publisher_options": {"peer_fanout": s.fanout}}, s.torch_threads)
         endpoint = publisher.wait("ready", 120)["endpoint"]
         sources = [endpoint]
         nodes: list[Node] = [publisher]
@@ -140,7 +164,8 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
                 relay = Node.start(host, "relay", {
                     "connect": endpoint, "bind": f"tcp://{host.address}:{PORT}",
                     "cut_through": s.mode == "relay",
-                    "publisher_options": {"chunk_mib": s.chunk_mib}})
+                    "publisher_options": {"chunk_mib": s.chunk_mib} if s.chunk_mib else {}},
+                    s.torch_threads)
                 nodes.append(relay)
                 sources.append(relay.wait("ready", 120)["endpoint"])
         options = {"peer_share": True, "insecure": True} if s.mode == "peers" else {}
@@ -148,16 +173,19 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
         for index in range(s.hosts):
             host = net.add_host(s.link)
             sub = Node.start(host, "subscriber", {"connect": sources[index % len(sources)],
-                                                  "subscriber_options": options})
+                                                  "subscriber_options": options,
+                                                  "consumer": s.consumer}, s.torch_threads)
             subscribers.append(sub)
         for sub in subscribers:
             sub.wait("ready", 120)
         if s.mode == "peers":  # every subscriber has said hello and holds the plan
             time.sleep(2.5)
-        times, trainer_versions = [], []
+        times, trainer_versions, spreads, diag = [], [], [], []
         sent_before = 0.0
         for version in range(1, s.rounds + 1):
-            publisher.send(cmd="publish", version=version, mib=s.mib)
+            if version > 1 and s.spacing:
+                time.sleep(s.spacing)
+            publisher.send(cmd="publish", version=version, mib=s.mib, dtype=s.dtype)
             want = publisher.wait("digest", 120, version=version)["digest"]
             start = publisher.wait("published", 120, version=version)["start"]
             arrived = [sub.wait("staged", s.timeout, version=version) for sub in subscribers]
@@ -165,10 +193,13 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
             if bad:
                 raise AssertionError(f"version {version}: {len(bad)} hosts got wrong bytes")
             times.append(max(a["t"] for a in arrived) - start)
+            spreads.append(sorted(round(a["t"] - start, 2) for a in arrived))
             publisher.send(cmd="stats")
             sent = publisher.wait("stats", 60)["stats"]["bytes_sent_full"]
             trainer_versions.append((sent - sent_before) / (s.mib << 20))
             sent_before = sent
+            if s.diag and s.mode == "peers":
+                diag.append(_peer_figures(subscribers))
         peers = None
         if s.mode == "peers":
             statuses = []
@@ -181,10 +212,24 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
                 "peer_failures": sum(sum(p["peer_failures"].values()) for p in statuses)}
         for node in nodes + subscribers:
             node.send(cmd="exit")
+    steady = times[1:] or times
     return {"hosts": s.hosts, "mode": s.mode, "mib": s.mib, "seconds": times,
-            "median_s": statistics.median(times),
+            "median_s": statistics.median(times), "first_s": times[0],
+            "steady_s": statistics.median(steady),
             "trainer_versions_sent": [round(v, 2) for v in trainer_versions],
-            "peers": peers}
+            "peers": peers, **({"arrivals": spreads, "diag": diag} if s.diag else {})}
+
+
+def _peer_figures(subscribers: list[Node]) -> list[dict[str, Any]]:
+    """What each host's peering did so far (cumulative): served, failures, upload budget."""
+    keys = ("slot", "bytes_from_peers", "served_chunks", "peer_failures", "upload_bytes",
+            "upload_cpu_share_now", "upload_effective_rate", "unavailable_replies")
+    out = []
+    for sub in subscribers:
+        sub.send(cmd="status")
+        peers = sub.wait("status", 60)["status"]["peers"]
+        out.append({k: peers.get(k) for k in keys})
+    return out
 
 
 def main() -> int:
@@ -193,7 +238,20 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["direct", "relay", "peers"],
                     choices=MODES)
     ap.add_argument("--mib", type=int, default=48, help="version size")
-    ap.add_argument("--chunk-mib", type=int, default=1, help="the trainer's chunk size")
+    ap.add_argument("--chunk-mib", type=int, default=1,
+                    help="the trainer's chunk size (0: the publisher's default)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch threads in every node (0: torch's default)")
+    ap.add_argument("--publisher-root", action="store_true",
+                    help="the trainer in the machine's own namespace (behind its own link)")
+    ap.add_argument("--spacing", type=float, default=0.0,
+                    help="seconds between the last host's arrival and the next publish()")
+    ap.add_argument("--consumer", choices=("callback", "wait"), default="callback",
+                    help="subscribers take versions in on_version, or wait_for_version "
+                         "on a thread of their own, then release()")
+    ap.add_argument("--dtype", choices=("uint8", "bf16"), default="uint8")
+    ap.add_argument("--diag", action="store_true",
+                    help="record each host's arrival and peer figures per version")
     ap.add_argument("--fanout", type=int, default=4, help="peers: stripes per version")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mbit", type=float, default=400.0, help="every link, each direction")
@@ -213,30 +271,35 @@ def main() -> int:
     results = []
     for hosts in args.hosts:
         for mode in args.modes:
-            result = run_scenario(Scenario(hosts, mode, args.mib, args.rounds, link,
-                                           chunk_mib=args.chunk_mib, fanout=args.fanout))
+            result = run_scenario(Scenario(
+                hosts, mode, args.mib, args.rounds, link, chunk_mib=args.chunk_mib,
+                fanout=args.fanout, torch_threads=args.torch_threads,
+                publisher_root=args.publisher_root, spacing=args.spacing,
+                consumer=args.consumer, dtype=args.dtype, diag=args.diag))
             results.append(result)
             if not args.json:
-                print(f"{mode:>8} {hosts:>3} hosts: median {result['median_s']:.2f} s "
-                      f"({result['median_s'] / line_rate_s:.2f}x one transfer at line rate), "
+                print(f"{mode:>8} {hosts:>3} hosts: first {result['first_s']:.2f} s, steady "
+                      f"{result['steady_s']:.2f} s "
+                      f"({result['steady_s'] / line_rate_s:.2f}x one transfer at line rate), "
                       f"rounds {[round(t, 2) for t in result['seconds']]}, trainer sent "
                       f"{result['trainer_versions_sent']} versions"
                       + (f", {result['peers']}" if result["peers"] else ""), flush=True)
     one = min(args.hosts)
-    base = {r["mode"]: r["median_s"] for r in results if r["hosts"] == one}
+    base = {r["mode"]: r for r in results if r["hosts"] == one}
     direct_one = base.get("direct")
-    for r in results:
-        r["vs_one_host"] = round(r["median_s"] / base[r["mode"]], 3)
+    for r in results:  # first version vs first version, steady state vs steady state
+        r["vs_one_host_first"] = round(r["first_s"] / base[r["mode"]]["first_s"], 3)
+        r["vs_one_host"] = round(r["steady_s"] / base[r["mode"]]["steady_s"], 3)
         if direct_one:
-            r["vs_one_host_direct"] = round(r["median_s"] / direct_one, 3)
+            r["vs_one_host_direct"] = round(r["steady_s"] / direct_one["steady_s"], 3)
     summary = {"line_rate_transfer_s": round(line_rate_s, 3), "results": results,
-               "target": "16 hosts <= 1.5x 1 host (peer sharing)"}
+               "target": "16 hosts <= 1.5x 1 host (peer sharing, steady state)"}
     if not args.json:
         for r in results:
-            print(f"{r['mode']:>8} {r['hosts']:>3} hosts / {one} host (same mode): "
-                  f"{r['vs_one_host']:.2f}x" + (f"; / {one} host direct: "
-                                                f"{r['vs_one_host_direct']:.2f}x"
-                                                if direct_one else ""))
+            print(f"{r['mode']:>8} {r['hosts']:>3} hosts / {one} host (same mode): first "
+                  f"{r['vs_one_host_first']:.2f}x, steady {r['vs_one_host']:.2f}x"
+                  + (f"; steady / {one} host direct: {r['vs_one_host_direct']:.2f}x"
+                     if direct_one else ""))
     print(json.dumps(summary))
     return 0
 

@@ -30,10 +30,15 @@ def emit(**event: Any) -> None:
     sys.stdout.flush()
 
 
-def weights(version: int, mib: int, tensors: int = 8) -> dict[str, torch.Tensor]:
-    """``mib`` MiB in ``tensors`` tensors whose bytes depend only on ``version``."""
+def weights(version: int, mib: int, tensors: int = 8,
+            dtype: str = "uint8") -> dict[str, torch.Tensor]:
+    """``mib`` MiB in ``tensors`` tensors (uint8 or bf16) whose bytes depend only on
+    ``version``."""
     gen = torch.Generator().manual_seed(version)
     each = (mib << 20) // tensors
+    if dtype == "bf16":
+        return {f"layer{i}.weight": torch.randn(each // 2, generator=gen).to(torch.bfloat16)
+                for i in range(tensors)}
     return {f"layer{i}.weight": torch.randint(0, 255, (each,), dtype=torch.uint8, generator=gen)
             for i in range(tensors)}
 
@@ -57,13 +62,14 @@ def run_publisher(args: dict[str, Any]) -> None:
 
     # simulated hosts bind namespace addresses of a network only this benchmark can reach
     options = {"insecure": True, **args.get("publisher_options", {})}
-    pub = WeightPublisher(args["bind"], chunk_size=args.get("chunk_mib", 4) << 20,
-                          keep_versions=2, **options)
+    if args.get("chunk_mib"):  # else the publisher's default chunk size
+        options["chunk_size"] = args["chunk_mib"] << 20
+    pub = WeightPublisher(args["bind"], **options)
     emit(event="ready", endpoint=pub.endpoint)
     for command in commands():
         if command["cmd"] == "publish":
             version, mib = command["version"], command["mib"]
-            data = weights(version, mib)
+            data = weights(version, mib, dtype=command.get("dtype", "uint8"))
             emit(event="digest", version=version, digest=digest(data))
             start = time.time()
             pub.publish(data, version=version)
@@ -76,14 +82,33 @@ def run_publisher(args: dict[str, Any]) -> None:
 
 
 def run_subscriber(args: dict[str, Any]) -> None:
+    """``consumer``: "callback" (``on_version``, on the subscriber's thread) or "wait"
+    (a thread of the application's own: ``wait_for_version``, then ``release()``)."""
     from subscriber_ext import WeightSubscriber
+    from weightpub_wire.errors import ClosedError
 
     def staged(version: Any) -> None:
         emit(event="staged", version=version.version, digest=digest(dict(version.tensors)))
         version.release()
 
-    sub = WeightSubscriber(args["connect"], on_version=staged,
+    def consume() -> None:
+        want = 1
+        while True:
+            try:
+                version = sub.wait_for_version(want, timeout=3600.0)
+            except ClosedError:  # the node is exiting
+                return
+            at = time.time()  # staged; the digest is the benchmark's check, not the delivery
+            emit(event="staged", version=version.version, t=at,
+                 digest=digest(dict(version.tensors)))
+            version.release()
+            want = version.version + 1
+
+    waiting = args.get("consumer", "callback") == "wait"
+    sub = WeightSubscriber(args["connect"], on_version=None if waiting else staged,
                            **args.get("subscriber_options", {}))
+    if waiting:
+        threading.Thread(target=consume, name="fleet-consumer", daemon=True).start()
     emit(event="ready", subscriber_id=sub.subscriber_id)
     for command in commands():
         if command["cmd"] == "status":
@@ -111,7 +136,9 @@ def run_relay(args: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
+    threads = int(os.environ.get("FLEET_TORCH_THREADS", "1"))  # 0: torch's default
+    if threads:
+        torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,  # FLEET_LOG_DIR keeps it
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     role, raw = sys.argv[1], sys.argv[2]

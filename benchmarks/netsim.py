@@ -3,9 +3,12 @@
 A private "switch" namespace holds a bridge; every host namespace is joined to
 it by a veth pair whose two ends are shaped with ``tc tbf`` (the host's uplink
 on its own end, its downlink on the switch end) and optionally delayed with
-``netem``. Nothing is attached to the machine's own namespace, so traffic can
-only flow between the hosts made here. Addresses come from 198.18.0.0/15, the
-range set aside for network benchmarks (RFC 2544).
+``netem``. Nothing is attached to the machine's own namespace unless asked
+(``add_root_host``: the machine's own namespace joins the bridge through a
+shaped veth of its own, as a trainer running outside any namespace would), so
+traffic otherwise only flows between the hosts made here. Addresses come from
+198.18.0.0/15, the range set aside for network benchmarks (RFC 2544); a
+network attached to the machine's namespace takes a /24 of its own there.
 
 Needs root (``ip netns``). ``Network`` is a context manager: leaving it kills
 every process it started in its namespaces and deletes them, also after an
@@ -59,33 +62,34 @@ class Link:
 
 @dataclass
 class Host:
-    name: str  # namespace name
+    name: str  # namespace name ("" for the machine's own namespace)
     address: str
     link: Link
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
 
     def popen(self, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
         """Start ``argv`` inside this host's namespace (killed when the network closes)."""
+        prefix = ["ip", "netns", "exec", self.name] if self.name else []
         proc: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[call-overload]
-            ["ip", "netns", "exec", self.name, *argv], start_new_session=True, text=True,
-            **kwargs)
+            [*prefix, *argv], start_new_session=True, text=True, **kwargs)
         self.procs.append(proc)
         return proc
 
 
 def _shape(ns: str, dev: str, mbit: float | None, delay_ms: float) -> None:
-    """tbf (and netem for delay) on ``dev``'s egress inside namespace ``ns``."""
+    """tbf (and netem for delay) on ``dev``'s egress inside namespace ``ns`` ("": this one)."""
     if mbit is None and not delay_ms:
         return
+    at = ["-n", ns] if ns else []
     parent = "root"
     if delay_ms:
-        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+        _run("tc", *at, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
              "delay", f"{delay_ms}ms")
         parent = "parent 1:"
     if mbit is not None:
         # burst: at least one MTU and ~2 ms at line rate, so tbf reaches the rate
         burst = max(32 << 10, int(mbit * 1e6 / 8 * 0.002))
-        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, *parent.split(), "handle", "10:",
+        _run("tc", *at, "qdisc", "add", "dev", dev, *parent.split(), "handle", "10:",
              "tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms")
 
 
@@ -93,10 +97,13 @@ class Network:
     """A switch namespace and any number of hosts; ``with Network(...) as net:``."""
 
     def __init__(self, prefix: str = "wpsim") -> None:
-        self.prefix = f"{prefix}{uuid.uuid4().hex[:4]}"
+        tag = uuid.uuid4().hex[:4]
+        self.prefix = f"{prefix}{tag}"
         self.switch = f"{self.prefix}-sw"
         self.hosts: list[Host] = []
         self._made: list[str] = []
+        self._root_link: str | None = None  # this machine's end, deleted first on close
+        self._subnet = "198.18.0"  # a /24 of its own once attached to the machine's namespace
 
     def __enter__(self) -> Network:
         _run("ip", "netns", "add", self.switch)
@@ -118,12 +125,32 @@ class Network:
         inner, outer = f"eth{index}", f"{self.prefix[-4:]}p{index}"
         _run("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name", outer,
              "netns", self.switch)
+        return self._join(ns, inner, outer, index, link)
+
+    def add_root_host(self, link: Link = Link()) -> Host:
+        """The machine's own namespace as a host (first, before any other): a veth from it
+        to the bridge, shaped like any host's. Its end lives in the switch's namespace's
+        pair, so deleting the switch (``close``, ``reap``) removes it too."""
+        if self.hosts:
+            raise ValueError("add the machine's own namespace before any other host")
+        # a /24 of its own in the machine's routing table, so two such networks can coexist
+        self._subnet = f"198.19.{int(self.prefix[-4:], 16) % 254 + 1}"
+        inner, outer = f"{self.prefix}r"[-15:], f"{self.prefix[-4:]}p1"  # IFNAMSIZ
+        _run("ip", "link", "add", inner, "type", "veth", "peer", "name", outer, "netns",
+             self.switch)
+        self._root_link = inner
+        return self._join("", inner, outer, 1, link)
+
+    def _join(self, ns: str, inner: str, outer: str, index: int, link: Link) -> Host:
+        """Bridge ``outer``, address and shape ``inner`` (in ``ns``; "": this machine's)."""
+        at = ["-n", ns] if ns else []
         _run("ip", "-n", self.switch, "link", "set", outer, "master", "br0")
         _run("ip", "-n", self.switch, "link", "set", outer, "up")
-        address = f"198.18.0.{index}"
-        _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", inner)
-        _run("ip", "-n", ns, "link", "set", inner, "up")
-        _run("ip", "-n", ns, "link", "set", "lo", "up")
+        address = f"{self._subnet}.{index}"
+        _run("ip", *at, "addr", "add", f"{address}/24", "dev", inner)
+        _run("ip", *at, "link", "set", inner, "up")
+        if ns:
+            _run("ip", *at, "link", "set", "lo", "up")
         _shape(ns, inner, link.up_mbit, link.delay_ms)  # host -> switch: its uplink
         _shape(self.switch, outer, link.down_mbit, 0.0)  # switch -> host: its downlink
         host = Host(ns, address, link)
@@ -144,6 +171,10 @@ class Network:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
+        if self._root_link is not None:  # a namespace's devices go later (the kernel's
+            # cleanup runs in the background): delete this machine's end now
+            subprocess.run(["ip", "link", "del", self._root_link], capture_output=True)
+            self._root_link = None
         for ns in reversed(self._made):
             _kill_pids_in(ns)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -152,8 +183,14 @@ class Network:
     @staticmethod
     def reap(prefix: str = "wpsim") -> list[str]:
         """Delete namespaces (and kill their processes) left by runs that died."""
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True)
         gone = []
+        for line in links.stdout.splitlines():  # this machine's ends (add_root_host)
+            name = line.split()[0].split("@")[0] if line.strip() else ""
+            if name.startswith(prefix):
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
+                gone.append(name)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
         for line in listed.stdout.splitlines():
             ns = line.split()[0] if line.strip() else ""
             if ns.startswith(prefix):

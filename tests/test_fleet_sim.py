@@ -8,6 +8,7 @@ uplink must carry each version exactly once (direct: once per host).
 from __future__ import annotations
 
 import subprocess
+import uuid
 
 import pytest
 
@@ -21,16 +22,22 @@ pytestmark = [
 ]
 
 
-def namespaces() -> set[str]:
+def namespaces(prefix: str) -> set[str]:
+    """This test's namespaces (a benchmark may run beside it with namespaces of its own)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
-    return {line.split()[0] for line in listed.stdout.splitlines() if line.strip()}
+    return {line.split()[0] for line in listed.stdout.splitlines()
+            if line.strip() and line.startswith(prefix)}
+
+
+def unique_prefix() -> str:
+    return f"wpt{uuid.uuid4().hex[:4]}"
 
 
 @pytest.mark.parametrize("mode", ["direct", "relay", "relay-sf", "peers"])
 def test_small_fleet_gets_every_version_bit_exact(mode: str) -> None:
-    before = namespaces()
+    prefix = unique_prefix()
     result = run_scenario(Scenario(hosts=3, mode=mode, mib=4, rounds=2,
-                                   link=Link(up_mbit=800, down_mbit=800)))
+                                   link=Link(up_mbit=800, down_mbit=800), prefix=prefix))
     # run_scenario checks every host's digest against the trainer's for every version
     assert len(result["seconds"]) == 2 and all(t > 0 for t in result["seconds"])
     sent = result["trainer_versions_sent"]
@@ -41,15 +48,37 @@ def test_small_fleet_gets_every_version_bit_exact(mode: str) -> None:
         assert result["peers"]["from_peers_fraction"] == pytest.approx(2 / 3, abs=0.01)
     else:
         assert sent == [2.0, 2.0]  # round(sqrt(3)) = 2 relays
-    assert namespaces() == before, "namespaces left behind"
+    assert not namespaces(prefix), "namespaces left behind"
 
 
 def test_network_is_torn_down_after_an_error() -> None:
-    before = namespaces()
+    prefix = unique_prefix()
     with pytest.raises(RuntimeError, match="boom"):
-        with Network() as net:
+        with Network(prefix) as net:
             host = net.add_host(Link(up_mbit=100, down_mbit=100))
             proc = host.popen(["sleep", "60"])
+            made = namespaces(prefix)
             raise RuntimeError("boom")
+    assert made, "the network was never made"  # so the check below could fail
     assert proc.poll() is not None, "a process started in the network survived"
-    assert namespaces() == before
+    assert not namespaces(prefix)
+
+
+def root_links(prefix: str) -> list[str]:
+    listed = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True)
+    return [line.split()[0] for line in listed.stdout.splitlines()
+            if line.startswith(prefix)]
+
+
+def test_a_trainer_in_the_machines_namespace_with_the_application_waiting() -> None:
+    """The outside harness's shape (issue 22.5): the publisher outside any namespace behind
+    a shaped link of its own, its default chunk size, subscribers taking versions with
+    ``wait_for_version`` then ``release()``, versions spaced; the link is gone afterwards."""
+    prefix = unique_prefix()
+    result = run_scenario(Scenario(hosts=2, mode="peers", mib=8, rounds=2,
+                                   link=Link(up_mbit=800, down_mbit=800), chunk_mib=0,
+                                   publisher_root=True, consumer="wait", spacing=0.2,
+                                   dtype="bf16", torch_threads=0, prefix=prefix))
+    assert result["trainer_versions_sent"] == [1.0, 1.0], result  # 2 chunks per stripe root
+    assert result["first_s"] > 0 and result["steady_s"] > 0
+    assert not namespaces(prefix) and not root_links(prefix), "left behind"
