@@ -242,19 +242,12 @@ def test_expandable_segments_version_of_4_gib_by_cuda_ipc() -> None:
     out, inbox = ctx.Queue(), ctx.Queue()
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
            "TORCH_CUDA_EXPANDABLE_SEGMENTS_IPC": "1"}
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the child inherits it; this process's allocator is already set
-    try:
+    # the child inherits it; this process's allocator is already set
+    with scoped_environment(env):
         # the exporter is the child: the importer (this process) may pidfd_getfd its
         # descriptors under Yama ptrace_scope 1 (a parent may trace its descendants)
         proc = ctx.Process(target=_expandable_publisher, args=(out, inbox))
         proc.start()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     detail = ""
     ok = False
     try:
