@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from publisher.chunk_sizing import LARGEST as LARGEST_CHUNK
 from publisher.collective_ipc import IpcExporter
 from publisher.collective_members import MemberLimits, MemberTable
 from publisher.store import PublishedVersion
@@ -72,15 +73,21 @@ class CollectiveOptions:
     members: MemberLimits = MemberLimits()
 
 
-def check_options(options: CollectiveOptions, chunk_size: int) -> None:
-    """``ConfigError`` naming what does not fit, before anything starts."""
+def check_options(options: CollectiveOptions, chunk_size: int | None) -> None:
+    """``ConfigError`` naming what does not fit, before anything starts.
+
+    ``chunk_size`` None: chosen per version (``publisher.chunk_sizing``), a power of
+    two up to ``LARGEST_CHUNK``, so a bucket must be a multiple of that.
+    """
     if options.backend not in BACKENDS:
         raise ConfigError(f"collective: unknown backend {options.backend!r} (known: "
                           f"{', '.join(BACKENDS)}, or None)")
-    if not chunk_size <= options.bucket_bytes <= MAX_BUCKET_BYTES or \
-            options.bucket_bytes % chunk_size:
+    chunk = LARGEST_CHUNK if chunk_size is None else chunk_size
+    if not chunk <= options.bucket_bytes <= MAX_BUCKET_BYTES or options.bucket_bytes % chunk:
+        what = f"chunk_size {chunk_size}" if chunk_size is not None else \
+            f"{chunk}, the largest chunk chosen per version (chunk_size None)"
         raise ConfigError(f"collective_bucket_bytes: {options.bucket_bytes} must be a multiple "
-                          f"of chunk_size {chunk_size} and at most {MAX_BUCKET_BYTES}")
+                          f"of {what} and at most {MAX_BUCKET_BYTES}")
     if not 0 < options.keepalive < options.timeout <= 3600:
         raise ConfigError(f"collective_timeout: {options.timeout}s must be in (keepalive "
                           f"{options.keepalive}s, 3600]")
@@ -93,7 +100,7 @@ class CollectivePublisher:
     """The collective path of one ``WeightPublisher`` instance."""
 
     def __init__(self, options: CollectiveOptions, *, publisher_id: str, started_at: float,
-                 chunk_size: int) -> None:
+                 chunk_size: int | None) -> None:
         check_options(options, chunk_size)
         self.options = options
         self.backend = options.backend

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from publisher.chunk_sizing import LARGEST as LARGEST_CHUNK
 from publisher.publisher_options import PublisherOptions
 from weightpub_wire.config_file import StrictConfig, check_endpoint, load_yaml_as
 
@@ -19,7 +20,9 @@ class PublisherConfig(StrictConfig):
     endpoint: str
     model_id: str = ""
     keep_versions: int = Field(2, ge=1, le=64)
-    chunk_mib: int = Field(4, ge=1, le=1024)
+    # chunk size on the wire; 0 (default): chosen per version from its size, a power of
+    # two from 256 KiB to 4 MiB giving at least 64 chunks (publisher.chunk_sizing)
+    chunk_mib: int = Field(0, ge=0, le=1024)
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     first_version: int = Field(1, ge=1)
     delta_anchor_every: int = Field(1, ge=1, le=64)  # >1: deltas, a full version every N
@@ -30,7 +33,7 @@ class PublisherConfig(StrictConfig):
     insecure: bool = False  # allow a non-loopback bind without CURVE (trusted networks only)
     # also send every version by a group broadcast to the subscribers that ask (None: off)
     collective: Literal["gloo", "nccl", "cuda_ipc"] | None = None
-    collective_bucket_mib: int = Field(64, ge=1, le=1024)  # a multiple of chunk_mib
+    collective_bucket_mib: int = Field(64, ge=1, le=1024)  # a multiple of chunk_mib (or 4)
     collective_timeout: float = Field(30.0, gt=1.0, le=3600)  # any rendezvous or collective
     collective_port: int = Field(0, ge=0, le=65535)  # the rendezvous (0: any free port)
     collective_host: str | None = None  # where members reach us (default: endpoint's host)
@@ -43,16 +46,19 @@ class PublisherConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _buckets_are_whole_chunks(self) -> PublisherConfig:
-        if self.collective_bucket_mib % self.chunk_mib:
+        chunk_mib = self.chunk_mib or LARGEST_CHUNK >> 20
+        if self.collective_bucket_mib % chunk_mib:
+            what = f"chunk_mib {self.chunk_mib}" if self.chunk_mib else \
+                f"{chunk_mib} (chunk_mib 0: chunks chosen per version, up to {chunk_mib} MiB)"
             raise ValueError(f"collective_bucket_mib {self.collective_bucket_mib} is not a "
-                             f"multiple of chunk_mib {self.chunk_mib}")
+                             f"multiple of {what}")
         return self
 
     def options(self) -> PublisherOptions:
         """The ``WeightPublisher``'s options (the endpoint is passed beside them)."""
         return PublisherOptions.from_keywords(
             model_id=self.model_id, keep_versions=self.keep_versions,
-            chunk_size=self.chunk_mib << 20, heartbeat_interval=self.heartbeat_interval,
+            chunk_size=(self.chunk_mib << 20) or None, heartbeat_interval=self.heartbeat_interval,
             first_version=self.first_version, delta_anchor_every=self.delta_anchor_every,
             curve_secret_key_file=self.curve_secret_key_file,
             curve_allowed_clients_dir=self.curve_allowed_clients_dir,

@@ -15,15 +15,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
+from publisher.chunk_sizing import chunk_size_for
 from publisher.collective_sender import CollectiveOptions, check_options
 from publisher.server import ServerLimits
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ConfigError
 from weightpub_wire.peer_protocol import MAX_STRIPES
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "PublisherKeywords", "PublisherOptions"]
-
-DEFAULT_CHUNK_SIZE = 4 << 20
+__all__ = ["PublisherKeywords", "PublisherOptions"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -32,11 +31,13 @@ class PublisherOptions:
 
     ``collective`` is None (no collective path) or the path's options; its ``host``
     None means the endpoint's host. ``limits.tracker.fanout`` is ``peer_fanout``.
+    ``chunk_size`` None (the default): each version's chunk follows its size
+    (``publisher.chunk_sizing``; ``chunk_size_for`` says which).
     """
 
     model_id: str = ""
     keep_versions: int = 2
-    chunk_size: int = DEFAULT_CHUNK_SIZE
+    chunk_size: int | None = None
     heartbeat_interval: float = 1.0
     first_version: int = 1
     delta_anchor_every: int = 1
@@ -51,9 +52,12 @@ class PublisherOptions:
     host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if not wire.MIN_CHUNK_SIZE <= self.chunk_size <= wire.MAX_CHUNK_SIZE:
+        if self.chunk_size is not None and (
+                isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
+                or not wire.MIN_CHUNK_SIZE <= self.chunk_size <= wire.MAX_CHUNK_SIZE):
             raise ConfigError(f"chunk_size: {self.chunk_size} is outside "
-                              f"[{wire.MIN_CHUNK_SIZE}, {wire.MAX_CHUNK_SIZE}]")
+                              f"[{wire.MIN_CHUNK_SIZE}, {wire.MAX_CHUNK_SIZE}] (or None: "
+                              "chosen per version from its size)")
         if self.keep_versions < 1:
             raise ConfigError(f"keep_versions: {self.keep_versions} must be >= 1")
         if self.first_version < 1:
@@ -70,6 +74,10 @@ class PublisherOptions:
                                    or budget < 1):
             raise ConfigError(f"host_budget_bytes: {budget!r} must be a positive number of "
                               "bytes (or None: derived from the memory available)")
+
+    def chunk_size_for(self, total_bytes: int) -> int:
+        """The chunk size of a version of ``total_bytes``: ``chunk_size``, or adaptive."""
+        return chunk_size_for(self.chunk_size, total_bytes)
 
     @classmethod
     def from_keywords(cls, **keywords: Unpack[PublisherKeywords]) -> PublisherOptions:
@@ -96,7 +104,7 @@ class PublisherKeywords(TypedDict, total=False):
 
     model_id: str
     keep_versions: int
-    chunk_size: int
+    chunk_size: int | None
     heartbeat_interval: float
     first_version: int
     delta_anchor_every: int

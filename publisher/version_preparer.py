@@ -5,7 +5,8 @@ are copied, while the checksums may still be running; getting the manifest out
 as early as possible (before the copy ends, for CPU sources) is a job of its
 own, with its own threads (two hashing workers, one preparing thread). The
 publisher only supplies ``announce``, called on the preparing thread with each
-version's checksums.
+version's chunk size and checksums (the chunk size is the publisher's choice, per
+version: ``PublisherOptions.chunk_size_for``).
 """
 
 from __future__ import annotations
@@ -33,27 +34,26 @@ __all__ = ["Announce", "VersionPreparer"]
 
 log = logging.getLogger("weightpub.publisher")
 
-#: (version, snapshot, checksums, created_at): builds the manifest and announces it
-Announce = Callable[[int, Snapshot, tuple[int, ...], float], None]
+#: (version, snapshot, chunk_size, checksums, created_at): builds the manifest, announces it
+Announce = Callable[[int, Snapshot, int, tuple[int, ...], float], None]
 
 
 class VersionPreparer:
     """Copies and hashes snapshots; hands each to ``announce`` on its own thread, in order."""
 
-    def __init__(self, chunk_size: int, announce: Announce) -> None:
-        self.chunk_size = chunk_size
+    def __init__(self, announce: Announce) -> None:
         self._announce = announce
         self._hash_executor = ThreadPoolExecutor(2, thread_name_prefix="weightpub-publish-hash")
         self._pending: queue.Queue[
-            tuple[int, Snapshot, Callable[[], tuple[int, ...]], float] | None
+            tuple[int, Snapshot, int, Callable[[], tuple[int, ...]], float] | None
         ] = queue.Queue()
         self._thread = threading.Thread(target=self._prepare_loop,
                                         name="weightpub-publish-announce", daemon=True)
         self._thread.start()
 
     def copy_and_hash(self, number: int, snapshot: Snapshot,
-                      pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy once; hash so that the manifest goes out as early as it can.
+                      pairs: list[tuple[str, torch.Tensor]], chunk_size: int) -> None:
+        """Copy once; hash ``chunk_size`` chunks so that the manifest goes out early.
 
         CPU sources are hashed in place on a worker thread while this thread
         copies, and the manifest is announced before the copy ends (the server
@@ -62,18 +62,17 @@ class VersionPreparer:
         """
         created = time.time()
         if hashable_in_place(pairs):
-            chunks = source_chunks(pairs, snapshot.entries, snapshot.total_bytes,
-                                   self.chunk_size)
+            chunks = source_chunks(pairs, snapshot.entries, snapshot.total_bytes, chunk_size)
             hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
-            self._pending.put((number, snapshot,
+            self._pending.put((number, snapshot, chunk_size,
                                lambda: tuple(h.result() for h in hashes), created))
-            copy_in_priority_order(snapshot, pairs, self.chunk_size)  # as subscribers fetch
+            copy_in_priority_order(snapshot, pairs, chunk_size)  # as subscribers fetch
             wait(hashes)  # the sources are read until every hash ends
             return
         hasher = ChunkHasher(self._hash_executor, snapshot.buffer, snapshot.total_bytes,
-                             self.chunk_size)
-        copy_into(snapshot, pairs, self.chunk_size, hasher.written_up_to)
-        self._pending.put((number, snapshot, hasher.checksums, created))
+                             chunk_size)
+        copy_into(snapshot, pairs, chunk_size, hasher.written_up_to)
+        self._pending.put((number, snapshot, chunk_size, hasher.checksums, created))
 
     def close(self) -> None:
         """Let the versions queued so far be announced (10 s at most), then stop."""
@@ -86,8 +85,8 @@ class VersionPreparer:
             item = self._pending.get()
             if item is None:
                 return
-            number, snapshot, checksums, created_at = item
+            number, snapshot, chunk_size, checksums, created_at = item
             try:
-                self._announce(number, snapshot, checksums(), created_at)
+                self._announce(number, snapshot, chunk_size, checksums(), created_at)
             except Exception:  # keep serving older versions whatever happened
                 log.exception("failed to prepare version %d", number)

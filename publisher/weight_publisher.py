@@ -62,6 +62,10 @@ class WeightPublisher:
     ``delta_anchor_every`` > 1 also serves versions as deltas against the previous one
     (``publisher.delta_encoder``), with a full anchor version every that many versions.
     ``limits`` overrides the serving thread's bounds (``ServerLimits``).
+    ``chunk_size`` (bytes, each chunk checksummed and fetched alone) is by default
+    chosen per version from its size: a power of two from 256 KiB to 4 MiB giving at
+    least 64 chunks (``publisher.chunk_sizing``: peers forward whole chunks, so a
+    small version in big chunks pays a long tail); set it to fix one for every version.
     ``host_budget_bytes`` bounds the host memory of the version snapshots (kept, being
     sent, pooled); default: 3/4 of the memory available at start (``publisher.host_budget``).
 
@@ -103,7 +107,9 @@ class WeightPublisher:
                            allowed_clients_dir=options.curve_allowed_clients_dir)
         self.options = options
         self.model_id = options.model_id
-        self.chunk_size = options.chunk_size
+        #: the chunk size set by the user, or None: each version's follows its size
+        #: (``publisher.chunk_sizing``; ``manifest(v).chunk_size`` is the one used)
+        self.chunk_size: int | None = options.chunk_size
         self.publisher_id = uuid.uuid4().hex
         self.started_at = time.time()
         self._next_version = options.first_version
@@ -153,7 +159,7 @@ class WeightPublisher:
         self._publish_lock = threading.Lock()
         self._closed = False
         # copies and hashes each snapshot; its thread calls _announce with the checksums
-        self._preparer = VersionPreparer(options.chunk_size, self._announce)
+        self._preparer = VersionPreparer(self._announce)
         self._versions_published = 0
         self.metrics: MetricsServer | None = None
         if options.metrics_port is not None:
@@ -217,7 +223,8 @@ class WeightPublisher:
                                             lambda nbytes: self._budget.admit(number, nbytes))
             self._next_version = number + 1
             try:
-                self._preparer.copy_and_hash(number, snapshot, pairs)
+                self._preparer.copy_and_hash(number, snapshot, pairs,
+                                             self.options.chunk_size_for(snapshot.total_bytes))
             except BaseException:
                 snapshot.failed = True  # subscribers get "version unavailable"
                 self._store.discard(number)
@@ -378,17 +385,17 @@ class WeightPublisher:
         if self._closed:
             raise ClosedError("publisher is closed")
 
-    def _announce(self, number: int, snapshot: Snapshot, checksums: tuple[int, ...],
-                  created_at: float) -> None:
+    def _announce(self, number: int, snapshot: Snapshot, chunk_size: int,
+                  checksums: tuple[int, ...], created_at: float) -> None:
         if snapshot.failed:
             return
         view = byte_view(snapshot.buffer, snapshot.total_bytes)
         previous = self._store.latest()
         delta = self._deltas.plan(number, snapshot.entries, snapshot.total_bytes,
-                                  self.chunk_size, checksums, previous)
+                                  chunk_size, checksums, previous)
         manifest = wire.Manifest(
             publisher_id=self.publisher_id, started_at=self.started_at, version=number,
-            created_at=created_at, model_id=self.model_id, chunk_size=self.chunk_size,
+            created_at=created_at, model_id=self.model_id, chunk_size=chunk_size,
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
