@@ -10,7 +10,7 @@ from typing import Any as _Any
 
 from publisher.publisher_config import PublisherConfig
 from publisher.server import ServerLimits
-from publisher.snapshot import gather_full_tensors
+from publisher.streamed_sources import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import (
     ApplyError,

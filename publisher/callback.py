@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from publisher.snapshot import WeightsLike, gather_full_tensors
+from publisher.snapshot import WeightsLike
+from publisher.streamed_sources import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import ConfigError
 

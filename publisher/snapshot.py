@@ -28,7 +28,6 @@ __all__ = [
     "copy_in_priority_order",
     "copy_into",
     "cuda_devices",
-    "gather_full_tensors",
     "hashable_in_place",
     "named_tensors",
     "plan_snapshot",
@@ -58,18 +57,12 @@ def named_tensors(weights: WeightsLike) -> list[tuple[str, torch.Tensor]]:
     return result
 
 
-def gather_full_tensors(weights: WeightsLike) -> list[tuple[str, torch.Tensor]]:
-    """Take part in the ``full_tensor()`` collectives of sharded DTensors without publishing.
-
-    ``DTensor.full_tensor()`` is a collective: when rank 0 calls ``publish()``
-    on FSDP/TP-sharded weights, every other rank of the mesh must call this
-    with the same weights at the same time, or rank 0 waits forever.
-    """
-    return named_tensors(weights)
-
-
 def _materialize(tensor: torch.Tensor) -> torch.Tensor:
-    """Gather FSDP/TP DTensors into full tensors; drop autograd."""
+    """Gather FSDP/TP DTensors into full tensors; drop autograd.
+
+    ``publish()`` sends sharded weights through ``publisher/streamed_sources.py``
+    (one layer group at a time); this whole-tensor gather serves direct callers.
+    """
     full_tensor = getattr(tensor, "full_tensor", None)
     if callable(full_tensor):
         tensor = full_tensor()

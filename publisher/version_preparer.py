@@ -28,6 +28,7 @@ from publisher.snapshot import (
     hashable_in_place,
     source_chunks,
 )
+from publisher.streamed_sources import StreamedPairs, copy_streamed
 from weightpub_wire.checksums import pieces_checksum
 
 __all__ = ["Announce", "VersionPreparer"]
@@ -71,7 +72,10 @@ class VersionPreparer:
             return
         hasher = ChunkHasher(self._hash_executor, snapshot.buffer, snapshot.total_bytes,
                              chunk_size)
-        copy_into(snapshot, pairs, chunk_size, hasher.written_up_to)
+        if isinstance(pairs, StreamedPairs):  # sharded / WeightSource: group by group
+            copy_streamed(snapshot, pairs, chunk_size, hasher.written_up_to)
+        else:
+            copy_into(snapshot, pairs, chunk_size, hasher.written_up_to)
         self._pending.put((number, snapshot, chunk_size, hasher.checksums, created))
 
     def close(self) -> None:

@@ -33,8 +33,9 @@ from publisher.publisher_options import PublisherKeywords, PublisherOptions
 from publisher.relayed import RelayedVersion, relay_upstream
 from publisher.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
 from publisher.server import ServerOptions, ServingThread
-from publisher.snapshot import Snapshot, WeightsLike, plan_snapshot
+from publisher.snapshot import Snapshot
 from publisher.store import PublishedVersion, VersionStore
+from publisher.streamed_sources import PublishSource, plan_version
 from publisher.version_preparer import VersionPreparer
 from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList, start_authenticator
@@ -204,11 +205,14 @@ class WeightPublisher:
         """The newest version announced to subscribers (0 before the first)."""
         return self._announced_version
 
-    def publish(self, weights: WeightsLike, *, version: int | None = None) -> int:
+    def publish(self, weights: PublishSource, *, version: int | None = None) -> int:
         """Snapshot ``weights`` and return its version once the caller may modify them.
 
         Accepts a ``torch.nn.Module``, a mapping name -> tensor, or an iterable of
-        (name, tensor); CPU or CUDA tensors; DTensors are gathered with ``full_tensor()``.
+        (name, tensor); CPU or CUDA tensors; or a vLLM ``WeightSource`` (``ModuleSource``).
+        Sharded weights (DTensors) and ``WeightSource``s are gathered, copied and dropped
+        one layer group at a time; every other rank calls ``gather_full_tensors`` meanwhile
+        (``publisher.streamed_sources``).
         A snapshot that cannot fit ``host_budget_bytes`` beside the versions held raises
         ``StagingBudgetError`` (naming the budget and the bytes) before it is allocated;
         the versions published before stay served.
@@ -219,8 +223,8 @@ class WeightPublisher:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
             self._store.recycle()  # free buffers whose zero-copy sends have finished
-            snapshot, pairs = plan_snapshot(weights, self._pool,
-                                            lambda nbytes: self._budget.admit(number, nbytes))
+            snapshot, pairs = plan_version(weights, self._pool,
+                                           lambda nbytes: self._budget.admit(number, nbytes))
             self._next_version = number + 1
             try:
                 self._preparer.copy_and_hash(number, snapshot, pairs,

@@ -32,7 +32,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Self
 
-import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -40,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from publisher import WeightPublisher
+from publisher import WeightPublisher, gather_full_tensors
 from subscriber_ext.commit.vllm_plugin import BACKEND, ensure_backends
 from weightpub_wire.errors import ConfigError
 
@@ -146,7 +145,8 @@ class WeightpubTrainerEngine(TrainerWeightTransferEngine[WeightpubTrainerInitInf
         """Publish ``source`` (default: the one given at init) as the next version.
 
         Every rank iterates the source group by group (materializing is a collective
-        for FSDP); rank 0 keeps the tensors and publishes them in one version. Then,
+        for FSDP); rank 0 copies each group into one version's snapshot and drops it,
+        so no rank holds more than a group beyond its shards. Then,
         if asked, wait for ``wait_replicas`` subscribers, and drive ``client``'s
         start / update_weights(version) / finish round trip.
         """
@@ -154,22 +154,13 @@ class WeightpubTrainerEngine(TrainerWeightTransferEngine[WeightpubTrainerInitInf
         if source is None:
             raise ConfigError("weightpub send_weights: no WeightSource (pass one to "
                               "trainer_init or send_weights)")
-        weights: dict[str, torch.Tensor] = {}
-        for names, tensors in source.iter_groups():
-            if not self.is_sender:
-                continue
-            for name, tensor in zip(names, tensors, strict=True):
-                if tensor is None:
-                    raise ConfigError(f"weightpub publishes from rank 0, which must hold every "
-                                      f"parameter; it holds no {name!r}")
-                weights[name] = tensor
         if not self.is_sender:
+            gather_full_tensors(source)  # the same per-group gathers, each dropped at once
             return
         pub = self.publisher
         assert pub is not None
-        version = pub.publish(weights)
-        count = len(weights)
-        del weights
+        version = pub.publish(source)  # gathered, copied and dropped group by group
+        count = len(source.metadata())
         pub.wait_announced(version, timeout=self.info.timeout)
         self.last_version = version
         if self.info.wait_replicas:

@@ -1,0 +1,338 @@
+"""Publishing sharded weights and vLLM ``WeightSource``s one layer group at a time.
+
+Why: ``DTensor.full_tensor()`` (FSDP2, tensor parallel) materializes a whole
+parameter on every rank of its mesh. Gathering every parameter before the copy
+made every rank hold the whole model beside its shards: past one device's (or
+host's) memory, publishing could not run. Here a version is laid out from global
+shapes and dtypes alone (``DTensor.shape`` is global; a ``WeightSource`` declares
+``metadata()``), then gathered, copied into the snapshot and dropped one group at
+a time: a decoder layer, as vLLM's ``layerwise_groups`` defines it. The
+publishing rank (``plan_version``, then ``copy_streamed``) and every other rank
+(``gather_full_tensors``) run the same gathers in the same order, so a rank's
+extra memory is about one group (the gather's own buffers at most double it).
+
+No vLLM import (``publisher`` never imports it): a ``WeightSource`` is known by
+its ``metadata()`` and ``iter_groups()`` methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from publisher.snapshot import (
+    Snapshot,
+    WeightsLike,
+    cuda_devices,
+    plan_layout,
+    plan_snapshot,
+    wait_for_copies,
+)
+from weightpub_wire.buffers import BufferPool, copy_bytes, flat_bytes
+from weightpub_wire.dtypes import dtype_name
+from weightpub_wire.errors import ConfigError
+
+__all__ = [
+    "PublishSource",
+    "StreamedPairs",
+    "WeightSourceLike",
+    "copy_streamed",
+    "gather_full_tensors",
+    "layer_groups",
+    "plan_version",
+]
+
+#: one group as it is materialized: names and full tensors (None: not held on this rank)
+Group = tuple[list[str], list[Any]]
+
+
+@runtime_checkable
+class WeightSourceLike(Protocol):
+    """What ``publish()`` needs of vLLM's ``WeightSource`` (``ModuleSource`` included)."""
+
+    def metadata(self) -> Sequence[Any]:
+        """``ParamMeta``-like items: ``name``, ``dtype``, full ``shape``; no transfer."""
+
+    def iter_groups(self) -> Iterator[Group]:
+        """One ``(names, tensors)`` batch per group, materialized (a collective)."""
+
+
+PublishSource = WeightsLike | WeightSourceLike
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """One group per decoder layer, exactly vLLM's ``layerwise_groups`` (0.32).
+
+    Why a copy: ``publisher`` never imports vLLM, and group *g* must name the
+    same tensors on every rank. A name keys on its outermost integer segment
+    (``model.layers.3.mlp.experts.7.w1`` is layer 3); un-indexed names before the
+    first indexed one form the first group, the others the last; stacks follow
+    the first appearance of their prefix, ascending index within it.
+    ``tests/transport/test_streamed_sources.py`` checks it against vLLM's.
+    """
+    pre: list[str] = []
+    post: list[str] = []
+    stacks: dict[tuple[str, int], list[str]] = {}
+    order: list[tuple[str, int]] = []
+    for name in names:
+        key = _stack_key(name)
+        if key is None:
+            (post if order else pre).append(name)
+            continue
+        if key not in stacks:
+            stacks[key] = []
+            order.append(key)
+        stacks[key].append(name)
+    prefix_rank: dict[str, int] = {}
+    for key in order:
+        prefix_rank.setdefault(key[0], len(prefix_rank))
+    order.sort(key=lambda key: (prefix_rank[key[0]], key[1]))
+    groups: list[list[str]] = [pre] if pre else []
+    groups += [stacks[key] for key in order]
+    if post:
+        groups.append(post)
+    return groups
+
+
+def _stack_key(name: str) -> tuple[str, int] | None:
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part)
+    return None
+
+
+class StreamedPairs(list[tuple[str, torch.Tensor]]):
+    """A version's layout as ``(name, meta tensor)`` pairs, and how to fill it group by group.
+
+    A list so that ``VersionPreparer`` takes it where it takes materialized
+    pairs; the tensors are on the ``meta`` device (shape and dtype, no bytes), so
+    nothing can read them by mistake. ``produce()`` starts one pass over the
+    groups (each gather a collective); ``sizes`` are the groups' tensor counts in
+    layout order; ``missing`` names what the groups do not cover (refused when
+    publishing, after the gathers).
+    """
+
+    def __init__(self, pairs: list[tuple[str, torch.Tensor]],
+                 produce: Callable[[], Iterator[Group]], sizes: list[int], *,
+                 pinned: bool, missing: Collection[str] = ()) -> None:
+        super().__init__(pairs)
+        self.produce = produce
+        self.sizes = sizes
+        self.pinned = pinned
+        self.missing = sorted(missing)
+
+    @property
+    def largest_group_bytes(self) -> int:
+        """The bytes of the largest group: what one gather holds at once."""
+        largest, start = 0, 0
+        for size in self.sizes:
+            largest = max(largest, sum(_nbytes(t) for _, t in self[start:start + size]))
+            start += size
+        return largest
+
+    def drain(self) -> None:
+        """Run every group's gather and drop it: what a rank that copies nothing does.
+
+        ``next(..., None)`` keeps no name bound to a group, so the previous one is
+        freed before the next is gathered.
+        """
+        groups = self.produce()
+        while next(groups, None) is not None:
+            pass
+
+
+def plan_version(weights: PublishSource, pool: BufferPool,
+                 admit: Callable[[int], None] | None = None,
+                 ) -> tuple[Snapshot, list[tuple[str, torch.Tensor]]]:
+    """``plan_snapshot``, streamed when ``weights`` is sharded or a ``WeightSource``.
+
+    Streamed, nothing is gathered yet: the layout comes from global shapes. When
+    the budget refuses (or anything else fails before the copy), every group is
+    still gathered and dropped: the other ranks are already in those collectives.
+    """
+    planned = _plan(weights)
+    if not isinstance(planned, StreamedPairs):
+        return plan_snapshot(planned, pool, admit)
+    try:
+        if planned.missing:
+            raise ConfigError(f"the publishing rank must hold every parameter; its groups "
+                              f"leave out {len(planned.missing)}, e.g. {planned.missing[0]!r}")
+        entries, total = plan_layout(planned)
+        if admit is not None:
+            admit(total)
+        buffer = pool.take(total, pinned=planned.pinned)
+    except BaseException:
+        planned.drain()
+        raise
+    return Snapshot(entries=entries, buffer=buffer, total_bytes=total), planned
+
+
+def copy_streamed(snapshot: Snapshot, pairs: StreamedPairs, chunk_size: int,
+                  on_progress: Callable[[int], None] | None = None) -> None:
+    """Gather each group, copy it into the snapshot, drop it; advance ``copied_bytes``.
+
+    Every byte up to the end of a group is final once the group is copied (a
+    device copy is waited for first), so ``on_progress`` (a ``ChunkHasher``)
+    hashes behind the copy. A group that does not match the plan is an error
+    raised after the remaining groups are gathered, so no rank waits forever.
+    """
+    entries = snapshot.entries
+    error: Exception | None = None
+    start = 0
+    groups = pairs.produce()
+    while (group := next(groups, None)) is not None:
+        if error is None:
+            try:
+                end = _copy_group(snapshot, start, group, chunk_size)
+            except Exception as exc:  # keep the collectives in step, raise at the end
+                error = exc
+            else:
+                _advance(snapshot, end, on_progress)
+        start += len(group[0])
+        del group  # freed before the next gather
+    if error is None and start != len(entries):
+        error = ConfigError(f"the weight source yielded {start} tensors, its metadata "
+                            f"declared {len(entries)}")
+    if error is not None:
+        raise error
+    _advance(snapshot, snapshot.total_bytes, on_progress)
+
+
+def gather_full_tensors(weights: PublishSource) -> None:
+    """Take part in the publishing rank's gathers without publishing, one group at a time.
+
+    ``DTensor.full_tensor()`` is a collective: when rank 0 calls ``publish()``
+    on FSDP/TP-sharded weights (or a ``WeightSource``), every other rank of the
+    mesh must call this with the same weights at the same time, or rank 0 waits
+    forever. Each group is gathered and dropped before the next, in the order
+    rank 0 copies them, so this rank never holds more than one group.
+    Weights with nothing to gather return at once.
+    """
+    planned = _plan(weights)
+    if isinstance(planned, StreamedPairs):
+        planned.drain()
+
+
+def _plan(weights: PublishSource) -> StreamedPairs | list[tuple[str, Any]]:
+    """The streamed plan, or the plain pairs (nothing sharded) for ``plan_snapshot``.
+
+    Reads names, global shapes and dtypes only; a one-shot iterable is read once
+    here and its pairs handed on.
+    """
+    if _is_weight_source(weights):
+        return _plan_source(weights)  # type: ignore[arg-type]
+    if isinstance(weights, torch.nn.Module):
+        items: list[tuple[str, Any]] = list(weights.state_dict().items())
+    elif isinstance(weights, Mapping):
+        items = list(weights.items())
+    else:
+        items = list(weights)  # type: ignore[arg-type]
+    if not any(_is_sharded(pair[1]) for pair in items if isinstance(pair, tuple)
+               and len(pair) == 2):
+        return items
+    by_name: dict[str, torch.Tensor] = {}
+    for pair in items:
+        name, tensor = pair
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"weight names must be non-empty strings, got {name!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if name in by_name:
+            raise ValueError(f"weight name {name!r} appears twice")
+        by_name[name] = tensor
+    groups = layer_groups(list(by_name))
+
+    def produce() -> Iterator[Group]:
+        for names in groups:
+            yield names, [_full(by_name[name]) for name in names]
+
+    pairs = [(name, _meta(tuple(by_name[name].shape), by_name[name].dtype))
+             for names in groups for name in names]
+    pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in by_name.values())
+    return StreamedPairs(pairs, produce, [len(g) for g in groups], pinned=pinned)
+
+
+def _plan_source(source: WeightSourceLike) -> StreamedPairs:
+    """A vLLM ``WeightSource``: its ``groups()`` order, shapes from ``metadata()``."""
+    meta = {m.name: m for m in source.metadata()}
+    own_groups = getattr(source, "groups", None)
+    groups: list[list[str]] = own_groups() if callable(own_groups) else layer_groups(list(meta))
+    unknown = [name for names in groups for name in names if name not in meta]
+    if unknown:
+        raise ConfigError(f"the weight source's groups name {unknown[0]!r}, which its "
+                          "metadata() does not declare")
+    pairs = [(name, _meta(tuple(meta[name].shape), meta[name].dtype))
+             for names in groups for name in names]
+    missing = set(meta) - {name for name, _ in pairs}
+    return StreamedPairs(pairs, source.iter_groups, [len(g) for g in groups],
+                         pinned=torch.cuda.is_available(), missing=missing)
+
+
+def _copy_group(snapshot: Snapshot, start: int, group: Group, chunk_size: int) -> int:
+    """Copy one group's tensors to their planned places; return the end of its bytes."""
+    buffer, entries, total = snapshot.buffer, snapshot.entries, snapshot.total_bytes
+    names, tensors = group
+    planned = entries[start:start + len(names)]
+    if [e.name for e in planned] != list(names):
+        raise ConfigError(f"the weight source yielded {list(names)[:3]}... where the plan "
+                          f"has {[e.name for e in planned][:3]}...: groups out of order")
+    for entry, tensor in zip(planned, tensors, strict=True):
+        if tensor is None:
+            raise ConfigError(f"the publishing rank must hold every parameter; it holds no "
+                              f"{entry.name!r}")
+        if tuple(tensor.shape) != tuple(entry.shape) or \
+                dtype_name(tensor.dtype) != entry.dtype:
+            raise ConfigError(f"{entry.name!r}: yielded {tuple(tensor.shape)} "
+                              f"{tensor.dtype}, declared {tuple(entry.shape)} {entry.dtype}")
+    index = start
+    for entry, tensor in zip(planned, tensors, strict=True):
+        index += 1
+        end = entries[index].offset if index < len(entries) else total
+        buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
+        if not entry.nbytes:
+            continue
+        dst = buffer[entry.offset: entry.offset + entry.nbytes]
+        source = tensor.detach()
+        if source.device.type == "cpu" and source.is_contiguous():
+            src = flat_bytes(source)
+            for piece in range(0, entry.nbytes, chunk_size):
+                stop = min(piece + chunk_size, entry.nbytes)
+                copy_bytes(dst[piece:stop], src[piece:stop])
+        else:
+            dst.view(source.dtype).view(source.shape).copy_(
+                source, non_blocking=source.device.type == "cuda")
+    devices = cuda_devices(t.device for t in tensors)
+    if devices:
+        wait_for_copies(devices)  # the group is freed and hashed next
+    return entries[index].offset if index < len(entries) else total
+
+
+def _is_weight_source(weights: object) -> bool:
+    return callable(getattr(weights, "metadata", None)) and \
+        callable(getattr(weights, "iter_groups", None))
+
+
+def _is_sharded(tensor: object) -> bool:
+    """A DTensor (or anything else whose ``full_tensor()`` gathers it)."""
+    return callable(getattr(tensor, "full_tensor", None))
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor().detach() if _is_sharded(tensor) else tensor.detach()  # type: ignore[attr-defined]
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _advance(snapshot: Snapshot, offset: int, on_progress: Callable[[int], None] | None) -> None:
+    snapshot.copied_bytes = offset
+    if on_progress is not None:
+        on_progress(offset)

@@ -1,0 +1,131 @@
+"""``publish()`` takes vLLM's ``WeightSource`` (``ModuleSource`` too), group by group.
+
+A real publisher and a real subscriber, vLLM's own source classes, no engine.
+Groups are vLLM's ``layerwise_groups``; each is copied and dropped before the next
+is asked for; a refusal (budget, a group this rank lacks) still walks every group,
+so the other ranks' gathers are never left waiting.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.weight_transfer.base import ModuleSource, layerwise_groups
+
+from publisher import WeightPublisher, gather_full_tensors
+from publisher.streamed_sources import layer_groups
+from subscriber_ext import WeightSubscriber
+from weightpub_wire.errors import ConfigError, StagingBudgetError
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(32, 16)
+    model.layers = torch.nn.ModuleList(
+        torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)) for _ in range(4))
+    model.head = torch.nn.Linear(16, 32, bias=False).to(torch.bfloat16)
+    return model
+
+
+class Watched(ModuleSource):
+    """vLLM's ``ModuleSource`` that counts the tensors it yielded that are still alive."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.live = 0
+        self.most_live = 0
+        self.yielded: list[str] = []
+
+    def _gone(self) -> None:
+        self.live -= 1
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().__iter__():
+            copy = tensor.detach().clone()  # a fresh tensor, as a gather makes
+            self.live += 1
+            self.most_live = max(self.most_live, self.live)
+            weakref.finalize(copy, self._gone)
+            self.yielded.append(name)
+            yield name, copy
+
+
+def test_layer_groups_are_vllms() -> None:
+    names = [n for n, _ in _model().named_parameters()]
+    cases = [names, list(reversed(names)),
+             ["model.language_model.layers.0.a", "visual.blocks.1.x", "visual.blocks.0.x",
+              "lm_head.weight", "model.layers.3.mlp.experts.7.w1", "norm", "model.layers.2.b"]]
+    for case in cases:
+        assert layer_groups(case) == layerwise_groups(case)
+
+
+@pytest.mark.timeout(60)
+def test_module_source_is_published_group_by_group_and_received() -> None:
+    model = _model()
+    source = Watched(model)
+    with WeightPublisher("tcp://127.0.0.1:0") as pub, \
+            WeightSubscriber(pub.endpoint, report_interval=0.2) as sub:
+        version = pub.publish(source)
+        staged = sub.wait_for_version(version, timeout=30)
+        want = {n: p.detach() for n, p in model.named_parameters()}
+        assert sorted(staged.tensors) == sorted(want)
+        for name, tensor in staged.tensors.items():
+            assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
+        # manifest order is the group order: embed, layers 0..3, head
+        manifest = [t.name for t in pub.manifest(version).tensors]
+        assert manifest == [n for g in layerwise_groups(list(want)) for n in g]
+    largest = max(len(g) for g in layerwise_groups(list(want)))  # 4 tensors per layer
+    assert source.yielded == list(want)
+    assert source.most_live <= largest + 1  # a group and the next one's first tensor
+    assert source.live == 0
+
+
+def test_other_ranks_walk_every_group_and_hold_none() -> None:
+    source = Watched(_model())
+    assert gather_full_tensors(source) is None
+    assert source.yielded == [n for n, _ in _model().named_parameters()]
+    assert source.most_live <= 5 and source.live == 0
+
+
+@pytest.mark.timeout(60)
+def test_refusals_still_walk_every_group() -> None:
+    model = _model()
+    names = [n for n, _ in model.named_parameters()]
+
+    class Partial(Watched):
+        def held_names(self) -> list[str]:  # this rank lacks layer 2 (pipeline stages)
+            return [n for n in names if not n.startswith("layers.2.")]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:  # the held groups only
+            return (p for p in super().__iter__() if not p[0].startswith("layers.2."))
+
+    with WeightPublisher("tcp://127.0.0.1:0", host_budget_bytes=1024) as pub:
+        whole = Watched(model)
+        with pytest.raises(StagingBudgetError):
+            pub.publish(whole)
+        assert whole.yielded == names  # the other ranks' gathers completed
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        partial = Partial(model)
+        with pytest.raises(ConfigError, match="must hold every parameter"):
+            pub.publish(partial)
+        assert partial.yielded == names and partial.live == 0  # walked to the last group
+
+
+@pytest.mark.timeout(60)
+def test_a_source_that_disagrees_with_its_metadata_is_refused() -> None:
+    class Lying(ModuleSource):
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in super().__iter__():
+                yield name, tensor.double() if name == "head.weight" else tensor
+
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        with pytest.raises(ConfigError, match="head.weight"):
+            pub.publish(Lying(_model()))
+        with pytest.raises(Exception, match="not held"):
+            pub.manifest(1)

@@ -1,0 +1,47 @@
+"""Sharded weights are published one layer group at a time: bit-exact, and no rank holds the model.
+
+Two FSDP2 (``fully_shard``) gloo ranks on CPU in their own processes: rank 0
+publishes, rank 1 runs ``gather_full_tensors``; a subscriber here checks every
+byte (``weightpub/bench/fsdp_streaming.py``, the harness of
+``benchmarks/fsdp_streaming.py``). Each rank's peak resident set beyond its own
+(rank 0: beyond its snapshot, the version itself) must stay within 3 layer
+groups of an 8-layer model: a whole-model gather holds 8.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from publisher.streamed_sources import gather_full_tensors, layer_groups
+from weightpub.bench.fsdp_streaming import ModelShape, run_streaming
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_ranks_publish_bit_exact_within_three_layer_groups() -> None:
+    shape = ModelShape(layers=8, hidden=1024)
+    run = run_streaming(shape, timeout=90)
+    assert run.verified_tensors == 2 + 3 * shape.layers  # embed, head, 3 per layer
+    layer = shape.hidden * shape.hidden * 4 + 2 * shape.hidden * 4
+    assert run.largest_group_bytes == layer
+    assert run.model_bytes >= shape.layers * layer  # a whole gather: >= 8 groups
+    by_rank = {r.rank: r for r in run.ranks}
+    assert by_rank[0].snapshot_bytes >= run.model_bytes  # the version itself, aligned
+    for rank, figures in by_rank.items():
+        assert figures.peak_extra_bytes <= 3 * run.largest_group_bytes, (rank, run.row())
+
+
+def test_layer_groups_follow_decoder_layers() -> None:
+    names = ["embed.weight", "layers.1.a", "layers.0.a", "layers.0.b", "norm.weight",
+             "layers.1.b", "head.weight"]
+    assert layer_groups(names) == [["embed.weight"], ["layers.0.a", "layers.0.b"],
+                                   ["layers.1.a", "layers.1.b"],
+                                   ["norm.weight", "head.weight"]]
+    assert layer_groups(["model.layers.3.mlp.experts.7.w1", "model.layers.3.mlp.experts.8.w1"]) \
+        == [["model.layers.3.mlp.experts.7.w1", "model.layers.3.mlp.experts.8.w1"]]
+
+
+def test_plain_weights_have_nothing_to_gather() -> None:
+    weights = {"a": torch.ones(3)}
+    assert gather_full_tensors(weights) is None
+    assert gather_full_tensors(iter(weights.items())) is None
