@@ -83,13 +83,19 @@ class IpcExporter:
         manifest = version.manifest
         if not manifest.total_bytes:
             return
-        with side_stream(self.device) as stream:  # never the trainer's stream, nor a
-            buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8,  # device-wide sync
-                                 device=self.device)
-            buffer.copy_(version.buffer[: manifest.total_bytes], non_blocking=True)
-            handle = export_buffer(buffer, manifest.version)  # its event: after the copy
-            assert stream is not None
-            stream.synchronize()  # the host buffer may be recycled once this returns
+        if not version.pin(self):  # its buffer already went to a newer snapshot
+            return
+        try:
+            # a side stream: never the trainer's stream, nor a device-wide sync
+            with side_stream(self.device) as stream:
+                buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8,
+                                     device=self.device)
+                buffer.copy_(version.buffer[: manifest.total_bytes], non_blocking=True)
+                handle = export_buffer(buffer, manifest.version)  # its event: after the copy
+                assert stream is not None
+                stream.synchronize()  # the host buffer may be reused once this returns
+        finally:
+            version.unpin(self)
         now = time.monotonic()
         for shared in self._shared:
             shared.superseded_at = shared.superseded_at or now

@@ -16,9 +16,12 @@ Bounds, per peer (a ROUTER identity):
   the peer's connection is cut (a well-behaved subscriber keeps at most
   ``MAX_CREDIT_CHUNKS`` in flight);
 - ``stall_timeout``: a peer with bytes queued and no progress for this long (it
-  never reads) is cut; ZeroMQ then drops its queue and the pinned versions are freed;
+  never reads) is cut; ZeroMQ then drops its queue and its scratch is freed;
 - deferred chunks of a version that was evicted are dropped with a
-  ``version_unavailable`` reply, so nothing deferred pins an old version.
+  ``version_unavailable`` reply, so nothing deferred pins an old version; so is a
+  chunk found overwritten by a newer snapshot once copied into scratch
+  (``PublishedVersion.intact``, ``publisher/buffer_claims.py``): the scratch is
+  dropped unsent, and the subscriber moves to the newer version.
 """
 
 from __future__ import annotations
@@ -162,11 +165,18 @@ class PeerTable:
         return self._send(peer, body)
 
     def _send_chunk(self, peer: Peer, header: chunk_frame.ChunkHeader,
-                    data: memoryview | bytes) -> bool:
-        """One chunk frame: ``data`` copied behind its header into scratch, then sent."""
+                    data: memoryview | bytes, version: PublishedVersion | None) -> bool | None:
+        """One chunk frame: ``data`` copied behind its header into scratch, then sent.
+
+        ``data`` in ``version``'s buffer: sent only if, once copied, the chunk is still
+        intact (a newer snapshot may be overwriting that buffer); None when it was not.
+        """
         scratch = self.scratch.take(chunk_frame.frame_bytes(len(data)))
         frame = chunk_frame.pack(scratch, req=header.req, version=header.version,
                                  chunk=header.chunk, payload=data)
+        if version is not None and not version.intact(header.chunk):
+            self.scratch.give(scratch)  # bytes of another version may be in it: never sent
+            return None
         if self._send(peer, frame, scratch):
             return True
         self.scratch.give(scratch)
@@ -175,7 +185,7 @@ class PeerTable:
     def send_to(self, identity: bytes, header: chunk_frame.ChunkHeader,
                 data: memoryview | bytes, version: PublishedVersion | None) -> bool:
         """Send a chunk for another server part (delta chunks) under the same credit;
-        ``version``: the one ``data`` points into (held while it is copied).
+        ``version``: the one ``data`` points into (checked after it is copied).
 
         False: no room now, try again later. True: sent, or the peer is gone (drop it).
         """
@@ -184,14 +194,11 @@ class PeerTable:
             return True
         if not self._room(peer, chunk_frame.frame_bytes(len(data))):
             return False
-        if version is None:
-            return self._send_chunk(peer, header, data) or identity not in self._peers
-        with version.sending() as live:
-            if not live:
-                return True  # the version is gone: the peer re-asks and is told so
-            if not self._send_chunk(peer, header, data):
-                return identity not in self._peers
-        return True
+        sent = self._send_chunk(peer, header, data, version)
+        if sent is None:  # overwritten by a newer version meanwhile: the peer is told so
+            self._unavailable(peer, header.req, header.version)
+            return True
+        return sent or identity not in self._peers
 
     def reply_to(self, identity: bytes, body: bytes) -> bool:
         peer = self._peers.get(identity)
@@ -218,7 +225,7 @@ class PeerTable:
             req, version, chunk = peer.deferred[0]
             if version.failed or not self.is_held(version):
                 peer.deferred.popleft()
-                self._unavailable(peer, req, version)
+                self._unavailable(peer, req, version.manifest.version)
                 continue
             if not version.chunk_ready(chunk):
                 return  # announced before its copy ended: sent once the bytes are final
@@ -227,23 +234,23 @@ class PeerTable:
                 return
             header = chunk_frame.ChunkHeader(req=req, version=version.manifest.version,
                                              chunk=chunk, size=len(data))
-            with version.sending() as live:  # not retired while its bytes are copied
-                if not live:  # retired since is_held(): never send bytes reused by another
-                    peer.deferred.popleft()
-                    self._unavailable(peer, req, version)
-                    continue
-                if not self._send_chunk(peer, header, data):
-                    return
+            sent = self._send_chunk(peer, header, data, version)
+            if sent is None:  # a newer snapshot overwrote it: the subscriber moves on
+                peer.deferred.popleft()
+                self._unavailable(peer, req, version.manifest.version)
+                continue
+            if not sent:
+                return
             self.chunk_bytes += len(data)
             peer.deferred.popleft()
 
-    def _unavailable(self, peer: Peer, req: int, version: PublishedVersion) -> None:
+    def _unavailable(self, peer: Peer, req: int, number: int) -> None:
         # one reply per request, not per chunk (a request's chunks are queued together)
         if peer.deferred and peer.deferred[0][0] == req:
             return
-        number = version.manifest.version
         error = wire.ErrorReply(req=req, code="version_unavailable", version=number,
-                                message=f"version {number} was evicted while chunks waited")
+                                message=f"version {number} was evicted, or overwritten by a "
+                                        "newer one, while chunks waited")
         self.reply(peer, wire.encode(error))
 
     # -- progress ------------------------------------------------------------------------------

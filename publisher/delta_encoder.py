@@ -18,8 +18,11 @@ bytes) so the encoder never falls behind the trainer.
 
 Memory: the encoded deltas of at most ``anchor_every - 1`` versions, together
 at most one full version's bytes (oldest dropped first); chunks where a delta
-does not pay are not copied but served from the version's own buffer, and the
-base being read is pinned (kept out of the buffer pool) until its encoding ends.
+does not pay are not copied but served from the version's own buffer. The base
+must stay whole beside the new version, so deltas need ``keep_versions`` >= 2
+(``PublisherOptions``: one more snapshot in ``host_budget_bytes``). Nothing is
+pinned: a chunk whose base or new bytes a newer snapshot began to overwrite while
+it was encoded (``PublishedVersion.intact``, checked after) is served raw.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def chunk_widths(manifest: wire.Manifest) -> list[int]:
     return [width for _, width in best]
 
 
-_Job = tuple[EncodedDelta, PublishedVersion, PublishedVersion, object]
+_Job = tuple[EncodedDelta, PublishedVersion, PublishedVersion]
 
 
 class DeltaPublisher:
@@ -148,21 +151,17 @@ class DeltaPublisher:
         return info
 
     def start(self, new: PublishedVersion, base: PublishedVersion | None) -> None:
-        """Queue the encoding of ``new`` against ``base`` (both pinned until it ends)."""
+        """Queue the encoding of ``new`` against ``base`` (each chunk checked after)."""
         if new.manifest.delta is None or base is None or self._closed:
             return
-        token = object()
-        if not new.pin(token):
-            return
-        if not base.pin(token):  # the base's buffer is already reused: no delta this time
-            new.unpin(token)
+        if base.lent:  # the base's buffer is already being reused: no delta this time
             return
         delta = EncodedDelta(version=new.manifest.version, base_version=base.manifest.version,
                              payloads=[None] * new.manifest.num_chunks)
         with self._lock:
             self._deltas[delta.version] = delta
             self._evict_locked(new.manifest.total_bytes)
-        self._jobs.put((delta, new, base, token))
+        self._jobs.put((delta, new, base))
 
     def lookup(self, version: int, base: int) -> EncodedDelta | None:
         with self._lock:
@@ -196,15 +195,13 @@ class DeltaPublisher:
             job = self._jobs.get()
             if job is None:
                 return
-            delta, new, base, token = job
+            delta, new, base = job
             try:
                 self._encode(delta, new, base)
             except Exception:  # the chunks not encoded are served raw
                 log.exception("encoding the delta of version %d failed", delta.version)
             finally:
                 delta.finished = True
-                new.unpin(token)
-                base.unpin(token)
                 with self._lock:
                     self._evict_locked(new.manifest.total_bytes)
 
@@ -241,4 +238,6 @@ class DeltaPublisher:
                       chunk: int, width: int) -> None:
         cpu = time.thread_time()
         payload = encode_chunk(new.chunk_view(chunk), base.chunk_view(chunk), width)
+        if not (new.intact(chunk) and base.intact(chunk)):
+            payload = None  # a newer snapshot overwrote bytes it read: served raw (or not)
         delta._set(chunk, RAW if payload is None else payload, time.thread_time() - cpu)

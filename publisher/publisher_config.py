@@ -19,7 +19,8 @@ class PublisherConfig(StrictConfig):
 
     endpoint: str
     model_id: str = ""
-    keep_versions: int = Field(2, ge=1, le=64)
+    # snapshots held whole (None: 1, or 2 with delta_anchor_every > 1; PublisherOptions)
+    keep_versions: int | None = Field(None, ge=1, le=64)
     # chunk size on the wire; 0 (default): chosen per version from its size, a power of
     # two from 256 KiB to 4 MiB giving at least 64 chunks (publisher.chunk_sizing)
     chunk_mib: int = Field(0, ge=0, le=1024)

@@ -36,7 +36,9 @@ class PublisherOptions:
     """
 
     model_id: str = ""
-    keep_versions: int = 2
+    #: snapshots held whole (each one version's bytes of host memory, in
+    #: ``host_budget_bytes``); None: 1, or 2 with ``delta_anchor_every`` > 1 (``versions_kept``)
+    keep_versions: int | None = None
     chunk_size: int | None = None
     heartbeat_interval: float = 1.0
     first_version: int = 1
@@ -58,8 +60,14 @@ class PublisherOptions:
             raise ConfigError(f"chunk_size: {self.chunk_size} is outside "
                               f"[{wire.MIN_CHUNK_SIZE}, {wire.MAX_CHUNK_SIZE}] (or None: "
                               "chosen per version from its size)")
-        if self.keep_versions < 1:
+        if self.keep_versions is not None and self.keep_versions < 1:
             raise ConfigError(f"keep_versions: {self.keep_versions} must be >= 1")
+        if self.delta_anchor_every > 1 and self.keep_versions == 1:
+            raise ConfigError(
+                f"keep_versions: 1 with delta_anchor_every {self.delta_anchor_every}: a delta "
+                "is encoded against the previous version, kept whole beside the new one, so "
+                "deltas need keep_versions >= 2 (one more snapshot of host memory, counted in "
+                "host_budget_bytes; leave keep_versions unset for 2)")
         if self.first_version < 1:
             raise ConfigError(f"first_version: {self.first_version} must be >= 1")
         if not 0 < self.heartbeat_interval <= 3600:
@@ -78,6 +86,14 @@ class PublisherOptions:
     def chunk_size_for(self, total_bytes: int) -> int:
         """The chunk size of a version of ``total_bytes``: ``chunk_size``, or adaptive."""
         return chunk_size_for(self.chunk_size, total_bytes)
+
+    @property
+    def versions_kept(self) -> int:
+        """``keep_versions``, or its default: 1 (one snapshot, overwritten by the next
+        version), 2 with deltas (their base stays whole)."""
+        if self.keep_versions is not None:
+            return self.keep_versions
+        return 2 if self.delta_anchor_every > 1 else 1
 
     @classmethod
     def from_keywords(cls, **keywords: Unpack[PublisherKeywords]) -> PublisherOptions:
@@ -103,7 +119,7 @@ class PublisherKeywords(TypedDict, total=False):
     """``WeightPublisher``'s option keywords (the flat, public spelling)."""
 
     model_id: str
-    keep_versions: int
+    keep_versions: int | None
     chunk_size: int | None
     heartbeat_interval: float
     first_version: int

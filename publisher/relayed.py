@@ -33,7 +33,7 @@ class RelayedVersion:
     upstream subscriber), read by the serving thread through ``is_ready``."""
 
     def __init__(self, published: PublishedVersion, upstream: tuple[str, int],
-                 on_fail: Callable[[int], None]) -> None:
+                 on_fail: Callable[[int], object]) -> None:
         self.published = published
         self.upstream = upstream  # (publisher_id, version) it copies
         self._ready = bytearray(published.manifest.num_chunks)
@@ -71,6 +71,7 @@ class RelayedVersion:
         with self._lock:
             if self._done or self._ready[chunk]:
                 return
+            self.published.claim(start, start + size)  # before the bytes (buffer_claims.py)
             self.published.view[start: start + size] = data
             self.written_bytes += size
             self._ready[chunk] = 1  # after the bytes: the serving thread reads flag, then bytes

@@ -162,6 +162,13 @@ class Snapshot:
     failed: bool = False
     #: bytes of each chunk not yet final, when the copy runs out of layout order
     pending: list[int] | None = None
+    #: told ``(start, stop)`` before those bytes are written: the buffer may still hold
+    #: an older version being served (``publisher/buffer_claims.py``)
+    claim: Callable[[int, int], None] | None = None
+
+    def claim_range(self, start: int, stop: int) -> None:
+        if self.claim is not None:
+            self.claim(start, stop)
 
 
 def plan_snapshot(weights: WeightsLike, pool: BufferPool,
@@ -205,6 +212,7 @@ def copy_in_priority_order(snapshot: Snapshot, pairs: list[tuple[str, torch.Tens
     for index in priority_tensors(entries, total):
         entry, (_, tensor) = entries[index], pairs[index]
         end = entries[index + 1].offset if index + 1 < len(entries) else total
+        snapshot.claim_range(entry.offset + entry.nbytes, end)
         buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
         done(entry.offset + entry.nbytes, end)
         if entry.nbytes:
@@ -212,6 +220,7 @@ def copy_in_priority_order(snapshot: Snapshot, pairs: list[tuple[str, torch.Tens
             src = flat_bytes(tensor)
             for start in range(0, entry.nbytes, chunk_size):
                 stop = min(start + chunk_size, entry.nbytes)
+                snapshot.claim_range(entry.offset + start, entry.offset + stop)
                 copy_bytes(dst[start:stop], src[start:stop])
                 done(entry.offset + start, entry.offset + stop)
     first = entries[0].offset if entries else total
@@ -231,15 +240,18 @@ def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_s
     on_gpu = bool(devices)
     for index, (entry, (_, tensor)) in enumerate(zip(entries, pairs, strict=True)):
         end = entries[index + 1].offset if index + 1 < len(entries) else total
+        snapshot.claim_range(entry.offset + entry.nbytes, end)
         buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
         dst = buffer[entry.offset: entry.offset + entry.nbytes]
         if entry.nbytes and tensor.device.type == "cpu" and tensor.is_contiguous():
             src = flat_bytes(tensor)
             for start in range(0, entry.nbytes, chunk_size):
                 stop = min(start + chunk_size, entry.nbytes)
+                snapshot.claim_range(entry.offset + start, entry.offset + stop)
                 copy_bytes(dst[start:stop], src[start:stop])
                 _advance(snapshot, entry.offset + stop, on_progress)
         elif entry.nbytes:
+            snapshot.claim_range(entry.offset, entry.offset + entry.nbytes)
             dst.view(tensor.dtype).view(tensor.shape).copy_(
                 tensor, non_blocking=tensor.device.type == "cuda")
         if not on_gpu:

@@ -1,21 +1,28 @@
-"""The newest K published versions, kept in host memory for slow subscribers.
+"""The newest K published versions, kept in host memory for slow subscribers, in K buffers.
 
-A chunk reply copies its bytes out of a version's buffer (behind its one-frame
-header) while holding the version (``sending``); a buffer is recycled only once
-no reader pins it and no tracked frame points into it (``track``).
+Memory: the publisher holds ``keep_versions`` snapshot buffers (default 1) and no
+more. ``publish()`` of a new version, with K versions held, lends the oldest one's
+buffer to the new snapshot (``VersionStore.make_room``): the old version stays
+listed and served while the copy overwrites it region by region, and every reader
+checks after its copy that the bytes it read are still its version's
+(``publisher.buffer_claims``; ``PublishedVersion.intact``). A chunk already
+overwritten gets ``version_unavailable``: its subscriber moves to the new version,
+as conflation does. A reader that copies a whole version out over a long time (a
+collective round, a relay still writing its chunks in) ``pin``s it instead: a pinned
+version's buffer is not lent, and the next snapshot takes a buffer of its own (within
+``host_budget_bytes``) until it is unpinned.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import zmq
 
+from publisher.buffer_claims import BufferClaims, ClaimTable
 from publisher.snapshot import Snapshot
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ConfigError
@@ -26,21 +33,20 @@ __all__ = ["PublishedVersion", "VersionStore"]
 
 @dataclass(slots=True)
 class PublishedVersion:
-    """A manifest plus the bytes it describes; the bytes never change once published."""
+    """A manifest plus the bytes it describes, until a newer version claims them."""
 
     manifest: Manifest
     buffer: torch.Tensor
     view: memoryview
     snapshot: Snapshot | None = None
-    trackers: list[zmq.MessageTracker] = field(default_factory=list)
-    pins: list[object] = field(default_factory=list)  # readers besides ZeroMQ (delta encoder)
+    pins: list[object] = field(default_factory=list)  # long readers (collective round, relay)
     ready: Callable[[int], bool] | None = None  # chunk by chunk (a relayed version, relayed.py)
-    #: set once the buffer went back to the pool: nothing may read it any more
-    retired: bool = False
-    # the server thread tracks sends and other threads pin while a publish() retires
-    # evicted versions: one lock, so no tracker or pin is lost and nothing starts
-    # reading a buffer already handed to a newer version
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    #: which version each region of the buffer holds (set by ``VersionStore.add``)
+    claims: BufferClaims | None = None
+    #: the buffer went to a newer snapshot: chunks are served only while ``intact``
+    lent: bool = False
+    # pins and lending under one lock: nothing starts a long read of a lent buffer
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def chunk_ready(self, chunk: int) -> bool:
         """Whether the chunk's bytes are final (the manifest may precede the copy's end)."""
@@ -59,26 +65,26 @@ class PublishedVersion:
         return self.snapshot is not None and self.snapshot.failed
 
     def chunk_view(self, chunk: int) -> memoryview:
+        """The chunk's bytes in place: check ``intact`` after copying them anywhere."""
         start, size = self.manifest.chunk_span(chunk)
         return self.view[start: start + size]
 
-    @contextmanager
-    def sending(self) -> Iterator[bool]:
-        """Hold while queueing a zero-copy send of these bytes and ``track``-ing it, so the
-        buffer cannot be retired in between; yields False once it was retired."""
-        with self._lock:
-            yield not self.retired
+    def intact(self, chunk: int) -> bool:
+        """Whether no newer version has begun to overwrite the chunk: ask after reading it."""
+        if self.claims is None:
+            return True
+        start, size = self.manifest.chunk_span(chunk)
+        return self.claims.holds(start, start + size, self.manifest.version)
 
-    def track(self, tracker: zmq.MessageTracker) -> None:
-        with self._lock:
-            if len(self.trackers) > 64:
-                self.trackers = [t for t in self.trackers if not t.done]
-            self.trackers.append(tracker)
+    def claim(self, start: int, stop: int) -> None:
+        """Before writing ``[start, stop)`` of this version (a relay's chunk)."""
+        if self.claims is not None:
+            self.claims.claim(start, stop, self.manifest.version)
 
     def pin(self, reader: object) -> bool:
-        """Keep the bytes for ``reader`` until ``unpin``; False if they are already gone."""
+        """Keep the bytes for ``reader`` until ``unpin``; False if the buffer is already lent."""
         with self._lock:
-            if self.retired:
+            if self.lent:
                 return False
             self.pins.append(reader)
             return True
@@ -88,29 +94,57 @@ class PublishedVersion:
             if reader in self.pins:
                 self.pins.remove(reader)
 
-    def retire_if_idle(self) -> bool:
-        """Retire the buffer unless a send or a reader still uses it; True if retired."""
+    def lend(self) -> bool:
+        """Give the buffer up for a newer snapshot unless a long reader pins it; True if lent."""
         with self._lock:
-            self.trackers = [t for t in self.trackers if not t.done]
-            if self.trackers or self.pins:
+            if self.lent or self.pins:
                 return False
-            self.retired = True
+            self.lent = True
             return True
 
 
 class VersionStore:
-    """Thread-safe map version -> PublishedVersion holding at most ``keep`` entries."""
+    """Thread-safe map version -> PublishedVersion holding at most ``keep`` entries.
+
+    Evicted versions still pinned wait in ``_evicted`` and go back to the pool when
+    unpinned (``recycle``); a lent one is already there.
+    """
 
     def __init__(self, keep: int, pool: BufferPool) -> None:
         if keep < 1:
             raise ConfigError(f"keep_versions: {keep} must be >= 1")
         self._keep = keep
         self._pool = pool
+        self._claims = ClaimTable()
         self._versions: OrderedDict[int, PublishedVersion] = OrderedDict()
         self._evicted: list[PublishedVersion] = []
         self._lock = threading.Lock()
 
+    @property
+    def keep(self) -> int:
+        return self._keep
+
+    def claims(self, buffer: torch.Tensor) -> BufferClaims:
+        """The claims of ``buffer`` (any view of a pool buffer): a snapshot claims as it copies."""
+        return self._claims.of(buffer)
+
+    def make_room(self) -> None:
+        """Before a new snapshot takes a buffer: with ``keep`` versions held, lend the
+        oldest one's buffer to the pool (unless pinned), so the new copy reuses it.
+
+        The oldest version stays listed (and served chunk by chunk, while intact) until
+        the new one is added.
+        """
+        with self._lock:
+            self._recycle_locked()
+            if len(self._versions) < self._keep:
+                return
+            oldest = next(iter(self._versions.values()))
+            if oldest.lend():
+                self._pool.give(oldest.buffer)
+
     def add(self, version: PublishedVersion) -> None:
+        version.claims = self._claims.of(version.buffer)
         with self._lock:
             self._versions[version.manifest.version] = version
             while len(self._versions) > self._keep:
@@ -118,10 +152,20 @@ class VersionStore:
                 self._evicted.append(old)
             self._recycle_locked()
 
-    def discard(self, version: int) -> None:
-        """Forget a version whose snapshot failed (its buffer is not reused)."""
+    def discard(self, version: int) -> bool:
+        """Forget a version whose snapshot failed; its buffer goes back to the pool.
+        False if it was not held."""
         with self._lock:
-            self._versions.pop(version, None)
+            old = self._versions.pop(version, None)
+            if old is not None:
+                self._evicted.append(old)
+            self._recycle_locked()
+        return old is not None
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        """A snapshot that failed before it was announced: its buffer goes back to the pool
+        (no reader trusts its bytes unchecked)."""
+        self._pool.give(buffer)
 
     def get(self, version: int) -> PublishedVersion | None:
         with self._lock:
@@ -136,21 +180,21 @@ class VersionStore:
             return tuple(self._versions)
 
     def retiring(self) -> int:
-        """Evicted versions whose buffers are still being read (sends, pins)."""
+        """Evicted versions whose buffers long readers still pin."""
         with self._lock:
             return len(self._evicted)
 
     def recycle(self) -> None:
-        """Return evicted buffers whose zero-copy sends have all completed to the pool."""
+        """Return evicted buffers no long reader pins any more to the pool."""
         with self._lock:
             self._recycle_locked()
 
     def _recycle_locked(self) -> None:
         still: list[PublishedVersion] = []
         for old in self._evicted:
-            if old.retire_if_idle():
+            if old.lend():
                 self._pool.give(old.buffer)
-            else:
+            elif not old.lent:
                 still.append(old)
         self._evicted = still
 

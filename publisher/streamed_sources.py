@@ -272,7 +272,11 @@ def _plan_source(source: WeightSourceLike) -> StreamedPairs:
 
 
 def _copy_group(snapshot: Snapshot, start: int, group: Group, chunk_size: int) -> int:
-    """Copy one group's tensors to their planned places; return the end of its bytes."""
+    """Copy one group's tensors to their planned places; return the end of its bytes.
+
+    Each range is claimed before it is written: the buffer may still hold an
+    older version being served (``publisher/buffer_claims.py``).
+    """
     buffer, entries, total = snapshot.buffer, snapshot.entries, snapshot.total_bytes
     names, tensors = group
     planned = entries[start:start + len(names)]
@@ -291,6 +295,7 @@ def _copy_group(snapshot: Snapshot, start: int, group: Group, chunk_size: int) -
     for entry, tensor in zip(planned, tensors, strict=True):
         index += 1
         end = entries[index].offset if index < len(entries) else total
+        snapshot.claim_range(entry.offset, end)
         buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
         if not entry.nbytes:
             continue

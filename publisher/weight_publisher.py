@@ -14,6 +14,7 @@ numbers monotonic across restarts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -69,6 +70,10 @@ class WeightPublisher:
     small version in big chunks pays a long tail); set it to fix one for every version.
     ``host_budget_bytes`` bounds the host memory of the version snapshots (kept, being
     sent, pooled); default: 3/4 of the memory available at start (``publisher.host_budget``).
+    ``keep_versions`` is how many snapshots are held whole, each one version's bytes of
+    host memory: by default 1 (2 with deltas), and each new version is copied over the
+    oldest one held, which is served chunk by chunk until overwritten
+    (``publisher.store``); more lets subscribers slower than the trainer finish an older one.
 
     ``collective`` (``"gloo"`` on CPUs, ``"nccl"`` on GPUs, ``"cuda_ipc"`` for a replica
     on this process's GPU, or None) also serves every version by a collective broadcast
@@ -116,9 +121,9 @@ class WeightPublisher:
         self._next_version = options.first_version
         self._pool = BufferPool(max_buffers=2, budget_name=BUDGET_NAME,
                                 budget_bytes=options.host_budget_bytes or derive_host_budget())
-        self._store = VersionStore(options.keep_versions, self._pool)
+        self._store = VersionStore(options.versions_kept, self._pool)
         # every snapshot is checked against host_budget_bytes before it is allocated
-        self._budget = HostBudget(self._pool, keep_versions=options.keep_versions,
+        self._budget = HostBudget(self._pool, keep_versions=options.versions_kept,
                                   held=self._store.versions, recycle=self._store.recycle,
                                   retiring=self._store.retiring)
         self._deltas = DeltaPublisher(options.delta_anchor_every)
@@ -157,6 +162,7 @@ class WeightPublisher:
             raise
         self._announced = threading.Condition()
         self._announced_version = 0
+        self._last_snapshot: tuple[int, Snapshot] | None = None  # the newest publish()'s
         self._publish_lock = threading.Lock()
         self._closed = False
         # copies and hashes each snapshot; its thread calls _announce with the checksums
@@ -222,18 +228,39 @@ class WeightPublisher:
             if version is not None and version < self._next_version:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
-            self._store.recycle()  # free buffers whose zero-copy sends have finished
+            self._reuse_oldest()
             snapshot, pairs = plan_version(weights, self._pool,
                                            lambda nbytes: self._budget.admit(number, nbytes))
+            snapshot.claim = functools.partial(self._store.claims(snapshot.buffer).claim,
+                                               version=number)
             self._next_version = number + 1
+            self._last_snapshot = (number, snapshot)
             try:
                 self._preparer.copy_and_hash(number, snapshot, pairs,
                                              self.options.chunk_size_for(snapshot.total_bytes))
             except BaseException:
                 snapshot.failed = True  # subscribers get "version unavailable"
-                self._store.discard(number)
+                if not self._store.discard(number):
+                    self._store.give_back(snapshot.buffer)
                 raise
         return number
+
+    def _reuse_oldest(self, wait_s: float = 10.0) -> None:
+        """With ``keep_versions`` held, hand the oldest one's buffer to the next snapshot.
+
+        The previous ``publish()``'s version is waited for (bounded) until it is in the
+        store: its hashes may still be ending, and the version to lend is the oldest of
+        the ones held once it is there.
+        """
+        last = self._last_snapshot
+        if last is not None:
+            number, snapshot = last
+            deadline = time.monotonic() + wait_s
+            with self._announced:
+                while self._store.get(number) is None and not snapshot.failed \
+                        and not self._closed and time.monotonic() < deadline:
+                    self._announced.wait(0.05)
+        self._store.make_room()
 
     def relay_version(self, upstream: wire.Manifest, *,
                       version: int | None = None) -> RelayedVersion:
@@ -251,7 +278,7 @@ class WeightPublisher:
             number = upstream.version if version is None else version
             if number < self._next_version:
                 raise ValueError(f"version {number} is not newer than {self._next_version - 1}")
-            self._store.recycle()
+            self._reuse_oldest()
             total = upstream.total_bytes
             self._budget.admit(number, total)
             snapshot = Snapshot(entries=list(upstream.tensors), buffer=self._pool.take(total),
@@ -289,7 +316,9 @@ class WeightPublisher:
 
     def data_stats(self) -> dict[str, float]:
         """Chunk payload bytes sent (full vs delta), the delta encoder's work so far, and
-        the host budget (``host_budget_bytes``) with the bytes its snapshot buffers hold."""
+        the host budget (``host_budget_bytes``) with the bytes its snapshot buffers hold
+        (``keep_versions`` snapshots, plus one while a kept one is pinned) and the
+        reply scratch queued in ZeroMQ."""
         held = self._deltas.held()
         return {
             "bytes_sent_full": self._server.served_bytes,
@@ -302,6 +331,11 @@ class WeightPublisher:
             else self._collective.bytes_sent,
             "host_budget_bytes": self._budget.budget_bytes,
             "host_held_bytes": self._pool.held_bytes,
+            # snapshots held whole: host_held_bytes is about this many versions
+            "keep_versions": self._store.keep,
+            # chunk frames' scratch ZeroMQ still holds (bounded by max_total_queued_bytes)
+            "send_queued_bytes": 0 if self._server.peers is None
+            else self._server.peers.total_queued,
         }
 
     def collective_status(self) -> GroupStatus | None:

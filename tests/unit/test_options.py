@@ -37,6 +37,13 @@ def test_publisher_keywords_and_yaml_make_the_same_options() -> None:
     assert from_yaml.limits.tracker.fanout == 2
 
 
+def test_keep_versions_is_one_snapshot_by_default_and_two_with_deltas() -> None:
+    assert PublisherOptions().versions_kept == 1
+    assert PublisherOptions(delta_anchor_every=4).versions_kept == 2
+    assert PublisherOptions(keep_versions=3, delta_anchor_every=4).versions_kept == 3
+    assert PublisherConfig(endpoint="tcp://127.0.0.1:1").options().versions_kept == 1
+
+
 def test_publisher_collective_keywords_shape_nothing_when_the_path_is_off() -> None:
     options = PublisherOptions.from_keywords(collective_timeout=5.0, collective_port=7)
     assert options.collective is None
@@ -53,6 +60,7 @@ def test_peer_fanout_overrides_the_limits_it_is_given() -> None:
 @pytest.mark.parametrize(("keywords", "key"), [
     ({"chunk_size": 100}, "chunk_size"),
     ({"keep_versions": 0}, "keep_versions"),
+    ({"keep_versions": 1, "delta_anchor_every": 2}, "keep_versions"),
     ({"first_version": 0}, "first_version"),
     ({"heartbeat_interval": 0}, "heartbeat_interval"),
     ({"peer_fanout": 99}, "peer_fanout"),
