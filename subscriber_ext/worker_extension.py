@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from subscriber_ext.apply.prepare import PreparedVersion
+from subscriber_ext.apply.prepare_budget import PrepareBudget
 from subscriber_ext.apply.progressive import VersionPrep
 from subscriber_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.commit.shared_slots import ENV, SlotTable, SlotWriter
@@ -68,8 +69,10 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
                 strategy = EngineDriven(SlotWriter(st.slots, st.slot_index))
             else:
                 strategy = RankAgreement(self._wp_groups(), settings.keep)
+            applier.prepare_budget = PrepareBudget(settings.prepare_budget_bytes)
             prepare = settings.prepare if settings.prepare is not None else \
                 applier.mode() == "reload"
+            prepare = prepare and applier.prepare_budget.enabled
             early = prepare and settings.prepare_while_arriving
             st.coordinator = CommitCoordinator(
                 applier.apply, strategy, keep=settings.keep,
@@ -207,10 +210,16 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
 
         Extension options: ``apply_mode`` (auto|in_place|reload), ``keep`` (staged
         versions held per rank, default 2), ``prepare`` (build kernel-format weights
-        on a background thread and only swap them in at commit; default: on in
-        reload mode while the engine is busy, so a commit never stalls generation,
-        and off while it is idle, where a direct reload is sooner; ``True`` always;
-        costs one extra copy of the weights per rank), ``subscriber_cls``
+        on a background thread and only swap them in at commit; on in reload mode
+        while the engine is busy when a prepare budget allows it, off while it is
+        idle, where a direct reload is sooner; ``True`` always; costs up to one
+        extra copy of the weights per rank), ``prepare_budget_bytes`` (what those
+        shadows may hold per rank: default 0, none, so a replica following versions
+        holds the staged copy and little else and each commit writes the staged bytes
+        into the live weights, a longer pause; raise it to prepare that many bytes of
+        layers off the step path, the rest written at the commit; unbounded by default
+        with ``prepare=True``; shown in ``weight_status()["prepare_budget"]``),
+        ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``; called
         as ``cls(endpoint, on_version=..., options=SubscriberOptions)``),
         ``prepare_while_arriving`` (default True: with ``prepare`` on, each layer is

@@ -30,6 +30,8 @@ class CommitSettings:
     keep: int
     prepare: bool | None
     prepare_while_arriving: bool
+    #: bytes prepared shadows may hold on a rank (None: unbounded; 0: none prepared)
+    prepare_budget_bytes: int | None = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +42,9 @@ class WorkerOptions:
     keep: int = 2
     prepare: bool | None = None  # None: prepare while the engine is busy, in reload mode
     prepare_while_arriving: bool = True
+    #: bytes of prepared shadows per rank; None: 0 (none: the commit writes the staged
+    #: bytes into the live weights), or unbounded with ``prepare=True``
+    prepare_budget_bytes: int | None = None
     record_requests: bool = True
     request_log_size: int = 65536
     subscriber_cls: str = DEFAULT_SOURCE  # "module:Class" of a ``VersionSource``
@@ -61,6 +66,14 @@ class WorkerOptions:
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not true, false or "
                                   "None (the default)")
+        budget = self.prepare_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise ConfigError(f"prepare_budget_bytes: {budget!r} is not a number of bytes "
+                              "(0 or more) or None")
+        if self.prepare is True and budget == 0:
+            raise ConfigError("prepare_budget_bytes: 0 leaves nothing to prepare with "
+                              "prepare=True; raise it or leave it unset (unbounded)")
         if not isinstance(self.subscriber_cls, str) or ":" not in self.subscriber_cls:
             raise ConfigError(f"subscriber_cls: {self.subscriber_cls!r} is not "
                               "'module:Class'")
@@ -74,5 +87,8 @@ class WorkerOptions:
 
     @property
     def commit(self) -> CommitSettings:
+        budget = self.prepare_budget_bytes
+        if budget is None:
+            budget = None if self.prepare is True else 0
         return CommitSettings(self.apply_mode, self.keep, self.prepare,
-                              self.prepare_while_arriving)
+                              self.prepare_while_arriving, budget)

@@ -73,6 +73,7 @@ class WorkerStatus(StateAccess):
             # (the node's subscription: counted at its owner rank only)
             "collective_fallbacks": {} if follower else dict(
                 (source.get("collective") or {}).get("fallback_causes") or {}),
+            "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
             "metrics": metrics,
         }
 
@@ -102,6 +103,8 @@ class WorkerStatus(StateAccess):
             "commits": list(coord.commit_log)[-16:] if coord else [],
             "commit_count": coord.commit_count if coord else 0,
             "prepare": coord.prepare_status() if coord else None,
+            # bytes prepared shadows may hold and hold now (``apply/prepare_budget.py``)
+            "prepare_budget": applier.prepare_budget.status() if applier else None,
             "step": coord.step if coord else 0,
             "step_check_s": st.step_check_s,
             "driven": coord.driven if coord else st.slots is not None,

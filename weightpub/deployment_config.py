@@ -37,6 +37,9 @@ class ReplicaConfig(StrictConfig):
     apply_mode: Literal["auto", "in_place", "reload"] = "auto"
     # the ranks on one node share one subscription and staged copy (None: when TP x PP > 1)
     node_staging: bool | None = None
+    # bytes of prepared (kernel-format) shadows per rank; None: the replica's default (0:
+    # none, each commit writes the staged bytes into the live weights)
+    prepare_budget_bytes: int | None = Field(None, ge=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_model_len: int | None = Field(None, ge=16)
     host: str = "127.0.0.1"

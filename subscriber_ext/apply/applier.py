@@ -36,6 +36,7 @@ from subscriber_ext.apply.layout import CheckpointLayout
 from subscriber_ext.apply.loaders import first_load_processing, in_place_safe, load_into
 from subscriber_ext.apply.names import NameResolver, Target
 from subscriber_ext.apply.prepare import PreparedVersion
+from subscriber_ext.apply.prepare_budget import PrepareBudget
 from subscriber_ext.apply.progressive import LayerPlan, VersionPrep, prepare_version
 from subscriber_ext.apply.spec_checks import CheckedTensor, SpecChecker, TensorSpec
 from subscriber_ext.apply.streams import PrepStream
@@ -78,6 +79,8 @@ class WeightApplier:
         self._mla: list[torch.nn.Module] | None = None  # MLA attention layers, found once
         #: held while the live modules change (apply, swap) or are snapshot (prepare)
         self.lock = threading.RLock()
+        #: what prepared shadows may hold on this rank (None: unbounded)
+        self.prepare_budget = PrepareBudget(None)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -223,7 +226,7 @@ class WeightApplier:
         self._refuse_derived({t.module_name for t, _ in todo})
         prepared = prepare_version(
             self.model, todo, version=version, publisher_id=publisher_id, model_lock=self.lock,
-            stream=self.stream,
+            stream=self.stream, budget=self.prepare_budget,
         )
         prepared.applied = [t.checkpoint_name for t, _ in todo]
         prepared.ignored = ignored
@@ -263,25 +266,57 @@ class WeightApplier:
             logger.info("weightpub: version %d not prepared while arriving: %s", version, exc)
             return None
         prep = VersionPrep(self.model, plan, version=version, publisher_id=publisher_id,
-                           model_lock=self.lock, stream=self.stream)
+                           model_lock=self.lock, stream=self.stream,
+                           budget=self.prepare_budget)
         prep.applied, prep.ignored = applied, ignored
         return prep
 
-    def swap(self, prepared: PreparedVersion) -> ApplyReport:
+    def swap(self, prepared: PreparedVersion,
+             tensors: Mapping[str, torch.Tensor] | None = None) -> ApplyReport:
         """Install a prepared version: a device-local copy into the live storage (every
-        parameter and buffer keeps its address), plus attribute swaps."""
+        parameter and buffer keeps its address), plus attribute swaps.
+
+        Layers the prepare budget left out (``prepared.deferred``) are then written from
+        the staged ``tensors`` as ``apply`` writes them (in place or vLLM's reload: the
+        live parameters' own storage), checked before anything changes.
+        """
         start = time.perf_counter()
+        todo: list[tuple[Target, torch.Tensor]] = []
+        if prepared.deferred:
+            if tensors is None:
+                raise ApplyError(f"version {prepared.version}: {len(prepared.deferred)} "
+                                 "layers were not prepared and no staged tensors were given")
+            deferred = set(prepared.deferred)
+            todo = [(target, tensor) for _, target, tensor in
+                    self.checked_tensors(tensors, whole_layers=self.mode() == "reload")
+                    if target is not None and target.module_name in deferred]
         with torch.no_grad(), self.lock:
             prepared.swap()
             self._resolver = None  # a tensor whose shape changed is a new object
             self._refresh_derived({s.name for s in prepared.swaps})
+            self._reprocess(prepared.reprocess)
+            if todo:
+                if self.mode() == "in_place":
+                    self._apply_in_place(todo)
+                else:
+                    self._apply_reload(todo)
         report = ApplyReport(mode="prepared", seconds=time.perf_counter() - start)
         report.applied, report.ignored = prepared.applied, prepared.ignored
         self.last_report = report
         logger.info(
-            "weightpub swapped in %d prepared layers in %.6f s", len(prepared.swaps), report.seconds
+            "weightpub swapped in %d prepared layers (%d written from staging) in %.6f s",
+            len(prepared.swaps), len(prepared.deferred), report.seconds
         )
         return report
+
+    def _reprocess(self, names: Iterable[str]) -> None:
+        """Re-run kernel processing of live layers (tied to a tensor just copied in)."""
+        model = self.model
+        for name in names:
+            module = model.get_submodule(name)
+            qm = getattr(module, "quant_method", None)
+            if qm is not None and hasattr(qm, "process_weights_after_loading"):
+                qm.process_weights_after_loading(module)
 
     def _apply_in_place(self, todo: list[tuple[Target, torch.Tensor]]) -> None:
         params = self.resolver.params

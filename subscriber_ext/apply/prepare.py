@@ -15,8 +15,9 @@ copied: changed non-tensor attributes (CPU GEMM handles ``cpu_linear``, a MoE
 layer's kernel) and any tensor whose shape or dtype processing changed (see
 ``ModuleSwap``). The shadow is never reachable from the model before the
 commit. Cost: one extra copy of the touched weights per rank while a version is
-prepared; at the commit one device-local copy of them (``streams.py`` says on
-which stream).
+prepared, within the rank's ``PrepareBudget`` (``prepare_budget.py``: past it a
+layer is written from staging at the commit instead); at the commit one
+device-local copy of them (``streams.py`` says on which stream).
 
 Fused-expert (MoE) layers are prepared too: each expert tensor goes through the
 layer's loader with its expert id, and the shadow gets a private copy of the
@@ -206,6 +207,14 @@ class PreparedVersion:
     #: the preparation's stream discipline and its end event (``streams.py``)
     stream: PrepStream | None = None
     ready: Any = None
+    #: layers not prepared (past the prepare budget): written from the staged bytes at
+    #: the commit (``WeightApplier.swap``)
+    deferred: list[str] = field(default_factory=list)
+    #: layers tied to a prepared one whose own kernel state did not fit: processed on
+    #: the live module after the copy
+    reprocess: list[str] = field(default_factory=list)
+    #: the bytes these shadows hold in the prepare budget (given back when this goes)
+    charge: Any = None
 
     def swap(self) -> None:
         """Step thread: copy every prepared tensor into the live storage (swap the rest)."""

@@ -10,6 +10,10 @@ tied to rebuilt tensors (a tied ``lm_head``, sent or not) and returns the
 ``streams.py``. Nothing here touches a live module: a version that never
 completes, or is cancelled, is simply dropped.
 
+A ``PrepareBudget`` (``prepare_budget.py``) bounds the shadows: a layer that
+does not fit is not built but listed in ``PreparedVersion.deferred`` and written
+from the staged bytes at the commit.
+
 ``prepare_version`` is the all-at-once form (a version already complete).
 """
 
@@ -25,6 +29,7 @@ import torch
 from subscriber_ext.apply.loaders import load_into, private_quant_method
 from subscriber_ext.apply.names import Target
 from subscriber_ext.apply.prepare import PreparedVersion, Shadow
+from subscriber_ext.apply.prepare_budget import Charge, PrepareBudget
 from subscriber_ext.apply.streams import PrepStream
 from weightpub_wire.errors import ApplyError
 
@@ -40,13 +45,17 @@ class VersionPrep:
     """Shadows of one version's touched layers, built layer by layer, then finished.
 
     Used by one thread at a time (the preparer's). ``early`` counts the layers built
-    before ``finish`` (while the version was still arriving).
+    before ``finish`` (while the version was still arriving). ``budget``: each shadow
+    is charged before it is built; the layers that do not fit are ``deferred``.
     """
 
     def __init__(self, model: torch.nn.Module, plan: LayerPlan, *, version: int,
                  publisher_id: str, model_lock: threading.Lock | threading.RLock,
-                 stream: PrepStream | None = None) -> None:
+                 stream: PrepStream | None = None,
+                 budget: PrepareBudget | None = None) -> None:
         self.version = version
+        self.charge = Charge(budget)
+        self.deferred: set[str] = set()  # layers written from staging at the commit
         self.publisher_id = publisher_id
         self.stream = stream if stream is not None else PrepStream(torch.device("cpu"))
         self.applied: list[str] = []  # checkpoint names, for the commit's report
@@ -140,6 +149,10 @@ class VersionPrep:
 
         start = time.perf_counter()
         sh = self.shadows[module_name]
+        if not self.charge.take(_shadow_bytes(sh)):
+            self.pending.discard(module_name)
+            self.deferred.add(module_name)
+            return
         with torch.no_grad(), self.stream.building():
             sh.fresh_params({})
             private_quant_method(sh.module)
@@ -171,8 +184,15 @@ class VersionPrep:
                 logger.warning("weightpub: version %d: tied tensor %s differs from the one "
                                "whose storage it shares (in parentheses), which is used",
                                self.version, names)
+        built_tied: list[Shadow] = []
+        reprocess: list[str] = []
         with torch.no_grad(), self.stream.building():
             for n, (sh, links) in self.tied.items():
+                if any(m in self.deferred for m, _ in links.values()):
+                    continue  # its owner is reloaded at the commit, which re-processes it
+                if not self.charge.take(_shadow_bytes(sh, tied=True)):
+                    reprocess.append(n)  # processed on the live module after the copy
+                    continue
                 # the tied layer keeps sharing the (new) tensor; only its own state is rebuilt
                 shared = {a: self.shadows[m].module._parameters[src]
                           for a, (m, src) in links.items()}
@@ -184,9 +204,13 @@ class VersionPrep:
                 if any(sh.module._parameters[a] is not None for a in untied):
                     raise ApplyError(f"{n}: partly tied layer; cannot prepare")
                 sh.process()
+                built_tied.append(sh)
         out = PreparedVersion(self.version, self.publisher_id, applied=list(self.applied),
-                              ignored=list(self.ignored), stream=self.stream)
-        for sh in [*self.shadows.values(), *(s for s, _ in self.tied.values())]:
+                              ignored=list(self.ignored), stream=self.stream,
+                              deferred=sorted(self.deferred), reprocess=reprocess,
+                              charge=self.charge)
+        built = [sh for n, sh in self.shadows.items() if n not in self.deferred]
+        for sh in [*built, *built_tied]:
             swap = sh.to_swap()
             moved = swap.moved()
             if moved and self.stream.cuda:
@@ -212,6 +236,21 @@ class VersionPrep:
         return out
 
 
+def _shadow_bytes(sh: Shadow, *, tied: bool = False) -> int:
+    """What a layer's shadow holds once built: its parameters in checkpoint format (vLLM's
+    reload metadata; the kernel format is about as large) and its cloned buffers.
+    A tied layer shares its owner's tensor: its kernel copy is as large as that."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    restore, _ = get_layerwise_info(sh.live).restore_metadata
+    total = sum(t.numel() * t.element_size() for t in restore.values())
+    if not total or tied:
+        total = max(total, sum(p.numel() * p.element_size()
+                               for p in sh.live._parameters.values() if p is not None))
+    return total + sum(b.numel() * b.element_size()
+                       for b in sh.module._buffers.values() if b is not None)
+
+
 def prepare_version(
     model: torch.nn.Module,
     todo: list[tuple[Target, torch.Tensor]],
@@ -220,6 +259,7 @@ def prepare_version(
     publisher_id: str,
     model_lock: threading.Lock | threading.RLock,
     stream: PrepStream | None = None,
+    budget: PrepareBudget | None = None,
 ) -> PreparedVersion:
     """Build the shadows of every layer ``todo`` touches (and of layers tied to them).
 
@@ -232,5 +272,5 @@ def prepare_version(
     for i, (target, _) in enumerate(todo):
         plan.setdefault(target.module_name, []).append((target, str(i)))
     prep = VersionPrep(model, plan, version=version, publisher_id=publisher_id,
-                       model_lock=model_lock, stream=stream)
+                       model_lock=model_lock, stream=stream, budget=budget)
     return prep.finish(tensors)

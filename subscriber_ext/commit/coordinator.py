@@ -69,7 +69,8 @@ class CommitCoordinator:
     ``prepare`` (optional, ``WeightApplier.prepare``-like) builds a version's
     kernel-format state on a background thread; a version is then advertised as
     committable only once that attempt finished, and its commit calls
-    ``apply_prepared`` (a swap) instead of ``apply``. A failed preparation falls
+    ``apply_prepared(prepared, staged.tensors)`` (a swap; the staged tensors write the
+    layers a prepare budget left out) instead of ``apply``. A failed preparation falls
     back to ``apply`` at commit. ``prepare_policy="auto"`` prepares only while the
     engine is busy (a step ran in the last ``BUSY_WINDOW_S``): an idle engine has
     no step loop to stall and reaches the new version sooner by a direct reload.
@@ -92,7 +93,7 @@ class CommitCoordinator:
         on_commit: Callable[[int], None] | None = None,
         on_failure: Callable[[int, Exception], None] | None = None,
         prepare: Callable[[StagedLike], PreparedVersion] | None = None,
-        apply_prepared: Callable[[PreparedVersion], Any] | None = None,
+        apply_prepared: Callable[[PreparedVersion, dict[str, torch.Tensor]], Any] | None = None,
         prepare_policy: str = "auto",
         start_progressive: Callable[[Any], VersionPrep | None] | None = None,
     ) -> None:
@@ -259,7 +260,7 @@ class CommitCoordinator:
         start = time.perf_counter()
         try:
             if prepared is not None and self._apply_prepared is not None:
-                self._apply_prepared(prepared)
+                self._apply_prepared(prepared, staged.tensors)
             else:
                 self._apply(staged.tensors)
         except Exception as exc:  # any failure: keep the old weights, report, go on
@@ -289,6 +290,8 @@ class CommitCoordinator:
                 else self.last_commit_s,
                 # layers prepared while the version was still arriving
                 "early_layers": prepared.early_layers if prepared is not None else 0,
+                # layers past the prepare budget, written from staging in this pause
+                "deferred_layers": len(prepared.deferred) if prepared is not None else 0,
                 # from "complete and verified here" to "live": preparation + waiting
                 "staged_to_commit_s": None if offered is None
                 else time.monotonic() - offered,

@@ -104,6 +104,9 @@ class ReplicaCollector(Collector):
         "staged_version": "Newest complete, verified version staged for this rank",
         "publisher_latest_version": "Newest version the publisher has announced",
         "versions_behind": "Versions between the publisher's newest and the applied one",
+        "prepare_budget_bytes": "Bytes this rank's prepared shadows may hold (absent: "
+                                "unbounded)",
+        "prepare_held_bytes": "Bytes this rank's prepared shadows hold now",
     }
 
     def __init__(self, board: StatusBoard) -> None:
@@ -133,11 +136,14 @@ class ReplicaCollector(Collector):
             label = [str(rank)]
             applied = _number(state.get("applied_version")) or 0.0
             latest = _number(state.get("publisher_latest_version"))
+            budget = state.get("prepare_budget") or {}
             values = {
                 "applied_version": applied,
                 "staged_version": _number(state.get("staged_version")) or 0.0,
                 "publisher_latest_version": latest,
                 "versions_behind": None if latest is None else max(0.0, latest - applied),
+                "prepare_budget_bytes": _number(budget.get("limit_bytes")),
+                "prepare_held_bytes": _number(budget.get("held_bytes")),
             }
             for name, value in values.items():
                 if value is not None:

@@ -186,8 +186,8 @@ class TwoRanks:
         return prepare
 
     @staticmethod
-    def _swap(ledger: Ledger) -> Callable[[PreparedVersion], None]:
-        def swap(prepared: PreparedVersion) -> None:
+    def _swap(ledger: Ledger) -> Callable[[PreparedVersion, Any], None]:
+        def swap(prepared: PreparedVersion, tensors: Any) -> None:
             ledger.applied.append((prepared.publisher_id, prepared.version))
         return swap
 

@@ -140,12 +140,25 @@ def test_worker_options_split_ours_from_the_subscriber_s() -> None:
     assert options.commit == dataclasses.replace(options, record_requests=False).commit
 
 
+def test_prepared_shadows_have_no_budget_unless_asked_for() -> None:
+    """Default: no shadows (a replica holds the staged copy only); ``prepare=True`` alone:
+    unbounded; a budget given is kept as given."""
+    assert WorkerOptions().commit.prepare_budget_bytes == 0
+    assert WorkerOptions(prepare=True).commit.prepare_budget_bytes is None
+    assert WorkerOptions.from_keywords(prepare_budget_bytes=1 << 30).commit \
+        .prepare_budget_bytes == 1 << 30
+    assert WorkerOptions(prepare_budget_bytes=5).commit != WorkerOptions().commit
+
+
 @pytest.mark.parametrize(("keywords", "key"), [
     ({"apply_mode": "sometimes"}, "apply_mode"),
     ({"keep": 0}, "keep"),
     ({"prepare": "yes"}, "prepare"),
     ({"node_staging": 2}, "node_staging"),
     ({"subscriber_cls": "NoColon"}, "subscriber_cls"),
+    ({"prepare_budget_bytes": -1}, "prepare_budget_bytes"),
+    ({"prepare_budget_bytes": 1.5}, "prepare_budget_bytes"),
+    ({"prepare": True, "prepare_budget_bytes": 0}, "prepare_budget_bytes"),
     ({"request_timout": 1.0}, "request_timout"),  # a subscriber keyword, misspelt
 ])
 def test_a_bad_worker_option_is_named(keywords: dict, key: str) -> None:

@@ -137,7 +137,8 @@ def test_both_ranks_prepare_layers_while_the_version_arrives(replica):
     try:
         llm.collective_rpc("stop_weight_subscriber")
         llm.collective_rpc("start_weight_subscriber", args=(slow.endpoint,),
-                           kwargs={**options, "window_bytes": 256 << 10})
+                           kwargs={**options, "window_bytes": 256 << 10,
+                                   "prepare_budget_bytes": 1 << 30})
         weights = new_weights(KIND, 57)
         version = pub.publish(weights)
         states = wait_until_applied(llm, version, publisher_id=pub.publisher_id,

@@ -10,6 +10,8 @@ shared cores).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from subscriber_ext import wait_until_applied
@@ -31,10 +33,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 N = 8
 
 
-def _run_versions(llm, kind, directory, versions, prepare, **options):
+def _run_versions(llm, kind, directory, versions, prepare, *, deferred=None, **options):
     """Commit each (version, seed or weights), check the oracle; the commits' pauses.
 
     ``weights`` may be ``(published, oracle)``: a partial version and the model it makes.
+    ``deferred``: a check of each commit's ``deferred_layers`` (layers past the prepare
+    budget, written from staging at the commit).
     """
     llm.collective_rpc(
         "start_weight_subscriber",
@@ -54,6 +58,8 @@ def _run_versions(llm, kind, directory, versions, prepare, **options):
             assert last["version"] == version
             assert last["prepared"] is prepare, s
             assert s["last_error"] is None, s
+            if deferred is not None:
+                assert deferred(last["deferred_layers"]), last
             seconds.append(last["seconds"])
         assert_matches_hf(llm, kind, w, N)
     llm.collective_rpc("stop_weight_subscriber")
@@ -124,7 +130,8 @@ def test_layers_are_prepared_while_the_version_arrives(llama):
         relay = ByteRelay.in_front_of(pub.endpoint, down_rate=size / 1.5)
         try:
             llama.collective_rpc("start_weight_subscriber", args=(relay.endpoint,),
-                                 kwargs={"window_bytes": 256 << 10})
+                                 kwargs={"window_bytes": 256 << 10,
+                                         "prepare_budget_bytes": 1 << 30})
             version = pub.publish(w)
             status = wait_until_applied(llama, version, timeout=60)
             last = status[0]["commits"][-1]
@@ -169,3 +176,43 @@ def test_commits_keep_every_storage_and_the_tied_head_is_prepared(llama, tmp_pat
                          kwargs={"subscriber_cls": FAKE_SUB, "apply_mode": "auto"})
     llama.collective_rpc("stop_weight_subscriber")
     print(f"\ncommit blocking time (s): {pauses}")
+
+
+def _budget(llm):
+    return llm.collective_rpc("weight_status")[0]["prepare_budget"]
+
+
+def test_a_prepare_budget_leaves_layers_to_the_commit(llama, tmp_path):
+    """Issue 18.3: shadows only within ``prepare_budget_bytes``; the layers past it are
+    written from the staged bytes at the commit, in the same pause (vLLM's reload into
+    the live storage). Default: no shadows at all. Every case gives transformers' output
+    and keeps every storage; the budget's bytes come back after each commit."""
+    before = storages(llama)
+    size = sum(t.numel() * t.element_size() for t in new_weights("llama", 0).values())
+    pauses: dict[str, list[float]] = {}
+    for d in "dhtn":
+        (tmp_path / d).mkdir()
+    pauses["default: no shadows"] = _run_versions(llama, "llama", tmp_path / "d", [(1, 71)],
+                                                  False)
+    # half the model: some layers prepared, the rest (and maybe the tied head's kernel
+    # copy) written at the commit
+    pauses["half the model in shadows"] = _run_versions(
+        llama, "llama", tmp_path / "h", [(2, 72), (3, (_with_head(new_weights("llama", 73)),
+                                                       new_weights("llama", 73)))],
+        True, prepare_budget_bytes=size // 2, deferred=lambda n: n > 0)
+    budget = _budget(llama)  # the shadows are retired (freed) on the preparer thread
+    deadline = time.monotonic() + 10
+    while budget["held_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+        budget = _budget(llama)
+    assert budget["limit_bytes"] == size // 2 and budget["held_bytes"] == 0, budget
+    assert 0 < budget["peak_bytes"] <= size // 2 and budget["layers_deferred"] > 0, budget
+    # a budget smaller than any layer: everything written at the commit, through the
+    # prepared path (the embedding deferred, so the tied head is re-processed by the reload)
+    pauses["1 KiB of shadows"] = _run_versions(llama, "llama", tmp_path / "t", [(4, 74)], True,
+                                               prepare_budget_bytes=1024,
+                                               deferred=lambda n: n > 0)
+    pauses["unbounded"] = _run_versions(llama, "llama", tmp_path / "n", [(5, 75)], True,
+                                        deferred=lambda n: n == 0)
+    assert_same_storage(before, storages(llama))
+    print(f"\ncommit blocking time (s) by prepare budget: {pauses}")

@@ -119,8 +119,8 @@ def test_replica_from_yaml_follows_publisher(tmp_path):
             assert reports[0].last_error is None
             second = new_weights(KIND, 72)
             version = pub.publish(second)
-            # applied, not just staged: right after a request the engine counts as busy and
-            # prepares the version off the step path before it commits it
+            # applied, not just staged (no prepare budget by default: the commit writes the
+            # staged bytes into the live weights)
             pub.wait_for_subscribers(version, 1, applied=True, timeout=60)
             assert complete(http_port, str(model)) == hf_greedy(KIND, second, N)[0][0]
 

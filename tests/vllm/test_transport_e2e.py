@@ -286,12 +286,17 @@ def test_generation_completes_while_versions_stream_in(llm):
 
 
 def test_prepare_auto_swaps_while_busy_and_reloads_while_idle(llm):
-    """Busy engine: the commit swaps in weights prepared off the step path.
-    Idle engine: nothing to stall, the version is committed at once by reload."""
+    """Busy engine: the commit swaps in weights prepared off the step path (within a
+    prepare budget: none by default). Idle engine: nothing to stall, the version is
+    committed at once by reload. (Preparing while arriving is off here: it prepares busy
+    or idle, and even this tiny version arrives in many chunks since the publisher sizes
+    chunks by the version.)"""
     from vllm import SamplingParams
 
     with WeightPublisher("tcp://127.0.0.1:0") as pub:
-        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
+                           kwargs={"prepare_budget_bytes": 1 << 30,
+                                   "prepare_while_arriving": False})
         try:
             time.sleep(0.7)  # no step for longer than the busy window (0.5 s)
             idle = pub.publish(new_weights(KIND, 61))
@@ -344,5 +349,40 @@ def test_delta_versions_rebuilt_in_the_worker_match_transformers(llm):
             assert (sub["versions_full"], sub["versions_delta"]) == (1, 2), sub
             assert sub["delta_fallbacks"] == 0 and sub["last_error"] is None, sub
             assert 0 < sub["bytes_received_delta"] < 0.5 * sub["bytes_received_full"], sub
+        finally:
+            llm.collective_rpc("stop_weight_subscriber")
+
+
+def test_a_version_past_the_staging_budget_is_refused_and_the_old_weights_serve(llm):
+    """Issue 18.5: a version the replica's staging budget cannot hold is refused before
+    anything is allocated, with an error naming the budget; the engine keeps serving the
+    version it runs (transformers' output on those weights) and applies the next version
+    that fits. The large version carries a tensor vLLM ignores (a rotary cache), so only
+    its size differs."""
+    first = new_weights(KIND, 81)
+    size = sum(t.numel() * t.element_size() for t in first.values())
+    big = {**new_weights(KIND, 82),
+           "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(size // 2)}  # +2x
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
+                           kwargs={"staging_budget_bytes": size * 3 // 2})
+        try:
+            v1 = pub.publish(first)
+            wait_until_applied(llm, v1, publisher_id=pub.publisher_id, fail_on_error=True)
+            v2 = pub.publish(big)
+            deadline = time.monotonic() + 30
+            while True:
+                rank = llm.collective_rpc("weight_status")[0]
+                if rank["last_error"] and f"version {v2}" in rank["last_error"]:
+                    break
+                assert time.monotonic() < deadline, rank
+                time.sleep(0.05)
+            assert "staging_budget_bytes" in rank["last_error"], rank["last_error"]
+            assert rank["applied_version"] == v1 and rank["staged_version"] in (None, v1), rank
+            assert_matches_hf(llm, KIND, first, N)  # still the old weights
+            third = new_weights(KIND, 83)
+            v3 = pub.publish(third)  # (the refusal stays the last error until v3 stages)
+            wait_until_applied(llm, v3, publisher_id=pub.publisher_id)
+            assert_matches_hf(llm, KIND, third, N)
         finally:
             llm.collective_rpc("stop_weight_subscriber")

@@ -1,0 +1,42 @@
+"""The prepare budget (issue 18.3): shadows charged before they are built, given back
+when the prepared version holding them goes; no vLLM needed."""
+
+from __future__ import annotations
+
+import gc
+
+from subscriber_ext.apply.prepare import PreparedVersion
+from subscriber_ext.apply.prepare_budget import Charge, PrepareBudget
+
+
+def test_a_layer_past_the_limit_is_refused_and_counted() -> None:
+    budget = PrepareBudget(100)
+    charge = Charge(budget)
+    assert charge.take(60) and not charge.take(50) and charge.take(40)
+    assert budget.status() == {"limit_bytes": 100, "held_bytes": 100, "peak_bytes": 100,
+                               "layers_deferred": 1}
+    charge.release()
+    assert budget.held == 0 and budget.peak == 100
+
+
+def test_bytes_come_back_when_the_last_holder_goes() -> None:
+    """A version's charge passes from its ``VersionPrep`` to its ``PreparedVersion``; the
+    bytes return when the last of them is dropped (committed and retired, superseded)."""
+    budget = PrepareBudget(1000)
+    charge = Charge(budget)
+    assert charge.take(700)
+    prepared = PreparedVersion(1, "p", charge=charge)
+    del charge
+    gc.collect()
+    assert budget.held == 700  # still held by the prepared version
+    assert not Charge(budget).take(400)  # a second version does not fit meanwhile
+    del prepared
+    gc.collect()
+    assert budget.held == 0 and Charge(budget).take(400) is True
+
+
+def test_zero_prepares_nothing_and_none_is_unbounded() -> None:
+    assert not PrepareBudget(0).enabled and not Charge(PrepareBudget(0)).take(1)
+    unbounded = PrepareBudget(None)
+    assert unbounded.enabled and Charge(unbounded).take(1 << 50)
+    assert Charge(None).take(1 << 50)  # no budget at all: nothing counted
