@@ -80,8 +80,16 @@ def test_module_source_is_published_group_by_group_and_received() -> None:
         # manifest order is the group order: embed, layers 0..3, head
         manifest = [t.name for t in pub.manifest(version).tensors]
         assert manifest == [n for g in layerwise_groups(list(want)) for n in g]
+        staged.release()
+        with torch.no_grad():  # the next version is copied over this one's buffer
+            for param in model.parameters():
+                param.add_(1)
+        second = pub.publish(source)
+        staged = sub.wait_for_version(second, timeout=30)
+        for name, tensor in staged.tensors.items():
+            assert torch.equal(tensor, dict(model.named_parameters())[name].detach()), name
     largest = max(len(g) for g in layerwise_groups(list(want)))  # 4 tensors per layer
-    assert source.yielded == list(want)
+    assert source.yielded == list(want) * 2  # two versions, each tensor yielded once
     assert source.most_live <= largest + 1  # a group and the next one's first tensor
     assert source.live == 0
 
