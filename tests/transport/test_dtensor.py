@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
+import traceback
 from datetime import timedelta
 
 import pytest
@@ -21,6 +23,7 @@ def _rank(rank: int, store: str, conn) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=90))
+    code = 0
     try:
         mesh = init_device_mesh("cpu", (2,))
         torch.manual_seed(0)  # same full tensor on both ranks; each keeps half
@@ -37,8 +40,15 @@ def _rank(rank: int, store: str, conn) -> None:
         else:
             gather_full_tensors(weights)
         dist.barrier()  # tear the group down together: gloo aborts a rank that leaves early
+    except BaseException:
+        traceback.print_exc()
+        code = 1
     finally:
         dist.destroy_process_group()
+    # skip interpreter teardown: torch's static thread pools may abort a clean exit
+    # ("terminate called without an active exception" once under full CI)
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @pytest.mark.timeout(120)
