@@ -10,9 +10,10 @@ same machine state:
   process (snapshot copy, hashing, transfer, verification all count).
 
 The first round is the *cold* one (fresh buffers on every side); the steady
-state is the median of the rounds after the publisher's pool holds its buffers
-(``publish()`` keeps ``keep_versions`` = 2 snapshots, so round 3 still takes a
-fresh one). ``transfer_seconds`` is the subscriber's manifest -> staged time,
+state is the median of the rounds from the fourth on, when every buffer on both
+sides is reused (the publisher copies each version over its one snapshot from
+round 2 on, ``keep_versions`` = 1; it took a fresh one up to round 3 before).
+``transfer_seconds`` is the subscriber's manifest -> staged time,
 the figure the replica's ``weightpub_transfer_seconds`` histogram records.
 """
 
