@@ -1,10 +1,12 @@
 """The trainer's host budget: a snapshot that cannot fit is refused before it is allocated.
 
 Why: ``publish()`` copies each version into host memory and the publisher keeps
-``keep_versions`` of them (plus evicted ones whose zero-copy sends are still in
-flight). On a trainer host that already holds the model, the optimizer and the
-data loader, one more version past what is left gets the trainer OOM-killed,
-which loses the training run, not just a version. So every snapshot is checked
+``keep_versions`` snapshots (each new version copied over the oldest one held,
+``publisher/store.py``; plus one while a long reader, a collective round or a
+relay still filling, pins the oldest). On a trainer host that already holds the
+model, the optimizer and the data loader, one more version past what is left gets
+the trainer OOM-killed, which loses the training run, not just a version. So
+every snapshot is checked
 against ``host_budget_bytes`` first: ``StagingBudgetError`` naming the budget and
 the bytes, raised by ``publish()`` before any allocation; the versions already
 published stay served.
@@ -46,8 +48,8 @@ class HostBudget:
     """Checks one snapshot against the pool's budget; the caller's lock serializes calls.
 
     ``held`` says which versions hold memory now (for the message); ``recycle``
-    returns evicted buffers whose sends have finished; ``retiring`` counts the
-    evicted versions still being read (only they are worth waiting for).
+    returns evicted buffers no long reader pins any more; ``retiring`` counts the
+    evicted versions still pinned (only they are worth waiting for).
     """
 
     def __init__(self, pool: BufferPool, *, keep_versions: int,
