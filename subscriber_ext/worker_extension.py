@@ -81,6 +81,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
                 apply_prepared=applier.swap if prepare else None,
                 prepare_policy="always" if settings.prepare else "auto",
                 start_progressive=self._wp_start_progressive if early else None,
+                trim_heap=settings.trim_heap,
             )
         return st.coordinator
 
@@ -219,6 +220,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         into the live weights, a longer pause; raise it to prepare that many bytes of
         layers off the step path, the rest written at the commit; unbounded by default
         with ``prepare=True``; shown in ``weight_status()["prepare_budget"]``),
+        ``trim_heap`` (default True: after each commit a thread gives the heap memory
+        it freed back to the OS, glibc's ``malloc_trim``; ``weight_status()["heap_trim"]``),
         ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``; called
         as ``cls(endpoint, on_version=..., options=SubscriberOptions)``),

@@ -32,6 +32,7 @@ class CommitSettings:
     prepare_while_arriving: bool
     #: bytes prepared shadows may hold on a rank (None: unbounded; 0: none prepared)
     prepare_budget_bytes: int | None = 0
+    trim_heap: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +46,8 @@ class WorkerOptions:
     #: bytes of prepared shadows per rank; None: 0 (none: the commit writes the staged
     #: bytes into the live weights), or unbounded with ``prepare=True``
     prepare_budget_bytes: int | None = None
+    #: after each commit, give the heap memory it freed back to the OS (glibc malloc_trim)
+    trim_heap: bool = True
     record_requests: bool = True
     request_log_size: int = 65536
     subscriber_cls: str = DEFAULT_SOURCE  # "module:Class" of a ``VersionSource``
@@ -59,7 +62,7 @@ class WorkerOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}: {value!r} is not a positive integer")
-        for name in ("prepare_while_arriving", "record_requests"):
+        for name in ("prepare_while_arriving", "record_requests", "trim_heap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not true or false")
         for name in ("prepare", "node_staging"):
@@ -91,4 +94,4 @@ class WorkerOptions:
         if budget is None:
             budget = None if self.prepare is True else 0
         return CommitSettings(self.apply_mode, self.keep, self.prepare,
-                              self.prepare_while_arriving, budget)
+                              self.prepare_while_arriving, budget, self.trim_heap)

@@ -54,8 +54,10 @@ class Preparer:
         build: Callable[[Any], PreparedVersion],
         on_done: Callable[[int], None],
         start: Callable[[Any], VersionPrep | None] | None = None,
+        after_free: Callable[[], None] | None = None,
     ) -> None:
         self._build = build
+        self._after_free = after_free  # e.g. ``HeapTrimmer.request``
         self._on_done = on_done
         self._start = start
         self._lock = threading.Lock()
@@ -150,11 +152,17 @@ class Preparer:
                 return
             if isinstance(job, _Retired):
                 del job
+                self._freed()
                 continue
             if isinstance(job, _Progress):
                 self._advance(job.partial)
                 continue
             self._complete(job)
+            self._freed()  # the preparation's transient tensors
+
+    def _freed(self) -> None:
+        if self._after_free is not None:
+            self._after_free()
 
     def _advance(self, partial: Any) -> None:
         """Build every layer of ``partial`` whose tensors are final and not built yet."""

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from subscriber_ext.apply.heap_trim import HeapTrimmer
 from subscriber_ext.apply.prepare import PreparedVersion
 from subscriber_ext.apply.preparer import Preparer
 from subscriber_ext.apply.progressive import VersionPrep
@@ -96,6 +97,7 @@ class CommitCoordinator:
         apply_prepared: Callable[[PreparedVersion, dict[str, torch.Tensor]], Any] | None = None,
         prepare_policy: str = "auto",
         start_progressive: Callable[[Any], VersionPrep | None] | None = None,
+        trim_heap: bool = True,
     ) -> None:
         self._apply = apply
         self.strategy = strategy
@@ -120,8 +122,11 @@ class CommitCoordinator:
         self._apply_prepared = apply_prepared
         self._preparer: Preparer | None = None
         self._offered_at: dict[int, float] = {}  # version -> when it was staged here
+        #: gives the heap memory each commit frees back to the OS (``apply/heap_trim.py``)
+        self.heap_trim = HeapTrimmer(trim_heap)
         if prepare is not None and apply_prepared is not None:
-            self._preparer = Preparer(prepare, self._on_prepared, start_progressive)
+            self._preparer = Preparer(prepare, self._on_prepared, start_progressive,
+                                      after_free=self.heap_trim.request)
         self._advertise_locked()
 
     @property
@@ -305,6 +310,7 @@ class CommitCoordinator:
                 self._preparer.retire(prepared)  # it holds the old weights: free them there
             del prepared
             self._preparer.discard_upto(choice)
+        self.heap_trim.request()  # the reload's transients (or the retired weights, later)
         if self._on_commit is not None:
             self._on_commit(choice)
 
@@ -342,6 +348,7 @@ class CommitCoordinator:
         self.drop_staged()
         if self._preparer is not None:
             self._preparer.close()
+        self.heap_trim.close()
 
     def prepare_status(self) -> dict[str, Any] | None:
         """Preparer state for ``weight_status`` (None when preparation is off)."""

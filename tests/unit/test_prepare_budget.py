@@ -40,3 +40,27 @@ def test_zero_prepares_nothing_and_none_is_unbounded() -> None:
     unbounded = PrepareBudget(None)
     assert unbounded.enabled and Charge(unbounded).take(1 << 50)
     assert Charge(None).take(1 << 50)  # no budget at all: nothing counted
+
+
+def test_the_heap_trimmer_runs_off_the_calling_thread_and_counts() -> None:
+    """After a commit the coordinator asks for a trim; the trim runs on its own thread
+    (glibc's ``malloc_trim``) and is counted; a disabled trimmer starts nothing."""
+    import time
+
+    from subscriber_ext.apply.heap_trim import HeapTrimmer
+
+    trimmer = HeapTrimmer()
+    try:
+        assert trimmer.enabled  # glibc here
+        blocks = [bytearray(1 << 20) for _ in range(64)]
+        del blocks
+        trimmer.request()
+        deadline = time.monotonic() + 10
+        while trimmer.trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert trimmer.status()["trims"] >= 1, trimmer.status()
+    finally:
+        trimmer.close()
+    off = HeapTrimmer(enabled=False)
+    off.request()
+    assert off.status() == {"enabled": False, "trims": 0, "released_bytes": 0}
