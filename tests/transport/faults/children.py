@@ -126,11 +126,11 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
         original_send = connection_credit.PeerTable._send_chunk
         count = {"n": 0}
 
-        def send(self: Any, peer: Any, header: Any, data: Any) -> bool:
+        def send(self: Any, peer: Any, header: Any, data: Any, *rest: Any) -> bool | None:
             count["n"] += 1  # every chunk reply (one frame) goes through here
             if count["n"] >= target and point == "chunk":
                 _die()
-            sent = bool(original_send(self, peer, header, data))
+            sent: bool | None = original_send(self, peer, header, data, *rest)
             if count["n"] >= target:
                 time.sleep(0.05)  # let ZeroMQ's I/O thread write it
                 _die()
