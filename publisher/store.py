@@ -162,6 +162,18 @@ class VersionStore:
             self._recycle_locked()
         return old is not None
 
+    def drop_lent(self, buffer: torch.Tensor) -> list[int]:
+        """A snapshot copy into ``buffer`` failed midway: the version that lent it is no
+        longer whole, so stop listing it (its subscribers get ``version_unavailable`` and
+        wait for the next version instead of fetching chunks that are gone).
+        Returns the versions dropped."""
+        with self._lock:
+            dropped = [number for number, held in self._versions.items()
+                       if held.lent and held.buffer.data_ptr() == buffer.data_ptr()]
+            for number in dropped:
+                del self._versions[number]
+        return dropped
+
     def give_back(self, buffer: torch.Tensor) -> None:
         """A snapshot that failed before it was announced: its buffer goes back to the pool
         (no reader trusts its bytes unchecked)."""

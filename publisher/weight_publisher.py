@@ -240,6 +240,10 @@ class WeightPublisher:
                                              self.options.chunk_size_for(snapshot.total_bytes))
             except BaseException:
                 snapshot.failed = True  # subscribers get "version unavailable"
+                dropped = self._store.drop_lent(snapshot.buffer)
+                if dropped:
+                    log.warning("publish of version %d failed midway over version %s's "
+                                "buffer: that version is withdrawn too", number, dropped)
                 if not self._store.discard(number):
                     self._store.give_back(snapshot.buffer)
                 raise

@@ -137,3 +137,32 @@ def test_a_source_that_disagrees_with_its_metadata_is_refused() -> None:
             pub.publish(Lying(_model()))
         with pytest.raises(Exception, match="not held"):
             pub.manifest(1)
+
+
+@pytest.mark.timeout(60)
+def test_a_publish_failing_midway_withdraws_the_version_it_overwrote() -> None:
+    """One snapshot (keep_versions=1): version 2 is copied over version 1's buffer and
+    fails at its last group, so version 1 is no longer whole: it is withdrawn (never
+    served half overwritten), and the next good version is served and received whole."""
+    class Lying(ModuleSource):
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in super().__iter__():
+                yield name, tensor.double() if name == "head.weight" else tensor
+
+    model = _model()
+    want = dict(model.named_parameters())
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        assert pub.publish(ModuleSource(model)) == 1
+        pub.wait_announced(1)
+        with pytest.raises(ConfigError, match="head.weight"):
+            pub.publish(Lying(model))
+        with pytest.raises(Exception, match="not held"):
+            pub.manifest(1)
+        assert pub.publish(ModuleSource(model)) == 3
+        with WeightSubscriber(pub.endpoint) as sub:
+            staged = sub.wait_for_version(3, timeout=30)
+            assert staged.version == 3
+            assert sorted(staged.tensors) == sorted(want)
+            for name, tensor in staged.tensors.items():
+                assert torch.equal(tensor, want[name].detach()), name
+            staged.release()
