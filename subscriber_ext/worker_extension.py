@@ -31,6 +31,7 @@ import socket
 import time
 from typing import Any
 
+from subscriber_ext.apply.heap_trim import set_mmap_threshold
 from subscriber_ext.apply.prepare import PreparedVersion
 from subscriber_ext.apply.prepare_budget import PrepareBudget
 from subscriber_ext.apply.progressive import VersionPrep
@@ -222,6 +223,9 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         with ``prepare=True``; shown in ``weight_status()["prepare_budget"]``),
         ``trim_heap`` (default True: after each commit a thread gives the heap memory
         it freed back to the OS, glibc's ``malloc_trim``; ``weight_status()["heap_trim"]``),
+        ``mmap_threshold_bytes`` (default None; e.g. 1 MiB: fix glibc's mmap threshold in
+        this worker so layer-sized blocks a commit frees go back to the OS at once: a lower
+        peak for a longer commit pause, docs/benchmarks.md),
         ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``; called
         as ``cls(endpoint, on_version=..., options=SubscriberOptions)``),
@@ -247,6 +251,9 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
                     return self._wp_status()
                 self.stop_weight_subscriber()
             self._wp_configure(wanted)
+            if wanted.mmap_threshold_bytes is not None and \
+                    not set_mmap_threshold(wanted.mmap_threshold_bytes):
+                logger.warning("weightpub: mmap_threshold_bytes ignored (not glibc)")
             self._wp_start_status_writer()
             if not st.hooked:
                 wrap_execute_model(self, self._wp_before_step)

@@ -48,6 +48,8 @@ class WorkerOptions:
     prepare_budget_bytes: int | None = None
     #: after each commit, give the heap memory it freed back to the OS (glibc malloc_trim)
     trim_heap: bool = True
+    #: fix glibc's mmap threshold in this worker (None: glibc's dynamic default)
+    mmap_threshold_bytes: int | None = None
     record_requests: bool = True
     request_log_size: int = 65536
     subscriber_cls: str = DEFAULT_SOURCE  # "module:Class" of a ``VersionSource``
@@ -74,6 +76,12 @@ class WorkerOptions:
                                    or budget < 0):
             raise ConfigError(f"prepare_budget_bytes: {budget!r} is not a number of bytes "
                               "(0 or more) or None")
+        threshold = self.mmap_threshold_bytes
+        if threshold is not None and (isinstance(threshold, bool)
+                                      or not isinstance(threshold, int)
+                                      or not 0 < threshold <= 32 << 20):
+            raise ConfigError(f"mmap_threshold_bytes: {threshold!r} is not a number of bytes "
+                              "in 1..32 MiB or None")
         if self.prepare is True and budget == 0:
             raise ConfigError("prepare_budget_bytes: 0 leaves nothing to prepare with "
                               "prepare=True; raise it or leave it unset (unbounded)")

@@ -157,6 +157,8 @@ def test_prepared_shadows_have_no_budget_unless_asked_for() -> None:
     ({"node_staging": 2}, "node_staging"),
     ({"subscriber_cls": "NoColon"}, "subscriber_cls"),
     ({"prepare_budget_bytes": -1}, "prepare_budget_bytes"),
+    ({"mmap_threshold_bytes": 0}, "mmap_threshold_bytes"),
+    ({"mmap_threshold_bytes": 64 << 20}, "mmap_threshold_bytes"),
     ({"prepare_budget_bytes": 1.5}, "prepare_budget_bytes"),
     ({"prepare": True, "prepare_budget_bytes": 0}, "prepare_budget_bytes"),
     ({"request_timout": 1.0}, "request_timout"),  # a subscriber keyword, misspelt

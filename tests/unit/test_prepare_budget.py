@@ -64,3 +64,24 @@ def test_the_heap_trimmer_runs_off_the_calling_thread_and_counts() -> None:
     off = HeapTrimmer(enabled=False)
     off.request()
     assert off.status() == {"enabled": False, "trims": 0, "released_bytes": 0}
+
+
+def test_a_fixed_mmap_threshold_gives_large_blocks_back_at_once() -> None:
+    """In a fresh process (the setting is process-wide): with the threshold fixed at
+    1 MiB, a freed 64 MiB block leaves the resident set at once."""
+    import subprocess
+    import sys
+
+    code = (
+        "from subscriber_ext.apply.heap_trim import set_mmap_threshold, _rss\n"
+        "assert set_mmap_threshold(1 << 20)\n"
+        "before = _rss()\n"
+        "blocks = [bytearray(8 << 20) for _ in range(8)]\n"
+        "held = _rss() - before\n"
+        "del blocks\n"
+        "left = _rss() - before\n"
+        "assert held >= 60 << 20 and left < 8 << 20, (held, left)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
