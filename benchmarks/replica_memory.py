@@ -121,8 +121,13 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
-    for arg in sys.argv[1:] or ["4"]:
+def main(argv: list[str] | None = None) -> None:
+    """Probe one replica per layer count given (default 4) and print each table."""
+    for arg in (sys.argv[1:] if argv is None else argv) or ["4"]:
         result = run(int(arg))
         print(table(result), flush=True)
         print("JSON", json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
