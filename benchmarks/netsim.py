@@ -27,7 +27,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Host", "Link", "Network", "available"]
+__all__ = ["Host", "Link", "Network", "available", "tbf_burst"]
 
 
 def available() -> tuple[bool, str]:
@@ -76,6 +76,28 @@ class Host:
         return proc
 
 
+def tbf_burst(mbit: float, gso_max_size: int) -> int:
+    """tbf's bucket in bytes: ~2 ms at line rate (so tbf reaches the rate), and more than
+    the device's largest GSO packet with its segments' headers (tbf counts them).
+
+    tbf cuts every packet longer than its bucket into MTU-sized segments in software
+    (``tbf_segment``); veths hand it 64 KiB GSO packets, so a bucket under ~70 KB (200
+    Mbit/s and below at 2 ms) made every packet on every link ~45 packets, a softirq cost
+    no real NIC has (it segments in hardware, TSO). On two cores a 16-host fleet at 200
+    Mbit/s spent that CPU instead of moving bytes (issue 22.5: 3-4x one host, against
+    1.5-1.7x at 400 Mbit/s, whose 100 KB bucket was above it)."""
+    return max(32 << 10, int(mbit * 1e6 / 8 * 0.002), gso_max_size + (16 << 10))
+
+
+def _gso_max_size(at: list[str], dev: str) -> int:
+    """The largest packet ``dev`` hands its qdisc (64 KiB when not reported)."""
+    shown = subprocess.run(["ip", *at, "-d", "link", "show", "dev", dev], capture_output=True,
+                           text=True, timeout=30).stdout.split()
+    if "gso_max_size" in shown:
+        return int(shown[shown.index("gso_max_size") + 1])
+    return 64 << 10
+
+
 def _shape(ns: str, dev: str, mbit: float | None, delay_ms: float) -> None:
     """tbf (and netem for delay) on ``dev``'s egress inside namespace ``ns`` ("": this one)."""
     if mbit is None and not delay_ms:
@@ -87,8 +109,7 @@ def _shape(ns: str, dev: str, mbit: float | None, delay_ms: float) -> None:
              "delay", f"{delay_ms}ms")
         parent = "parent 1:"
     if mbit is not None:
-        # burst: at least one MTU and ~2 ms at line rate, so tbf reaches the rate
-        burst = max(32 << 10, int(mbit * 1e6 / 8 * 0.002))
+        burst = tbf_burst(mbit, _gso_max_size(at, dev))
         _run("tc", *at, "qdisc", "add", "dev", dev, *parent.split(), "handle", "10:",
              "tbf", "rate", f"{mbit}mbit", "burst", str(burst), "latency", "100ms")
 

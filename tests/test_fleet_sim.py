@@ -7,13 +7,14 @@ uplink must carry each version exactly once (direct: once per host).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import uuid
 
 import pytest
 
 from benchmarks.fleet import Scenario, run_scenario
-from benchmarks.netsim import Link, Network, available
+from benchmarks.netsim import Link, Network, available, tbf_burst
 
 OK, WHY = available()
 pytestmark = [
@@ -82,3 +83,38 @@ def test_a_trainer_in_the_machines_namespace_with_the_application_waiting() -> N
     assert result["trainer_versions_sent"] == [1.0, 1.0], result  # 2 chunks per stripe root
     assert result["first_s"] > 0 and result["steady_s"] > 0
     assert not namespaces(prefix) and not root_links(prefix), "left behind"
+
+
+def tbf_options(ns: str, dev: str) -> dict[str, int]:
+    at = ["-n", ns] if ns else []
+    shown = subprocess.run(["tc", *at, "-j", "qdisc", "show", "dev", dev], capture_output=True,
+                           text=True, check=True).stdout
+    return next(q["options"] for q in json.loads(shown) if q["kind"] == "tbf")
+
+
+def gso_max_size(ns: str, dev: str) -> int:
+    at = ["-n", ns] if ns else []
+    shown = subprocess.run(["ip", *at, "-j", "-d", "link", "show", "dev", dev],
+                           capture_output=True, text=True, check=True).stdout
+    return int(json.loads(shown)[0]["gso_max_size"])
+
+
+@pytest.mark.parametrize("mbit", [100, 200])
+def test_a_slow_links_bucket_holds_whole_gso_packets(mbit: int) -> None:
+    """tbf cuts a packet longer than its bucket into MTU segments in software: at 200 Mbit/s
+    the 2 ms bucket (50 KB) was under the veth's 64 KiB GSO packets, and the 16-host fleet
+    spent its two cores segmenting (issue 22.5: 3-4x one host instead of 1.5-1.7x)."""
+    prefix = unique_prefix()
+    with Network(prefix) as net:
+        host = net.add_host(Link(up_mbit=mbit, down_mbit=mbit))
+        ends = [(host.name, "eth1"), (net.switch, f"{net.prefix[-4:]}p1")]
+        for ns, dev in ends:
+            gso = gso_max_size(ns, dev)
+            assert gso >= 64 << 10, (ns, dev, gso)  # so the check below could fail
+            options = tbf_options(ns, dev)
+            assert options["rate"] == mbit * 1_000_000 // 8, options
+            # a whole GSO packet and its segments' headers (tbf counts them); tc rounds the
+            # bucket to its clock, a few bytes under what was asked
+            assert options["burst"] > gso + (8 << 10), (ns, dev, options, gso)
+    assert not namespaces(prefix)
+    assert tbf_burst(400, 64 << 10) == 100_000  # faster links keep ~2 ms at line rate
