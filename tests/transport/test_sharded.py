@@ -87,19 +87,27 @@ def subscribers() -> Iterator[Callable[..., WeightSubscriber]]:
         sub.close()
 
 
-def test_two_rank_processes_publish_one_version_bit_exact(
+SPECS4 = SPECS + [[("layers.2.w", "float32", (64, 64)), ("norm", "float32", (3,))],
+                  [("layers.3.w", "bfloat16", (999,))]]
+
+
+@pytest.mark.parametrize("specs", [SPECS, SPECS4], ids=["2-ranks", "4-ranks"])
+def test_rank_processes_publish_one_version_bit_exact(
     spawn: Callable[..., Child], subscribers: Callable[..., WeightSubscriber],
+    specs: list[Any],
 ) -> None:
-    ranks, ready0 = _start_ranks(spawn, SPECS)
+    ranks, ready0 = _start_ranks(spawn, specs)
     sub = subscribers(ready0["announce"], request_timeout=2.0)
     for version in (1, 2, 3):
         _publish(ranks, version)
         staged = sub.wait_for_version(version, timeout=30)
         assert staged.version == version
-        _check(staged, _expected(version, SPECS))
+        _check(staged, _expected(version, specs))
     manifest = staged.manifest
-    assert manifest.shards is not None and [s.rank for s in manifest.shards] == [0, 1]
+    assert manifest.shards is not None
+    assert [s.rank for s in manifest.shards] == list(range(len(specs)))
     assert manifest.shards[0].endpoint == ready0["endpoint"]
+    assert len({s.endpoint for s in manifest.shards}) == len(specs)  # a ROUTER per rank
     assert manifest.shards[1].first_chunk == manifest.shards[0].num_chunks > 0
     assert SHARD_PAD not in {t.name for t in manifest.tensors}
     status = ranks[0].request("status")
