@@ -272,3 +272,33 @@ def test_peer_sharing_with_a_sharded_version_is_refused_by_name() -> None:
             assert sub.latest() is None
         finally:
             sub.close()
+
+
+@pytest.mark.parametrize("cut_through", [True, False], ids=["cut-through", "store-forward"])
+def test_a_relay_re_serves_a_sharded_version_whole(
+    subscribers: Callable[..., WeightSubscriber], cut_through: bool,
+) -> None:
+    """A relay subscribes to the coordinator like any subscriber, fetching from the ranks,
+    and announces the version as its own (no ``shards``): its downstream gets it whole."""
+    from weightpub.deployment_config import RelayConfig
+    from weightpub.relay import Relay
+
+    specs = [[(n, d, tuple(s)) for n, d, s in spec] for spec in SPECS]
+    with ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
+                          coordinator="tcp://127.0.0.1:0",
+                          announce_endpoint="tcp://127.0.0.1:0", chunk_size=CHUNK) as rank0:
+        assert rank0.coordinator is not None
+        with ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2,
+                              coordinator=rank0.coordinator.collect_endpoint,
+                              chunk_size=CHUNK) as rank1, \
+                Relay(RelayConfig.model_validate({
+                    "upstream": {"endpoint": rank0.coordinator.endpoint},
+                    "downstream": {"endpoint": "tcp://127.0.0.1:0"},
+                    "cut_through": cut_through})) as relay:
+            sub = subscribers(relay.endpoint)
+            for version in (1, 2):
+                for pub, spec in ((rank0, specs[0]), (rank1, specs[1])):
+                    pub.publish(det_weights(SEED, version, spec), version=version)
+                staged = sub.wait_for_version(version, timeout=30)
+                assert staged.manifest.shards is None  # the relay serves every chunk
+                _check(staged, _expected(version, SPECS))
