@@ -88,9 +88,17 @@ class ShardCoordinator:
             publisher_id=self.publisher_id, started_at=self.started_at)
         self._server.start_and_wait()
         self._collect = self._ctx.socket(zmq.ROUTER)
-        configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
-        self._collect.setsockopt(zmq.MAXMSGSIZE, MAX_SUBMIT_BYTES)
-        self.collect_endpoint = bind(self._collect, str(collect))
+        try:
+            configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
+            self._collect.setsockopt(zmq.MAXMSGSIZE, MAX_SUBMIT_BYTES)
+            self.collect_endpoint = bind(self._collect, str(collect))
+        except BaseException:
+            self._collect.close(linger=0)
+            self._server.send_command(b"close")
+            self._server.join(timeout=10)
+            if self._own_context:
+                self._ctx.term()
+            raise
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="weightpub-shard-collect",
                                         daemon=True)

@@ -87,18 +87,23 @@ class ShardedPublisher:
         self._ctx = context or zmq.Context()
         self._closed = False
         self._failed: list[str] = []
-        if announce_endpoint is not None:
-            self.coordinator = ShardCoordinator(
-                announce_endpoint, coordinator, world_size, shard_timeout=shard_timeout,
-                insecure=bool(keywords.get("insecure", False)),
-                model_id=str(keywords.get("model_id", "")), context=self._ctx)
-            coordinator = _dialable(self.coordinator.collect_endpoint)
-        self._shard = WeightPublisher(endpoint, context=self._ctx, **keywords)
-        self.endpoint = advertise or _dialable(self._shard.endpoint)
-        self._dealer = self._ctx.socket(zmq.DEALER)
-        configure_socket(self._dealer, heartbeat_interval=1.0)
-        self._dealer.setsockopt(zmq.SNDHWM, 64)
-        connect(self._dealer, coordinator)
+        self._shard: WeightPublisher | None = None
+        try:
+            if announce_endpoint is not None:
+                self.coordinator = ShardCoordinator(
+                    announce_endpoint, coordinator, world_size, shard_timeout=shard_timeout,
+                    insecure=bool(keywords.get("insecure", False)),
+                    model_id=str(keywords.get("model_id", "")), context=self._ctx)
+                coordinator = _dialable(self.coordinator.collect_endpoint)
+            self._shard = WeightPublisher(endpoint, context=self._ctx, **keywords)
+            self.endpoint = advertise or _dialable(self._shard.endpoint)
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            configure_socket(self._dealer, heartbeat_interval=1.0)
+            self._dealer.setsockopt(zmq.SNDHWM, 64)
+            connect(self._dealer, coordinator)
+        except BaseException:
+            self._release()
+            raise
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._thread = threading.Thread(target=self._submit_loop, daemon=True,
                                         name="weightpub-shard-submit")
@@ -107,11 +112,12 @@ class ShardedPublisher:
     @property
     def latest_version(self) -> int:
         """The newest version of this rank's shard announced (hashed)."""
-        return self._shard.latest_version
+        return self.shard.latest_version
 
     @property
     def shard(self) -> WeightPublisher:
         """This rank's own publisher (its data stats, its manifest)."""
+        assert self._shard is not None
         return self._shard
 
     def publish(self, weights: WeightsLike, *, version: int | None = None) -> int:
@@ -130,22 +136,27 @@ class ShardedPublisher:
         if pad or not total:
             pad = pad or self.chunk_size  # an empty shard still fills one chunk
             pairs.append((SHARD_PAD, torch.zeros(pad, dtype=torch.uint8)))
-        number = self._shard.publish(pairs, version=version)
+        number = self.shard.publish(pairs, version=version)
         self._queue.put(number)
         return number
 
     def wait_submitted(self, version: int, timeout: float = 30.0) -> None:
         """Block until this rank's shard of ``version`` is hashed (then it is sent)."""
-        self._shard.wait_announced(version, timeout)
+        self.shard.wait_announced(version, timeout)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._queue.put(None)
+        self.shard.close()  # announces what it holds queued; a submit waiting on it ends
         self._thread.join(timeout=15)
         self._dealer.close(linger=0)
-        self._shard.close()
+        self._release()
+
+    def _release(self) -> None:
+        if self._shard is not None:
+            self._shard.close()
         if self.coordinator is not None:
             self.coordinator.close()
         if self._own_context:
@@ -161,8 +172,8 @@ class ShardedPublisher:
     def _submit_loop(self) -> None:
         while (number := self._queue.get()) is not None:
             try:
-                self._shard.wait_announced(number, timeout=600.0)
-                manifest = self._shard.manifest(number)
+                self.shard.wait_announced(number, timeout=600.0)
+                manifest = self.shard.manifest(number)
             except WeightPubError as exc:  # overtaken or failed: the union drops it
                 log.warning("rank %d: shard of version %d not submitted: %s",
                             self.rank, number, exc)
