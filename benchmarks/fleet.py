@@ -15,6 +15,11 @@ the trainer's). Modes:
   version into ``--fanout`` stripes, each fetched once from the trainer by its root
   and passed down that stripe's tree (``publisher/tracker.py``).
 
+``--trainer-ranks R`` (R > 1): the trainer is R ranks of a ``ShardedPublisher``, each
+on a simulated host of its own behind its own link, each serving 1/R of the tensors
+(rank 0 also announces the union); subscribers fetch each chunk from its rank
+(issue 20). Not with ``peers`` (refused by the subscriber).
+
 Also reported: the trainer's uplink bytes per version (``data_stats``), in versions.
 Every mode and fleet size runs in one invocation, so the ratios (K hosts vs 1 host)
 are same-run figures. The first version and the steady state (the median of versions
@@ -41,6 +46,7 @@ Ctrl-C included; ``--reap`` removes leftovers of a run that was killed outright.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -143,6 +149,7 @@ class Scenario:
     dtype: str = "uint8"  # "bf16": 8 bf16 tensors
     diag: bool = False  # each host's peer figures after every version
     prefix: str = "wpsim"  # of its namespaces (``Network.reap`` removes them by it)
+    trainer_ranks: int = 1  # > 1: a ShardedPublisher, one simulated host per rank
 
 
 def run_scenario(s: Scenario) -> dict[str, Any]:
@@ -150,12 +157,17 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
     the median of the later ones (steady state) apart."""
     with Network(s.prefix) as net:
         trainer = net.add_root_host(s.link) if s.publisher_root else net.add_host(s.link)
-        publisher = Node.start(trainer, "publisher", {
-            "bind": f"tcp://{trainer.address}:{PORT}", "chunk_mib": s.chunk_mib,
-            "publisher_options": {"peer_fanout": s.fanout}}, s.torch_threads)
-        endpoint = publisher.wait("ready", 120)["endpoint"]
+        if s.trainer_ranks > 1:
+            trainers = _start_ranks(net, trainer, s)
+            endpoint = trainers[0].wait("ready", 120)["announce"]
+        else:
+            trainers = [Node.start(trainer, "publisher", {
+                "bind": f"tcp://{trainer.address}:{PORT}", "chunk_mib": s.chunk_mib,
+                "publisher_options": {"peer_fanout": s.fanout}}, s.torch_threads)]
+            endpoint = trainers[0].wait("ready", 120)["endpoint"]
+        publisher = trainers[0]
         sources = [endpoint]
-        nodes: list[Node] = [publisher]
+        nodes: list[Node] = list(trainers)
         if s.mode.startswith("relay"):
             relays = s.relays or max(1, round(math.sqrt(s.hosts)))
             sources = []
@@ -185,17 +197,21 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
         for version in range(1, s.rounds + 1):
             if version > 1 and s.spacing:
                 time.sleep(s.spacing)
-            publisher.send(cmd="publish", version=version, mib=s.mib, dtype=s.dtype)
+            for rank in trainers:
+                rank.send(cmd="publish", version=version, mib=s.mib, dtype=s.dtype)
             want = publisher.wait("digest", 120, version=version)["digest"]
-            start = publisher.wait("published", 120, version=version)["start"]
+            start = min(rank.wait("published", 120, version=version)["start"]
+                        for rank in trainers)
             arrived = [sub.wait("staged", s.timeout, version=version) for sub in subscribers]
             bad = [a for a in arrived if a["digest"] != want]
             if bad:
                 raise AssertionError(f"version {version}: {len(bad)} hosts got wrong bytes")
             times.append(max(a["t"] for a in arrived) - start)
             spreads.append(sorted(round(a["t"] - start, 2) for a in arrived))
-            publisher.send(cmd="stats")
-            sent = publisher.wait("stats", 60)["stats"]["bytes_sent_full"]
+            sent = 0.0  # every rank's uplink, in versions
+            for rank in trainers:
+                rank.send(cmd="stats")
+                sent += rank.wait("stats", 60)["stats"]["bytes_sent_full"]
             trainer_versions.append((sent - sent_before) / (s.mib << 20))
             sent_before = sent
             if s.diag and s.mode == "peers":
@@ -214,10 +230,31 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
             node.send(cmd="exit")
     steady = times[1:] or times
     return {"hosts": s.hosts, "mode": s.mode, "mib": s.mib, "seconds": times,
+            "trainer_ranks": s.trainer_ranks,
             "median_s": statistics.median(times), "first_s": times[0],
             "steady_s": statistics.median(steady),
             "trainer_versions_sent": [round(v, 2) for v in trainer_versions],
             "peers": peers, **({"arrivals": spreads, "diag": diag} if s.diag else {})}
+
+
+def _start_ranks(net: Network, first: Host, s: Scenario) -> list[Node]:
+    """The sharded trainer: rank 0 on ``first`` (also the coordinator: subscribers dial
+    ``PORT + 1``, ranks submit to ``PORT + 2``), every other rank on a host of its own."""
+    rank0 = Node.start(first, "shard_rank", {
+        "bind": f"tcp://{first.address}:{PORT}", "rank": 0, "world": s.trainer_ranks,
+        "announce": f"tcp://{first.address}:{PORT + 1}",
+        "coordinator": f"tcp://{first.address}:{PORT + 2}", "chunk_mib": s.chunk_mib},
+        s.torch_threads)
+    ranks = [rank0]
+    for rank in range(1, s.trainer_ranks):
+        host = net.add_host(s.link)
+        ranks.append(Node.start(host, "shard_rank", {
+            "bind": f"tcp://{host.address}:{PORT}", "rank": rank, "world": s.trainer_ranks,
+            "coordinator": f"tcp://{first.address}:{PORT + 2}", "chunk_mib": s.chunk_mib},
+            s.torch_threads))
+    for node in ranks[1:]:
+        node.wait("ready", 120)
+    return ranks
 
 
 def _peer_figures(subscribers: list[Node]) -> list[dict[str, Any]]:
@@ -254,6 +291,8 @@ def main() -> int:
                     help="record each host's arrival and peer figures per version")
     ap.add_argument("--fanout", type=int, default=4, help="peers: stripes per version")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--trainer-ranks", type=int, nargs="+", default=[1],
+                    help="trainer ranks, each on a host of its own (> 1: ShardedPublisher)")
     ap.add_argument("--mbit", type=float, default=400.0, help="every link, each direction")
     ap.add_argument("--delay-ms", type=float, default=0.0)
     ap.add_argument("--json", action="store_true")
@@ -269,23 +308,30 @@ def main() -> int:
     link = Link(up_mbit=args.mbit, down_mbit=args.mbit, delay_ms=args.delay_ms)
     line_rate_s = args.mib * (1 << 20) * 8 / (args.mbit * 1e6)
     results = []
-    for hosts in args.hosts:
-        for mode in args.modes:
-            result = run_scenario(Scenario(
-                hosts, mode, args.mib, args.rounds, link, chunk_mib=args.chunk_mib,
-                fanout=args.fanout, torch_threads=args.torch_threads,
-                publisher_root=args.publisher_root, spacing=args.spacing,
-                consumer=args.consumer, dtype=args.dtype, diag=args.diag))
-            results.append(result)
-            if not args.json:
-                print(f"{mode:>8} {hosts:>3} hosts: first {result['first_s']:.2f} s, steady "
-                      f"{result['steady_s']:.2f} s "
-                      f"({result['steady_s'] / line_rate_s:.2f}x one transfer at line rate), "
-                      f"rounds {[round(t, 2) for t in result['seconds']]}, trainer sent "
-                      f"{result['trainer_versions_sent']} versions"
-                      + (f", {result['peers']}" if result["peers"] else ""), flush=True)
-    one = min(args.hosts)
-    base = {r["mode"]: r for r in results if r["hosts"] == one}
+    if any(r > 1 for r in args.trainer_ranks) and "peers" in args.modes:
+        print("--trainer-ranks > 1 with peers: not supported yet", file=sys.stderr)
+        return 2
+    for hosts, mode, ranks in itertools.product(args.hosts, args.modes, args.trainer_ranks):
+        result = run_scenario(Scenario(
+            hosts, mode, args.mib, args.rounds, link, chunk_mib=args.chunk_mib,
+            fanout=args.fanout, torch_threads=args.torch_threads,
+            publisher_root=args.publisher_root, spacing=args.spacing,
+            consumer=args.consumer, dtype=args.dtype, diag=args.diag,
+            trainer_ranks=ranks))
+        results.append(result)
+        if not args.json:
+            print(f"{mode:>8} {hosts:>3} hosts, {ranks} trainer ranks: first "
+                  f"{result['first_s']:.2f} s, steady {result['steady_s']:.2f} s "
+                  f"({result['steady_s'] / line_rate_s:.2f}x one transfer at line rate), "
+                  f"rounds {[round(t, 2) for t in result['seconds']]}, trainer sent "
+                  f"{result['trainer_versions_sent']} versions"
+                  + (f", {result['peers']}" if result["peers"] else ""), flush=True)
+    one, fewest = min(args.hosts), min(args.trainer_ranks)
+    for r in results:  # sharded: the same fleet and mode from the fewest trainer ranks
+        same = next(b for b in results if (b["hosts"], b["mode"], b["trainer_ranks"])
+                    == (r["hosts"], r["mode"], fewest))
+        r["vs_fewest_ranks"] = round(r["steady_s"] / same["steady_s"], 3)
+    base = {r["mode"]: r for r in results if r["hosts"] == one and r["trainer_ranks"] == fewest}
     direct_one = base.get("direct")
     for r in results:  # first version vs first version, steady state vs steady state
         r["vs_one_host_first"] = round(r["first_s"] / base[r["mode"]]["first_s"], 3)
@@ -296,7 +342,9 @@ def main() -> int:
                "target": "16 hosts <= 1.5x 1 host (peer sharing, steady state)"}
     if not args.json:
         for r in results:
-            print(f"{r['mode']:>8} {r['hosts']:>3} hosts / {one} host (same mode): first "
+            print(f"{r['mode']:>8} {r['hosts']:>3} hosts, {r['trainer_ranks']} ranks / "
+                  f"{fewest} ranks: steady {r['vs_fewest_ranks']:.2f}x; / {one} host "
+                  "(same mode): first "
                   f"{r['vs_one_host_first']:.2f}x, steady {r['vs_one_host']:.2f}x"
                   + (f"; steady / {one} host direct: {r['vs_one_host_direct']:.2f}x"
                      if direct_one else ""))

@@ -81,6 +81,40 @@ def run_publisher(args: dict[str, Any]) -> None:
     pub.close()
 
 
+def run_shard_rank(args: dict[str, Any]) -> None:
+    """A trainer rank of a ``ShardedPublisher`` (``--trainer-ranks``): it publishes the
+    tensors ``[rank::world]`` of ``weights(version)``; rank 0 also announces the union
+    (its digest is the full version's, as the publisher's)."""
+    from publisher.sharded_publisher import ShardedPublisher
+
+    rank, world = args["rank"], args["world"]
+    options: dict[str, Any] = {"insecure": True}
+    if args.get("chunk_mib"):
+        options["chunk_size"] = args["chunk_mib"] << 20
+    pub = ShardedPublisher(args["bind"], rank=rank, world_size=world,
+                           coordinator=args["coordinator"],
+                           announce_endpoint=args.get("announce"), **options)
+    coord = pub.coordinator
+    emit(event="ready", endpoint=pub.endpoint,
+         announce=None if coord is None else coord.endpoint)
+    for command in commands():
+        if command["cmd"] == "publish":
+            version, mib = command["version"], command["mib"]
+            data = weights(version, mib, dtype=command.get("dtype", "uint8"))
+            if rank == 0:
+                emit(event="digest", version=version, digest=digest(data))
+            mine = {name: data[name] for name in sorted(data)[rank::world]}
+            del data
+            start = time.time()
+            pub.publish(mine, version=version)
+            emit(event="published", version=version, start=start)
+        elif command["cmd"] == "stats":
+            emit(event="stats", stats=pub.shard.data_stats())
+        elif command["cmd"] == "exit":
+            break
+    pub.close()
+
+
 def run_subscriber(args: dict[str, Any]) -> None:
     """``consumer``: "callback" (``on_version``, on the subscriber's thread) or "wait"
     (a thread of the application's own: ``wait_for_version``, then ``release()``)."""
@@ -142,7 +176,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,  # FLEET_LOG_DIR keeps it
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     role, raw = sys.argv[1], sys.argv[2]
-    {"publisher": run_publisher, "subscriber": run_subscriber, "relay": run_relay}[role](
+    {"publisher": run_publisher, "subscriber": run_subscriber, "relay": run_relay,
+     "shard_rank": run_shard_rank}[role](
         json.loads(raw))
     sys.stdout.flush()
     os._exit(0)  # do not wait for daemon threads of a node that is done

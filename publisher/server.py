@@ -375,6 +375,14 @@ class ServingThread(threading.Thread):
                                     version=request.version)
             peers.reply(peer, wire.encode(error))
             return
+        if version.manifest.shards is not None:  # a subscriber that predates sharding
+            error = wire.ErrorReply(req=request.req, code="bad_request",
+                                    message=f"version {request.version} is served by its "
+                                            "trainer ranks (manifest.shards), not here: this "
+                                            "subscriber predates sharded publishing; upgrade it",
+                                    version=request.version)
+            peers.reply(peer, wire.encode(error))
+            return
         if len(request.chunks) > self.limits.max_chunks_per_request or any(
             c >= version.manifest.num_chunks for c in request.chunks
         ):

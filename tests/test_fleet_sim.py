@@ -52,6 +52,17 @@ def test_small_fleet_gets_every_version_bit_exact(mode: str) -> None:
     assert not namespaces(prefix), "namespaces left behind"
 
 
+def test_a_sharded_trainer_on_two_hosts_delivers_bit_exact() -> None:
+    """Issue 20: two trainer ranks, each on a host of its own, each serving half."""
+    prefix = unique_prefix()
+    result = run_scenario(Scenario(hosts=3, mode="direct", mib=4, rounds=2,
+                                   link=Link(up_mbit=800, down_mbit=800), prefix=prefix,
+                                   trainer_ranks=2))
+    assert len(result["seconds"]) == 2 and all(t > 0 for t in result["seconds"])
+    assert result["trainer_versions_sent"] == [3.0, 3.0]  # the two ranks together
+    assert not namespaces(prefix), "namespaces left behind"
+
+
 def test_network_is_torn_down_after_an_error() -> None:
     prefix = unique_prefix()
     with pytest.raises(RuntimeError, match="boom"):

@@ -38,7 +38,9 @@ from weightpub_wire.message_base import (
     _Message,
 )
 
-__all__ = ["DeltaBase", "DeltaInfo", "Heartbeat", "Manifest", "TensorEntry"]
+__all__ = ["DeltaBase", "DeltaInfo", "Heartbeat", "Manifest", "ShardSource", "TensorEntry"]
+
+MAX_SHARDS = 1 << 16  # trainer ranks serving one version
 
 
 class TensorEntry(msgspec.Struct, frozen=True):
@@ -90,6 +92,18 @@ class DeltaInfo(msgspec.Struct, frozen=True):
                 raise ValueError(f"chain[{index}].version: versions must increase")
 
 
+class ShardSource(msgspec.Struct, frozen=True):
+    """Chunks ``[first_chunk, first_chunk + num_chunks)`` of a sharded version are served by
+    one trainer rank: fetch them from ``endpoint`` as that rank's own chunks from 0, of its
+    instance ``publisher_id`` (``publisher.sharded_publisher``)."""
+
+    rank: Annotated[int, Meta(ge=0, le=MAX_SHARDS)]
+    endpoint: Text
+    publisher_id: Name
+    first_chunk: U63
+    num_chunks: U63
+
+
 class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     """A complete, immutable description of one published version.
 
@@ -110,9 +124,15 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     delta: DeltaInfo | None = None
     collective: CollectiveAnnounce | None = None  # also served by a group broadcast
     deltas_follow: bool = False
+    #: the version is the union of trainer ranks' shards, each serving its chunk range
+    #: (``ShardSource``, in chunk order, covering every chunk); None: this ROUTER serves all
+    shards: Annotated[tuple[ShardSource, ...], Meta(min_length=1, max_length=MAX_SHARDS)] \
+        | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
+        if self.shards is not None:
+            self._check_shards(self.shards)
         if self.collective is not None and self.collective.bucket_bytes % self.chunk_size:
             raise ValueError(f"collective.bucket_bytes: {self.collective.bucket_bytes} is not "
                              f"a multiple of chunk_size {self.chunk_size}")
@@ -140,6 +160,32 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
             if end > self.total_bytes:
                 raise ValueError(f"{where}: tensor {entry.name!r} ends at byte {end}, past "
                                  f"total_bytes {self.total_bytes}")
+
+    def _check_shards(self, shards: tuple[ShardSource, ...]) -> None:
+        if self.delta is not None or self.collective is not None:
+            raise ValueError("shards: a sharded version offers neither deltas nor a "
+                             "collective path")
+        next_chunk = 0
+        for index, shard in enumerate(shards):
+            if shard.first_chunk != next_chunk:
+                raise ValueError(f"shards[{index}].first_chunk: {shard.first_chunk}, expected "
+                                 f"{next_chunk} (shards cover the chunks in order)")
+            next_chunk += shard.num_chunks
+        if next_chunk != len(self.checksums):
+            raise ValueError(f"shards: cover {next_chunk} chunks, the version has "
+                             f"{len(self.checksums)}")
+
+    def shard_of(self, chunk: int) -> ShardSource:
+        """The shard serving ``chunk`` (a sharded manifest only)."""
+        assert self.shards is not None
+        low, high = 0, len(self.shards) - 1
+        while low < high:  # the last shard whose first chunk is at or below ``chunk``
+            mid = (low + high + 1) // 2
+            if self.shards[mid].first_chunk <= chunk:
+                low = mid
+            else:
+                high = mid - 1
+        return self.shards[low]
 
     def check(self, limits: Limits) -> Manifest:
         """Receiver-specific bounds (memory, tensor count); returns ``self``."""

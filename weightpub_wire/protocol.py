@@ -74,7 +74,14 @@ from weightpub_wire.control_messages import (  # noqa: F401 - ERROR_CODES.. re-e
     StatusRequest,
 )
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
-from weightpub_wire.manifest import DeltaBase, DeltaInfo, Heartbeat, Manifest, TensorEntry
+from weightpub_wire.manifest import (
+    DeltaBase,
+    DeltaInfo,
+    Heartbeat,
+    Manifest,
+    ShardSource,
+    TensorEntry,
+)
 from weightpub_wire.message_base import (  # noqa: F401 - field types re-exported
     CHECKSUM_ALGORITHM,
     DEFAULT_LIMITS,
@@ -135,6 +142,7 @@ __all__ = [
     "Manifest",
     "Message",
     "Report",
+    "ShardSource",
     "StatusReply",
     "StatusRequest",
     "TensorEntry",

@@ -336,6 +336,8 @@ class WeightSubscriber:
             client.on_sub()
         if client.peering is not None:
             client.peering.on_events(events, time.monotonic())
+        if client.shards.links:
+            client.shards.on_events(events, time.monotonic())
 
     def _run(self) -> None:
         client = self._client
@@ -346,6 +348,7 @@ class WeightSubscriber:
         poller.register(client.monitor, zmq.POLLIN)
         if client.peering is not None:
             client.peering.register(poller)
+        client.shards.register(poller)
         try:
             while not self._closed:
                 try:

@@ -4,7 +4,8 @@ Weights are derived from ``(seed, version, name)`` by a cheap integer hash, so
 any process can recompute the exact bytes a publisher sent. Children speak JSON
 lines: commands on stdin, events on stdout (logging goes to stderr, a file).
 
-Run as ``python -m tests.transport.procs publisher|subscriber|node_rank|peer '<json args>'``.
+Run as ``python -m tests.transport.procs publisher|subscriber|node_rank|peer|shard_rank
+'<json args>'``.
 """
 
 from __future__ import annotations
@@ -433,6 +434,11 @@ def main() -> None:
         from tests.transport.peer_procs import run_peer
 
         run_peer(args)
+        return
+    if role == "shard_rank":
+        from tests.transport.shard_procs import run_shard_rank
+
+        run_shard_rank(args)
         return
     {"publisher": run_publisher, "subscriber": run_subscriber}[role](args)
 

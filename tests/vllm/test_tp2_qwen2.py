@@ -82,6 +82,51 @@ def test_tp2_ranks_agree_on_three_versions_over_the_transport(llm):
             llm.collective_rpc("stop_weight_subscriber")
 
 
+def test_tp2_two_trainer_ranks_publish_their_shards(llm, tmp_path):
+    """Issue 20: two trainer processes each publish half the tensors (``ShardedPublisher``);
+    the replica stages the union (fetching each chunk from its rank) and matches
+    transformers after each version."""
+    from safetensors.torch import save_file
+
+    from .shard_trainer import shard_trainer_main
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    commands = [ctx.Queue(), ctx.Queue()]
+    ranks = [ctx.Process(target=shard_trainer_main,
+                         args=(0, 2, "tcp://127.0.0.1:0", commands[0], out))]
+    ranks[0].start()
+    started = False
+    try:
+        _, _, announce, collect, publisher_id = out.get(timeout=120)
+        ranks.append(ctx.Process(target=shard_trainer_main, args=(1, 2, collect, commands[1],
+                                                                   out)))
+        ranks[1].start()
+        assert out.get(timeout=120)[:2] == ("ready", 1)
+        llm.collective_rpc("start_weight_subscriber", args=(announce,))
+        started = True
+        for version, seed in ((1, 40), (2, 41)):
+            w = new_weights(KIND, seed)
+            path = tmp_path / f"w{version}.safetensors"
+            save_file(w, str(path))
+            for queue in commands:
+                queue.put(("publish", str(path), version))
+            assert sorted(out.get(timeout=120) for _ in ranks) == \
+                [("published", 0, version), ("published", 1, version)]
+            wait_until_applied(llm, version, publisher_id=publisher_id, fail_on_error=True)
+            _check(llm, w)
+    finally:
+        if started:
+            llm.collective_rpc("stop_weight_subscriber")
+        for queue in commands:
+            queue.put(("exit",))
+        for process in ranks:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+
+
 def test_tp2_directory_source_is_a_version_source(llm, tmp_path):
     """A stand-in source (no transport) plugs in through ``subscriber_cls``; commits are
     reported back through its ``mark_applied``."""

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from subscriber_ext.transport.client.shard_links import ShardLinks
 from subscriber_ext.transport.peers.peering import Peering
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.request_table import RequestTable
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import WeightPubError, WeightPubTimeout
+from weightpub_wire.errors import ConfigError, WeightPubError, WeightPubTimeout
 
 __all__ = ["FetchCredit"]
 
@@ -27,9 +28,10 @@ class FetchCredit:
                  target: Callable[[], Assembly | None], send: Callable[[wire.Message], bool],
                  give_up: Callable[[WeightPubError], None], window_bytes: int,
                  chunks_per_request: int, request_timeout: float,
-                 max_chunk_retries: int) -> None:
+                 max_chunk_retries: int, shards: ShardLinks | None = None) -> None:
         """``target()``: the version being fetched; ``send``: to the publisher;
-        ``give_up(why)``: abandon the target (a chunk failed too often)."""
+        ``give_up(why)``: abandon the target (a chunk failed too often); ``shards``:
+        the trainer ranks a sharded version's chunks are asked of (``shard_links.py``)."""
         self.requests = requests
         self.peering = peering
         self._target = target
@@ -39,6 +41,7 @@ class FetchCredit:
         self.chunks_per_request = chunks_per_request
         self.request_timeout = request_timeout
         self.max_chunk_retries = max_chunk_retries
+        self.shards = shards
 
     def credit(self) -> int:
         """Chunks the client may have in flight to the publisher for its target."""
@@ -52,6 +55,9 @@ class FetchCredit:
         """Ask for more chunks of the target while there is credit (peers first, if sharing)."""
         target = self._target()
         if target is None:
+            return
+        if target.manifest.shards is not None:
+            self._top_up_shards(target, now)
             return
         table = self.requests
         asked = table.asked()
@@ -77,8 +83,22 @@ class FetchCredit:
             table.track(req, batch, now)
             room -= len(batch)
 
+    def _top_up_shards(self, target: Assembly, now: float) -> None:
+        """A sharded version: each rank gets the publisher's credit for its own chunks."""
+        if self.shards is None or self.peering is not None:
+            self._give_up(ConfigError(
+                f"version {target.manifest.version} is sharded over trainer ranks: "
+                "peer_share with a sharded publisher is not supported yet"))
+            return
+        self.shards.top_up(target, self.credit(), now)
+
     def expire(self, now: float) -> None:
         """Re-ask (or, after too many tries, abandon) what the publisher did not answer in time."""
+        if self.shards is not None and self.shards.links:
+            target = self._target()
+            self.shards.expire(now, lambda chunk: self.count_retry(
+                chunk, "timed out at its trainer rank", WeightPubTimeout)
+                or self._target() is not target)
         for request in self.requests.timed_out(now, self.request_timeout):
             for chunk in request.chunks:
                 if self.count_retry(chunk, "timed out", WeightPubTimeout):

@@ -50,6 +50,7 @@ from subscriber_ext.transport.client.client_report import ClientReport
 from subscriber_ext.transport.client.client_sockets import ClientSockets
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
 from subscriber_ext.transport.client.instance_following import InstanceFollower
+from subscriber_ext.transport.client.shard_links import ShardLinks
 from subscriber_ext.transport.client.version_choice import VersionChoice
 from subscriber_ext.transport.peers.peering import Peering, PeerOptions
 from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
@@ -122,12 +123,20 @@ class SyncClient:
                 raise
             self.listeners.append(self.peering)
         self.listeners += listeners or []
+        # a sharded version's chunks come from the trainer ranks (shard_links.py)
+        self.shards = ShardLinks(ctx, self.requests, limits=options.limits,
+                                 chunks_per_request=options.chunks_per_request,
+                                 request_timeout=options.request_timeout,
+                                 on_chunk=lambda h, f, s: self.on_chunk(h, f, s),
+                                 on_error=self._on_error,
+                                 on_bad=lambda exc: self.report.bad(exc))
         self.credit = FetchCredit(self.requests, self.peering, target=lambda: self.target,
                                   send=self.send, give_up=self._fail_target,
                                   window_bytes=options.window_bytes,
                                   chunks_per_request=options.chunks_per_request,
                                   request_timeout=options.request_timeout,
-                                  max_chunk_retries=options.max_chunk_retries)
+                                  max_chunk_retries=options.max_chunk_retries,
+                                  shards=self.shards)
         self.receiver = ChunkReceiver(self.sockets.dealer, self.credit, self.report,
                                       self.deltas, self.listeners, target=lambda: self.target,
                                       complete=self.complete_target,
@@ -169,6 +178,8 @@ class SyncClient:
     def close(self) -> None:
         if self.peering is not None:
             self.peering.close()
+        if getattr(self, "shards", None) is not None:
+            self.shards.close()
         if self.target is not None:
             self.target.abandon()
             self.target = None

@@ -1,0 +1,274 @@
+"""``ShardCoordinator``: announces a sharded trainer's version once every rank's shard is in.
+
+Every rank of a ``ShardedPublisher`` serves its own shard and tells the
+coordinator (a ``ShardSubmit`` on a DEALER to ``collect_endpoint``) its layout,
+checksums and where it serves. Once all ``world_size`` ranks submitted version
+V, the coordinator lays the shards end to end (rank order, each chunk-aligned),
+and announces one manifest whose ``shards`` say which rank serves which chunks;
+subscribers dial ``endpoint`` as for any publisher (latest, heartbeats, reports)
+and fetch the chunks from the ranks. It holds no weight bytes.
+
+All or nothing: a version whose shards are not all in within ``shard_timeout``
+of its first one, or older than one already announced, is dropped (counted in
+``dropped_versions``); replicas keep the last complete one. Versions strictly
+increase. A rank that restarts (a new instance, perhaps a new port) is simply in
+the next version's manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from publisher.reports import counts_for, reporters
+from publisher.server import ServerOptions, ServingThread
+from publisher.store import PublishedVersion, VersionStore
+from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import BufferPool
+from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
+from weightpub_wire.errors import ConfigError, ProtocolError, WeightPubTimeout
+from weightpub_wire.security import check_bind_allowed
+from weightpub_wire.shard_submit import ShardSubmit, decode_submit
+from weightpub_wire.sockets import bind, configure_socket
+
+__all__ = ["SHARD_PAD", "ShardCoordinator"]
+
+log = logging.getLogger("weightpub.publisher")
+
+#: the name of a rank's zero tail that makes its shard a whole number of chunks
+SHARD_PAD = "__weightpub_shard_pad__"
+MAX_SUBMIT_BYTES = 256 << 20
+
+
+@dataclass(slots=True)
+class _Pending:
+    first_at: float
+    shards: dict[int, ShardSubmit] = field(default_factory=dict)
+
+
+class ShardCoordinator:
+    """Rank 0's side (or any process's): collects shards, announces complete versions."""
+
+    def __init__(self, endpoint: str, collect_endpoint: str, world_size: int, *,
+                 shard_timeout: float = 30.0, heartbeat_interval: float = 1.0,
+                 insecure: bool = False, model_id: str = "",
+                 context: zmq.Context | None = None) -> None:
+        if world_size < 1:
+            raise ConfigError(f"world_size: {world_size} must be >= 1")
+        if shard_timeout <= 0:
+            raise ConfigError(f"shard_timeout: {shard_timeout} must be > 0")
+        router = parse_endpoint(endpoint)
+        collect = parse_endpoint(collect_endpoint)
+        for where in (router, collect):  # no CURVE on the sharded path yet
+            check_bind_allowed(where, curve=False, insecure=insecure, allowed_clients_dir=None)
+        self.world_size = world_size
+        self.shard_timeout = shard_timeout
+        self.model_id = model_id
+        self.publisher_id = uuid.uuid4().hex
+        self.started_at = time.time()
+        self.dropped_versions = 0
+        self.refused_submits = 0
+        self.last_error = ""
+        self._pending: dict[int, _Pending] = {}
+        self._announced = 0
+        self._cond = threading.Condition()
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._store = VersionStore(1, BufferPool(max_buffers=1))
+        self._server = ServingThread(
+            self._ctx, self._store,
+            ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
+                          heartbeat_interval=heartbeat_interval),
+            publisher_id=self.publisher_id, started_at=self.started_at)
+        self._server.start_and_wait()
+        self._collect = self._ctx.socket(zmq.ROUTER)
+        try:
+            configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
+            self._collect.setsockopt(zmq.MAXMSGSIZE, MAX_SUBMIT_BYTES)
+            self.collect_endpoint = bind(self._collect, str(collect))
+        except BaseException:
+            self._collect.close(linger=0)
+            self._server.send_command(b"close")
+            self._server.join(timeout=10)
+            if self._own_context:
+                self._ctx.term()
+            raise
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="weightpub-shard-collect",
+                                        daemon=True)
+        self._thread.start()
+        log.info("shard coordinator %s: subscribers dial %s, %d ranks submit to %s",
+                 self.publisher_id[:8], self.endpoint, world_size, self.collect_endpoint)
+
+    @property
+    def endpoint(self) -> str:
+        """The address subscribers are given (the real port when bound to port 0)."""
+        return self._server.router_endpoint
+
+    @property
+    def latest_version(self) -> int:
+        return self._announced
+
+    def manifest(self) -> wire.Manifest | None:
+        latest = self._store.latest()
+        return None if latest is None else latest.manifest
+
+    def wait_announced(self, version: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._announced < version:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    raise WeightPubTimeout(f"version {version} not announced within {timeout}s"
+                                           f" ({self.last_error or 'shards missing'})")
+                self._cond.wait(left)
+
+    def fleet(self) -> list[wire.Report]:
+        return self._server.fleet()
+
+    def wait_for_subscribers(self, version: int, count: int, *, applied: bool = True,
+                             timeout: float = 60.0) -> list[wire.Report]:
+        """Block until ``count`` subscribers report ``version`` (or newer); unauthenticated."""
+        deadline = time.monotonic() + timeout
+        while True:
+            done = [r for r in self.fleet()
+                    if counts_for(r, publisher_id=self.publisher_id, announced=self._announced,
+                                  version=version, applied=applied)]
+            if reporters(done) >= count:
+                return done
+            if time.monotonic() >= deadline:
+                raise WeightPubTimeout(f"{reporters(done)}/{count} subscribers reached "
+                                       f"version {version} in {timeout}s")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(timeout=5)
+        self._server.send_command(b"close")
+        self._server.join(timeout=10)
+        self._store.clear()
+        with self._cond:
+            self._cond.notify_all()
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> ShardCoordinator:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the collecting thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        sock = self._collect
+        try:
+            while not self._closed:
+                if sock.poll(100):
+                    for _ in range(64):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                self._expire(time.monotonic())
+        finally:
+            sock.close(linger=0)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        try:
+            if len(frames) != 2:
+                raise ProtocolError(f"{len(frames)} frames, expected 2")
+            submit = decode_submit(frames[1], MAX_SUBMIT_BYTES)
+        except ProtocolError as exc:
+            self._refuse(f"refused a shard: {exc}")
+            return
+        self.submitted(submit, time.monotonic())
+
+    def _refuse(self, why: str) -> None:
+        self.refused_submits += 1
+        self.last_error = why
+        log.warning("shard coordinator: %s", why)
+
+    def submitted(self, submit: ShardSubmit, now: float) -> None:
+        """One rank's shard of a version; announces the version when it completes it."""
+        if submit.world_size != self.world_size:
+            self._refuse(f"rank {submit.rank} says world_size {submit.world_size}, the "
+                         f"group has {self.world_size}")
+            return
+        if submit.version <= self._announced:
+            self._refuse(f"rank {submit.rank}'s version {submit.version} is not newer than "
+                         f"the announced {self._announced}")
+            return
+        pending = self._pending.setdefault(submit.version, _Pending(now))
+        pending.shards[submit.rank] = submit  # a restarted rank's later shard replaces it
+        if len(pending.shards) == self.world_size:
+            del self._pending[submit.version]
+            try:
+                manifest = self._union(submit.version, pending.shards)
+            except (ValueError, ProtocolError) as exc:
+                self._drop(submit.version, f"shards do not fit together: {exc}")
+                return
+            self._announce(manifest)
+
+    def _expire(self, now: float) -> None:
+        for version, pending in list(self._pending.items()):
+            if version <= self._announced:
+                self._drop(version, f"version {self._announced} was announced first")
+            elif now - pending.first_at > self.shard_timeout:
+                missing = sorted(set(range(self.world_size)) - set(pending.shards))
+                self._drop(version, f"ranks {missing} sent no shard within "
+                                    f"{self.shard_timeout}s")
+
+    def _drop(self, version: int, why: str) -> None:
+        self._pending.pop(version, None)
+        self.dropped_versions += 1
+        self.last_error = f"version {version} dropped: {why}"
+        log.warning("shard coordinator: %s", self.last_error)
+
+    def _union(self, version: int, shards: dict[int, ShardSubmit]) -> wire.Manifest:
+        chunk_size = shards[0].chunk_size
+        tensors: list[wire.TensorEntry] = []
+        checksums: list[int] = []
+        sources: list[wire.ShardSource] = []
+        offset = 0
+        for rank in range(self.world_size):
+            shard = shards[rank]
+            if shard.chunk_size != chunk_size:
+                raise ValueError(f"rank {rank}'s chunk_size {shard.chunk_size} differs from "
+                                 f"rank 0's {chunk_size}")
+            sources.append(wire.ShardSource(rank=rank, endpoint=shard.endpoint,
+                                            publisher_id=shard.publisher_id,
+                                            first_chunk=offset // chunk_size,
+                                            num_chunks=len(shard.checksums)))
+            tensors += [wire.TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape,
+                                         offset=e.offset + offset, nbytes=e.nbytes)
+                        for e in shard.tensors if e.name != SHARD_PAD]
+            checksums += shard.checksums
+            offset += shard.total_bytes
+        tensors.sort(key=lambda e: e.offset)
+        # duplicate names across ranks, bounds: the manifest's own checks say which
+        return wire.Manifest(publisher_id=self.publisher_id, started_at=self.started_at,
+                             version=version, created_at=time.time(),
+                             model_id=self.model_id or shards[0].model_id,
+                             chunk_size=chunk_size, total_bytes=offset, tensors=tuple(tensors),
+                             checksums=tuple(checksums), shards=tuple(sources))
+
+    def _announce(self, manifest: wire.Manifest) -> None:
+        empty = torch.empty(64, dtype=torch.uint8)  # the bytes live on the ranks
+        self._store.add(PublishedVersion(manifest=manifest, buffer=empty, view=memoryview(b"")))
+        self._server.send_command(b"announce")
+        with self._cond:
+            self._announced = manifest.version
+            self._cond.notify_all()
+        for version in [v for v in self._pending if v < manifest.version]:
+            self._drop(version, f"version {manifest.version} was announced first")
+        log.info("shard coordinator: announced version %d (%d bytes from %d ranks)",
+                 manifest.version, manifest.total_bytes, len(manifest.shards or ()))

@@ -1,0 +1,209 @@
+"""``ShardedPublisher``: every trainer rank publishes its own shard; one version is the union.
+
+Each rank runs an ordinary ``WeightPublisher`` for the tensors it holds (its
+own endpoint, snapshot, credit, checksums), laid out from offset 0 and padded
+with zeros to a whole number of chunks (``SHARD_PAD``, left out of the union),
+so the shard is one chunk-aligned region of the union and its chunk ``i`` is
+the union's chunk ``first_chunk + i``. Once a shard is hashed the rank tells the
+coordinator (``publisher.shard_coordinator``) its layout and checksums over
+ZeroMQ; the coordinator announces the version when every rank's shard is in.
+Subscribers fetch each chunk from the rank that holds it
+(``subscriber_ext/transport/client/shard_links.py``). No rank holds more than
+its shard (plus the snapshot copy ``WeightPublisher`` always makes).
+
+Split: tensors are whole within a rank. For a plain or pipeline split each rank
+passes its own named tensors (names must not repeat across ranks). DTensors are
+refused: an FSDP2 owner-rank split (each rank gathering the groups it owns, as
+``streamed_sources`` does for rank 0 today) is a later step.
+
+Versions: pass ``version=`` (e.g. the trainer step) on every rank, the same
+number for the same weights; without it each rank counts from ``first_version``,
+which only agrees while no rank restarts.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+from typing import Any, Unpack
+
+import torch
+import zmq
+
+from publisher.publisher_options import PublisherKeywords
+from publisher.shard_coordinator import SHARD_PAD, ShardCoordinator
+from publisher.snapshot import WeightsLike, named_tensors, plan_layout
+from publisher.weight_publisher import WeightPublisher
+from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.errors import ConfigError, WeightPubError
+from weightpub_wire.shard_submit import ShardSubmit, encode_submit
+from weightpub_wire.sockets import configure_socket, connect
+
+__all__ = ["DEFAULT_SHARD_CHUNK", "ShardedPublisher"]
+
+log = logging.getLogger("weightpub.publisher")
+
+DEFAULT_SHARD_CHUNK = 1 << 20  # every rank's chunk size must agree: no adaptive sizing
+_WILDCARDS = {"*", "0.0.0.0", "::", ""}
+
+
+class ShardedPublisher:
+    """One trainer rank's publisher of its shard.
+
+    ``endpoint``: where this rank serves its shard's chunks (port 0: any free port).
+    ``coordinator``: the address every rank submits its shards to (rank 0's
+    ``coordinator`` binds it). On rank 0, ``announce_endpoint`` is what subscribers
+    dial; it starts the ``ShardCoordinator`` there. ``shard_timeout``: a version whose
+    shards are not all in that long after its first is dropped. ``advertise``: the
+    address subscribers reach this rank's shard at (default: ``endpoint`` as bound, its
+    host replaced by this host's name when it is a wildcard). The other keywords are
+    ``WeightPublisher``'s, for this rank's shard; ``chunk_size`` must be the same on every
+    rank (default 1 MiB).
+    """
+
+    def __init__(self, endpoint: str, *, rank: int, world_size: int, coordinator: str,
+                 announce_endpoint: str | None = None, shard_timeout: float = 30.0,
+                 advertise: str | None = None, context: zmq.Context | None = None,
+                 **keywords: Unpack[PublisherKeywords]) -> None:
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank: {rank} is not in [0, world_size {world_size})")
+        if (rank == 0) != (announce_endpoint is not None):
+            raise ConfigError("announce_endpoint: rank 0 (only) announces the union; give it "
+                              "there" if rank == 0 else
+                              f"announce_endpoint: only rank 0 announces (this is rank {rank})")
+        for name in ("delta_anchor_every", "collective", "peer_fanout"):
+            if keywords.get(name) not in (None, 0, 1):
+                raise ConfigError(f"{name}: not supported with sharded publishing yet (the "
+                                  "union is served by the ranks' own ROUTERs)")
+        keywords.setdefault("chunk_size", DEFAULT_SHARD_CHUNK)
+        keywords.setdefault("peer_fanout", 0)
+        self.rank = rank
+        self.world_size = world_size
+        self.chunk_size = int(keywords["chunk_size"] or DEFAULT_SHARD_CHUNK)
+        self.coordinator: ShardCoordinator | None = None
+        self._own_context = context is None
+        self._ctx = context or zmq.Context()
+        self._closed = False
+        self._failed: list[str] = []
+        self._shard: WeightPublisher | None = None
+        try:
+            if announce_endpoint is not None:
+                self.coordinator = ShardCoordinator(
+                    announce_endpoint, coordinator, world_size, shard_timeout=shard_timeout,
+                    insecure=bool(keywords.get("insecure", False)),
+                    model_id=str(keywords.get("model_id", "")), context=self._ctx)
+                coordinator = _dialable(self.coordinator.collect_endpoint)
+            self._shard = WeightPublisher(endpoint, context=self._ctx, **keywords)
+            self.endpoint = advertise or _dialable(self._shard.endpoint)
+            self._dealer = self._ctx.socket(zmq.DEALER)
+            configure_socket(self._dealer, heartbeat_interval=1.0)
+            self._dealer.setsockopt(zmq.SNDHWM, 64)
+            connect(self._dealer, coordinator)
+        except BaseException:
+            self._release()
+            raise
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._submit_loop, daemon=True,
+                                        name="weightpub-shard-submit")
+        self._thread.start()
+
+    @property
+    def latest_version(self) -> int:
+        """The newest version of this rank's shard announced (hashed)."""
+        return self.shard.latest_version
+
+    @property
+    def shard(self) -> WeightPublisher:
+        """This rank's own publisher (its data stats, its manifest)."""
+        assert self._shard is not None
+        return self._shard
+
+    def publish(self, weights: WeightsLike, *, version: int | None = None) -> int:
+        """Snapshot this rank's tensors as its shard of ``version``; returns the number.
+
+        Returns once the caller may modify the tensors; the shard is submitted to the
+        coordinator once hashed (in the background).
+        """
+        if self._closed:
+            raise WeightPubError("sharded publisher is closed")
+        pairs = named_tensors(_refuse_dtensors(weights))
+        if any(name == SHARD_PAD for name, _ in pairs):
+            raise ConfigError(f"weights: {SHARD_PAD!r} is a reserved name")
+        _, total = plan_layout(pairs)
+        pad = -total % self.chunk_size
+        if pad or not total:
+            pad = pad or self.chunk_size  # an empty shard still fills one chunk
+            pairs.append((SHARD_PAD, torch.zeros(pad, dtype=torch.uint8)))
+        number = self.shard.publish(pairs, version=version)
+        self._queue.put(number)
+        return number
+
+    def wait_submitted(self, version: int, timeout: float = 30.0) -> None:
+        """Block until this rank's shard of ``version`` is hashed (then it is sent)."""
+        self.shard.wait_announced(version, timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self.shard.close()  # announces what it holds queued; a submit waiting on it ends
+        self._thread.join(timeout=15)
+        self._dealer.close(linger=0)
+        self._release()
+
+    def _release(self) -> None:
+        if self._shard is not None:
+            self._shard.close()
+        if self.coordinator is not None:
+            self.coordinator.close()
+        if self._own_context:
+            self._ctx.term()
+
+    def __enter__(self) -> ShardedPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the submitting thread -----------------------------------------------------------------
+    def _submit_loop(self) -> None:
+        while (number := self._queue.get()) is not None:
+            try:
+                self.shard.wait_announced(number, timeout=600.0)
+                manifest = self.shard.manifest(number)
+            except WeightPubError as exc:  # overtaken or failed: the union drops it
+                log.warning("rank %d: shard of version %d not submitted: %s",
+                            self.rank, number, exc)
+                continue
+            submit = ShardSubmit(rank=self.rank, world_size=self.world_size, version=number,
+                                 publisher_id=manifest.publisher_id, endpoint=self.endpoint,
+                                 chunk_size=manifest.chunk_size,
+                                 total_bytes=manifest.total_bytes, tensors=manifest.tensors,
+                                 checksums=manifest.checksums, model_id=manifest.model_id)
+            try:
+                self._dealer.send(encode_submit(submit), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("rank %d: coordinator unreachable, shard of version %d dropped",
+                            self.rank, number)
+
+
+def _refuse_dtensors(weights: WeightsLike) -> WeightsLike:
+    if isinstance(weights, torch.nn.Module):
+        weights = weights.state_dict()
+    pairs: Any = list(weights.items()) if hasattr(weights, "items") else list(weights)
+    for name, tensor in pairs:
+        if callable(getattr(tensor, "full_tensor", None)):
+            raise ConfigError(f"weights: {name!r} is a DTensor; a sharded publisher takes "
+                              "each rank's own whole tensors (FSDP2 owner split: later step)")
+    return pairs
+
+
+def _dialable(bound: str) -> str:
+    """A bound address as others dial it: a wildcard host becomes this host's name."""
+    endpoint = parse_endpoint(bound)
+    if endpoint.scheme == "tcp" and endpoint.host in _WILDCARDS:
+        return f"tcp://{socket.gethostname()}:{endpoint.port}"
+    return bound

@@ -1,0 +1,197 @@
+"""A sharded version's chunks, each fetched from the trainer rank that serves it.
+
+A manifest with ``shards`` (``publisher.sharded_publisher``) says which rank's
+ROUTER serves which chunk range; the rank numbers its own chunks from 0. This
+keeps one DEALER per rank endpoint (opened when a manifest names it, closed
+when the target's manifest no longer does) and, like the publisher's own
+credit, at most the client's window of chunks in flight per rank, in requests
+of ``chunks_per_request``; requests name the rank's chunk ids and instance,
+replies are renumbered into the union before ``ChunkReceiver`` places and
+verifies them, so checksums, conflation and the all-or-nothing staging are the
+client's as for any version. A request a rank leaves unanswered for
+``request_timeout`` (counted from that rank's last chunk, at most
+``QUEUED_TIMEOUT_FACTOR`` timeouts in all) is asked again and counts a try of
+each chunk: a rank that died costs the version after ``max_chunk_retries``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from subscriber_ext.transport.peers.chunk_sources import decode_reply
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.request_table import QUEUED_TIMEOUT_FACTOR, RequestTable
+from weightpub_wire import chunk_frame
+from weightpub_wire import protocol as wire
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.sockets import configure_socket, connect
+
+__all__ = ["ShardLink", "ShardLinks"]
+
+
+@dataclass(eq=False, slots=True)
+class ShardLink:
+    """One DEALER to one rank, and that rank's part of the current target."""
+
+    endpoint: str
+    sock: zmq.Socket
+    first_chunk: int = 0
+    num_chunks: int = 0
+    publisher_id: str = ""
+    cursor: int = 0  # chunks below first_chunk + cursor are in (the target's)
+    answered: float = 0.0  # the rank's last chunk
+    bad: dict[str, int] = field(default_factory=dict)
+
+
+class ShardLinks:
+    """Runs on the subscriber's thread, beside the publisher's DEALER."""
+
+    def __init__(self, ctx: zmq.Context, requests: RequestTable, *, limits: wire.Limits,
+                 chunks_per_request: int, request_timeout: float,
+                 on_chunk: Callable[[chunk_frame.ChunkHeader, zmq.Frame, zmq.Socket], None],
+                 on_error: Callable[[wire.ErrorReply], None],
+                 on_bad: Callable[[ProtocolError], None]) -> None:
+        self.ctx = ctx
+        self.requests = requests
+        self.limits = limits
+        self.chunks_per_request = chunks_per_request
+        self.request_timeout = request_timeout
+        self._on_chunk = on_chunk
+        self._on_error = on_error
+        self._on_bad = on_bad
+        self.links: dict[str, ShardLink] = {}
+        self.poller: zmq.Poller | None = None
+        self._following: wire.Manifest | None = None
+
+    # -- sockets -------------------------------------------------------------------------------
+    def register(self, poller: zmq.Poller) -> None:
+        self.poller = poller
+        for link in self.links.values():
+            poller.register(link.sock, zmq.POLLIN)
+
+    def follow(self, manifest: wire.Manifest) -> None:
+        """Links for every rank ``manifest`` names (the others closed), set to its ranges."""
+        if manifest is self._following or manifest.shards is None:
+            return
+        self._following = manifest
+        wanted: dict[str, ShardLink] = {}
+        for shard in manifest.shards:
+            link = wanted.get(shard.endpoint) or self.links.get(shard.endpoint) \
+                or self._open(shard.endpoint)
+            link.first_chunk, link.num_chunks = shard.first_chunk, shard.num_chunks
+            link.publisher_id, link.cursor = shard.publisher_id, 0
+            wanted[shard.endpoint] = link
+        for endpoint, link in self.links.items():
+            if endpoint not in wanted:
+                self._close(link)
+        self.links = wanted
+
+    def _open(self, endpoint: str) -> ShardLink:
+        sock = self.ctx.socket(zmq.DEALER)
+        configure_socket(sock, heartbeat_interval=1.0)
+        sock.setsockopt(zmq.RCVHWM, 0)  # as the publisher's DEALER (client_sockets.py)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(self.request_timeout * 1000)))
+        sock.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE + wire.CHUNK_HEADER_BYTES,
+                                            self.limits.max_control_bytes))
+        connect(sock, endpoint)
+        if self.poller is not None:
+            self.poller.register(sock, zmq.POLLIN)
+        return ShardLink(endpoint, sock, answered=time.monotonic())
+
+    def _close(self, link: ShardLink) -> None:
+        self.requests.drop(link)
+        if self.poller is not None:
+            self.poller.unregister(link.sock)
+        link.sock.close(linger=0)
+
+    def close(self) -> None:
+        for link in self.links.values():
+            self._close(link)
+        self.links = {}
+        self._following = None
+
+    # -- asking --------------------------------------------------------------------------------
+    def top_up(self, target: Assembly, window: int, now: float) -> None:
+        """Ask each rank for its missing chunks while it has fewer than ``window`` in flight."""
+        self.follow(target.manifest)
+        in_flight = self.requests.peer_in_flight()
+        asked = self.requests.asked()
+        missing = target.missing
+        for link in self.links.values():
+            room = window - in_flight.get(link, 0)
+            if room <= 0:
+                continue
+            end = link.first_chunk + link.num_chunks
+            while link.cursor < link.num_chunks and \
+                    link.first_chunk + link.cursor not in missing:
+                link.cursor += 1
+            todo: list[int] = []
+            chunk = link.first_chunk + link.cursor
+            while chunk < end and len(todo) < room:
+                if chunk in missing and chunk not in asked:
+                    todo.append(chunk)
+                chunk += 1
+            if todo and not in_flight.get(link):
+                link.answered = now  # an idle rank's silence counts from now
+            while todo:
+                batch, todo = todo[: self.chunks_per_request], todo[self.chunks_per_request:]
+                req = self.requests.next_id()
+                request = wire.FetchRequest(
+                    req=req, publisher_id=link.publisher_id, version=target.fetch_version,
+                    chunks=tuple(c - link.first_chunk for c in batch))
+                try:
+                    link.sock.send(wire.encode(request), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.requests.track(req, batch, now, source=link)
+
+    def expire(self, now: float, retry: Callable[[int], bool]) -> None:
+        """Re-ask what a rank left unanswered too long; ``retry(chunk)`` counts a try and
+        is True when the version was given up."""
+        timeout = self.request_timeout
+        for req, request in list(self.requests.requests.items()):
+            link = request.source
+            if not isinstance(link, ShardLink):
+                continue
+            waited = now - request.sent_at
+            if waited < QUEUED_TIMEOUT_FACTOR * timeout and \
+                    now - max(request.sent_at, link.answered) < timeout:
+                continue
+            del self.requests.requests[req]
+            for chunk in sorted(request.chunks):
+                if retry(chunk):
+                    return
+
+    # -- replies -------------------------------------------------------------------------------
+    def on_events(self, events: dict[object, int], now: float) -> None:
+        for link in list(self.links.values()):
+            if link.sock in events:
+                self._read(link, now)
+
+    def _read(self, link: ShardLink, now: float) -> None:
+        for _ in range(256):
+            try:
+                first = link.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            more = int(link.sock.getsockopt(zmq.RCVMORE))
+            try:
+                message = decode_reply(first, more, self.limits)
+            except ProtocolError as exc:
+                while more:
+                    link.sock.recv(copy=False)
+                    more = int(link.sock.getsockopt(zmq.RCVMORE))
+                self._on_bad(ProtocolError(f"shard {link.endpoint}: bad reply: {exc}"))
+                continue
+            if isinstance(message, chunk_frame.ChunkHeader):
+                link.answered = now
+                union = chunk_frame.ChunkHeader(req=message.req, version=message.version,
+                                                chunk=message.chunk + link.first_chunk,
+                                                size=message.size)
+                self._on_chunk(union, first, link.sock)
+            else:
+                self._on_error(message)

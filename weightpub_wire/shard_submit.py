@@ -1,0 +1,78 @@
+"""A trainer rank's shard of one version, told to the coordinator that announces the union.
+
+Sent by every rank of a ``publisher.sharded_publisher.ShardedPublisher`` on a
+DEALER to the coordinator's ROUTER once its shard is hashed: the coordinator
+needs the shard's layout and checksums (to build the union manifest) and where
+to fetch it (``endpoint``, ``publisher_id``), never its bytes. ZeroMQ, not a
+torch collective: a rank that died must cost the version, not hang rank 0.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.manifest import MAX_SHARDS, TensorEntry
+from weightpub_wire.message_base import (
+    MAX_CHUNKS,
+    MAX_TENSORS,
+    U63,
+    U64,
+    ChunkSize,
+    Name,
+    Text,
+    Version,
+    _Message,
+)
+
+__all__ = ["ShardSubmit", "decode_submit", "encode_submit"]
+
+Rank = Annotated[int, Meta(ge=0, le=MAX_SHARDS)]
+
+
+class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
+    """Rank ``rank`` of ``world_size`` holds ``tensors`` of ``version`` (its own layout from
+    offset 0, ``total_bytes`` a multiple of ``chunk_size``), served at ``endpoint``."""
+
+    rank: Rank
+    world_size: Annotated[int, Meta(ge=1, le=MAX_SHARDS)]
+    version: Version
+    publisher_id: Name
+    endpoint: Text
+    chunk_size: ChunkSize
+    total_bytes: U63
+    tensors: Annotated[tuple[TensorEntry, ...], Meta(max_length=MAX_TENSORS)]
+    checksums: Annotated[tuple[U64, ...], Meta(max_length=MAX_CHUNKS)]
+    model_id: Text = ""
+
+    def __post_init__(self) -> None:
+        _Message.__post_init__(self)
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank: {self.rank} is not below world_size {self.world_size}")
+        if self.total_bytes % self.chunk_size:
+            raise ValueError(f"total_bytes: {self.total_bytes} is not a multiple of "
+                             f"chunk_size {self.chunk_size}")
+        if len(self.checksums) != self.total_bytes // self.chunk_size:
+            raise ValueError(f"checksums: {len(self.checksums)} entries for "
+                             f"{self.total_bytes // self.chunk_size} chunks")
+
+
+_DECODER = msgspec.msgpack.Decoder(ShardSubmit)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode_submit(submit: ShardSubmit) -> bytes:
+    return _ENCODER.encode(submit)
+
+
+def decode_submit(frame: bytes | memoryview, max_bytes: int) -> ShardSubmit:
+    """A submission, or ``ProtocolError`` naming what is wrong with it."""
+    if len(frame) > max_bytes:
+        raise ProtocolError(f"shard_submit: {len(frame)} bytes, more than {max_bytes}")
+    try:
+        return _DECODER.decode(frame)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"shard_submit: {exc}") from exc
