@@ -25,6 +25,7 @@ __all__ = [
     "ChunkHasher",
     "Snapshot",
     "WeightsLike",
+    "checked_pair",
     "copy_in_priority_order",
     "copy_into",
     "cuda_devices",
@@ -48,13 +49,19 @@ def named_tensors(weights: WeightsLike) -> list[tuple[str, torch.Tensor]]:
         items = weights
     result: list[tuple[str, torch.Tensor]] = []
     for pair in items:
-        name, tensor = pair
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"weight names must be non-empty strings, got {name!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        name, tensor = checked_pair(pair)
         result.append((name, _materialize(tensor)))
     return result
+
+
+def checked_pair(pair: Any) -> tuple[str, torch.Tensor]:
+    """One (name, tensor) of a user's weights, or a ``TypeError`` saying what it was."""
+    name, tensor = pair
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"weight names must be non-empty strings, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    return name, tensor
 
 
 def _materialize(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from publisher.snapshot import (
     Snapshot,
     WeightsLike,
+    checked_pair,
     cuda_devices,
     plan_layout,
     plan_snapshot,
@@ -235,11 +236,7 @@ def _plan(weights: PublishSource) -> StreamedPairs | list[tuple[str, Any]]:
         return items
     by_name: dict[str, torch.Tensor] = {}
     for pair in items:
-        name, tensor = pair
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"weight names must be non-empty strings, got {name!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        name, tensor = checked_pair(pair)
         if name in by_name:
             raise ValueError(f"weight name {name!r} appears twice")
         by_name[name] = tensor
