@@ -12,9 +12,14 @@ Subscribers fetch each chunk from the rank that holds it
 its shard (plus the snapshot copy ``WeightPublisher`` always makes).
 
 Split: tensors are whole within a rank. For a plain or pipeline split each rank
-passes its own named tensors (names must not repeat across ranks). DTensors are
-refused: an FSDP2 owner-rank split (each rank gathering the groups it owns, as
-``streamed_sources`` does for rank 0 today) is a later step.
+passes its own named tensors (names must not repeat across ranks). FSDP/FSDP2
+(DTensors, or a vLLM ``WeightSource``): every rank passes the same whole model,
+at the same time; each walks the layer groups in the same order (each gather is
+a collective all ranks join) and keeps only the tensors it owns
+(``streamed_sources.plan_shard``: largest first to the least loaded rank, the
+same split on every rank from global names, shapes and dtypes), dropping the
+others as soon as they are gathered. So each rank's shard is about 1/world of
+the model, and a rank holds its shard plus one gathered group at a time.
 
 Versions: pass ``version=`` (e.g. the trainer step) on every rank, the same
 number for the same weights; without it each rank counts from ``first_version``,
@@ -27,14 +32,15 @@ import logging
 import queue
 import socket
 import threading
-from typing import Any, Unpack
+from typing import Unpack
 
 import torch
 import zmq
 
 from publisher.publisher_options import PublisherKeywords
 from publisher.shard_coordinator import SHARD_PAD, ShardCoordinator
-from publisher.snapshot import WeightsLike, named_tensors, plan_layout
+from publisher.snapshot import named_tensors, plan_layout
+from publisher.streamed_sources import PublishSource, StreamedPairs, plan_shard
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, WeightPubError
@@ -120,23 +126,33 @@ class ShardedPublisher:
         assert self._shard is not None
         return self._shard
 
-    def publish(self, weights: WeightsLike, *, version: int | None = None) -> int:
+    def publish(self, weights: PublishSource, *, version: int | None = None) -> int:
         """Snapshot this rank's tensors as its shard of ``version``; returns the number.
 
+        ``weights``: this rank's own tensors, or (DTensors, a ``WeightSource``) the
+        whole sharded model, passed on every rank at once: see the module docstring.
         Returns once the caller may modify the tensors; the shard is submitted to the
         coordinator once hashed (in the background).
         """
-        if self._closed:
-            raise WeightPubError("sharded publisher is closed")
-        pairs = named_tensors(_refuse_dtensors(weights))
-        if any(name == SHARD_PAD for name, _ in pairs):
-            raise ConfigError(f"weights: {SHARD_PAD!r} is a reserved name")
-        _, total = plan_layout(pairs)
-        pad = -total % self.chunk_size
-        if pad or not total:
-            pad = pad or self.chunk_size  # an empty shard still fills one chunk
-            pairs.append((SHARD_PAD, torch.zeros(pad, dtype=torch.uint8)))
-        number = self.shard.publish(pairs, version=version)
+        planned = plan_shard(weights, self.rank, self.world_size)
+        pairs = planned if isinstance(planned, StreamedPairs) else named_tensors(planned)
+        try:
+            if self._closed:
+                raise WeightPubError("sharded publisher is closed")
+            if any(name == SHARD_PAD for name, _ in pairs):
+                raise ConfigError(f"weights: {SHARD_PAD!r} is a reserved name")
+            _, total = plan_layout(pairs)
+            pad = -total % self.chunk_size
+            if pad or not total:
+                pad = pad or self.chunk_size  # an empty shard still fills one chunk
+                padding = (SHARD_PAD, torch.zeros(pad, dtype=torch.uint8))
+                pairs = pairs.followed_by([padding]) if isinstance(pairs, StreamedPairs) \
+                    else [*pairs, padding]
+            number = self.shard.publish(pairs, version=version)
+        except BaseException:
+            if isinstance(pairs, StreamedPairs) and not pairs.started:
+                pairs.drain()  # the other ranks are in these gathers: join them, then raise
+            raise
         self._queue.put(number)
         return number
 
@@ -188,17 +204,6 @@ class ShardedPublisher:
             except zmq.Again:
                 log.warning("rank %d: coordinator unreachable, shard of version %d dropped",
                             self.rank, number)
-
-
-def _refuse_dtensors(weights: WeightsLike) -> WeightsLike:
-    if isinstance(weights, torch.nn.Module):
-        weights = weights.state_dict()
-    pairs: Any = list(weights.items()) if hasattr(weights, "items") else list(weights)
-    for name, tensor in pairs:
-        if callable(getattr(tensor, "full_tensor", None)):
-            raise ConfigError(f"weights: {name!r} is a DTensor; a sharded publisher takes "
-                              "each rank's own whole tensors (FSDP2 owner split: later step)")
-    return pairs
 
 
 def _dialable(bound: str) -> str:

@@ -11,12 +11,18 @@ publishing rank (``plan_version``, then ``copy_streamed``) and every other rank
 (``gather_full_tensors``) run the same gathers in the same order, so a rank's
 extra memory is about one group (the gather's own buffers at most double it).
 
+Sharded trainers (``ShardedPublisher``): every rank walks every group the same
+way (``plan_shard``) and keeps only the tensors it owns (``owner_ranks``, the
+same answer on every rank from names, shapes and dtypes), dropping each other
+gathered tensor at once, so its snapshot is about 1/world of the model.
+
 No vLLM import (``publisher`` never imports it): a ``WeightSource`` is known by
 its ``metadata()`` and ``iter_groups()`` methods.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,6 +48,8 @@ __all__ = [
     "copy_streamed",
     "gather_full_tensors",
     "layer_groups",
+    "owner_ranks",
+    "plan_shard",
     "plan_version",
 ]
 
@@ -111,9 +119,9 @@ class StreamedPairs(list[tuple[str, torch.Tensor]]):
     A list so that ``VersionPreparer`` takes it where it takes materialized
     pairs; the tensors are on the ``meta`` device (shape and dtype, no bytes), so
     nothing can read them by mistake. ``produce()`` starts one pass over the
-    groups (each gather a collective); ``sizes`` are the groups' tensor counts in
-    layout order; ``missing`` names what the groups do not cover (refused when
-    publishing, after the gathers).
+    groups (each gather a collective; ``groups()`` does it and records that it
+    ran); ``sizes`` are the groups' tensor counts in layout order; ``missing``
+    names what the groups do not cover (refused when publishing, after the gathers).
     """
 
     def __init__(self, pairs: list[tuple[str, torch.Tensor]],
@@ -124,6 +132,23 @@ class StreamedPairs(list[tuple[str, torch.Tensor]]):
         self.sizes = sizes
         self.pinned = pinned
         self.missing = sorted(missing)
+        self.started = False
+
+    def groups(self) -> Iterator[Group]:
+        """One pass over the groups; ``started`` says a pass began (the ranks are in it)."""
+        self.started = True
+        return self.produce()
+
+    def followed_by(self, pairs: list[tuple[str, torch.Tensor]]) -> StreamedPairs:
+        """This layout with materialized ``pairs`` after it, yielded as one last group."""
+        names = [name for name, _ in pairs]
+
+        def produce() -> Iterator[Group]:
+            yield from self.produce()
+            yield names, [tensor for _, tensor in pairs]
+
+        return StreamedPairs([*self, *pairs], produce, [*self.sizes, len(pairs)],
+                             pinned=self.pinned, missing=self.missing)
 
     @property
     def largest_group_bytes(self) -> int:
@@ -140,7 +165,7 @@ class StreamedPairs(list[tuple[str, torch.Tensor]]):
         ``next(..., None)`` keeps no name bound to a group, so the previous one is
         freed before the next is gathered.
         """
-        groups = self.produce()
+        groups = self.groups()
         while next(groups, None) is not None:
             pass
 
@@ -183,7 +208,7 @@ def copy_streamed(snapshot: Snapshot, pairs: StreamedPairs, chunk_size: int,
     entries = snapshot.entries
     error: Exception | None = None
     start = 0
-    groups = pairs.produce()
+    groups = pairs.groups()
     while (group := next(groups, None)) is not None:
         if error is None:
             try:
@@ -217,14 +242,49 @@ def gather_full_tensors(weights: PublishSource) -> None:
         planned.drain()
 
 
-def _plan(weights: PublishSource) -> StreamedPairs | list[tuple[str, Any]]:
+def plan_shard(weights: PublishSource, rank: int, world_size: int,
+               ) -> StreamedPairs | list[tuple[str, Any]]:
+    """Rank ``rank``'s part of ``weights`` for a ``ShardedPublisher``.
+
+    Sharded weights (DTensors) or a ``WeightSource``: a plan whose pass gathers
+    every group (every rank must run it, in step) and keeps only the tensors
+    ``owner_ranks`` gives this rank. Anything else is this rank's own tensors,
+    returned as plain pairs (unchecked, as ``plan_snapshot`` takes them).
+    """
+    return _plan(weights, (rank, world_size))
+
+
+def owner_ranks(pairs: Sequence[tuple[str, torch.Tensor]], world_size: int) -> dict[str, int]:
+    """Which rank keeps each tensor: largest first, each to the least loaded rank by bytes.
+
+    Why this rule: it depends on names, shapes and dtypes only (global ones for
+    DTensors), so every rank computes the same split without talking, and it
+    keeps each rank near 1/world of the bytes (ties: layout order, lower rank).
+    """
+    if world_size < 1:
+        raise ConfigError(f"world_size: {world_size} is not positive")
+    loads = [(0, rank) for rank in range(world_size)]
+    owners: dict[str, int] = {}
+    for index in sorted(range(len(pairs)), key=lambda i: -_nbytes(pairs[i][1])):
+        load, rank = heapq.heappop(loads)
+        name, tensor = pairs[index]
+        owners[name] = rank
+        heapq.heappush(loads, (load + _nbytes(tensor), rank))
+    return owners
+
+
+def _plan(weights: PublishSource, share: tuple[int, int] | None = None,
+          ) -> StreamedPairs | list[tuple[str, Any]]:
     """The streamed plan, or the plain pairs (nothing sharded) for ``plan_snapshot``.
 
     Reads names, global shapes and dtypes only; a one-shot iterable is read once
-    here and its pairs handed on.
+    here and its pairs handed on. ``share`` (rank, world size): keep only the
+    tensors ``owner_ranks`` gives that rank (every group is still gathered).
     """
+    if isinstance(weights, StreamedPairs):  # planned already (``plan_shard``)
+        return weights
     if _is_weight_source(weights):
-        return _plan_source(weights)  # type: ignore[arg-type]
+        return _plan_source(weights, share)  # type: ignore[arg-type]
     if isinstance(weights, torch.nn.Module):
         items: list[tuple[str, Any]] = list(weights.state_dict().items())
     elif isinstance(weights, Mapping):
@@ -241,18 +301,61 @@ def _plan(weights: PublishSource) -> StreamedPairs | list[tuple[str, Any]]:
             raise ValueError(f"weight name {name!r} appears twice")
         by_name[name] = tensor
     groups = layer_groups(list(by_name))
+    pairs = [(name, _meta(tuple(by_name[name].shape), by_name[name].dtype))
+             for names in groups for name in names]
+    keep = _kept(pairs, share)
 
     def produce() -> Iterator[Group]:
         for names in groups:
-            yield names, [_full(by_name[name]) for name in names]
+            kept_names: list[str] = []
+            kept: list[Any] = []
+            for name in names:
+                full = _full(by_name[name])  # a collective: every rank gathers every tensor
+                if keep is None or name in keep:
+                    kept_names.append(name)
+                    kept.append(full)
+                del full  # not kept: dropped before the next gather
+            yield kept_names, kept
 
-    pairs = [(name, _meta(tuple(by_name[name].shape), by_name[name].dtype))
-             for names in groups for name in names]
     pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in by_name.values())
-    return StreamedPairs(pairs, produce, [len(g) for g in groups], pinned=pinned)
+    return _streamed(pairs, groups, produce, keep, pinned=pinned)
 
 
-def _plan_source(source: WeightSourceLike) -> StreamedPairs:
+def _kept(pairs: list[tuple[str, torch.Tensor]], share: tuple[int, int] | None,
+          ) -> set[str] | None:
+    """The names a rank keeps (``share``: rank, world size); None: all of them."""
+    if share is None:
+        return None
+    rank, world_size = share
+    owners = owner_ranks(pairs, world_size)
+    return {name for name, owner in owners.items() if owner == rank}
+
+
+def _streamed(pairs: list[tuple[str, torch.Tensor]], groups: list[list[str]],
+              produce: Callable[[], Iterator[Group]], keep: set[str] | None, *,
+              pinned: bool, missing: Collection[str] = ()) -> StreamedPairs:
+    """The plan of the kept tensors; ``produce`` must yield only those, group by group."""
+    if keep is not None:
+        pairs = [pair for pair in pairs if pair[0] in keep]
+        groups = [[name for name in names if name in keep] for names in groups]
+    return StreamedPairs(pairs, produce, [len(g) for g in groups], pinned=pinned,
+                         missing=missing)
+
+
+def _only(groups: Iterator[Group], keep: set[str]) -> Iterator[Group]:
+    """A source's groups with the tensors this rank does not keep dropped.
+
+    Nothing of a group stays bound here once it is yielded, so it is freed
+    before the next one is gathered.
+    """
+    while (group := next(groups, None)) is not None:
+        kept = [(name, t) for name, t in zip(*group, strict=True) if name in keep]
+        del group
+        yield [name for name, _ in kept], [t for _, t in kept]
+        del kept
+
+
+def _plan_source(source: WeightSourceLike, share: tuple[int, int] | None) -> StreamedPairs:
     """A vLLM ``WeightSource``: its ``groups()`` order, shapes from ``metadata()``."""
     meta = {m.name: m for m in source.metadata()}
     own_groups = getattr(source, "groups", None)
@@ -264,8 +367,11 @@ def _plan_source(source: WeightSourceLike) -> StreamedPairs:
     pairs = [(name, _meta(tuple(meta[name].shape), meta[name].dtype))
              for names in groups for name in names]
     missing = set(meta) - {name for name, _ in pairs}
-    return StreamedPairs(pairs, source.iter_groups, [len(g) for g in groups],
-                         pinned=torch.cuda.is_available(), missing=missing)
+    keep = _kept(pairs, share)
+    produce = source.iter_groups if keep is None else (
+        lambda: _only(source.iter_groups(), keep))
+    return _streamed(pairs, groups, produce, keep, pinned=torch.cuda.is_available(),
+                     missing=missing)
 
 
 def _copy_group(snapshot: Snapshot, start: int, group: Group, chunk_size: int) -> int:

@@ -62,7 +62,9 @@ class VersionPreparer:
         chunk behind the copy.
         """
         created = time.time()
-        if hashable_in_place(pairs):
+        # a streamed plan always runs its gathers (other ranks are in them), even when
+        # this rank keeps only materialized tensors (a sharded rank owning none)
+        if not isinstance(pairs, StreamedPairs) and hashable_in_place(pairs):
             chunks = source_chunks(pairs, snapshot.entries, snapshot.total_bytes, chunk_size)
             hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
             self._pending.put((number, snapshot, chunk_size,

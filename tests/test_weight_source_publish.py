@@ -166,3 +166,64 @@ def test_a_publish_failing_midway_withdraws_the_version_it_overwrote() -> None:
             for name, tensor in staged.tensors.items():
                 assert torch.equal(tensor, want[name].detach()), name
             staged.release()
+
+
+@pytest.mark.timeout(60)
+def test_sharded_ranks_each_keep_their_part_of_a_source() -> None:
+    """Two ``ShardedPublisher`` ranks (here in one process: a ``ModuleSource`` needs no
+    collective) pass the same source; each walks every group, keeps its own tensors and
+    drops the rest at once; the union is the model."""
+    from publisher.shard_coordinator import SHARD_PAD
+    from publisher.sharded_publisher import ShardedPublisher
+
+    model = _model()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    sources = [Watched(model), Watched(model)]
+    with ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
+                          coordinator="tcp://127.0.0.1:0", announce_endpoint="tcp://127.0.0.1:0",
+                          chunk_size=4096) as rank0:
+        assert rank0.coordinator is not None
+        with ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2,
+                              coordinator=rank0.coordinator.collect_endpoint,
+                              chunk_size=4096) as rank1, \
+                WeightSubscriber(rank0.coordinator.endpoint) as sub:
+            for pub, source in zip((rank0, rank1), sources, strict=True):
+                pub.publish(source, version=1)
+            staged = sub.wait_for_version(1, timeout=30)
+            assert sorted(staged.tensors) == sorted(want)
+            for name, tensor in staged.tensors.items():
+                assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name])
+            kept = [{t.name for t in pub.shard.manifest(1).tensors} - {SHARD_PAD}
+                    for pub in (rank0, rank1)]
+            staged.release()
+    assert kept[0] and kept[1] and not kept[0] & kept[1]  # every tensor has one owner
+    for source in sources:
+        assert source.yielded == list(want) and source.live == 0  # every group walked
+        assert source.most_live <= 5  # a group (4 tensors) and the next one's first
+
+
+@pytest.mark.timeout(60)
+def test_a_sharded_rank_owning_nothing_still_walks_every_group() -> None:
+    """One tensor, two ranks: rank 1 keeps nothing (its shard is its pad) yet joins the
+    gathers, and the version is announced."""
+    from publisher.sharded_publisher import ShardedPublisher
+
+    torch.manual_seed(1)
+    model = torch.nn.Linear(8, 8, bias=False)
+    sources = [Watched(model), Watched(model)]
+    with ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
+                          coordinator="tcp://127.0.0.1:0", announce_endpoint="tcp://127.0.0.1:0",
+                          chunk_size=4096) as rank0:
+        assert rank0.coordinator is not None
+        with ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2,
+                              coordinator=rank0.coordinator.collect_endpoint,
+                              chunk_size=4096) as rank1, \
+                WeightSubscriber(rank0.coordinator.endpoint) as sub:
+            for pub, source in zip((rank0, rank1), sources, strict=True):
+                pub.publish(source, version=1)
+            staged = sub.wait_for_version(1, timeout=30)
+            assert torch.equal(staged.tensors["weight"], model.weight.detach())
+            assert len(rank1.shard.manifest(1).tensors) == 1  # its pad only
+            staged.release()
+    assert [s.yielded for s in sources] == [["weight"], ["weight"]]
+    assert [s.live for s in sources] == [0, 0]

@@ -4,6 +4,7 @@ Ranks run as separate processes (``shard_procs.py``) serving their shards; rank 
 also runs the coordinator that announces a version once every shard is in. The
 subscriber fetches each chunk from the rank holding it, bit-exact, and a rank
 killed mid-version costs that version only: nothing partial is ever staged.
+FSDP2 ranks (gloo, CPU) pass the whole sharded model and each keeps about half.
 """
 
 from __future__ import annotations
@@ -178,6 +179,69 @@ def test_per_rank_memory_is_its_shard(spawn: Callable[..., Child]) -> None:
               f"{growth / mib:.1f} MiB ({growth / shard:.2f}x); peak over start "
               f"{total / mib:.1f} MiB ({total / shard:.2f}x, source included)")
         assert growth <= 1.25 * shard
+
+
+def test_fsdp2_ranks_each_publish_about_half_of_the_model() -> None:
+    """Two FSDP2 gloo ranks pass the whole (DTensor) model to their ``ShardedPublisher``:
+    every rank gathers every layer group, keeps the tensors it owns, and the union is the
+    model bit for bit, while each rank's snapshot holds about half of it."""
+    import multiprocessing as mp
+    import tempfile
+
+    from tests.transport.shard_procs import run_fsdp_shard_rank
+    from weightpub.bench.fsdp_streaming import ModelShape, expected_tensors
+
+    shape, chunk, timeout = ModelShape(layers=6, hidden=256), 1 << 16, 60.0
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="wp-fsdp-shard-") as folder:
+        pipes = [ctx.Pipe() for _ in range(2)]
+        procs = [ctx.Process(target=run_fsdp_shard_rank, daemon=True,
+                             args=(r, f"{folder}/store", pipes[r][1], shape, chunk, timeout))
+                 for r in range(2)]
+        for proc in procs:
+            proc.start()
+        for _, theirs in pipes:
+            theirs.close()
+
+        def expect(rank: int, kind: str) -> Any:
+            conn = pipes[rank][0]
+            assert conn.poll(timeout), f"rank {rank}: no {kind!r} within {timeout}s"
+            message = conn.recv()
+            assert message[0] == kind, message
+            return message[1:]
+
+        try:
+            (announce,) = expect(0, "announce")
+            expected = dict(expected_tensors(shape))
+            with WeightSubscriber(announce, request_timeout=2.0) as sub:
+                for version, step in ((1, "more"), (2, "done")):
+                    shards = [expect(rank, "shard") for rank in range(2)]
+                    staged = sub.wait_for_version(version, timeout=timeout)
+                    assert set(staged.tensors) == set(expected)
+                    for name, want in expected.items():
+                        if version > 1:  # each rank added 1 to its own shards
+                            want = want + 1
+                        assert torch.equal(as_bytes(staged.tensors[name]), as_bytes(want)), \
+                            (version, name)
+                    assert staged.manifest.shards is not None
+                    assert [s.rank for s in staged.manifest.shards] == [0, 1]
+                    assert all(s.num_chunks > 0 for s in staged.manifest.shards)
+                    staged.release()
+                    for ours, _ in pipes:
+                        ours.send(step)
+        finally:
+            for proc in procs:
+                proc.join(timeout)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join(5)
+    codes = [p.exitcode for p in procs]
+    assert codes == [0, 0], [pipes[r][0].recv() for r in range(2) if codes[r]]
+    model = sum(t.numel() * t.element_size() for t in expected.values())
+    for held, total in shards:  # held: the rank's snapshot, its shard and its pad
+        print(f"rank shard: {total / model:.2f}x the model ({held} bytes held)")
+        assert total <= held <= total + chunk
+        assert 0.25 * model < total and held < 0.75 * model
 
 
 # -- the coordinator and the wire, in process ------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from publisher.streamed_sources import gather_full_tensors, layer_groups
+from publisher.streamed_sources import gather_full_tensors, layer_groups, owner_ranks
 from weightpub.bench.fsdp_streaming import ModelShape, run_streaming
 
 
@@ -39,6 +39,18 @@ def test_layer_groups_follow_decoder_layers() -> None:
                                    ["norm.weight", "head.weight"]]
     assert layer_groups(["model.layers.3.mlp.experts.7.w1", "model.layers.3.mlp.experts.8.w1"]) \
         == [["model.layers.3.mlp.experts.7.w1", "model.layers.3.mlp.experts.8.w1"]]
+
+
+def test_owner_ranks_balance_bytes_the_same_way_everywhere() -> None:
+    pairs = [(f"layers.{i}.w", torch.empty(100 * (i % 3 + 1), device="meta"))
+             for i in range(9)] + [("norm", torch.empty(1, dtype=torch.bfloat16))]
+    owners = owner_ranks(pairs, 2)
+    assert owners == owner_ranks(list(pairs), 2) and set(owners) == {n for n, _ in pairs}
+    loads = [sum(t.numel() * t.element_size() for n, t in pairs if owners[n] == rank)
+             for rank in (0, 1)]
+    assert abs(loads[0] - loads[1]) <= 400 and sum(loads) == 7202
+    assert set(owner_ranks(pairs[:2], 4).values()) == {0, 1}  # ranks 2, 3 own nothing
+    assert set(owner_ranks(pairs, 1).values()) == {0}
 
 
 def test_plain_weights_have_nothing_to_gather() -> None:
