@@ -13,6 +13,13 @@ of its first one, or older than one already announced, is dropped (counted in
 ``dropped_versions``); replicas keep the last complete one. Versions strictly
 increase. A rank that restarts (a new instance, perhaps a new port) is simply in
 the next version's manifest.
+
+Bounded: at most ``MAX_PENDING_VERSIONS`` versions collect at once and their
+submits hold at most ``max_pending_bytes`` (each submit's frame counted); a new
+version past either drops the oldest pending one (a WARNING, counted), so a
+rank far ahead or a stray peer costs old versions, never memory. A submit that
+breaks the coordinator's own code is refused and counted; the collecting thread
+lives on.
 """
 
 from __future__ import annotations
@@ -44,12 +51,20 @@ log = logging.getLogger("weightpub.publisher")
 #: the name of a rank's zero tail that makes its shard a whole number of chunks
 SHARD_PAD = "__weightpub_shard_pad__"
 MAX_SUBMIT_BYTES = 256 << 20
+#: versions collecting at once: a trainer has one, two while a slow rank catches up
+MAX_PENDING_VERSIONS = 4
+DEFAULT_MAX_PENDING_BYTES = 512 << 20
 
 
 @dataclass(slots=True)
 class _Pending:
     first_at: float
     shards: dict[int, ShardSubmit] = field(default_factory=dict)
+    sizes: dict[int, int] = field(default_factory=dict)  # each rank's submit, in frame bytes
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes.values())
 
 
 class ShardCoordinator:
@@ -58,11 +73,16 @@ class ShardCoordinator:
     def __init__(self, endpoint: str, collect_endpoint: str, world_size: int, *,
                  shard_timeout: float = 30.0, heartbeat_interval: float = 1.0,
                  insecure: bool = False, model_id: str = "",
+                 max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
                  context: zmq.Context | None = None) -> None:
+        """``max_pending_bytes``: what the submits of versions still collecting may hold
+        (frame bytes; each submit is at most the smaller of it and 256 MiB)."""
         if world_size < 1:
             raise ConfigError(f"world_size: {world_size} must be >= 1")
         if shard_timeout <= 0:
             raise ConfigError(f"shard_timeout: {shard_timeout} must be > 0")
+        if max_pending_bytes < 1 << 20:
+            raise ConfigError(f"max_pending_bytes: {max_pending_bytes} must be >= 1 MiB")
         router = parse_endpoint(endpoint)
         collect = parse_endpoint(collect_endpoint)
         for where in (router, collect):  # no CURVE on the sharded path yet
@@ -70,6 +90,7 @@ class ShardCoordinator:
         self.world_size = world_size
         self.shard_timeout = shard_timeout
         self.model_id = model_id
+        self.max_pending_bytes = max_pending_bytes
         self.publisher_id = uuid.uuid4().hex
         self.started_at = time.time()
         self.dropped_versions = 0
@@ -90,7 +111,7 @@ class ShardCoordinator:
         self._collect = self._ctx.socket(zmq.ROUTER)
         try:
             configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
-            self._collect.setsockopt(zmq.MAXMSGSIZE, MAX_SUBMIT_BYTES)
+            self._collect.setsockopt(zmq.MAXMSGSIZE, self._max_submit)
             self.collect_endpoint = bind(self._collect, str(collect))
         except BaseException:
             self._collect.close(linger=0)
@@ -114,6 +135,15 @@ class ShardCoordinator:
     @property
     def latest_version(self) -> int:
         return self._announced
+
+    @property
+    def pending_bytes(self) -> int:
+        """Frame bytes the submits of versions still collecting hold."""
+        return sum(pending.nbytes for pending in list(self._pending.values()))
+
+    @property
+    def _max_submit(self) -> int:
+        return min(MAX_SUBMIT_BYTES, self.max_pending_bytes)
 
     def manifest(self) -> wire.Manifest | None:
         latest = self._store.latest()
@@ -186,20 +216,28 @@ class ShardCoordinator:
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"{len(frames)} frames, expected 2")
-            submit = decode_submit(frames[1], MAX_SUBMIT_BYTES)
+            submit = decode_submit(frames[1], self._max_submit)
         except ProtocolError as exc:
             self._refuse(f"refused a shard: {exc}")
             return
-        self.submitted(submit, time.monotonic())
+        try:
+            self.submitted(submit, time.monotonic(), nbytes=len(frames[1]))
+        except Exception as exc:  # a bug must cost this submit, not the collecting thread
+            log.exception("shard coordinator: rank %d's shard of version %d failed",
+                          submit.rank, submit.version)
+            self._pending.pop(submit.version, None)
+            self._refuse(f"rank {submit.rank}'s shard of version {submit.version} failed: "
+                         f"{type(exc).__name__}: {exc}")
 
     def _refuse(self, why: str) -> None:
         self.refused_submits += 1
         self.last_error = why
         log.warning("shard coordinator: %s", why)
 
-    def submitted(self, submit: ShardSubmit, now: float) -> None:
-        """One rank's shard of a version; announces the version when it completes it."""
-        if submit.world_size != self.world_size:
+    def submitted(self, submit: ShardSubmit, now: float, *, nbytes: int = 0) -> None:
+        """One rank's shard of a version (``nbytes``: its frame); announces the version when
+        it completes it."""
+        if submit.world_size != self.world_size or not 0 <= submit.rank < self.world_size:
             self._refuse(f"rank {submit.rank} says world_size {submit.world_size}, the "
                          f"group has {self.world_size}")
             return
@@ -207,8 +245,17 @@ class ShardCoordinator:
             self._refuse(f"rank {submit.rank}'s version {submit.version} is not newer than "
                          f"the announced {self._announced}")
             return
+        if nbytes > self._max_submit:
+            self._refuse(f"rank {submit.rank}'s shard of version {submit.version} is "
+                         f"{nbytes} bytes, more than {self._max_submit}")
+            return
+        earlier = self._pending.get(submit.version)
+        if earlier is not None:
+            earlier.sizes.pop(submit.rank, None)  # replaced below: its room is free
+        self._make_room(submit.version, nbytes)
         pending = self._pending.setdefault(submit.version, _Pending(now))
         pending.shards[submit.rank] = submit  # a restarted rank's later shard replaces it
+        pending.sizes[submit.rank] = nbytes
         if len(pending.shards) == self.world_size:
             del self._pending[submit.version]
             try:
@@ -217,6 +264,22 @@ class ShardCoordinator:
                 self._drop(submit.version, f"shards do not fit together: {exc}")
                 return
             self._announce(manifest)
+
+    def _make_room(self, version: int, nbytes: int) -> None:
+        """Drop the oldest other pending versions until ``version``'s submit fits the bounds."""
+        def over() -> bool:
+            versions = len(self._pending) + (version not in self._pending)
+            return (versions > MAX_PENDING_VERSIONS
+                    or self.pending_bytes + nbytes > self.max_pending_bytes)
+
+        while over():
+            others = [v for v in self._pending if v != version]
+            if not others:
+                return  # this version's own earlier shards: replaced ranks free their room
+            oldest = min(others)
+            self._drop(oldest, f"more than {MAX_PENDING_VERSIONS} versions or "
+                               f"{self.max_pending_bytes} bytes of shards were pending; "
+                               f"version {version} came in")
 
     def _expire(self, now: float) -> None:
         for version, pending in list(self._pending.items()):
@@ -239,6 +302,8 @@ class ShardCoordinator:
         checksums: list[int] = []
         sources: list[wire.ShardSource] = []
         offset = 0
+        if sorted(shards) != list(range(self.world_size)):
+            raise ValueError(f"shards of ranks {sorted(shards)}, expected 0..{self.world_size - 1}")
         for rank in range(self.world_size):
             shard = shards[rank]
             if shard.chunk_size != chunk_size:
