@@ -9,6 +9,7 @@ is ``test_engine_driver.py``; both are checked against the same oracle.
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import pytest
 
@@ -82,39 +83,70 @@ def test_tp2_ranks_agree_on_three_versions_over_the_transport(llm):
             llm.collective_rpc("stop_weight_subscriber")
 
 
-def test_tp2_two_trainer_ranks_publish_their_shards(llm, tmp_path):
-    """Issue 20: two trainer processes each publish half the tensors (``ShardedPublisher``);
+def test_tp2_trainer_ranks_publish_their_shards_then_the_job_restarts_with_four(llm, tmp_path):
+    """Issue 20: two trainer processes each publish their share (``ShardedPublisher``);
     the replica stages the union (fetching each chunk from its rank) and matches
-    transformers after each version."""
+    transformers after each version. Then the job restarts with four ranks (an elastic
+    resize: a new coordinator instance on the same announce endpoint, versions going on,
+    two more rank processes): the replica follows the new instance and matches again,
+    each rank serving about a quarter of the model."""
     from safetensors.torch import save_file
 
     from .shard_trainer import shard_trainer_main
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    commands = [ctx.Queue(), ctx.Queue()]
-    ranks = [ctx.Process(target=shard_trainer_main,
-                         args=(0, 2, "tcp://127.0.0.1:0", commands[0], out))]
-    ranks[0].start()
+    commands = [ctx.Queue() for _ in range(4)]
+    ranks: list = []
+
+    def spawn(rank, world, coordinator):
+        ranks.append(ctx.Process(target=shard_trainer_main,
+                                 args=(rank, world, coordinator, commands[rank], out)))
+        ranks[-1].start()
+
+    def ready(count):  # rank 0's (announce, collect, publisher_id) when it is among them
+        got = sorted((out.get(timeout=120) for _ in range(count)), key=lambda m: m[1])
+        assert all(m[0] == "ready" for m in got), got
+        return got[0][2:]
+
+    def publish(version, seed, world):  # the weights, each rank's shard bytes
+        w = new_weights(KIND, seed)
+        path = tmp_path / f"w{version}.safetensors"
+        save_file(w, str(path))
+        for queue in commands[:world]:
+            queue.put(("publish", str(path), version))
+        got = sorted(out.get(timeout=120) for _ in range(world))
+        assert [m[:3] for m in got] == [("published", r, version) for r in range(world)], got
+        return w, [m[3] for m in got]
+
     started = False
     try:
-        _, _, announce, collect, publisher_id = out.get(timeout=120)
-        ranks.append(ctx.Process(target=shard_trainer_main, args=(1, 2, collect, commands[1],
-                                                                   out)))
-        ranks[1].start()
-        assert out.get(timeout=120)[:2] == ("ready", 1)
+        spawn(0, 2, "tcp://127.0.0.1:0")
+        announce, collect, publisher_id = ready(1)
+        spawn(1, 2, collect)
+        ready(1)
         llm.collective_rpc("start_weight_subscriber", args=(announce,))
         started = True
         for version, seed in ((1, 40), (2, 41)):
-            w = new_weights(KIND, seed)
-            path = tmp_path / f"w{version}.safetensors"
-            save_file(w, str(path))
-            for queue in commands:
-                queue.put(("publish", str(path), version))
-            assert sorted(out.get(timeout=120) for _ in ranks) == \
-                [("published", 0, version), ("published", 1, version)]
+            w, _ = publish(version, seed, 2)
             wait_until_applied(llm, version, publisher_id=publisher_id, fail_on_error=True)
             _check(llm, w)
+
+        # the job restarts with 4 ranks: rank 0 announces where the old coordinator did
+        began = time.monotonic()
+        commands[0].put(("restart", 0, 4, "tcp://127.0.0.1:0", announce))
+        again, collect, resized = ready(1)
+        assert again == announce and resized != publisher_id
+        commands[1].put(("restart", 1, 4, collect, None))
+        spawn(2, 4, collect)
+        spawn(3, 4, collect)
+        ready(3)
+        w, shards = publish(3, 42, 4)
+        wait_until_applied(llm, 3, publisher_id=resized, fail_on_error=True)
+        _check(llm, w)
+        print(f"4-rank restart followed in {time.monotonic() - began:.1f} s; shards "
+              f"{[round(s / sum(shards), 3) for s in shards]} of {sum(shards)} bytes")
+        assert all(0.2 < s / sum(shards) < 0.3 for s in shards), shards
     finally:
         if started:
             llm.collective_rpc("stop_weight_subscriber")
@@ -124,7 +156,7 @@ def test_tp2_two_trainer_ranks_publish_their_shards(llm, tmp_path):
             process.join(timeout=30)
             if process.is_alive():
                 process.kill()
-    assert [p.exitcode for p in ranks] == [0, 0]
+    assert [p.exitcode for p in ranks] == [0, 0, 0, 0]
 
 
 def test_tp2_directory_source_is_a_version_source(llm, tmp_path):
