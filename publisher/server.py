@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import zmq
@@ -40,7 +41,7 @@ from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.sockets import bind, configure_socket
 
 __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerOptions",
-           "ServingThread", "TrackerLimits"]
+           "ServingThread", "StatusExtras", "TrackerLimits"]
 
 log = logging.getLogger("weightpub.publisher")
 _REQUESTS = (wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report,
@@ -62,6 +63,14 @@ class ServerLimits:
 
 
 @dataclass(frozen=True, slots=True)
+class StatusExtras:
+    """What a status reply says beyond the serving thread's own state."""
+
+    memory: wire.HostMemory | None = None
+    shard_group: wire.ShardGroup | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ServerOptions:
     router_bind: str
     pub_bind: str
@@ -77,8 +86,12 @@ class ServingThread(threading.Thread):
     def __init__(self, ctx: zmq.Context, store: VersionStore, options: ServerOptions,
                  *, publisher_id: str, started_at: float,
                  configure: list | None = None, deltas: DeltaPublisher | None = None,
-                 collective: CollectivePublisher | None = None) -> None:
+                 collective: CollectivePublisher | None = None,
+                 status_extras: Callable[[], StatusExtras] | None = None) -> None:
+        """``status_extras``: what the owner adds to a status reply (its host memory, a
+        shard group), called on this thread: it must only read."""
         super().__init__(name="weightpub-publish-serve", daemon=True)
+        self._status_extras = status_extras
         self.collective = collective  # answers polls; its own thread does the rest
         self.ctx = ctx
         self.store = store
@@ -354,12 +367,14 @@ class ServingThread(threading.Thread):
 
     def _status(self, req: int) -> wire.StatusReply:
         latest = self.store.latest()
+        extras = StatusExtras() if self._status_extras is None else self._status_extras()
         return wire.StatusReply(
             req=req, publisher_id=self.publisher_id, started_at=self.started_at,
             latest_version=0 if latest is None else latest.manifest.version,
             versions=self.store.versions(), subscribers=self.reports.for_status(time.time()),
             bytes_sent_full=self.served_bytes, bytes_sent_delta=self.delta_serving.bytes_sent,
             collective=None if self.collective is None else self.collective.status(),
+            memory=extras.memory, shard_group=extras.shard_group,
         )
 
     def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:

@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from publisher.reports import counts_for, reporters
-from publisher.server import ServerOptions, ServingThread
+from publisher.server import ServerOptions, ServingThread, StatusExtras
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
@@ -106,7 +106,8 @@ class ShardCoordinator:
             self._ctx, self._store,
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
                           heartbeat_interval=heartbeat_interval),
-            publisher_id=self.publisher_id, started_at=self.started_at)
+            publisher_id=self.publisher_id, started_at=self.started_at,
+            status_extras=self._status_extras)
         self._server.start_and_wait()
         self._collect = self._ctx.socket(zmq.ROUTER)
         try:
@@ -148,6 +149,20 @@ class ShardCoordinator:
     def manifest(self) -> wire.Manifest | None:
         latest = self._store.latest()
         return None if latest is None else latest.manifest
+
+    def group_status(self) -> wire.ShardGroup:
+        """Which ranks' shards of each collecting version are in (``weightpub status``)."""
+        now = time.monotonic()
+        pending = sorted(list(self._pending.items()))[-16:]
+        return wire.ShardGroup(
+            world_size=self.world_size, dropped_versions=self.dropped_versions,
+            refused_submits=self.refused_submits, last_error=self.last_error[:4096],
+            pending=tuple(wire.PendingShards(version, tuple(sorted(p.shards)),
+                                             max(0.0, now - p.first_at))
+                          for version, p in pending))
+
+    def _status_extras(self) -> StatusExtras:
+        return StatusExtras(shard_group=self.group_status())
 
     def wait_announced(self, version: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout

@@ -33,7 +33,7 @@ from publisher.publisher_metrics import MetricsServer, PublisherCollector, Publi
 from publisher.publisher_options import PublisherKeywords, PublisherOptions
 from publisher.relayed import RelayedVersion, relay_upstream
 from publisher.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
-from publisher.server import ServerOptions, ServingThread
+from publisher.server import ServerOptions, ServingThread, StatusExtras
 from publisher.snapshot import Snapshot
 from publisher.store import PublishedVersion, VersionStore
 from publisher.streamed_sources import PublishSource, plan_version
@@ -148,6 +148,7 @@ class WeightPublisher:
                           limits=options.limits, curve=curve, allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
             configure=hooks, deltas=self._deltas, collective=self._collective,
+            status_extras=self._status_extras,
         )
         try:
             self._server.start_and_wait()
@@ -341,6 +342,15 @@ class WeightPublisher:
             "send_queued_bytes": 0 if self._server.peers is None
             else self._server.peers.total_queued,
         }
+
+    def _status_extras(self) -> StatusExtras:
+        """The host memory a status reply shows (``weightpub status``), read on the serving
+        thread."""
+        peers = self._server.peers
+        return StatusExtras(memory=wire.HostMemory(
+            budget_bytes=self._budget.budget_bytes, held_bytes=self._pool.held_bytes,
+            keep_versions=self._store.keep,
+            send_queued_bytes=0 if peers is None else peers.total_queued))
 
     def collective_status(self) -> GroupStatus | None:
         """The collective path's group (backend, epoch, members, rounds), or None."""

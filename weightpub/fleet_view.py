@@ -50,6 +50,35 @@ def group_line(group: GroupStatus | None) -> Text | None:
     return line
 
 
+def memory_line(memory: wire.HostMemory | None) -> Text | None:
+    """The publisher's host memory against its budget."""
+    if memory is None:
+        return None
+    mib = 1 << 20
+    return Text(f"host memory {memory.held_bytes / mib:.1f} MiB held of a "
+                f"{memory.budget_bytes / mib:.1f} MiB budget (keep_versions "
+                f"{memory.keep_versions}), {memory.send_queued_bytes / mib:.1f} MiB queued "
+                f"in replies")
+
+
+def shard_line(group: wire.ShardGroup | None) -> Text | None:
+    """A shard coordinator: its ranks, the versions still collecting and what was dropped."""
+    if group is None:
+        return None
+    line = Text(f"sharded over {group.world_size} trainer ranks")
+    for pending in group.pending:
+        missing = sorted(set(range(group.world_size)) - set(pending.ranks_in))
+        shown = ", ".join(map(str, missing[:16])) + (", ..." if len(missing) > 16 else "")
+        line.append(f"; version {pending.version} waits {pending.waiting_seconds:.1f}s for "
+                    f"ranks {shown}", style="yellow")
+    line.append(f"; {group.dropped_versions} version(s) dropped, {group.refused_submits} "
+                "submit(s) refused")
+    if group.last_error:
+        line.append("; last error: ")
+        line.append_text(printable(group.last_error, 200, style="red"))
+    return line
+
+
 def fleet_table(reply: wire.StatusReply) -> Group:
     """A header line, the collective group (if any) and a table of the subscribers."""
     header = Text(f"publisher {printable(reply.publisher_id, 12)}  "
@@ -72,8 +101,9 @@ def fleet_table(reply: wire.StatusReply) -> Group:
             printable(report.data_path or "-", 16),  # how the applied version came
             printable(report.last_error or "", style="red"),
         )
-    group = group_line(reply.collective)
-    return Group(header, table) if group is None else Group(header, group, table)
+    lines = [line for line in (memory_line(reply.memory), shard_line(reply.shard_group),
+                               group_line(reply.collective)) if line is not None]
+    return Group(header, *lines, table)
 
 
 def watch_fleet(fetch: Callable[[], wire.StatusReply], *, interval: float = 1.0,

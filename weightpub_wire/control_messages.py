@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
+import msgspec
 from msgspec import Meta
 
 from weightpub_wire.collective_layout import (
@@ -35,6 +36,7 @@ from weightpub_wire.message_base import (
     Interval,
     Name,
     Rank,
+    Seconds,
     Text,
     Version,
     _FromPublisher,
@@ -46,9 +48,12 @@ __all__ = [
     "CollectiveReply",
     "ErrorReply",
     "FetchRequest",
+    "HostMemory",
     "LatestReply",
     "LatestRequest",
+    "PendingShards",
     "Report",
+    "ShardGroup",
     "StatusReply",
     "StatusRequest",
 ]
@@ -133,9 +138,37 @@ class StatusRequest(_Message, tag="status", kw_only=True, frozen=True):
     req: U63
 
 
+class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """A publisher's host memory against its budget (``host_budget_bytes``, 0: none)."""
+
+    budget_bytes: U64 = 0
+    held_bytes: U64 = 0  # snapshot buffers: about ``keep_versions`` versions
+    keep_versions: U63 = 0
+    send_queued_bytes: U64 = 0  # chunk replies' scratch ZeroMQ still holds
+
+
+class PendingShards(msgspec.Struct, frozen=True):
+    """A sharded version still collecting: the ranks whose shard is in, for how long."""
+
+    version: Version
+    ranks_in: Annotated[tuple[Rank, ...], Meta(max_length=1 << 16)]  # MAX_SHARDS
+    waiting_seconds: Seconds
+
+
+class ShardGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """A shard coordinator's group: why a sharded version is (not yet) announced."""
+
+    world_size: U63
+    pending: Annotated[tuple[PendingShards, ...], Meta(max_length=16)] = ()
+    dropped_versions: U63 = 0
+    refused_submits: U63 = 0
+    last_error: ErrorText = ""
+
+
 class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     """The publisher's view: versions held, the last report of each subscriber, and the
-    chunk payload bytes sent so far (full versions and deltas: what deltas save)."""
+    chunk payload bytes sent so far (full versions and deltas: what deltas save); its host
+    memory; a shard coordinator's group (``shard_group``)."""
 
     req: U63
     latest_version: U63
@@ -144,7 +177,8 @@ class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     bytes_sent_full: U64 = 0
     bytes_sent_delta: U64 = 0
     collective: GroupStatus | None = None  # the collective path's group, if announced
-
+    memory: HostMemory | None = None
+    shard_group: ShardGroup | None = None
 
 POLL_STATES = ("free", "joining", "member", "leaving")
 REPLY_STATES = ("off", "idle", "waiting", "forming", "active", "refused")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import pytest
@@ -10,9 +11,12 @@ import torch
 import zmq
 
 from publisher import WeightPublisher
+from publisher.shard_coordinator import ShardCoordinator
 from tests.transport.faults.tools import RawPeer
+from tests.transport.test_shard_coordinator import _submit
 from weightpub.cli import main as cli_main
 from weightpub.fleet_view import printable
+from weightpub.status import fetch_status
 from weightpub_wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,3 +56,27 @@ def test_status_command_sanitizes_peer_text(
     raw = capsys.readouterr().out
     assert raw.isascii()  # every control and format character escaped
     assert json.loads(raw)["subscribers"][0]["last_error"] == ESCAPES
+
+
+def test_status_shows_host_memory_and_a_shard_groups_missing_ranks(
+    make_pub: Callable[..., WeightPublisher], capsys: pytest.CaptureFixture[str],
+) -> None:
+    pub = make_pub()
+    pub.wait_announced(pub.publish({"w": torch.zeros(1 << 18)}), timeout=20)  # 1 MiB
+    reply = fetch_status(pub.endpoint)
+    assert reply.memory is not None and reply.memory.keep_versions == 1
+    assert reply.memory.held_bytes >= 1 << 20 and reply.memory.budget_bytes > 0
+    assert reply.shard_group is None
+    assert cli_main(["status", pub.endpoint]) == 0
+    assert "keep_versions 1" in capsys.readouterr().out
+
+    with ShardCoordinator("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 3) as coord:
+        coord.submitted(_submit(1, 7, world=3), time.monotonic())  # ranks 0 and 2 missing
+        coord.submitted(_submit(0, 5, world=2), time.monotonic())  # refused: wrong group
+        group = fetch_status(coord.endpoint).shard_group
+        assert group is not None and group.world_size == 3 and group.refused_submits == 1
+        assert [(p.version, p.ranks_in) for p in group.pending] == [(7, (1,))]
+        assert cli_main(["status", coord.endpoint]) == 0
+        out = capsys.readouterr().out
+    assert "sharded over 3 trainer ranks" in out and "version 7 waits" in out
+    assert "for ranks 0, 2" in out and "1 submit(s) refused" in out
