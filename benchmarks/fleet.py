@@ -296,10 +296,15 @@ def main() -> int:
     ap.add_argument("--mbit", type=float, default=400.0, help="every link, each direction")
     ap.add_argument("--delay-ms", type=float, default=0.0)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--reap", action="store_true", help="remove leftovers of killed runs")
+    ap.add_argument("--prefix", default="wpsim",
+                    help="this run's namespace prefix (a random tag follows it)")
+    ap.add_argument("--reap", nargs="?", const="wpsim", metavar="PREFIX",
+                    help="remove the namespaces (and processes) of killed runs whose "
+                         "names start with PREFIX (default wpsim: every run's; give a "
+                         "run's --prefix to leave parallel runs alone)")
     args = ap.parse_args()
-    if args.reap:
-        print("removed:", Network.reap())
+    if args.reap is not None:
+        print("removed:", Network.reap(args.reap))
         return 0
     ok, why = available()
     if not ok:
@@ -317,7 +322,7 @@ def main() -> int:
             fanout=args.fanout, torch_threads=args.torch_threads,
             publisher_root=args.publisher_root, spacing=args.spacing,
             consumer=args.consumer, dtype=args.dtype, diag=args.diag,
-            trainer_ranks=ranks))
+            trainer_ranks=ranks, prefix=args.prefix))
         results.append(result)
         if not args.json:
             print(f"{mode:>8} {hosts:>3} hosts, {ranks} trainer ranks: first "

@@ -129,3 +129,17 @@ def test_a_slow_links_bucket_holds_whole_gso_packets(mbit: int) -> None:
             assert options["burst"] > gso + (8 << 10), (ns, dev, options, gso)
     assert not namespaces(prefix)
     assert tbf_burst(400, 64 << 10) == 100_000  # faster links keep ~2 ms at line rate
+
+
+def test_reap_removes_only_the_namespaces_of_the_prefix_it_is_given() -> None:
+    mine, other = unique_prefix(), unique_prefix()
+    with Network(other) as parallel_run:
+        net = Network(mine)
+        net.__enter__()  # a run killed outright: never closed
+        try:
+            assert namespaces(mine) and namespaces(other)
+            gone = Network.reap(mine)
+            assert set(gone) >= {net.switch} and not namespaces(mine)
+            assert parallel_run.switch in namespaces(other)  # the parallel run is left alone
+        finally:
+            net.close()
