@@ -9,6 +9,8 @@ FSDP2 ranks (gloo, CPU) pass the whole sharded model and each keeps about half.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -157,6 +159,37 @@ def test_a_rank_killed_mid_version_costs_that_version_only(
     _publish(ranks, 4)
     _check(sub.wait_for_version(4, timeout=30), _expected(4, big))
     assert staged == [1, 4]
+
+
+def test_a_rank_that_stalls_mid_version_costs_that_version_only(
+    spawn: Callable[..., Child], subscribers: Callable[..., WeightSubscriber],
+) -> None:
+    """A rank stopped (SIGSTOP: a long GC pause, a swapping or hung host) while the others
+    submit their shards: the coordinator drops that version after ``shard_timeout`` and
+    replicas keep the last complete one. Resumed, the rank finishes its stale shard late
+    (dropped too, a newer version is announced first) and the next version is followed."""
+    ranks, ready0 = _start_ranks(spawn, SPECS, shard_timeout=1.0)
+    staged: list[int] = []
+    sub = subscribers(ready0["announce"], request_timeout=2.0,
+                      on_version=lambda s: staged.append(s.version))
+    _publish(ranks, 1)
+    _check(sub.wait_for_version(1, timeout=30), _expected(1, SPECS))
+    os.kill(ranks[1].pid, signal.SIGSTOP)
+    try:
+        for child in ranks:  # rank 1 reads its command only once resumed
+            child.send(cmd="publish", version=2)
+        ranks[0].event("published", timeout=30, version=2)
+        wait_until(lambda: ranks[0].request("status")["dropped"] == 1, 20, "version 2 dropped")
+        assert "ranks [1]" in ranks[0].request("status")["last_error"]
+        assert staged == [1]
+    finally:
+        os.kill(ranks[1].pid, signal.SIGCONT)
+    ranks[1].event("published", timeout=30, version=2)  # its stale shard, late
+    _publish(ranks, 3)
+    _check(sub.wait_for_version(3, timeout=30), _expected(3, SPECS))
+    assert staged == [1, 3]  # never version 2, never a partial one
+    status = ranks[0].request("status")
+    assert status["announced"] == 3 and status["dropped"] == 2, status
 
 
 def test_per_rank_memory_is_its_shard(spawn: Callable[..., Child]) -> None:
