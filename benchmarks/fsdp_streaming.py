@@ -7,8 +7,13 @@ version itself) as MiB, as multiples of the largest layer group and of the model
 (``weightpub/bench/fsdp_streaming.py``). A whole-model gather would show >= 1x
 the model on every rank.
 
+``--sharded N``: N ranks each publish their own shard (``ShardedPublisher``),
+the subscriber receives the union; prints each rank's peak resident set over its
+start beyond its FSDP source, as a multiple of its shard (issue 20: <= 1.25x).
+
     flock /tmp/wp-heavy.lock python benchmarks/fsdp_streaming.py            # 16 x 64 MiB
     python benchmarks/fsdp_streaming.py --layers 4 --hidden 1024 --glibc-default
+    flock /tmp/wp-heavy.lock python benchmarks/fsdp_streaming.py --sharded 4 --hidden 2048
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from weightpub.bench.fsdp_streaming import ModelShape, run_streaming
+from weightpub.bench.fsdp_streaming import ModelShape, run_sharded, run_streaming
 
 
 def main() -> None:
@@ -28,10 +33,20 @@ def main() -> None:
     parser.add_argument("--glibc-default", action="store_true",
                         help="leave MALLOC_MMAP_THRESHOLD_ unset (freed heap memory stays "
                              "resident and is counted)")
+    parser.add_argument("--sharded", type=int, default=0, metavar="N",
+                        help="N ranks, each publishing its shard (ShardedPublisher)")
+    parser.add_argument("--chunk-mib", type=float, default=1.0, help="--sharded: chunk size")
     args = parser.parse_args()
     shape = ModelShape(layers=args.layers, hidden=args.hidden, dtype=args.dtype)
+    threshold = None if args.glibc_default else 128 << 10
+    if args.sharded:
+        sharded = run_sharded(shape, args.sharded, chunk_size=int(args.chunk_mib * 2**20),
+                              timeout=args.timeout, malloc_mmap_threshold=threshold)
+        print(json.dumps({"glibc_default": args.glibc_default, "chunk_mib": args.chunk_mib,
+                          **sharded.row()}))
+        return
     run = run_streaming(shape, timeout=args.timeout,
-                        malloc_mmap_threshold=None if args.glibc_default else 128 << 10)
+                        malloc_mmap_threshold=threshold)
     print(json.dumps({"glibc_default": args.glibc_default, **run.row()}))
 
 

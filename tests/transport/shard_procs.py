@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import resource
 import threading
-import traceback
 from typing import Any
 
 from tests.transport.procs import _commands, _emit, det_weights, spec_bytes
@@ -86,69 +85,63 @@ def run_shard_rank(args: dict[str, Any]) -> None:
     pub.close()
 
 
-def run_fsdp_shard_rank(rank: int, store: str, conn: Any, shape: Any, chunk_size: int,
-                        timeout: float) -> None:
-    """One FSDP2 gloo rank (of two) of a ``ShardedPublisher``, in a ``spawn`` process.
+def run_fsdp_shard_rank(r: Any, chunk_size: int, timeout: float) -> None:
+    """One FSDP2 gloo rank of a ``ShardedPublisher`` (``weightpub.bench.fsdp_ranks``).
 
-    Every rank passes the whole sharded model; rank 0 also runs the coordinator and
-    hands its collect address to rank 1 over the process group. Sends
-    ``("announce", endpoint)`` (rank 0), then ``("shard", bytes held, shard total)``
-    for version 1, waits for ``"more"``, adds 1 to every parameter, publishes
-    version 2 the same way and closes on ``"done"`` (``test_sharded.py``).
+    Every rank passes the whole sharded model. Sends ``("announce", endpoint)`` (rank
+    0), then per ``("publish", version, die_after)`` command: a 'training step' (+1 on
+    every parameter) from version 2 on, the publish, and ``("shard", version, bytes
+    held, shard total)``. ``die_after`` (a number of gathers) makes the rank SIGKILL
+    itself in the middle of that publish; a rank whose publish raises sends
+    ``("raised", version, error, seconds)`` and re-raises. ``("done",)`` closes.
     """
-    from datetime import timedelta
+    import time
 
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from publisher.sharded_publisher import ShardedPublisher
-    from weightpub.bench.fsdp_streaming import build_block
+    from weightpub.bench.fsdp_ranks import sharded_publisher
 
-    code = 0
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=timeout))
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        model = torch.nn.Module()
-        model.embed = build_block(shape, "embed")
-        model.layers = torch.nn.ModuleList()
-        for index in range(shape.layers):
-            block = build_block(shape, index)
-            fully_shard(block, mesh=mesh)
-            model.layers.append(block)
-        model.head = build_block(shape, "head")
-        fully_shard(model, mesh=mesh)
-        first = ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
-                                 coordinator="tcp://127.0.0.1:0",
-                                 announce_endpoint="tcp://127.0.0.1:0",
-                                 chunk_size=chunk_size) if rank == 0 else None
-        collect = [None if first is None or first.coordinator is None
-                   else first.coordinator.collect_endpoint]
-        dist.broadcast_object_list(collect, src=0)
-        pub = first or ShardedPublisher("tcp://127.0.0.1:0", rank=rank, world_size=2,
-                                        coordinator=str(collect[0]), chunk_size=chunk_size)
-        if pub.coordinator is not None:
-            conn.send(("announce", pub.coordinator.endpoint))
-        for version in (1, 2):
-            if version > 1:
-                with torch.no_grad():  # a training step: every rank changes its own shards
-                    for parameter in model.parameters():
-                        parameter.add_(1.0)
-            pub.publish(model, version=version)
+    pub = sharded_publisher(r, chunk_size=chunk_size, shard_timeout=5.0)
+    if pub.coordinator is not None:
+        r.conn.send(("announce", pub.coordinator.endpoint))
+    while True:
+        if not r.conn.poll(timeout):
+            raise TimeoutError(f"rank {r.rank}: no command within {timeout}s")
+        command = r.conn.recv()
+        if command[0] == "done":
+            break
+        _, version, die_after = command
+        if version > 1:
+            with torch.no_grad():  # a training step: every rank changes its own shards
+                for parameter in r.model.parameters():
+                    parameter.add_(1.0)
+        if die_after is not None:
+            _die_after_gathers(die_after)
+        start = time.monotonic()
+        try:
+            pub.publish(r.model, version=version)
             pub.wait_submitted(version, timeout)
-            conn.send(("shard", pub.shard.data_stats()["host_held_bytes"],
-                       pub.shard.manifest(version).total_bytes))
-            if not conn.poll(timeout) or conn.recv() != ("more" if version == 1 else "done"):
-                raise TimeoutError(f"rank {rank}: no go-ahead after version {version}")
-        pub.close()
-        dist.barrier()  # leave together: gloo aborts a rank whose peer left first
-    except BaseException:
-        code = 1
-        conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
-        conn.close()
-    os._exit(code)  # skip torch's teardown (see weightpub/bench/fsdp_streaming.py)
+        except Exception as exc:
+            r.conn.send(("raised", version, f"{type(exc).__name__}: {exc}",
+                         time.monotonic() - start))
+            raise
+        r.conn.send(("shard", version, pub.shard.data_stats()["host_held_bytes"],
+                     pub.shard.manifest(version).total_bytes))
+    pub.close()
+
+
+def _die_after_gathers(count: int) -> None:
+    """A real kill -9 of this rank between two gathers: after ``count`` more of them."""
+    import signal
+
+    from publisher import streamed_sources
+
+    full, gathers = streamed_sources._full, [0]
+
+    def dying(tensor: Any) -> Any:
+        gathers[0] += 1
+        if gathers[0] > count:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return full(tensor)
+
+    streamed_sources._full = dying

@@ -4,7 +4,7 @@ Ranks run as separate processes (``shard_procs.py``) serving their shards; rank 
 also runs the coordinator that announces a version once every shard is in. The
 subscriber fetches each chunk from the rank holding it, bit-exact, and a rank
 killed mid-version costs that version only: nothing partial is ever staged.
-FSDP2 ranks (gloo, CPU) pass the whole sharded model and each keeps about half.
+FSDP2 ranks (gloo, CPU) pass the whole sharded model and each keeps about 1/world.
 """
 
 from __future__ import annotations
@@ -214,67 +214,60 @@ def test_per_rank_memory_is_its_shard(spawn: Callable[..., Child]) -> None:
         assert growth <= 1.25 * shard
 
 
-def test_fsdp2_ranks_each_publish_about_half_of_the_model() -> None:
-    """Two FSDP2 gloo ranks pass the whole (DTensor) model to their ``ShardedPublisher``:
-    every rank gathers every layer group, keeps the tensors it owns, and the union is the
-    model bit for bit, while each rank's snapshot holds about half of it."""
-    import multiprocessing as mp
-    import tempfile
-
+def test_four_fsdp2_ranks_publish_a_quarter_each_and_a_rank_killed_costs_its_version(
+    subscribers: Callable[..., WeightSubscriber],
+) -> None:
+    """Four FSDP2 gloo ranks pass the whole (DTensor) model to their ``ShardedPublisher``:
+    every rank gathers every layer group and keeps the tensors it owns; the union is the
+    model bit for bit (after a training step too), each rank's snapshot about a quarter.
+    Then rank 3 is killed (SIGKILL) between two gathers of version 3: the others' gathers
+    fail within gloo's timeout (their ``publish()`` raises, never hangs), the coordinator
+    drops version 3 and the subscriber keeps version 2; nothing partial is staged."""
     from tests.transport.shard_procs import run_fsdp_shard_rank
-    from weightpub.bench.fsdp_streaming import ModelShape, expected_tensors
+    from weightpub.bench.fsdp_ranks import FsdpRanks, ModelShape, expected_tensors
 
-    shape, chunk, timeout = ModelShape(layers=6, hidden=256), 1 << 16, 60.0
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="wp-fsdp-shard-") as folder:
-        pipes = [ctx.Pipe() for _ in range(2)]
-        procs = [ctx.Process(target=run_fsdp_shard_rank, daemon=True,
-                             args=(r, f"{folder}/store", pipes[r][1], shape, chunk, timeout))
-                 for r in range(2)]
-        for proc in procs:
-            proc.start()
-        for _, theirs in pipes:
-            theirs.close()
-
-        def expect(rank: int, kind: str) -> Any:
-            conn = pipes[rank][0]
-            assert conn.poll(timeout), f"rank {rank}: no {kind!r} within {timeout}s"
-            message = conn.recv()
-            assert message[0] == kind, message
-            return message[1:]
-
-        try:
-            (announce,) = expect(0, "announce")
-            expected = dict(expected_tensors(shape))
-            with WeightSubscriber(announce, request_timeout=2.0) as sub:
-                for version, step in ((1, "more"), (2, "done")):
-                    shards = [expect(rank, "shard") for rank in range(2)]
-                    staged = sub.wait_for_version(version, timeout=timeout)
-                    assert set(staged.tensors) == set(expected)
-                    for name, want in expected.items():
-                        if version > 1:  # each rank added 1 to its own shards
-                            want = want + 1
-                        assert torch.equal(as_bytes(staged.tensors[name]), as_bytes(want)), \
-                            (version, name)
-                    assert staged.manifest.shards is not None
-                    assert [s.rank for s in staged.manifest.shards] == [0, 1]
-                    assert all(s.num_chunks > 0 for s in staged.manifest.shards)
-                    staged.release()
-                    for ours, _ in pipes:
-                        ours.send(step)
-        finally:
-            for proc in procs:
-                proc.join(timeout)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
-    codes = [p.exitcode for p in procs]
-    assert codes == [0, 0], [pipes[r][0].recv() for r in range(2) if codes[r]]
+    # gloo's timeout (init_process_group) bounds every collective with a dead peer
+    shape, chunk, world, timeout = ModelShape(layers=6, hidden=128), 1 << 14, 4, 20.0
+    expected = dict(expected_tensors(shape))
     model = sum(t.numel() * t.element_size() for t in expected.values())
-    for held, total in shards:  # held: the rank's snapshot, its shard and its pad
-        print(f"rank shard: {total / model:.2f}x the model ({held} bytes held)")
-        assert total <= held <= total + chunk
-        assert 0.25 * model < total and held < 0.75 * model
+    staged_versions: list[int] = []
+    with FsdpRanks(run_fsdp_shard_rank, world, shape, chunk, timeout, timeout=timeout) as ranks:
+        (announce,) = ranks.expect(0, "announce", timeout=120)  # 4 spawns importing torch
+        sub = subscribers(announce, request_timeout=2.0,
+                          on_version=lambda s: staged_versions.append(s.version))
+        for version in (1, 2):
+            ranks.send_all(("publish", version, None))
+            shards = [ranks.expect(rank, "shard")[1:] for rank in range(world)]
+            staged = sub.wait_for_version(version, timeout=timeout)
+            assert set(staged.tensors) == set(expected)
+            for name, want in expected.items():
+                if version > 1:  # each rank added 1 to its own shards
+                    want = want + 1
+                assert torch.equal(as_bytes(staged.tensors[name]), as_bytes(want)), \
+                    (version, name)
+            assert staged.manifest.shards is not None
+            assert [s.rank for s in staged.manifest.shards] == list(range(world))
+            for held, total in shards:  # held: the rank's snapshot, its shard and its pad
+                print(f"rank shard: {total / model:.2f}x the model ({held} bytes held)")
+                assert total <= held <= total + chunk
+                assert 0.15 * model < total < 0.35 * model
+        assert staged_versions == [1, 2]
+
+        for rank in range(world):  # rank 3 dies after its 5th gather of version 3
+            ranks.send(rank, ("publish", 3, 5 if rank == world - 1 else None))
+        for rank in range(world - 1):
+            _, error, seconds = ranks.expect(rank, "raised", timeout=2 * timeout)
+            print(f"rank {rank}: publish() raised after {seconds:.1f}s: {error[:120]}")
+            assert seconds < timeout + 10
+        ranks.procs[world - 1].join(timeout)
+        assert ranks.procs[world - 1].exitcode == -9
+        codes = ranks.close(timeout)
+    assert codes == [1, 1, 1, -9], (codes, ranks.errors)
+    assert staged_versions == [1, 2]  # never version 3, never a partial one
+    latest = sub.latest()
+    assert latest is not None and latest.version == 2
+    for name, want in expected.items():
+        assert torch.equal(as_bytes(latest.tensors[name]), as_bytes(want + 1)), name
 
 
 # -- the coordinator and the wire, in process ------------------------------------------------

@@ -15,45 +15,42 @@ glibc otherwise raises its threshold after the first large free and keeps later
 freed tensors in its heap, resident, so the resident set would count memory the
 next gather reuses rather than memory held. ``benchmarks/fsdp_streaming.py``
 runs it at >= 1 GiB; ``tests/transport/test_streamed_sources.py`` at a few MiB.
+
+Sharded (``run_sharded``): every one of N ranks publishes its own shard through a
+``ShardedPublisher`` (each keeps about 1/N of the model) and the subscriber here
+receives the union, bit for bit, for two versions (a +1 'training step' between).
+Each rank reports its peak resident set (``VmHWM``, reset just before each
+publish, read once the subscriber has the version) over its resident set at start
+(group up, model not yet built) minus its FSDP parameter shards: what publishing
+costs beyond the source, as a multiple of its shard. The ranks and the model are
+``fsdp_ranks.py``'s.
 """
 
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
-import os
-import tempfile
 import time
-import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from publisher.shard_coordinator import SHARD_PAD
 from publisher.streamed_sources import layer_groups
-from weightpub_wire.collective_group import scoped_environment
+from weightpub.bench.fsdp_ranks import (
+    FsdpRanks,
+    ModelShape,
+    Rank,
+    build_block,
+    expected_tensors,
+    local_bytes,
+    resident_bytes,
+    sharded_publisher,
+)
 
-__all__ = ["ModelShape", "RankFigures", "StreamingRun", "build_block", "run_streaming"]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """A decoder-shaped model: embedding, ``layers`` blocks, final norm, head."""
-
-    layers: int = 8
-    hidden: int = 512
-    vocab: int = 256
-    dtype: str = "float32"
-    seed: int = 0
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype)
-        assert isinstance(dtype, torch.dtype), self.dtype
-        return dtype
+__all__ = ["ModelShape", "RankFigures", "ShardRankFigures", "ShardedRun", "StreamingRun",
+           "build_block", "expected_tensors", "run_sharded", "run_streaming"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,111 +83,55 @@ class StreamingRun:
         return out
 
 
-class _Block(torch.nn.Module):
-    def __init__(self, shape: ModelShape) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(shape.hidden, dtype=shape.torch_dtype)
-        self.proj = torch.nn.Linear(shape.hidden, shape.hidden, bias=False,
-                                    dtype=shape.torch_dtype)
-
-
-class _Model(torch.nn.Module):
-    """Built one block at a time, each sharded (``shard``) before the next exists."""
-
-    def __init__(self, shape: ModelShape, shard: Any = None) -> None:
-        super().__init__()
-        self.embed = build_block(shape, "embed")
-        self.layers = torch.nn.ModuleList()
-        for index in range(shape.layers):
-            block = build_block(shape, index)
-            if shard is not None:
-                shard(block)
-            self.layers.append(block)
-        self.head = build_block(shape, "head")
-
-
-def build_block(shape: ModelShape, which: int | str) -> torch.nn.Module:
-    """One block of the model, the same on every process (seeded by its position)."""
-    seed = shape.seed * 1000 + (which if isinstance(which, int) else
-                                {"embed": 998, "head": 999}[which])
-    torch.manual_seed(seed)
-    if which == "embed":
-        return torch.nn.Embedding(shape.vocab, shape.hidden, dtype=shape.torch_dtype)
-    if which == "head":
-        return torch.nn.Linear(shape.hidden, shape.vocab, bias=False, dtype=shape.torch_dtype)
-    block = _Block(shape)
-    with torch.no_grad():  # LayerNorm starts at ones/zeros: make every byte count
-        block.norm.weight.normal_()
-        block.norm.bias.normal_()
-    return block
-
-
-def expected_tensors(shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model's state, one block at a time (so checking holds one block)."""
-    blocks: list[tuple[str, int | str]] = [("embed", "embed")]
-    blocks += [(f"layers.{i}", i) for i in range(shape.layers)]
-    for prefix, which in [*blocks, ("head", "head")]:
-        block = build_block(shape, which)
-        for name, tensor in block.state_dict().items():
-            yield f"{prefix}.{name}", tensor
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _rank(rank: int, store: str, conn: Any, shape: ModelShape, timeout: float) -> None:
-    """One trainer rank: FSDP2 over two gloo ranks; rank 0 publishes, rank 1 gathers."""
+def _rank(r: Rank, timeout: float) -> None:
+    """One trainer rank of two: rank 0 publishes, rank 1 gathers."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from publisher import WeightPublisher, gather_full_tensors
 
-    code = 0
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=timeout))
-    try:
-        mesh = init_device_mesh("cpu", (2,))
-        model = _Model(shape, shard=lambda block: fully_shard(block, mesh=mesh))
-        fully_shard(model, mesh=mesh)
-        pub = WeightPublisher("tcp://127.0.0.1:0", keep_versions=1) if rank == 0 else None
-        if pub is not None:
-            conn.send(("endpoint", pub.endpoint))
-        gc.collect()
-        dist.barrier()
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
-        base = _status_bytes("VmRSS")
-        start = time.perf_counter()
-        if pub is not None:
-            version = pub.publish(model)
-        else:
-            gather_full_tensors(model)
-        seconds = time.perf_counter() - start
-        peak = _status_bytes("VmHWM")
-        snapshot = 0
-        if pub is not None:
-            pub.wait_announced(version, timeout)
-            snapshot = pub.manifest(version).total_bytes
-        conn.send(("figures", RankFigures(rank, peak - base - snapshot, snapshot, seconds)))
-        if pub is not None:
-            pub.wait_for_subscribers(version, 1, applied=False, timeout=timeout)
-            conn.send(("served", version))
-            pub.close()
-        dist.barrier()  # leave together: gloo aborts a rank whose peer left first
-    except BaseException:
-        code = 1
-        conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
-    finally:
-        dist.destroy_process_group()
-        conn.close()
-    # skip interpreter teardown: torch's static thread pools may abort a clean exit
-    # ("terminate called without an active exception"); the group is destroyed above
-    os._exit(code)
+    pub = WeightPublisher("tcp://127.0.0.1:0", keep_versions=1) if r.rank == 0 else None
+    if pub is not None:
+        r.conn.send(("endpoint", pub.endpoint))
+    gc.collect()
+    dist.barrier()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+    base = resident_bytes()
+    start = time.perf_counter()
+    if pub is not None:
+        version = pub.publish(r.model)
+    else:
+        gather_full_tensors(r.model)
+    seconds = time.perf_counter() - start
+    peak = resident_bytes("VmHWM")
+    snapshot = 0
+    if pub is not None:
+        pub.wait_announced(version, timeout)
+        snapshot = pub.manifest(version).total_bytes
+    r.conn.send(("figures", RankFigures(r.rank, peak - base - snapshot, snapshot, seconds)))
+    if pub is not None:
+        pub.wait_for_subscribers(version, 1, applied=False, timeout=timeout)
+        r.conn.send(("served", version))
+        pub.close()
+
+
+def _verify(staged: Any, shape: ModelShape, steps: int = 0) -> int:
+    """Check every received tensor against the model after ``steps`` +1 steps; the number
+    checked."""
+    verified = 0
+    for name, want in expected_tensors(shape):
+        for _ in range(steps):  # as the ranks did: one add at a time
+            want = want + 1.0
+        got = staged.tensors[name]
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            raise AssertionError(f"{name}: received bytes differ from the model")
+        verified += 1
+    if verified != len(staged.tensors):
+        raise AssertionError(f"received {len(staged.tensors)} tensors, the model has {verified}")
+    return verified
+
+
+def _mmap_env(threshold: int | None) -> dict[str, str]:
+    return {} if threshold is None else {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
 
 
 def run_streaming(shape: ModelShape, *, timeout: float = 120.0,
@@ -198,59 +139,123 @@ def run_streaming(shape: ModelShape, *, timeout: float = 120.0,
     """Two FSDP2 ranks publish ``shape`` once; a subscriber here checks every byte."""
     from subscriber_ext import WeightSubscriber
 
-    ctx = mp.get_context("spawn")
-    env = {} if malloc_mmap_threshold is None else \
-        {"MALLOC_MMAP_THRESHOLD_": str(malloc_mmap_threshold)}
-    with tempfile.TemporaryDirectory(prefix="wp-fsdp-") as folder:
-        pipes = [ctx.Pipe(duplex=False) for _ in range(2)]
-        procs = [ctx.Process(target=_rank, args=(r, f"{folder}/store", pipes[r][1], shape,
-                                                 timeout), daemon=True) for r in range(2)]
-        with scoped_environment(env):
-            for proc in procs:
-                proc.start()
-        for _, send in pipes:
-            send.close()
-        try:
-            messages: dict[str, Any] = {}
-            figures: list[RankFigures] = []
-
-            def expect(rank: int, kind: str) -> Any:
-                conn = pipes[rank][0]
-                if not conn.poll(timeout):
-                    raise TimeoutError(f"rank {rank}: no {kind!r} within {timeout}s")
-                got, value = conn.recv()
-                if got == "error":
-                    raise RuntimeError(value)
-                if got != kind:
-                    raise RuntimeError(f"rank {rank}: expected {kind!r}, got {got!r}")
-                return value
-
-            messages["endpoint"] = expect(0, "endpoint")
-            with WeightSubscriber(messages["endpoint"], report_interval=0.2) as sub:
-                figures = [expect(0, "figures"), expect(1, "figures")]
-                staged = sub.wait_for_version(1, timeout=timeout)
-                verified = 0
-                for name, want in expected_tensors(shape):
-                    got = staged.tensors[name]
-                    if got.dtype != want.dtype or not torch.equal(got, want):
-                        raise AssertionError(f"{name}: received bytes differ from the model")
-                    verified += 1
-                if verified != len(staged.tensors):
-                    raise AssertionError(f"received {len(staged.tensors)} tensors, "
-                                         f"the model has {verified}")
-                sizes = {n: t.numel() * t.element_size() for n, t in staged.tensors.items()}
-                staged.release()
-                expect(0, "served")
-        finally:
-            for proc in procs:
-                proc.join(timeout)
-                if proc.is_alive():
-                    proc.kill()
-                    proc.join(5)
-        codes = [p.exitcode for p in procs]
-        if codes != [0, 0]:
-            raise RuntimeError(f"rank exit codes {codes}")
+    with FsdpRanks(_rank, 2, shape, timeout, timeout=timeout,
+                   env=_mmap_env(malloc_mmap_threshold)) as ranks:
+        (endpoint,) = ranks.expect(0, "endpoint")
+        with WeightSubscriber(endpoint, report_interval=0.2) as sub:
+            figures: list[RankFigures] = [ranks.expect(rank, "figures")[0] for rank in (0, 1)]
+            staged = sub.wait_for_version(1, timeout=timeout)
+            verified = _verify(staged, shape)
+            sizes = {n: t.numel() * t.element_size() for n, t in staged.tensors.items()}
+            staged.release()
+            ranks.expect(0, "served")
+        codes = ranks.close()
+    if codes != [0, 0]:
+        raise RuntimeError(f"rank exit codes {codes}: {ranks.errors}")
     groups = layer_groups(list(sizes))
     return StreamingRun(ranks=figures, model_bytes=sum(sizes.values()),
                         largest_group_bytes=max(sum(sizes[n] for n in g) for g in groups),
                         verified_tensors=verified)
+
+
+# -- sharded: every rank publishes its own shard (ShardedPublisher) ---------------------------
+@dataclass(frozen=True, slots=True)
+class ShardRankFigures:
+    """One sharded rank's resident bytes: at its start, holding its FSDP source, at peak."""
+
+    rank: int
+    start_rss: int  # the group up, before the model was built
+    source_bytes: int  # its FSDP parameter shards
+    base_rss: int  # just before the first publish (model built)
+    peaks: tuple[int, ...]  # VmHWM per version: publish, submit, serve (reset in between)
+    shard_bytes: int  # its shard of the union (tensors it owns)
+    held_bytes: int  # its snapshot (shard + pad to a chunk)
+    seconds: tuple[float, ...]  # publish() per version
+
+
+@dataclass(frozen=True, slots=True)
+class ShardedRun:
+    ranks: list[ShardRankFigures]
+    model_bytes: int
+    verified_tensors: int
+
+    def row(self) -> dict[str, Any]:
+        """Per rank: peak over its start beyond its source, as a multiple of its shard."""
+        out: dict[str, Any] = {"world_size": len(self.ranks),
+                               "model_mib": round(self.model_bytes / 2**20, 1),
+                               "verified_tensors": self.verified_tensors}
+        for r in self.ranks:
+            over = max(r.peaks) - r.start_rss - r.source_bytes
+            out[f"rank{r.rank}_shard_mib"] = round(r.shard_bytes / 2**20, 1)
+            out[f"rank{r.rank}_shard_x_model"] = round(r.shard_bytes / self.model_bytes, 3)
+            out[f"rank{r.rank}_over_start_mib"] = round(over / 2**20, 1)
+            out[f"rank{r.rank}_x_shard"] = round(over / r.shard_bytes, 2)
+            out[f"rank{r.rank}_built_over_source_mib"] = round(
+                (r.base_rss - r.start_rss - r.source_bytes) / 2**20, 1)
+            out[f"rank{r.rank}_publish_x_shard"] = [
+                round((peak - r.base_rss) / r.shard_bytes, 2) for peak in r.peaks]
+            out[f"rank{r.rank}_seconds"] = [round(t, 2) for t in r.seconds]
+        return out
+
+
+def _shard_rank(r: Rank, chunk_size: int, versions: int, timeout: float) -> None:
+    """A rank of a ``ShardedPublisher``: publishes ``versions`` versions of its model,
+    each after a 'training step' (+1 on every parameter), each served before the next."""
+    import torch.distributed as dist
+
+    pub = sharded_publisher(r, chunk_size=chunk_size, keep_versions=1)
+    if pub.coordinator is not None:
+        r.conn.send(("announce", pub.coordinator.endpoint))
+    source = local_bytes(r.model)
+    gc.collect()
+    dist.barrier()
+    base = resident_bytes()
+    peaks: list[int] = []
+    seconds: list[float] = []
+    for version in range(1, versions + 1):
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
+        if version > 1:
+            with torch.no_grad():  # in place: no new memory
+                for parameter in r.model.parameters():
+                    parameter.add_(1.0)
+        start = time.perf_counter()
+        pub.publish(r.model, version=version)
+        seconds.append(time.perf_counter() - start)
+        pub.wait_submitted(version, timeout)
+        r.conn.send(("submitted", version))
+        if not r.conn.poll(timeout) or r.conn.recv() != ("served", version):
+            raise TimeoutError(f"rank {r.rank}: version {version} not served in {timeout}s")
+        peaks.append(resident_bytes("VmHWM"))
+    manifest = pub.shard.manifest(versions)
+    shard = sum(t.nbytes for t in manifest.tensors if t.name != SHARD_PAD)
+    r.conn.send(("figures", ShardRankFigures(
+        r.rank, r.start_rss, source, base, tuple(peaks), shard,
+        int(pub.shard.data_stats()["host_held_bytes"]), tuple(seconds))))
+    pub.close()
+
+
+def run_sharded(shape: ModelShape, world_size: int, *, chunk_size: int = 1 << 20,
+                versions: int = 2, timeout: float = 300.0,
+                malloc_mmap_threshold: int | None = 128 << 10) -> ShardedRun:
+    """``world_size`` FSDP2 ranks each publish their shard of ``shape`` (``versions``
+    times); a subscriber here receives the union and checks every byte of each."""
+    from subscriber_ext import WeightSubscriber
+
+    with FsdpRanks(_shard_rank, world_size, shape, chunk_size, versions, timeout,
+                   timeout=timeout, env=_mmap_env(malloc_mmap_threshold)) as ranks:
+        (announce,) = ranks.expect(0, "announce")
+        with WeightSubscriber(announce, request_timeout=5.0) as sub:
+            for version in range(1, versions + 1):
+                for rank in range(world_size):
+                    ranks.expect(rank, "submitted")
+                staged = sub.wait_for_version(version, timeout=timeout)
+                verified = _verify(staged, shape, steps=version - 1)
+                total = sum(t.numel() * t.element_size() for t in staged.tensors.values())
+                staged.release()
+                del staged
+                ranks.send_all(("served", version))
+        figures = [ranks.expect(rank, "figures")[0] for rank in range(world_size)]
+        codes = ranks.close()
+    if codes != [0] * world_size:
+        raise RuntimeError(f"rank exit codes {codes}: {ranks.errors}")
+    return ShardedRun(ranks=figures, model_bytes=total, verified_tensors=verified)
