@@ -15,6 +15,8 @@ Bounds, per peer (a ROUTER identity):
 - ``max_pending_chunks``: a fetch that would take a peer past it is refused and
   the peer's connection is cut (a well-behaved subscriber keeps at most
   ``MAX_CREDIT_CHUNKS`` in flight);
+- the host budget (``host_budget_bytes``): all scratch, queued and idle, stays
+  within what the snapshots leave of it (at least one frame is always in flight);
 - ``stall_timeout``: a peer with bytes queued and no progress for this long (it
   never reads) is cut; ZeroMQ then drops its queue and its scratch is freed;
 - deferred chunks of a version that was evicted are dropped with a
@@ -77,8 +79,12 @@ class PeerTable:
     """Runs on the serving thread only (it sends on the ROUTER)."""
 
     def __init__(self, router: zmq.Socket, limits: PeerLimits, guard: ConnectionGuard | None,
-                 is_held: Callable[[PublishedVersion], bool]) -> None:
+                 is_held: Callable[[PublishedVersion], bool],
+                 budget_room: Callable[[], int] | None = None) -> None:
+        """``budget_room``: what the host budget leaves beside the snapshots; the scratch
+        (queued frames and idle reuse buffers) stays within it, one frame at least."""
         self.router = router
+        self._budget_room = budget_room
         self.limits = limits
         self.guard = guard
         self.is_held = is_held
@@ -151,9 +157,26 @@ class PeerTable:
         self.total_queued += len(body)
         return True
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Send buffers alive: frames ZeroMQ still holds and idle ones kept for reuse."""
+        return self.total_queued + self.scratch.free_bytes
+
     def _room(self, peer: Peer, nbytes: int) -> bool:
         return (peer.queued_bytes + nbytes <= self.limits.max_queued_bytes or not peer.queue) \
-            and self.total_queued + nbytes <= self.limits.max_total_queued_bytes
+            and self.total_queued + nbytes <= self.limits.max_total_queued_bytes \
+            and self._within_budget(nbytes)
+
+    def _within_budget(self, nbytes: int) -> bool:
+        """The host budget's room beside the snapshots; with nothing queued one frame
+        always goes (else a budget full of snapshots would stop serving them)."""
+        if self._budget_room is None or not self.total_queued:
+            return True
+        room = self._budget_room()
+        if self.scratch_bytes + nbytes <= room:
+            return True
+        self.scratch.drop_idle()
+        return self.total_queued + nbytes <= room
 
     def reply(self, peer: Peer, body: bytes) -> bool:
         """A control reply (latest, status, error); dropped when the peer is not reading."""

@@ -9,7 +9,10 @@ the trainer OOM-killed, which loses the training run, not just a version. So
 every snapshot is checked
 against ``host_budget_bytes`` first: ``StagingBudgetError`` naming the budget and
 the bytes, raised by ``publish()`` before any allocation; the versions already
-published stay served.
+published stay served. The reply scratch (chunk frames ZeroMQ still holds, idle
+send buffers) counts against the same budget: a snapshot waits (``wait_s``) for
+queued replies to drain, and the serving thread queues replies only within what
+the snapshots leave (``connection_credit.PeerTable``).
 
 The derived budget (``host_budget_bytes`` None) is ``DEFAULT_FRACTION`` of the
 host memory available when the publisher starts (``weightpub_wire.host_memory``:
@@ -54,7 +57,11 @@ class HostBudget:
 
     def __init__(self, pool: BufferPool, *, keep_versions: int,
                  held: Callable[[], tuple[int, ...]], recycle: Callable[[], None],
-                 retiring: Callable[[], int], wait_s: float = RETIRE_WAIT_S) -> None:
+                 retiring: Callable[[], int], wait_s: float = RETIRE_WAIT_S,
+                 scratch: Callable[[], int] = lambda: 0,
+                 drop_idle_scratch: Callable[[], None] = lambda: None) -> None:
+        """``scratch``: the reply scratch's bytes (the pool counts them too, as
+        ``outside``); ``drop_idle_scratch`` frees its idle part when a snapshot needs it."""
         if pool.budget_bytes is None:
             raise ValueError("HostBudget needs a pool with a budget")
         self.budget_bytes: int = pool.budget_bytes
@@ -64,6 +71,8 @@ class HostBudget:
         self._recycle = recycle
         self._retiring = retiring
         self._wait_s = wait_s
+        self._scratch = scratch
+        self._drop_idle_scratch = drop_idle_scratch
 
     def admit(self, version: int, nbytes: int) -> None:
         """Return once a snapshot of ``nbytes`` fits; else raise ``StagingBudgetError``."""
@@ -76,13 +85,18 @@ class HostBudget:
                 f"{list(self._held()) or 'nothing'}")
         deadline = time.monotonic() + self._wait_s
         while not self._pool.room_for(nbytes):  # drops idle pooled buffers first
-            if not self._retiring() or time.monotonic() >= deadline:
-                held = self._pool.held_bytes
+            self._drop_idle_scratch()
+            if self._pool.room_for(nbytes):
+                break
+            if (not self._retiring() and not self._scratch()) \
+                    or time.monotonic() >= deadline:
+                held, scratch = self._pool.held_bytes, self._scratch()
                 raise StagingBudgetError(
                     f"{what} but {held} bytes ({_gib(held)}) of the publisher's host "
                     f"budget of {budget} bytes ({_gib(budget)}; {BUDGET_NAME}) are held by "
                     f"versions {list(self._held())} (keep_versions={self._keep}) and "
-                    f"{self._retiring()} evicted version(s) still being sent; publish "
-                    f"refused (raise {BUDGET_NAME} or lower keep_versions)")
+                    f"{self._retiring()} evicted version(s) still being sent, and "
+                    f"{scratch} bytes by replies queued to subscribers; publish refused "
+                    f"(raise {BUDGET_NAME} or lower keep_versions)")
             time.sleep(0.01)
             self._recycle()

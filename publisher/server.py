@@ -87,11 +87,14 @@ class ServingThread(threading.Thread):
                  *, publisher_id: str, started_at: float,
                  configure: list | None = None, deltas: DeltaPublisher | None = None,
                  collective: CollectivePublisher | None = None,
-                 status_extras: Callable[[], StatusExtras] | None = None) -> None:
+                 status_extras: Callable[[], StatusExtras] | None = None,
+                 budget_room: Callable[[], int] | None = None) -> None:
         """``status_extras``: what the owner adds to a status reply (its host memory, a
-        shard group), called on this thread: it must only read."""
+        shard group), called on this thread: it must only read. ``budget_room``: the
+        host budget left beside the snapshots, which reply scratch must stay within."""
         super().__init__(name="weightpub-publish-serve", daemon=True)
         self._status_extras = status_extras
+        self._budget_room = budget_room
         self.collective = collective  # answers polls; its own thread does the rest
         self.ctx = ctx
         self.store = store
@@ -161,7 +164,8 @@ class ServingThread(threading.Thread):
             return
         guard = self.guard = ConnectionGuard({"router": router, "pub": pub},
                                              self.limits.connections)
-        peers = self.peers = PeerTable(router, self.limits.peers, guard, self._is_held)
+        peers = self.peers = PeerTable(router, self.limits.peers, guard, self._is_held,
+                                            self._budget_room)
         self._ready.set()
         poller = zmq.Poller()
         for sock in (router, commands, *guard.monitors):

@@ -120,12 +120,14 @@ class WeightPublisher:
         self.started_at = time.time()
         self._next_version = options.first_version
         self._pool = BufferPool(max_buffers=2, budget_name=BUDGET_NAME,
-                                budget_bytes=options.host_budget_bytes or derive_host_budget())
+                                budget_bytes=options.host_budget_bytes or derive_host_budget(),
+                                outside=self._scratch_bytes)
         self._store = VersionStore(options.versions_kept, self._pool)
         # every snapshot is checked against host_budget_bytes before it is allocated
         self._budget = HostBudget(self._pool, keep_versions=options.versions_kept,
                                   held=self._store.versions, recycle=self._store.recycle,
-                                  retiring=self._store.retiring)
+                                  retiring=self._store.retiring, scratch=self._scratch_bytes,
+                                  drop_idle_scratch=self._drop_idle_scratch)
         self._deltas = DeltaPublisher(options.delta_anchor_every)
         hooks = list(socket_hooks or [])
         allow_list = None
@@ -148,7 +150,7 @@ class WeightPublisher:
                           limits=options.limits, curve=curve, allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
             configure=hooks, deltas=self._deltas, collective=self._collective,
-            status_extras=self._status_extras,
+            status_extras=self._status_extras, budget_room=self._budget_room,
         )
         try:
             self._server.start_and_wait()
@@ -343,6 +345,21 @@ class WeightPublisher:
             else self._server.peers.total_queued,
         }
 
+    def _scratch_bytes(self) -> int:
+        """Reply scratch alive (counted in ``host_budget_bytes``); 0 before serving."""
+        server = getattr(self, "_server", None)
+        peers = None if server is None else server.peers
+        return 0 if peers is None else peers.scratch_bytes
+
+    def _drop_idle_scratch(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None and server.peers is not None:
+            server.peers.scratch.drop_idle()
+
+    def _budget_room(self) -> int:
+        """The host budget the snapshots leave to reply scratch."""
+        return self._budget.budget_bytes - self._pool.held_bytes
+
     def _status_extras(self) -> StatusExtras:
         """The host memory a status reply shows (``weightpub status``), read on the serving
         thread."""
@@ -350,7 +367,7 @@ class WeightPublisher:
         return StatusExtras(memory=wire.HostMemory(
             budget_bytes=self._budget.budget_bytes, held_bytes=self._pool.held_bytes,
             keep_versions=self._store.keep,
-            send_queued_bytes=0 if peers is None else peers.total_queued))
+            send_queued_bytes=0 if peers is None else peers.scratch_bytes))
 
     def collective_status(self) -> GroupStatus | None:
         """The collective path's group (backend, epoch, members, rounds), or None."""

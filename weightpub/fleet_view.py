@@ -57,8 +57,8 @@ def memory_line(memory: wire.HostMemory | None) -> Text | None:
     mib = 1 << 20
     return Text(f"host memory {memory.held_bytes / mib:.1f} MiB held of a "
                 f"{memory.budget_bytes / mib:.1f} MiB budget (keep_versions "
-                f"{memory.keep_versions}), {memory.send_queued_bytes / mib:.1f} MiB queued "
-                f"in replies")
+                f"{memory.keep_versions}), {memory.send_queued_bytes / mib:.1f} MiB of reply "
+                f"scratch")
 
 
 def shard_line(group: wire.ShardGroup | None) -> Text | None:

@@ -141,7 +141,11 @@ class BufferPool:
     def __init__(self, max_buffers: int = 2, *, pinned: bool | None = None,
                  max_pinned_bytes: int | None = None, allocator: Allocator | None = None,
                  budget_bytes: int | None = None,
-                 budget_name: str = "staging_budget_bytes") -> None:
+                 budget_name: str = "staging_budget_bytes",
+                 outside: Callable[[], int] | None = None) -> None:
+        """``outside``: bytes held beside this pool's buffers that count against the same
+        budget (a publisher's reply scratch); ``room_for`` leaves room for them."""
+        self._outside = outside
         self._free: list[torch.Tensor] = []
         self._max = max_buffers
         self._pinned = torch.cuda.is_available() if pinned is None else pinned
@@ -181,9 +185,10 @@ class BufferPool:
             if self._best_free_locked(nbytes, self.will_pin(nbytes)) is not None:
                 return True
             self._free.sort(key=lambda b: b.numel())
-            while self._free and self._held_locked() + nbytes > budget:
+            outside = 0 if self._outside is None else self._outside()
+            while self._free and self._held_locked() + outside + nbytes > budget:
                 dropped.append(self._free.pop().data_ptr())  # the largest idle one first
-            fits = self._held_locked() + nbytes <= budget
+            fits = self._held_locked() + outside + nbytes <= budget
         for key in dropped:
             self._release(key)
         return fits

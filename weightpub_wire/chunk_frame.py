@@ -30,6 +30,7 @@ single copy ``recv_into`` made. ``benchmarks/chunk_frames.py`` measures both for
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
@@ -117,26 +118,40 @@ def payload(frame: bytes | memoryview) -> memoryview:
 
 
 class ScratchPool:
-    """Reused send buffers for chunk frames (one thread); at most ``max_free_bytes`` idle.
+    """Reused send buffers for chunk frames; at most ``max_free_bytes`` idle.
 
     A buffer is taken for one frame and given back once ZeroMQ reports the frame
     sent (``MessageTracker.done``); one never given back (its peer was dropped
     while ZeroMQ still held the frame) is simply freed by the garbage collector.
+    ``drop_idle`` (any thread) frees the idle ones: a budget that needs the room.
     """
 
     def __init__(self, max_free_bytes: int = 64 << 20) -> None:
         self._free: list[bytearray] = []
         self._free_bytes = 0
         self._max_free = max_free_bytes
+        self._lock = threading.Lock()
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of idle buffers kept for reuse."""
+        return self._free_bytes
 
     def take(self, nbytes: int) -> bytearray:
-        for index, buffer in enumerate(self._free):
-            if nbytes <= len(buffer) <= 2 * nbytes:
-                self._free_bytes -= len(buffer)
-                return self._free.pop(index)
+        with self._lock:
+            for index, buffer in enumerate(self._free):
+                if nbytes <= len(buffer) <= 2 * nbytes:
+                    self._free_bytes -= len(buffer)
+                    return self._free.pop(index)
         return bytearray(nbytes)
 
     def give(self, buffer: bytearray) -> None:
-        if self._free_bytes + len(buffer) <= self._max_free:
-            self._free.append(buffer)
-            self._free_bytes += len(buffer)
+        with self._lock:
+            if self._free_bytes + len(buffer) <= self._max_free:
+                self._free.append(buffer)
+                self._free_bytes += len(buffer)
+
+    def drop_idle(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._free_bytes = 0

@@ -144,7 +144,7 @@ class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
     budget_bytes: U64 = 0
     held_bytes: U64 = 0  # snapshot buffers: about ``keep_versions`` versions
     keep_versions: U63 = 0
-    send_queued_bytes: U64 = 0  # chunk replies' scratch ZeroMQ still holds
+    send_queued_bytes: U64 = 0  # reply scratch: frames ZeroMQ holds, idle send buffers
 
 
 class PendingShards(msgspec.Struct, frozen=True):

@@ -6,16 +6,20 @@ refuses, and what it stages afterwards is checked byte for byte.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
 import torch
+import zmq
 
 from publisher import WeightPublisher
 from publisher.host_budget import DEFAULT_FRACTION
 from publisher.publisher_config import PublisherConfig
 from subscriber_ext import WeightSubscriber
+from tests.transport.faults.tools import RawPeer
 from tests.transport.procs import as_bytes, det_weights, spec_bytes
+from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ConfigError, StagingBudgetError
 from weightpub_wire.host_memory import available_memory
 
@@ -112,3 +116,33 @@ def test_the_yaml_key_reaches_the_publisher() -> None:
         assert pub.data_stats()["host_budget_bytes"] == SIZE * 3
         with pytest.raises(StagingBudgetError, match="host_budget_bytes"):
             pub.publish(det_weights(SEED, 1, BIG + [("more", "float32", [256, 1024])]))
+
+
+def test_reply_scratch_stays_within_what_the_snapshots_leave_of_the_budget(
+    make_pub: Callable[..., WeightPublisher],
+) -> None:
+    chunk = 256 << 10
+    snapshot = 16 << 20
+    room = 2 << 20  # the budget beside one snapshot
+    pub = make_pub(host_budget_bytes=snapshot + room, chunk_size=chunk)
+    weights = {"w": torch.ones(snapshot // 4)}
+    pub.wait_announced(pub.publish(weights), timeout=20)
+    manifest = pub.manifest(1)
+    ctx: zmq.Context = zmq.Context()
+    reader = RawPeer(ctx, pub.endpoint, rcvhwm=1)  # asks for everything, never reads
+    try:
+        chunks = tuple(range(len(manifest.checksums)))
+        for start in range(0, len(chunks), 16):
+            reader.send(wire.FetchRequest(req=start + 1, publisher_id=manifest.publisher_id,
+                                          version=1, chunks=chunks[start:start + 16]))
+        peak = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            peak = max(peak, int(pub.data_stats()["send_queued_bytes"]))
+            time.sleep(0.01)
+        assert 0 < peak <= room + chunk + 64, peak  # scratch within the budget's room
+        # the snapshot buffer is reused by the next version: nothing else needs the room
+        assert pub.publish({"w": torch.full((snapshot // 4,), 2.0)}) == 2
+    finally:
+        reader.close()
+        ctx.destroy(linger=0)
