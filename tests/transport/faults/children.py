@@ -20,6 +20,8 @@ Kill points (``kill_at``):
   ``status:<n>``: the n-th status request
 - ``forward``: (relay) an upstream version starts arriving, killed before it is announced
   downstream
+- ``submit``: (a ``ShardedPublisher`` rank) its shard of version 2 or later is hashed,
+  killed before it is submitted to the coordinator
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Any
 
 from tests.transport.procs import det_weights
 
-__all__ = ["mp_context", "publisher_child", "relay_child"]
+__all__ = ["mp_context", "publisher_child", "relay_child", "shard_rank_child"]
 
 _CONTEXT: Any = None
 
@@ -163,6 +165,17 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
             original_handle(self, peers_, peer, request, *a)
 
         server.ServingThread._handle = handle  # type: ignore[method-assign]
+    elif point == "submit":
+        from publisher import sharded_publisher
+
+        original_encode = sharded_publisher.encode_submit
+
+        def encode_submit(submit: Any) -> bytes:
+            if submit.version >= first_chunk_version:
+                _die()
+            return original_encode(submit)
+
+        sharded_publisher.encode_submit = encode_submit
     elif point != "forward":
         raise ValueError(f"unknown kill point {kill_at!r}")
 
@@ -209,6 +222,36 @@ def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str,
             _, version, spec = command
             pub.publish(det_weights(seed, version, spec), version=version)
             pub.wait_announced(version, timeout=60)
+            conn.send(("published", version))
+    pub.close()
+
+
+def shard_rank_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]
+                     ) -> None:
+    """A rank of a ``ShardedPublisher`` (plain tensors, its own names); rank 0 runs the
+    coordinator on ``announce``/``coordinator`` and says the union's publisher id."""
+    faulthandler.dump_traceback_later(30, exit=True)
+    _install(args.get("kill_at"))
+    from publisher.sharded_publisher import ShardedPublisher
+
+    pub = ShardedPublisher(args.get("endpoint", "tcp://127.0.0.1:0"), rank=args["rank"],
+                           world_size=args["world_size"], coordinator=args["coordinator"],
+                           announce_endpoint=args.get("announce"),
+                           chunk_size=args.get("chunk_size", 128 << 10),
+                           shard_timeout=args.get("shard_timeout", 2.0),
+                           heartbeat_interval=0.2, keep_versions=2)
+    union_id = pub.shard.publisher_id if pub.coordinator is None else pub.coordinator.publisher_id
+    conn.send(("ready", pub.endpoint, union_id, 0.0, os.getpid()))
+    faulthandler.cancel_dump_traceback_later()
+    seed = args["seed"]
+    while conn.poll(600):
+        command = conn.recv()
+        if command[0] == "exit":
+            break
+        if command[0] == "publish":
+            _, version, spec = command
+            pub.publish(det_weights(seed, version, spec), version=version)
+            pub.wait_submitted(version, timeout=60)
             conn.send(("published", version))
     pub.close()
 

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from subscriber_ext import StagedVersion
-from tests.transport.faults.children import mp_context, publisher_child, relay_child
+from tests.transport.faults.children import (
+    mp_context,
+    publisher_child,
+    relay_child,
+    shard_rank_child,
+)
 from tests.transport.procs import det_weights, digests
 
 __all__ = ["Proc", "Recorder", "Spec"]
@@ -29,7 +34,8 @@ class Proc:
     def __init__(self, role: str, **args: Any) -> None:
         ctx = mp_context()
         self._conn, child_conn = ctx.Pipe()
-        target = {"publisher": publisher_child, "relay": relay_child}[role]
+        target = {"publisher": publisher_child, "relay": relay_child,
+                  "shard_rank": shard_rank_child}[role]
         self.process = ctx.Process(target=target, args=(child_conn, args), daemon=True)
         self.process.start()
         child_conn.close()
