@@ -6,7 +6,9 @@ checksums and where it serves. Once all ``world_size`` ranks submitted version
 V, the coordinator lays the shards end to end (rank order, each chunk-aligned),
 and announces one manifest whose ``shards`` say which rank serves which chunks;
 subscribers dial ``endpoint`` as for any publisher (latest, heartbeats, reports)
-and fetch the chunks from the ranks. It holds no weight bytes.
+and fetch the chunks from the ranks. It holds no weight bytes. With deltas
+(ranks with ``delta_anchor_every`` > 1) the union offers the bases every rank
+serves its deltas from, with the same layout (``publisher.shard_deltas``).
 
 All or nothing: a version whose shards are not all in within ``shard_timeout``
 of its first one, or older than one already announced, is dropped (counted in
@@ -35,6 +37,7 @@ import zmq
 
 from publisher.reports import counts_for, reporters
 from publisher.server import ServerOptions, ServingThread, StatusExtras
+from publisher.shard_deltas import ShardDeltas, shard_layout
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
@@ -97,6 +100,7 @@ class ShardCoordinator:
         self.refused_submits = 0
         self.last_error = ""
         self._pending: dict[int, _Pending] = {}
+        self._deltas = ShardDeltas()  # announced unions' digests: the bases deltas start from
         self._announced = 0
         self._cond = threading.Condition()
         self._own_context = context is None
@@ -279,6 +283,7 @@ class ShardCoordinator:
                 self._drop(submit.version, f"shards do not fit together: {exc}")
                 return
             self._announce(manifest)
+            self._deltas.announced(manifest, [pending.shards[r] for r in range(self.world_size)])
 
     def _make_room(self, version: int, nbytes: int) -> None:
         """Drop the oldest other pending versions until ``version``'s submit fits the bounds."""
@@ -334,12 +339,15 @@ class ShardCoordinator:
             checksums += shard.checksums
             offset += shard.total_bytes
         tensors.sort(key=lambda e: e.offset)
+        delta, deltas_follow = self._deltas.chain_for(
+            [shards[rank] for rank in range(self.world_size)], shard_layout(sources))
         # duplicate names across ranks, bounds: the manifest's own checks say which
         return wire.Manifest(publisher_id=self.publisher_id, started_at=self.started_at,
                              version=version, created_at=time.time(),
                              model_id=self.model_id or shards[0].model_id,
                              chunk_size=chunk_size, total_bytes=offset, tensors=tuple(tensors),
-                             checksums=tuple(checksums), shards=tuple(sources))
+                             checksums=tuple(checksums), shards=tuple(sources), delta=delta,
+                             deltas_follow=deltas_follow)
 
     def _announce(self, manifest: wire.Manifest) -> None:
         empty = torch.empty(64, dtype=torch.uint8)  # the bytes live on the ranks

@@ -21,6 +21,14 @@ same split on every rank from global names, shapes and dtypes), dropping the
 others as soon as they are gathered. So each rank's shard is about 1/world of
 the model, and a rank holds its shard plus one gathered group at a time.
 
+Deltas (``delta_anchor_every`` > 1, best the same on every rank: the union offers
+only what all of them serve; ``keep_versions`` >= 2, its default then): each
+rank encodes its own shard against its previous one (its own ``DeltaPublisher``)
+and serves those deltas; its submit says which bases it serves them from, and
+the coordinator offers only the bases every rank serves with the shard layout
+unchanged (``publisher.shard_deltas``). A rank that restarted has none: the
+next version goes out in full.
+
 Versions: pass ``version=`` (e.g. the trainer step) on every rank, the same
 number for the same weights; without it each rank counts from ``first_version``,
 which only agrees while no rank restarts.
@@ -66,7 +74,8 @@ class ShardedPublisher:
     address subscribers reach this rank's shard at (default: ``endpoint`` as bound, its
     host replaced by this host's name when it is a wildcard). The other keywords are
     ``WeightPublisher``'s, for this rank's shard; ``chunk_size`` must be the same on every
-    rank (default 1 MiB).
+    rank (default 1 MiB); ``delta_anchor_every`` best too (deltas of this rank's shard,
+    see the module docstring).
     """
 
     def __init__(self, endpoint: str, *, rank: int, world_size: int, coordinator: str,
@@ -79,7 +88,7 @@ class ShardedPublisher:
             raise ConfigError("announce_endpoint: rank 0 (only) announces the union; give it "
                               "there" if rank == 0 else
                               f"announce_endpoint: only rank 0 announces (this is rank {rank})")
-        for name in ("delta_anchor_every", "collective", "peer_fanout"):
+        for name in ("collective", "peer_fanout"):
             if keywords.get(name) not in (None, 0, 1):
                 raise ConfigError(f"{name}: not supported with sharded publishing yet (the "
                                   "union is served by the ranks' own ROUTERs)")
@@ -198,7 +207,8 @@ class ShardedPublisher:
                                  publisher_id=manifest.publisher_id, endpoint=self.endpoint,
                                  chunk_size=manifest.chunk_size,
                                  total_bytes=manifest.total_bytes, tensors=manifest.tensors,
-                                 checksums=manifest.checksums, model_id=manifest.model_id)
+                                 checksums=manifest.checksums, model_id=manifest.model_id,
+                                 delta=manifest.delta, deltas_follow=manifest.deltas_follow)
             try:
                 self._dealer.send(encode_submit(submit), flags=zmq.NOBLOCK)
             except zmq.Again:

@@ -125,7 +125,9 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     collective: CollectiveAnnounce | None = None  # also served by a group broadcast
     deltas_follow: bool = False
     #: the version is the union of trainer ranks' shards, each serving its chunk range
-    #: (``ShardSource``, in chunk order, covering every chunk); None: this ROUTER serves all
+    #: (``ShardSource``, in chunk order, covering every chunk), its deltas too (each rank
+    #: against its own range of the base: ``publisher.shard_deltas``); None: this ROUTER
+    #: serves all
     shards: Annotated[tuple[ShardSource, ...], Meta(min_length=1, max_length=MAX_SHARDS)] \
         | None = None
 
@@ -162,9 +164,8 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
                                  f"total_bytes {self.total_bytes}")
 
     def _check_shards(self, shards: tuple[ShardSource, ...]) -> None:
-        if self.delta is not None or self.collective is not None:
-            raise ValueError("shards: a sharded version offers neither deltas nor a "
-                             "collective path")
+        if self.collective is not None:
+            raise ValueError("shards: a sharded version offers no collective path")
         next_chunk = 0
         for index, shard in enumerate(shards):
             if shard.first_chunk != next_chunk:

@@ -15,7 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from weightpub_wire.errors import ProtocolError
-from weightpub_wire.manifest import MAX_SHARDS, TensorEntry
+from weightpub_wire.manifest import MAX_SHARDS, DeltaInfo, TensorEntry
 from weightpub_wire.message_base import (
     MAX_CHUNKS,
     MAX_TENSORS,
@@ -35,7 +35,11 @@ Rank = Annotated[int, Meta(ge=0, le=MAX_SHARDS)]
 
 class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
     """Rank ``rank`` of ``world_size`` holds ``tensors`` of ``version`` (its own layout from
-    offset 0, ``total_bytes`` a multiple of ``chunk_size``), served at ``endpoint``."""
+    offset 0, ``total_bytes`` a multiple of ``chunk_size``), served at ``endpoint``.
+
+    ``delta``: the versions this rank serves its shard's deltas from (its own
+    ``Manifest.delta``, digests over its own checksums); ``deltas_follow``: it serves
+    deltas at all (``publisher.shard_deltas`` makes the union's from every rank's)."""
 
     rank: Rank
     world_size: Annotated[int, Meta(ge=1, le=MAX_SHARDS)]
@@ -47,6 +51,8 @@ class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
     tensors: Annotated[tuple[TensorEntry, ...], Meta(max_length=MAX_TENSORS)]
     checksums: Annotated[tuple[U64, ...], Meta(max_length=MAX_CHUNKS)]
     model_id: Text = ""
+    delta: DeltaInfo | None = None
+    deltas_follow: bool = False
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
@@ -58,6 +64,9 @@ class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
         if len(self.checksums) != self.total_bytes // self.chunk_size:
             raise ValueError(f"checksums: {len(self.checksums)} entries for "
                              f"{self.total_bytes // self.chunk_size} chunks")
+        if self.delta is not None and self.delta.chain[-1].version >= self.version:
+            raise ValueError(f"delta: base version {self.delta.chain[-1].version} is not "
+                             f"older than version {self.version}")
 
 
 _DECODER = msgspec.msgpack.Decoder(ShardSubmit)

@@ -341,9 +341,9 @@ def test_an_old_subscriber_asking_the_coordinator_for_chunks_is_told_why() -> No
 
 
 def test_refused_combinations_say_so() -> None:
-    with pytest.raises(ConfigError, match="delta_anchor_every"):
+    with pytest.raises(ConfigError, match="collective"):  # deltas: test_sharded_deltas.py
         ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2,
-                         coordinator="tcp://127.0.0.1:1", delta_anchor_every=4)
+                         coordinator="tcp://127.0.0.1:1", collective="tcp://127.0.0.1:2")
     with pytest.raises(ConfigError, match="announce_endpoint"):
         ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
                          coordinator="tcp://127.0.0.1:0")

@@ -8,7 +8,8 @@ credit, at most the client's window of chunks in flight per rank, in requests
 of ``chunks_per_request``; requests name the rank's chunk ids and instance,
 replies are renumbered into the union before ``ChunkReceiver`` places and
 verifies them, so checksums, conflation and the all-or-nothing staging are the
-client's as for any version. A request a rank leaves unanswered for
+client's as for any version (deltas too: ``base`` is passed on, each rank serves its
+range's deltas against its own shard of the base). A request a rank leaves unanswered for
 ``request_timeout`` (counted from that rank's last chunk, at most
 ``QUEUED_TIMEOUT_FACTOR`` timeouts in all) is asked again and counts a try of
 each chunk: a rank that died costs the version after ``max_chunk_retries``.
@@ -17,6 +18,7 @@ each chunk: a rank that died costs the version after ``max_chunk_retries``.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -66,6 +68,7 @@ class ShardLinks:
         self.links: dict[str, ShardLink] = {}
         self.poller: zmq.Poller | None = None
         self._following: wire.Manifest | None = None
+        self._fetching: tuple[weakref.ref[Assembly], int, int] | None = None
 
     # -- sockets -------------------------------------------------------------------------------
     def register(self, poller: zmq.Poller) -> None:
@@ -113,11 +116,13 @@ class ShardLinks:
             self._close(link)
         self.links = {}
         self._following = None
+        self._fetching = None
 
     # -- asking --------------------------------------------------------------------------------
     def top_up(self, target: Assembly, window: int, now: float) -> None:
         """Ask each rank for its missing chunks while it has fewer than ``window`` in flight."""
         self.follow(target.manifest)
+        self._start_over(target)
         in_flight = self.requests.peer_in_flight()
         asked = self.requests.asked()
         missing = target.missing
@@ -142,12 +147,23 @@ class ShardLinks:
                 req = self.requests.next_id()
                 request = wire.FetchRequest(
                     req=req, publisher_id=link.publisher_id, version=target.fetch_version,
-                    chunks=tuple(c - link.first_chunk for c in batch))
+                    chunks=tuple(c - link.first_chunk for c in batch), base=target.fetch_base)
                 try:
                     link.sock.send(wire.encode(request), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
                 self.requests.track(req, batch, now, source=link)
+
+    def _start_over(self, target: Assembly) -> None:
+        """Every rank's cursor back to its first chunk for a new fetch: another target, the
+        next delta of a chain (the rank's deltas against its own range of the base), or the
+        same version again in full after a delta failed."""
+        fetching = self._fetching
+        if fetching is None or fetching[0]() is not target or \
+                fetching[1:] != (target.fetch_version, target.fetch_base):
+            self._fetching = (weakref.ref(target), target.fetch_version, target.fetch_base)
+            for link in self.links.values():
+                link.cursor = 0
 
     def expire(self, now: float, retry: Callable[[int], bool]) -> None:
         """Re-ask what a rank left unanswered too long; ``retry(chunk)`` counts a try and
