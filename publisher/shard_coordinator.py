@@ -36,7 +36,13 @@ import torch
 import zmq
 
 from publisher.reports import counts_for, reporters
-from publisher.server import ServerOptions, ServingThread, StatusExtras
+from publisher.server import (
+    ServerLimits,
+    ServerOptions,
+    ServingThread,
+    StatusExtras,
+    TrackerLimits,
+)
 from publisher.shard_deltas import ShardDeltas, shard_layout
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
@@ -77,13 +83,21 @@ class ShardCoordinator:
                  shard_timeout: float = 30.0, heartbeat_interval: float = 1.0,
                  insecure: bool = False, model_id: str = "",
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 peer_fanout: int | None = None,
                  context: zmq.Context | None = None) -> None:
         """``max_pending_bytes``: what the submits of versions still collecting may hold
-        (frame bytes; each submit is at most the smaller of it and 256 MiB)."""
+        (frame bytes; each submit is at most the smaller of it and 256 MiB).
+        ``peer_fanout``: as ``WeightPublisher``'s (default 4; 0: off): the tracker runs
+        here, peer-sharing subscribers say hello here and fetch from each other what the
+        plan says, the rest from the ranks."""
         if world_size < 1:
             raise ConfigError(f"world_size: {world_size} must be >= 1")
         if shard_timeout <= 0:
             raise ConfigError(f"shard_timeout: {shard_timeout} must be > 0")
+        try:
+            tracker = TrackerLimits() if peer_fanout is None else TrackerLimits(peer_fanout)
+        except ValueError as exc:
+            raise ConfigError(f"peer_{exc}") from None
         if max_pending_bytes < 1 << 20:
             raise ConfigError(f"max_pending_bytes: {max_pending_bytes} must be >= 1 MiB")
         router = parse_endpoint(endpoint)
@@ -109,7 +123,8 @@ class ShardCoordinator:
         self._server = ServingThread(
             self._ctx, self._store,
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
-                          heartbeat_interval=heartbeat_interval),
+                          heartbeat_interval=heartbeat_interval,
+                          limits=ServerLimits(tracker=tracker)),
             publisher_id=self.publisher_id, started_at=self.started_at,
             status_extras=self._status_extras)
         self._server.start_and_wait()

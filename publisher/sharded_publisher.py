@@ -29,6 +29,11 @@ the coordinator offers only the bases every rank serves with the shard layout
 unchanged (``publisher.shard_deltas``). A rank that restarted has none: the
 next version goes out in full.
 
+Peers: the coordinator runs the tracker (rank 0's ``peer_fanout``); a
+``peer_share=True`` subscriber asks its peers for the stripes the plan gives
+them, in the union's chunk numbering, and the ranks for the rest, falling back
+to the ranks for whatever a peer fails to deliver.
+
 Versions: pass ``version=`` (e.g. the trainer step) on every rank, the same
 number for the same weights; without it each rank counts from ``first_version``,
 which only agrees while no rank restarts.
@@ -75,7 +80,10 @@ class ShardedPublisher:
     host replaced by this host's name when it is a wildcard). The other keywords are
     ``WeightPublisher``'s, for this rank's shard; ``chunk_size`` must be the same on every
     rank (default 1 MiB); ``delta_anchor_every`` best too (deltas of this rank's shard,
-    see the module docstring).
+    see the module docstring). ``peer_fanout`` (default 4; 0: off) is rank 0's, for the
+    coordinator's tracker (other ranks ignore it): subscribers started with
+    ``peer_share=True`` fetch from each other the stripes the plan gives them and the
+    rest from the ranks, so each chunk leaves its rank about once.
     """
 
     def __init__(self, endpoint: str, *, rank: int, world_size: int, coordinator: str,
@@ -88,12 +96,13 @@ class ShardedPublisher:
             raise ConfigError("announce_endpoint: rank 0 (only) announces the union; give it "
                               "there" if rank == 0 else
                               f"announce_endpoint: only rank 0 announces (this is rank {rank})")
-        for name in ("collective", "peer_fanout"):
+        for name in ("collective",):
             if keywords.get(name) not in (None, 0, 1):
                 raise ConfigError(f"{name}: not supported with sharded publishing yet (the "
                                   "union is served by the ranks' own ROUTERs)")
         keywords.setdefault("chunk_size", DEFAULT_SHARD_CHUNK)
-        keywords.setdefault("peer_fanout", 0)
+        peer_fanout = keywords.pop("peer_fanout", None)  # the coordinator's tracker
+        keywords["peer_fanout"] = 0  # subscribers say hello to the coordinator, not a rank
         self.rank = rank
         self.world_size = world_size
         self.chunk_size = int(keywords["chunk_size"] or DEFAULT_SHARD_CHUNK)
@@ -108,7 +117,8 @@ class ShardedPublisher:
                 self.coordinator = ShardCoordinator(
                     announce_endpoint, coordinator, world_size, shard_timeout=shard_timeout,
                     insecure=bool(keywords.get("insecure", False)),
-                    model_id=str(keywords.get("model_id", "")), context=self._ctx)
+                    model_id=str(keywords.get("model_id", "")), peer_fanout=peer_fanout,
+                    context=self._ctx)
                 coordinator = _dialable(self.coordinator.collect_endpoint)
             self._shard = WeightPublisher(endpoint, context=self._ctx, **keywords)
             self.endpoint = advertise or _dialable(self._shard.endpoint)

@@ -79,6 +79,9 @@ def run_shard_rank(args: dict[str, Any]) -> None:
             _emit(event="status", id=command.get("id"), peak_rss=_peak_rss(),
                   start_rss=start_rss, publish_growth=growth, shard_bytes=spec_bytes(spec),
                   held_bytes=pub.shard.data_stats()["host_held_bytes"],
+                  bytes_sent=pub.shard.data_stats()["bytes_sent_full"],
+                  shard_total=pub.shard.manifest(pub.latest_version).total_bytes
+                  if pub.latest_version else 0,
                   announced=None if coordinator is None else coordinator.latest_version,
                   dropped=None if coordinator is None else coordinator.dropped_versions,
                   last_error=None if coordinator is None else coordinator.last_error)

@@ -349,17 +349,25 @@ def test_refused_combinations_say_so() -> None:
                          coordinator="tcp://127.0.0.1:0")
 
 
-def test_peer_sharing_with_a_sharded_version_is_refused_by_name() -> None:
+def test_peer_share_without_a_tracker_fetches_a_sharded_version_from_the_ranks() -> None:
+    """Rank 0's ``peer_fanout`` is the coordinator's: 0 turns the tracker off there, and
+    a ``peer_share=True`` subscriber says so and takes every chunk from the ranks
+    (peers sharing a sharded version: ``test_sharded_peers.py``)."""
     with ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=1,
-                          coordinator="tcp://127.0.0.1:0",
-                          announce_endpoint="tcp://127.0.0.1:0", chunk_size=CHUNK) as pub:
+                          coordinator="tcp://127.0.0.1:0", announce_endpoint="tcp://127.0.0.1:0",
+                          chunk_size=CHUNK, peer_fanout=0) as pub:
         assert pub.coordinator is not None
+        with pytest.raises(ConfigError, match="peer_fanout"):
+            ShardCoordinator("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 1, peer_fanout=99)
         sub = WeightSubscriber(pub.coordinator.endpoint, peer_share=True)
         try:
-            pub.publish({"w": torch.ones(100)}, version=1)
-            wait_until(lambda: "peer_share with a sharded publisher" in
-                       str(sub.status()["last_error"]), 20, "the refusal")
-            assert sub.latest() is None
+            weights = {"w": torch.arange(3000, dtype=torch.float32)}
+            pub.publish(weights, version=1)
+            staged = sub.wait_for_version(1, timeout=20)
+            assert torch.equal(staged.tensors["w"], weights["w"])
+            peers = sub.status()["peers"]
+            assert "peer_fanout 0" in str(peers["disabled"]) and peers["bytes_from_peers"] == 0
+            assert pub.shard.data_stats()["bytes_sent_full"] == staged.manifest.total_bytes
         finally:
             sub.close()
 

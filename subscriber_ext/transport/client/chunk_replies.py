@@ -18,6 +18,7 @@ import zmq
 
 from subscriber_ext.transport.client.client_report import ClientReport
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
+from subscriber_ext.transport.peers.chunk_sources import PeerLink
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener, final_bytes
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
@@ -83,9 +84,11 @@ class ChunkReceiver:
         """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``)."""
         target = self._target()
         table = self._requests
-        peering = self._credit.peering
         request = table.get(header.req)
         source = None if request is None else request.source
+        # a peer's chunk (a trainer rank's, through shard_links, is as the publisher's)
+        peer = source if isinstance(source, PeerLink) else None
+        peering = self._credit.peering
         if not (
             target is not None and request is not None
             and sock is (self._dealer if source is None else source.sock)
@@ -108,14 +111,14 @@ class ChunkReceiver:
                                    target.error or ChecksumError("delta chunk refused"))
                 return
             why = f"chunk {header.chunk} of version {header.version}: checksum mismatch"
-            if source is not None and peering is not None:
-                peering.chunk_failed(source, "checksum", why, time.monotonic())
+            if peer is not None and peering is not None:
+                peering.chunk_failed(peer, "checksum", why, time.monotonic())
                 return
             self._report.bad(ChecksumError(f"{why}, refetching"))
             self._credit.count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
-        if source is not None and peering is not None:
-            peering.arrived(source, size, time.monotonic())
+        if peer is not None and peering is not None:
+            peering.arrived(peer, size, time.monotonic())
         if final and self._listeners:
             start, span = target.manifest.chunk_span(header.chunk)
             data = target.view[start: start + span]

@@ -84,13 +84,22 @@ class FetchCredit:
             room -= len(batch)
 
     def _top_up_shards(self, target: Assembly, now: float) -> None:
-        """A sharded version: each rank gets the publisher's credit for its own chunks."""
-        if self.shards is None or self.peering is not None:
-            self._give_up(ConfigError(
-                f"version {target.manifest.version} is sharded over trainer ranks: "
-                "peer_share with a sharded publisher is not supported yet"))
+        """A sharded version: each rank gets the publisher's credit for its own chunks;
+        when sharing, peers are asked first for what the plan has them serve."""
+        if self.shards is None:  # pragma: no cover (a SyncClient always has its links)
+            self._give_up(ConfigError(f"version {target.manifest.version} is sharded over "
+                                      "trainer ranks and this client has no links to them"))
             return
-        self.shards.top_up(target, self.credit(), now)
+        peering = self.peering
+        if peering is None:
+            self.shards.top_up(target, self.credit(), now)
+            return
+        # per rank, its next chunks up to its credit and every peer's window: peers get
+        # theirs, the rank what is left (as the publisher gets it when not sharded)
+        sources = peering.sources
+        self.shards.top_up(target, self.credit(), now,
+                           route=lambda todo: peering.route(target, todo, now),
+                           ahead=sources.window * max(1, len(sources.links)))
 
     def expire(self, now: float) -> None:
         """Re-ask (or, after too many tries, abandon) what the publisher did not answer in time."""

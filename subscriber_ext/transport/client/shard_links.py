@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from subscriber_ext.transport.peers.chunk_sources import decode_reply
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.request_table import QUEUED_TIMEOUT_FACTOR, RequestTable
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError
+from weightpub_wire.reply_reader import read_replies
 from weightpub_wire.sockets import configure_socket, connect
 
 __all__ = ["ShardLink", "ShardLinks"]
@@ -56,7 +56,10 @@ class ShardLinks:
                  chunks_per_request: int, request_timeout: float,
                  on_chunk: Callable[[chunk_frame.ChunkHeader, zmq.Frame, zmq.Socket], None],
                  on_error: Callable[[wire.ErrorReply], None],
-                 on_bad: Callable[[ProtocolError], None]) -> None:
+                 on_bad: Callable[[ProtocolError], None],
+                 discard_rest: Callable[[int, zmq.Socket], None]) -> None:
+        """``on_chunk``, ``on_error``, ``on_bad``, ``discard_rest``: the client's, for a
+        reply on a rank's DEALER (chunk ids already in the union's numbering)."""
         self.ctx = ctx
         self.requests = requests
         self.limits = limits
@@ -65,6 +68,7 @@ class ShardLinks:
         self._on_chunk = on_chunk
         self._on_error = on_error
         self._on_bad = on_bad
+        self._discard_rest = discard_rest
         self.links: dict[str, ShardLink] = {}
         self.poller: zmq.Poller | None = None
         self._following: wire.Manifest | None = None
@@ -119,8 +123,13 @@ class ShardLinks:
         self._fetching = None
 
     # -- asking --------------------------------------------------------------------------------
-    def top_up(self, target: Assembly, window: int, now: float) -> None:
-        """Ask each rank for its missing chunks while it has fewer than ``window`` in flight."""
+    def top_up(self, target: Assembly, window: int, now: float, *,
+               route: Callable[[list[int]], list[int]] | None = None, ahead: int = 0) -> None:
+        """Ask each rank for its missing chunks while it has fewer than ``window`` in flight.
+
+        ``route(chunks)``: a peer-sharing client's split (``Peering.route``): it asks
+        peers for their chunks of ``chunks`` (up to ``window + ahead`` of the rank's next
+        ones, ascending) and returns those left for the rank."""
         self.follow(target.manifest)
         self._start_over(target)
         in_flight = self.requests.peer_in_flight()
@@ -128,7 +137,7 @@ class ShardLinks:
         missing = target.missing
         for link in self.links.values():
             room = window - in_flight.get(link, 0)
-            if room <= 0:
+            if room <= 0 and route is None:
                 continue
             end = link.first_chunk + link.num_chunks
             while link.cursor < link.num_chunks and \
@@ -136,10 +145,13 @@ class ShardLinks:
                 link.cursor += 1
             todo: list[int] = []
             chunk = link.first_chunk + link.cursor
-            while chunk < end and len(todo) < room:
+            scan = max(room, 0) + (ahead if route is not None else 0)
+            while chunk < end and len(todo) < scan:
                 if chunk in missing and chunk not in asked:
                     todo.append(chunk)
                 chunk += 1
+            if route is not None and todo:
+                todo = route(todo)[: max(room, 0)]
             if todo and not in_flight.get(link):
                 link.answered = now  # an idle rank's silence counts from now
             while todo:
@@ -189,25 +201,14 @@ class ShardLinks:
                 self._read(link, now)
 
     def _read(self, link: ShardLink, now: float) -> None:
-        for _ in range(256):
-            try:
-                first = link.sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            more = int(link.sock.getsockopt(zmq.RCVMORE))
-            try:
-                message = decode_reply(first, more, self.limits)
-            except ProtocolError as exc:
-                while more:
-                    link.sock.recv(copy=False)
-                    more = int(link.sock.getsockopt(zmq.RCVMORE))
-                self._on_bad(ProtocolError(f"shard {link.endpoint}: bad reply: {exc}"))
-                continue
-            if isinstance(message, chunk_frame.ChunkHeader):
-                link.answered = now
-                union = chunk_frame.ChunkHeader(req=message.req, version=message.version,
-                                                chunk=message.chunk + link.first_chunk,
-                                                size=message.size)
-                self._on_chunk(union, first, link.sock)
-            else:
-                self._on_error(message)
+        def chunk(header: chunk_frame.ChunkHeader, frame: zmq.Frame) -> None:
+            link.answered = now
+            union = chunk_frame.ChunkHeader(req=header.req, version=header.version,
+                                            chunk=header.chunk + link.first_chunk,
+                                            size=header.size)
+            self._on_chunk(union, frame, link.sock)
+
+        read_replies(link.sock, self.limits, most=256, discard_rest=self._discard_rest,
+                     on_chunk=chunk, on_error=self._on_error,
+                     on_bad=lambda exc: self._on_bad(
+                         ProtocolError(f"shard {link.endpoint}: bad reply: {exc}")))

@@ -129,7 +129,8 @@ class SyncClient:
                                  request_timeout=options.request_timeout,
                                  on_chunk=lambda h, f, s: self.on_chunk(h, f, s),
                                  on_error=self._on_error,
-                                 on_bad=lambda exc: self.report.bad(exc))
+                                 on_bad=lambda exc: self.report.bad(exc),
+                                 discard_rest=self.discard_rest)
         self.credit = FetchCredit(self.requests, self.peering, target=lambda: self.target,
                                   send=self.send, give_up=self._fail_target,
                                   window_bytes=options.window_bytes,

@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from weightpub_wire import chunk_frame
-from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.monitor import open_monitor, read_events
@@ -37,7 +35,7 @@ from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.security import SocketHook
 from weightpub_wire.sockets import configure_socket, connect
 
-__all__ = ["PeerLink", "Sources", "VersionKey", "decode_reply"]
+__all__ = ["PeerLink", "Sources", "VersionKey"]
 
 log = logging.getLogger("weightpub.peers")
 
@@ -255,17 +253,3 @@ class Sources:
         return {"sources": sorted(self.links), "stripes": self.stripes,
                 "peer_failures": dict(self.failures)}
 
-
-def decode_reply(frame: zmq.Frame, more: int,
-                 limits: wire.Limits) -> chunk_frame.ChunkHeader | wire.ErrorReply:
-    """A peer's reply (what a publisher's DEALER would accept): a one-frame chunk
-    (``weightpub_wire.chunk_frame``) or an ``error``; ``ProtocolError`` otherwise."""
-    if chunk_frame.is_chunk(frame.buffer):
-        header = chunk_frame.parse(frame.buffer)
-        if more:
-            raise ProtocolError(f"chunk {header.chunk}: more frames follow a one-frame reply")
-        return header
-    message = wire.decode(frame.buffer, expect=(wire.ErrorReply,), limits=limits)
-    if not isinstance(message, wire.ErrorReply):  # pragma: no cover
-        raise ProtocolError("message.t: expected chunk or error")
-    return message

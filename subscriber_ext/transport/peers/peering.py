@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from subscriber_ext.transport.peers.chunk_sources import PeerLink, Sources, VersionKey, decode_reply
+from subscriber_ext.transport.peers.chunk_sources import PeerLink, Sources, VersionKey
 from subscriber_ext.transport.peers.peer_options import PeerClient, PeerOptions, default_peer_bind
 from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer
 from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget
@@ -41,6 +41,7 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, ProtocolError
 from weightpub_wire.peer_protocol import PeerHello, PeerPlan
+from weightpub_wire.reply_reader import read_replies
 from weightpub_wire.security import CurveIdentity, SocketHook, is_local
 from weightpub_wire.sockets import bind, configure_socket
 
@@ -181,25 +182,19 @@ class Peering:
         self.server.pump(now)
 
     def _read(self, link: PeerLink, now: float) -> None:
-        for _ in range(64):
-            try:
-                first = link.sock.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            more = int(link.sock.getsockopt(zmq.RCVMORE))
-            try:
-                message = decode_reply(first, more, self.client.options.limits)
-            except ProtocolError as exc:
-                self.client.discard_rest(more, link.sock)
-                self._fail(link, self._key(), "bad_reply", f"sent a bad reply ({exc})", now,
-                           ban=True)
-                continue
-            if isinstance(message, chunk_frame.ChunkHeader):
-                self.client.on_chunk(message, first, link.sock)
-                continue
-            self.client.discard_rest(more, link.sock)
-            if message.req in self.client.requests.peer_requests(link):
-                self._fail(link, self._key(), message.code, message.message[:200], now)
+        def bad(exc: ProtocolError) -> None:
+            self._fail(link, self._key(), "bad_reply", f"sent a bad reply ({exc})", now,
+                       ban=True)
+
+        def error(reply: wire.ErrorReply) -> None:
+            if reply.req in self.client.requests.peer_requests(link):
+                self._fail(link, self._key(), reply.code, reply.message[:200], now)
+
+        read_replies(link.sock, self.client.options.limits, most=64,
+                     discard_rest=self.client.discard_rest,
+                     on_chunk=lambda header, frame: self.client.on_chunk(header, frame,
+                                                                         link.sock),
+                     on_error=error, on_bad=bad)
 
     def _key(self) -> VersionKey | None:
         target = self.client.target

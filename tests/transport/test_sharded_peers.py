@@ -1,0 +1,124 @@
+"""Peer sharing over a sharded version: the coordinator's tracker, the ranks for the rest.
+
+Two trainer ranks run as processes (``shard_procs.py``; rank 0 also runs the
+coordinator and so the tracker); each subscriber is a ``peer_share=True`` child
+(``peer_procs.py``) that checks every staged tensor against ``det_weights``.
+With the default fanout three members hold one stripe each, so every member
+fetches a third of each version from the ranks and the rest from the other two;
+a member killed mid-version sends the others to the ranks for its stripe.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.transport.procs import Child, spec_bytes, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+SEED = 21
+
+
+def _start(spawn: Callable[..., Child], specs: list[Any], chunk: int, members: int,
+           member_args: dict[str, Any]) -> tuple[list[Child], list[Child]]:
+    """The rank processes (rank 0 with the coordinator, so the tracker) and ``members``
+    peer-sharing children, all started at once once rank 0 says where it is; returns
+    them when every member holds a slot of the same plan."""
+    rank0 = spawn("shard_rank", rank=0, world_size=len(specs), spec=specs[0], seed=SEED,
+                  chunk_size=chunk, announce_endpoint="tcp://127.0.0.1:0")
+    ready = rank0.event("ready", timeout=60)
+    ranks = [rank0] + [spawn("shard_rank", rank=rank, world_size=len(specs), spec=spec,
+                             seed=SEED, chunk_size=chunk, coordinator=ready["collect"])
+                       for rank, spec in enumerate(specs[1:], start=1)]
+    union = [entry for spec in specs for entry in spec]
+    peers = [spawn("peer", endpoint=ready["announce"], seed=SEED, spec=union, name=f"m{i}",
+                   **member_args) for i in range(members)]
+    for child in ranks[1:] + peers:
+        child.event("ready", timeout=60)
+
+    def planned() -> bool:
+        plans = [_peers(child)["peers"] for child in peers]
+        return sorted(p["slot"] for p in plans if p["slot"] is not None) == \
+            list(range(members)) and len({p["plan_epoch"] for p in plans}) == 1
+
+    wait_until(planned, 30, "every member in one plan")
+    return ranks, peers
+
+
+def _publish(ranks: list[Child], version: int) -> None:
+    for child in ranks:
+        child.send(cmd="publish", version=version)
+    for child in ranks:
+        child.event("published", timeout=30, version=version)
+
+
+def _peers(child: Child) -> dict[str, Any]:
+    return child.request("status")["status"]
+
+
+def _staged(child: Child, version: int, timeout: float = 60) -> None:
+    event = child.event("staged", timeout=timeout, version=version)
+    assert event["mismatches"] == [], event
+
+
+def _sent(ranks: list[Child]) -> tuple[int, int]:
+    """Bytes the ranks sent, and the bytes of one version (the shards, padded)."""
+    statuses = [child.request("status") for child in ranks]
+    return sum(s["bytes_sent"] for s in statuses), sum(s["shard_total"] for s in statuses)
+
+
+# 3 MiB in all, 48 chunks: at a member's 16 Mbit/s upload a version takes about a second
+SPECS = [[("layers.0.w", "float32", [512, 512]), ("embed", "bfloat16", [700, 64])],
+         [("layers.1.w", "float32", [256, 1024]), ("head", "float16", [64, 500]),
+          ("norm", "float32", [300])]]
+
+
+def test_peers_share_a_sharded_version_and_a_dead_member_falls_back_to_the_ranks(
+    spawn: Callable[..., Child],
+) -> None:
+    """Three members, the default fanout: three stripes, each member the root of one (it
+    fetches that third from the ranks) and a leaf of the others (from the other two)."""
+    ranks, members = _start(spawn, SPECS, 64 << 10, 3, {
+        "options": {"request_timeout": 2.0, "report_interval": 0.3},
+        "peer": {"upload_mbit": 16}})
+    started = time.monotonic()
+    for version in (1, 2):
+        _publish(ranks, version)
+        for child in members:
+            _staged(child, version)
+    seconds = time.monotonic() - started
+    sent, version_bytes = _sent(ranks)
+    total = 2 * version_bytes
+    assert version_bytes >= spec_bytes([(n, d, tuple(s)) for n, d, s in SPECS[0] + SPECS[1]])
+    statuses = [_peers(child) for child in members]
+    from_peers = [s["peers"]["bytes_from_peers"] for s in statuses]
+    print(f"2 versions to 3 members in {seconds:.2f}s: the ranks sent {sent / total:.2f}x "
+          f"the versions, members got {[round(b / total, 2) for b in from_peers]}x from peers")
+    assert all(b > 0 for b in from_peers), from_peers
+    assert sum(from_peers) >= total  # a real share: ideally 2x (two thirds each)
+    assert total <= sent < 3 * total
+    assert all(s["peers"]["stripes"] == 3 and s["checksum_failures"] == 0
+               and not s["peers"]["peer_failures"] for s in statuses), statuses
+
+    # a member killed while it feeds the others its stripe: they take that stripe from
+    # the ranks instead and stage the version, bit-exact, once
+    victim, *alive = members
+    _publish(ranks, 3)
+    wait_until(lambda: (_peers(alive[0])["fetching_fraction"] or 0) >= 0.15, 30,
+               "version 3 under way")
+    victim.kill9()
+    for child in alive:
+        _staged(child, 3, timeout=30)
+        status = _peers(child)
+        failures = status["peers"]["peer_failures"]
+        assert failures.get("disconnected", 0) + failures.get("timeout", 0) >= 1, failures
+        assert [e["version"] for e in child.events if e.get("event") == "staged"] == [1, 2, 3]
+    _publish(ranks, 4)  # the next version reaches everyone alive
+    for child in alive:
+        _staged(child, 4)
+    after, _ = _sent(ranks)
+    print(f"versions 3-4 (a member killed): the ranks sent {(after - sent) / total:.2f}x")

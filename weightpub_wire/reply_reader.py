@@ -1,0 +1,68 @@
+"""Replies to a fetch on a DEALER of its own (a peer's, a trainer rank's): chunk or error.
+
+A subscriber asks peers (``subscriber_ext/transport/peers``) and the ranks of a
+sharded trainer (``client/shard_links.py``) for chunks on one DEALER each; every
+such DEALER gets what a publisher's would: one-frame chunk replies
+(``chunk_frame``) and ``error`` replies. ``read_replies`` is the one loop that
+drains such a socket: a bounded batch per call (the subscriber's thread has other
+sockets to serve), each reply decoded, the rest of a malformed or multi-frame
+reply dropped through the caller's ``discard_rest`` (the client counts what it
+reads), and each outcome handed to the caller, which decides what it means for
+that source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import zmq
+
+from weightpub_wire import chunk_frame
+from weightpub_wire import protocol as wire
+from weightpub_wire.errors import ProtocolError
+
+__all__ = ["decode_reply", "read_replies"]
+
+
+def decode_reply(frame: zmq.Frame, more: int,
+                 limits: wire.Limits) -> chunk_frame.ChunkHeader | wire.ErrorReply:
+    """A reply a publisher's DEALER would accept: a one-frame chunk
+    (``weightpub_wire.chunk_frame``) or an ``error``; ``ProtocolError`` otherwise."""
+    if chunk_frame.is_chunk(frame.buffer):
+        header = chunk_frame.parse(frame.buffer)
+        if more:
+            raise ProtocolError(f"chunk {header.chunk}: more frames follow a one-frame reply")
+        return header
+    message = wire.decode(frame.buffer, expect=(wire.ErrorReply,), limits=limits)
+    if not isinstance(message, wire.ErrorReply):  # pragma: no cover
+        raise ProtocolError("message.t: expected chunk or error")
+    return message
+
+
+def read_replies(sock: zmq.Socket, limits: wire.Limits, *, most: int,
+                 discard_rest: Callable[[int, zmq.Socket], None],
+                 on_chunk: Callable[[chunk_frame.ChunkHeader, zmq.Frame], None],
+                 on_error: Callable[[wire.ErrorReply], None],
+                 on_bad: Callable[[ProtocolError], None]) -> None:
+    """Read up to ``most`` replies waiting on ``sock`` (never blocks).
+
+    ``on_chunk(header, frame)``: a chunk (its payload still in ``frame``);
+    ``on_error(reply)``: an ``error`` reply; ``on_bad(exc)``: a reply that does not
+    decode. ``discard_rest(more, sock)`` drops what follows the first frame."""
+    for _ in range(most):
+        try:
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+        more = int(sock.getsockopt(zmq.RCVMORE))
+        try:
+            message = decode_reply(first, more, limits)
+        except ProtocolError as exc:
+            discard_rest(more, sock)
+            on_bad(exc)
+            continue
+        if isinstance(message, chunk_frame.ChunkHeader):
+            on_chunk(message, first)
+            continue
+        discard_rest(more, sock)
+        on_error(message)
