@@ -18,7 +18,8 @@ the trainer's). Modes:
 ``--trainer-ranks R`` (R > 1): the trainer is R ranks of a ``ShardedPublisher``, each
 on a simulated host of its own behind its own link, each serving 1/R of the tensors
 (rank 0 also announces the union); subscribers fetch each chunk from its rank
-(issue 20). Not with ``peers`` (refused by the subscriber).
+(issue 20); with ``peers`` the coordinator's tracker stripes the union and each stripe's
+root fetches it from the ranks.
 
 Also reported: the trainer's uplink bytes per version (``data_stats``), in versions.
 Every mode and fleet size runs in one invocation, so the ratios (K hosts vs 1 host)
@@ -243,8 +244,8 @@ def _start_ranks(net: Network, first: Host, s: Scenario) -> list[Node]:
     rank0 = Node.start(first, "shard_rank", {
         "bind": f"tcp://{first.address}:{PORT}", "rank": 0, "world": s.trainer_ranks,
         "announce": f"tcp://{first.address}:{PORT + 1}",
-        "coordinator": f"tcp://{first.address}:{PORT + 2}", "chunk_mib": s.chunk_mib},
-        s.torch_threads)
+        "coordinator": f"tcp://{first.address}:{PORT + 2}", "chunk_mib": s.chunk_mib,
+        "peer_fanout": s.fanout}, s.torch_threads)
     ranks = [rank0]
     for rank in range(1, s.trainer_ranks):
         host = net.add_host(s.link)
@@ -313,9 +314,6 @@ def main() -> int:
     link = Link(up_mbit=args.mbit, down_mbit=args.mbit, delay_ms=args.delay_ms)
     line_rate_s = args.mib * (1 << 20) * 8 / (args.mbit * 1e6)
     results = []
-    if any(r > 1 for r in args.trainer_ranks) and "peers" in args.modes:
-        print("--trainer-ranks > 1 with peers: not supported yet", file=sys.stderr)
-        return 2
     for hosts, mode, ranks in itertools.product(args.hosts, args.modes, args.trainer_ranks):
         result = run_scenario(Scenario(
             hosts, mode, args.mib, args.rounds, link, chunk_mib=args.chunk_mib,

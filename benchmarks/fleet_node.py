@@ -91,6 +91,8 @@ def run_shard_rank(args: dict[str, Any]) -> None:
     options: dict[str, Any] = {"insecure": True}
     if args.get("chunk_mib"):
         options["chunk_size"] = args["chunk_mib"] << 20
+    if args.get("peer_fanout") is not None:  # rank 0's: the coordinator's tracker
+        options["peer_fanout"] = args["peer_fanout"]
     pub = ShardedPublisher(args["bind"], rank=rank, world_size=world,
                            coordinator=args["coordinator"],
                            announce_endpoint=args.get("announce"), **options)

@@ -52,14 +52,20 @@ def test_small_fleet_gets_every_version_bit_exact(mode: str) -> None:
     assert not namespaces(prefix), "namespaces left behind"
 
 
-def test_a_sharded_trainer_on_two_hosts_delivers_bit_exact() -> None:
-    """Issue 20: two trainer ranks, each on a host of its own, each serving half."""
+@pytest.mark.parametrize("mode", ["direct", "peers"])
+def test_a_sharded_trainer_on_two_hosts_delivers_bit_exact(mode: str) -> None:
+    """Issue 20: two trainer ranks, each on a host of its own, each serving half; with
+    peers the coordinator's tracker stripes the union over the hosts."""
     prefix = unique_prefix()
-    result = run_scenario(Scenario(hosts=3, mode="direct", mib=4, rounds=2,
+    result = run_scenario(Scenario(hosts=3, mode=mode, mib=4, rounds=2,
                                    link=Link(up_mbit=800, down_mbit=800), prefix=prefix,
                                    trainer_ranks=2))
     assert len(result["seconds"]) == 2 and all(t > 0 for t in result["seconds"])
-    assert result["trainer_versions_sent"] == [3.0, 3.0]  # the two ranks together
+    if mode == "direct":
+        assert result["trainer_versions_sent"] == [3.0, 3.0]  # the two ranks together
+    else:  # each chunk left its rank once
+        assert result["trainer_versions_sent"] == [1.0, 1.0], result
+        assert result["peers"]["from_peers_fraction"] == pytest.approx(2 / 3, abs=0.01)
     assert not namespaces(prefix), "namespaces left behind"
 
 
