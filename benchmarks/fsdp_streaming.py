@@ -36,14 +36,18 @@ def main() -> None:
     parser.add_argument("--sharded", type=int, default=0, metavar="N",
                         help="N ranks, each publishing its shard (ShardedPublisher)")
     parser.add_argument("--chunk-mib", type=float, default=1.0, help="--sharded: chunk size")
+    parser.add_argument("--window-mib", type=float, default=None,
+                        help="--sharded: the subscriber's window_bytes (default: its own)")
     args = parser.parse_args()
     shape = ModelShape(layers=args.layers, hidden=args.hidden, dtype=args.dtype)
     threshold = None if args.glibc_default else 128 << 10
     if args.sharded:
         sharded = run_sharded(shape, args.sharded, chunk_size=int(args.chunk_mib * 2**20),
-                              timeout=args.timeout, malloc_mmap_threshold=threshold)
+                              timeout=args.timeout, malloc_mmap_threshold=threshold,
+                              window_bytes=None if args.window_mib is None
+                              else int(args.window_mib * 2**20))
         print(json.dumps({"glibc_default": args.glibc_default, "chunk_mib": args.chunk_mib,
-                          **sharded.row()}))
+                          "window_mib": args.window_mib, **sharded.row()}))
         return
     run = run_streaming(shape, timeout=args.timeout,
                         malloc_mmap_threshold=threshold)

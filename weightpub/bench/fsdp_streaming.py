@@ -168,6 +168,7 @@ class ShardRankFigures:
     source_bytes: int  # its FSDP parameter shards
     base_rss: int  # just before the first publish (model built)
     peaks: tuple[int, ...]  # VmHWM per version: publish, submit, serve (reset in between)
+    submitted_peaks: tuple[int, ...]  # VmHWM per version once submitted, before serving
     shard_bytes: int  # its shard of the union (tensors it owns)
     held_bytes: int  # its snapshot (shard + pad to a chunk)
     seconds: tuple[float, ...]  # publish() per version
@@ -194,6 +195,8 @@ class ShardedRun:
                 (r.base_rss - r.start_rss - r.source_bytes) / 2**20, 1)
             out[f"rank{r.rank}_publish_x_shard"] = [
                 round((peak - r.base_rss) / r.shard_bytes, 2) for peak in r.peaks]
+            out[f"rank{r.rank}_submitted_x_shard"] = [
+                round((peak - r.base_rss) / r.shard_bytes, 2) for peak in r.submitted_peaks]
             out[f"rank{r.rank}_seconds"] = [round(t, 2) for t in r.seconds]
         return out
 
@@ -211,6 +214,7 @@ def _shard_rank(r: Rank, chunk_size: int, versions: int, timeout: float) -> None
     dist.barrier()
     base = resident_bytes()
     peaks: list[int] = []
+    submitted: list[int] = []
     seconds: list[float] = []
     for version in range(1, versions + 1):
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS now
@@ -222,6 +226,7 @@ def _shard_rank(r: Rank, chunk_size: int, versions: int, timeout: float) -> None
         pub.publish(r.model, version=version)
         seconds.append(time.perf_counter() - start)
         pub.wait_submitted(version, timeout)
+        submitted.append(resident_bytes("VmHWM"))
         r.conn.send(("submitted", version))
         if not r.conn.poll(timeout) or r.conn.recv() != ("served", version):
             raise TimeoutError(f"rank {r.rank}: version {version} not served in {timeout}s")
@@ -229,22 +234,25 @@ def _shard_rank(r: Rank, chunk_size: int, versions: int, timeout: float) -> None
     manifest = pub.shard.manifest(versions)
     shard = sum(t.nbytes for t in manifest.tensors if t.name != SHARD_PAD)
     r.conn.send(("figures", ShardRankFigures(
-        r.rank, r.start_rss, source, base, tuple(peaks), shard,
+        r.rank, r.start_rss, source, base, tuple(peaks), tuple(submitted), shard,
         int(pub.shard.data_stats()["host_held_bytes"]), tuple(seconds))))
     pub.close()
 
 
 def run_sharded(shape: ModelShape, world_size: int, *, chunk_size: int = 1 << 20,
-                versions: int = 2, timeout: float = 300.0,
+                versions: int = 2, timeout: float = 300.0, window_bytes: int | None = None,
                 malloc_mmap_threshold: int | None = 128 << 10) -> ShardedRun:
     """``world_size`` FSDP2 ranks each publish their shard of ``shape`` (``versions``
-    times); a subscriber here receives the union and checks every byte of each."""
+    times); a subscriber here receives the union and checks every byte of each.
+    ``window_bytes``: the subscriber's (default: its own), what a rank's reply scratch
+    holds at most while serving it."""
     from subscriber_ext import WeightSubscriber
 
     with FsdpRanks(_shard_rank, world_size, shape, chunk_size, versions, timeout,
                    timeout=timeout, env=_mmap_env(malloc_mmap_threshold)) as ranks:
         (announce,) = ranks.expect(0, "announce")
-        with WeightSubscriber(announce, request_timeout=5.0) as sub:
+        window: dict[str, Any] = {} if window_bytes is None else {"window_bytes": window_bytes}
+        with WeightSubscriber(announce, request_timeout=5.0, **window) as sub:
             for version in range(1, versions + 1):
                 for rank in range(world_size):
                     ranks.expect(rank, "submitted")
