@@ -22,6 +22,16 @@ version past either drops the oldest pending one (a WARNING, counted), so a
 rank far ahead or a stray peer costs old versions, never memory. A submit that
 breaks the coordinator's own code is refused and counted; the collecting thread
 lives on.
+
+CURVE (``curve_secret_key_file``: the trainer's key pair, the one every rank
+serves with): the subscribers' ROUTER and PUB are CURVE servers with that key
+and ``curve_allowed_clients_dir`` admits subscribers, exactly as a
+``WeightPublisher``'s; the collect ROUTER is a CURVE server with the same key that
+admits only that key (its own ZAP domain, ``COLLECT_ZAP_DOMAIN``): a rank is
+whoever holds the trainer's secret key, and an allow-listed subscriber cannot
+submit a shard. A refused rank is counted (``refused_handshakes``) and named in
+``last_error``. Without CURVE a non-loopback bind needs ``insecure=True``. The
+coordinator's ZAP handler is its context's only one: give it a context of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from publisher.reports import counts_for, reporters
 from publisher.server import (
@@ -46,10 +57,11 @@ from publisher.server import (
 from publisher.shard_deltas import ShardDeltas, shard_layout
 from publisher.store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
+from weightpub_wire.allow_list import AllowList, KeySet, start_authenticator
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ConfigError, ProtocolError, WeightPubTimeout
-from weightpub_wire.security import check_bind_allowed
+from weightpub_wire.security import check_bind_allowed, curve_server_hook, load_key_file
 from weightpub_wire.shard_submit import ShardSubmit, decode_submit
 from weightpub_wire.sockets import bind, configure_socket
 
@@ -60,6 +72,8 @@ log = logging.getLogger("weightpub.publisher")
 #: the name of a rank's zero tail that makes its shard a whole number of chunks
 SHARD_PAD = "__weightpub_shard_pad__"
 MAX_SUBMIT_BYTES = 256 << 20
+#: the collect ROUTER's ZAP domain: under CURVE it admits only the trainer's own key
+COLLECT_ZAP_DOMAIN = "weightpub-shard-collect"
 #: versions collecting at once: a trainer has one, two while a slow rank catches up
 MAX_PENDING_VERSIONS = 4
 DEFAULT_MAX_PENDING_BYTES = 512 << 20
@@ -84,12 +98,14 @@ class ShardCoordinator:
                  insecure: bool = False, model_id: str = "",
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
                  peer_fanout: int | None = None,
+                 curve_secret_key_file: str | None = None,
+                 curve_allowed_clients_dir: str | None = None,
                  context: zmq.Context | None = None) -> None:
         """``max_pending_bytes``: what the submits of versions still collecting may hold
         (frame bytes; each submit is at most the smaller of it and 256 MiB).
         ``peer_fanout``: as ``WeightPublisher``'s (default 4; 0: off): the tracker runs
         here, peer-sharing subscribers say hello here and fetch from each other what the
-        plan says, the rest from the ranks."""
+        plan says, the rest from the ranks. ``curve_*``: see the module docstring."""
         if world_size < 1:
             raise ConfigError(f"world_size: {world_size} must be >= 1")
         if shard_timeout <= 0:
@@ -102,8 +118,14 @@ class ShardCoordinator:
             raise ConfigError(f"max_pending_bytes: {max_pending_bytes} must be >= 1 MiB")
         router = parse_endpoint(endpoint)
         collect = parse_endpoint(collect_endpoint)
-        for where in (router, collect):  # no CURVE on the sharded path yet
-            check_bind_allowed(where, curve=False, insecure=insecure, allowed_clients_dir=None)
+        curve = curve_secret_key_file is not None
+        for where in (router, collect):
+            check_bind_allowed(where, curve=curve, insecure=insecure,
+                               allowed_clients_dir=curve_allowed_clients_dir)
+        hooks = [] if curve_secret_key_file is None else [
+            curve_server_hook(curve_secret_key_file)]  # validates before any socket
+        allow_list = None if curve_allowed_clients_dir is None else \
+            AllowList(curve_allowed_clients_dir)
         self.world_size = world_size
         self.shard_timeout = shard_timeout
         self.model_id = model_id
@@ -112,6 +134,7 @@ class ShardCoordinator:
         self.started_at = time.time()
         self.dropped_versions = 0
         self.refused_submits = 0
+        self.refused_handshakes = 0  # collect connections without the trainer's key (CURVE)
         self.last_error = ""
         self._pending: dict[int, _Pending] = {}
         self._deltas = ShardDeltas()  # announced unions' digests: the bases deltas start from
@@ -119,26 +142,36 @@ class ShardCoordinator:
         self._cond = threading.Condition()
         self._own_context = context is None
         self._ctx = context or zmq.Context()
+        self._authenticator = None if curve_secret_key_file is None else \
+            self._start_authenticator(curve_secret_key_file, allow_list)
         self._store = VersionStore(1, BufferPool(max_buffers=1))
         self._server = ServingThread(
             self._ctx, self._store,
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
                           heartbeat_interval=heartbeat_interval,
-                          limits=ServerLimits(tracker=tracker)),
+                          limits=ServerLimits(tracker=tracker), curve=curve,
+                          allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
-            status_extras=self._status_extras)
-        self._server.start_and_wait()
+            configure=hooks, status_extras=self._status_extras)
+        try:
+            self._server.start_and_wait()
+        except BaseException:
+            self._release_context()
+            raise
         self._collect = self._ctx.socket(zmq.ROUTER)
         try:
             configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
+            for hook in hooks:
+                hook(self._collect, server=True)
+            if curve:
+                self._collect.setsockopt_string(zmq.ZAP_DOMAIN, COLLECT_ZAP_DOMAIN)
             self._collect.setsockopt(zmq.MAXMSGSIZE, self._max_submit)
             self.collect_endpoint = bind(self._collect, str(collect))
         except BaseException:
             self._collect.close(linger=0)
             self._server.send_command(b"close")
             self._server.join(timeout=10)
-            if self._own_context:
-                self._ctx.term()
+            self._release_context()
             raise
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="weightpub-shard-collect",
@@ -146,6 +179,19 @@ class ShardCoordinator:
         self._thread.start()
         log.info("shard coordinator %s: subscribers dial %s, %d ranks submit to %s",
                  self.publisher_id[:8], self.endpoint, world_size, self.collect_endpoint)
+
+    def _start_authenticator(self, secret_key_file: str,
+                             allow_list: AllowList | None) -> ThreadAuthenticator:
+        """ZAP: subscribers by ``allow_list`` (any key without one); ranks by the trainer's
+        own public key only."""
+        public, _ = load_key_file(secret_key_file, need_secret=True)
+        trainer = KeySet([public], f"the trainer's key ({secret_key_file})",
+                         on_refused=self._refused_handshake)
+        return start_authenticator(self._ctx, allow_list, {COLLECT_ZAP_DOMAIN: trainer})
+
+    def _refused_handshake(self, why: str) -> None:
+        self.refused_handshakes += 1
+        self.last_error = f"{why}: only ranks holding it may submit shards"
 
     @property
     def endpoint(self) -> str:
@@ -221,6 +267,12 @@ class ShardCoordinator:
         self._store.clear()
         with self._cond:
             self._cond.notify_all()
+        self._release_context()
+
+    def _release_context(self) -> None:
+        """The ZAP handler (after the sockets: none is left unchecked), our own context."""
+        if self._authenticator is not None:
+            self._authenticator.stop()
         if self._own_context:
             self._ctx.term()
 
@@ -322,8 +374,10 @@ class ShardCoordinator:
                 self._drop(version, f"version {self._announced} was announced first")
             elif now - pending.first_at > self.shard_timeout:
                 missing = sorted(set(range(self.world_size)) - set(pending.shards))
+                hint = "" if self._authenticator is None else \
+                    " (under CURVE a rank needs the trainer's curve_secret_key_file)"
                 self._drop(version, f"ranks {missing} sent no shard within "
-                                    f"{self.shard_timeout}s")
+                                    f"{self.shard_timeout}s{hint}")
 
     def _drop(self, version: int, why: str) -> None:
         self._pending.pop(version, None)

@@ -34,6 +34,22 @@ Peers: the coordinator runs the tracker (rank 0's ``peer_fanout``); a
 them, in the union's chunk numbering, and the ranks for the rest, falling back
 to the ranks for whatever a peer fails to deliver.
 
+Security: one trainer key pair. With ``curve_secret_key_file`` (the same file
+on every rank; ``weightpub keys create trainer``) every rank's shard ROUTER and
+the coordinator's ROUTER/PUB are CURVE servers with that key, so a subscriber's
+one ``curve_server_key_file`` (the trainer's public key) authenticates the
+coordinator and every rank, and the manifest needs no per-rank keys. The ranks
+submit as CURVE clients with that same key pair, and the coordinator's collect
+socket admits only it: a rank is whoever holds the trainer's secret key, never
+an allow-listed subscriber. Why one pair rather than a key per rank: every
+rank already decides the bytes of its shard, so a rank's key is worth as much
+as the trainer's; one pair is one file to deploy and nothing to list or copy
+into manifests. ``curve_allowed_clients_dir`` (each rank's own, usually the same
+directory on every host) admits subscribers to the coordinator and to that
+rank's shard: a subscriber needs every rank's admission (a refused rank is
+named in its ``last_error``). Without CURVE a non-loopback bind needs
+``insecure=True``, as for any publisher.
+
 Versions: pass ``version=`` (e.g. the trainer step) on every rank, the same
 number for the same weights; without it each rank counts from ``first_version``,
 which only agrees while no rank restarts.
@@ -57,6 +73,7 @@ from publisher.streamed_sources import PublishSource, StreamedPairs, plan_shard
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, WeightPubError
+from weightpub_wire.security import CurveIdentity, load_key_file
 from weightpub_wire.shard_submit import ShardSubmit, encode_submit
 from weightpub_wire.sockets import configure_socket, connect
 
@@ -84,6 +101,8 @@ class ShardedPublisher:
     coordinator's tracker (other ranks ignore it): subscribers started with
     ``peer_share=True`` fetch from each other the stripes the plan gives them and the
     rest from the ranks, so each chunk leaves its rank about once.
+    ``curve_secret_key_file`` / ``curve_allowed_clients_dir``: the trainer's key pair (the
+    same on every rank) and this rank's subscriber allow-list, see the module docstring.
     """
 
     def __init__(self, endpoint: str, *, rank: int, world_size: int, coordinator: str,
@@ -118,12 +137,19 @@ class ShardedPublisher:
                     announce_endpoint, coordinator, world_size, shard_timeout=shard_timeout,
                     insecure=bool(keywords.get("insecure", False)),
                     model_id=str(keywords.get("model_id", "")), peer_fanout=peer_fanout,
-                    context=self._ctx)
+                    curve_secret_key_file=_path(keywords.get("curve_secret_key_file")),
+                    curve_allowed_clients_dir=_path(keywords.get("curve_allowed_clients_dir")))
+                # (its own context: one ZAP handler per context, and the shard's runs here)
                 coordinator = _dialable(self.coordinator.collect_endpoint)
             self._shard = WeightPublisher(endpoint, context=self._ctx, **keywords)
             self.endpoint = advertise or _dialable(self._shard.endpoint)
             self._dealer = self._ctx.socket(zmq.DEALER)
             configure_socket(self._dealer, heartbeat_interval=1.0)
+            secret_key_file = keywords.get("curve_secret_key_file")
+            if secret_key_file is not None:  # a rank is a holder of the trainer's key pair
+                public, secret = load_key_file(secret_key_file, need_secret=True)
+                CurveIdentity(public, public, secret or b"").client_hook()(self._dealer,
+                                                                           server=False)
             self._dealer.setsockopt(zmq.SNDHWM, 64)
             connect(self._dealer, coordinator)
         except BaseException:
@@ -224,6 +250,10 @@ class ShardedPublisher:
             except zmq.Again:
                 log.warning("rank %d: coordinator unreachable, shard of version %d dropped",
                             self.rank, number)
+
+
+def _path(value: object) -> str | None:
+    return None if value is None else str(value)
 
 
 def _dialable(bound: str) -> str:

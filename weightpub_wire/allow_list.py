@@ -11,7 +11,10 @@ that are already open, too.
 ``start_authenticator`` runs pyzmq's ``ThreadAuthenticator`` with this list as
 its credentials callback (or allowing any key when there is no list: the
 ``User-Id`` then still names each client's key, which binds its reports to it).
-Refusals are logged at WARNING, rate-limited.
+Refusals are logged at WARNING, rate-limited. ``only_keys`` gives a ZAP domain
+(a socket's ``zap_domain``) a fixed set of keys of its own instead: a sharded
+trainer's collect socket admits only the trainer's key pair
+(``publisher.shard_coordinator``), whatever the subscribers' allow-list says.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import zmq
@@ -29,7 +33,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from weightpub_wire.errors import ConfigError
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["AllowList", "start_authenticator"]
+__all__ = ["AllowList", "KeySet", "start_authenticator"]
 
 log = logging.getLogger("weightpub.security")
 
@@ -101,12 +105,49 @@ class AllowList:
         return ok
 
 
-def start_authenticator(ctx: zmq.Context, allow_list: AllowList | None) -> ThreadAuthenticator:
-    """ZAP handler for ``ctx``: only keys in ``allow_list`` (or any key when it is None)."""
+class KeySet:
+    """A fixed set of public keys (z85), as a ZAP credentials provider for one domain.
+
+    ``what`` names who holds them (for the refusal's words); ``on_refused(why)`` is
+    called on the ZAP thread for every refusal (a counter, a ``last_error``)."""
+
+    def __init__(self, keys: Iterable[bytes], what: str,
+                 on_refused: Callable[[str], None] | None = None) -> None:
+        self.keys = frozenset(keys)
+        self.what = what
+        self._on_refused = on_refused
+        self._refusals = RateLimitedLog(log)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key in self.keys
+        if not ok:
+            why = (f"refused a CURVE client on {domain}: key {key.decode(errors='replace')} "
+                   f"is not {self.what}")
+            self._refusals.warning("zap", why)
+            if self._on_refused is not None:
+                self._on_refused(why)
+        return ok
+
+
+class _AnyKey:
+    """Every key (CURVE without an allow-list), as a provider: pyzmq's ``allow_any``
+    would cover every domain, ``KeySet`` domains included."""
+
+    @staticmethod
+    def callback(domain: str, key: bytes) -> bool:
+        return True
+
+
+def start_authenticator(ctx: zmq.Context, allow_list: AllowList | None,
+                        only_keys: Mapping[str, KeySet] | None = None) -> ThreadAuthenticator:
+    """ZAP handler for ``ctx``: only keys in ``allow_list`` (or any key when it is None);
+    a socket whose ``zap_domain`` is in ``only_keys`` admits only those keys."""
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("weightpub.zap"))
     auth.start()
-    if allow_list is None:
+    if allow_list is None and not only_keys:
         auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
     else:
-        auth.configure_curve_callback(domain="*", credentials_provider=allow_list)
+        auth.configure_curve_callback(domain="*", credentials_provider=allow_list or _AnyKey())
+    for domain, keys in (only_keys or {}).items():
+        auth.configure_curve_callback(domain=domain, credentials_provider=keys)
     return auth

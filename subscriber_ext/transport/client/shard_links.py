@@ -13,6 +13,12 @@ range's deltas against its own shard of the base). A request a rank leaves unans
 ``request_timeout`` (counted from that rank's last chunk, at most
 ``QUEUED_TIMEOUT_FACTOR`` timeouts in all) is asked again and counts a try of
 each chunk: a rank that died costs the version after ``max_chunk_retries``.
+
+CURVE: every link gets the client's socket hooks (``curve_server_key_file``,
+``curve_secret_key_file``): all ranks of a sharded trainer serve with the one
+trainer key pair, so the publisher's public key authenticates each rank too, and
+each rank admits this client only if its allow-list does. A refused handshake on a
+link becomes ``last_error`` at once (each link's monitor), naming the rank.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.request_table import QUEUED_TIMEOUT_FACTOR, RequestTable
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import ProtocolError
+from weightpub_wire.errors import ProtocolError, TransportError
+from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events
 from weightpub_wire.reply_reader import read_replies
 from weightpub_wire.sockets import configure_socket, connect
 
@@ -41,6 +48,9 @@ class ShardLink:
 
     endpoint: str
     sock: zmq.Socket
+    monitor: zmq.Socket  # its handshake events (a CURVE refusal)
+    rank: int = 0
+    refused: TransportError | None = None  # its last handshake was refused (CURVE)
     first_chunk: int = 0
     num_chunks: int = 0
     publisher_id: str = ""
@@ -57,9 +67,14 @@ class ShardLinks:
                  on_chunk: Callable[[chunk_frame.ChunkHeader, zmq.Frame, zmq.Socket], None],
                  on_error: Callable[[wire.ErrorReply], None],
                  on_bad: Callable[[ProtocolError], None],
-                 discard_rest: Callable[[int, zmq.Socket], None]) -> None:
+                 discard_rest: Callable[[int, zmq.Socket], None],
+                 on_handshake: Callable[[TransportError, bool], None] = lambda e, r: None,
+                 hooks: list[Callable[..., None]] | None = None) -> None:
         """``on_chunk``, ``on_error``, ``on_bad``, ``discard_rest``: the client's, for a
-        reply on a rank's DEALER (chunk ids already in the union's numbering)."""
+        reply on a rank's DEALER (chunk ids already in the union's numbering).
+        ``hooks``: the client's socket hooks (CURVE), applied to every link;
+        ``on_handshake(error, refused)``: a link's handshake was refused (True), or
+        succeeded after that refusal (False)."""
         self.ctx = ctx
         self.requests = requests
         self.limits = limits
@@ -69,6 +84,8 @@ class ShardLinks:
         self._on_error = on_error
         self._on_bad = on_bad
         self._discard_rest = discard_rest
+        self._on_handshake = on_handshake
+        self.hooks = list(hooks or [])
         self.links: dict[str, ShardLink] = {}
         self.poller: zmq.Poller | None = None
         self._following: wire.Manifest | None = None
@@ -79,6 +96,7 @@ class ShardLinks:
         self.poller = poller
         for link in self.links.values():
             poller.register(link.sock, zmq.POLLIN)
+            poller.register(link.monitor, zmq.POLLIN)
 
     def follow(self, manifest: wire.Manifest) -> None:
         """Links for every rank ``manifest`` names (the others closed), set to its ranges."""
@@ -89,6 +107,7 @@ class ShardLinks:
         for shard in manifest.shards:
             link = wanted.get(shard.endpoint) or self.links.get(shard.endpoint) \
                 or self._open(shard.endpoint)
+            link.rank = shard.rank
             link.first_chunk, link.num_chunks = shard.first_chunk, shard.num_chunks
             link.publisher_id, link.cursor = shard.publisher_id, 0
             wanted[shard.endpoint] = link
@@ -100,19 +119,28 @@ class ShardLinks:
     def _open(self, endpoint: str) -> ShardLink:
         sock = self.ctx.socket(zmq.DEALER)
         configure_socket(sock, heartbeat_interval=1.0)
+        for hook in self.hooks:
+            hook(sock, server=False)
         sock.setsockopt(zmq.RCVHWM, 0)  # as the publisher's DEALER (client_sockets.py)
         sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(self.request_timeout * 1000)))
         sock.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE + wire.CHUNK_HEADER_BYTES,
                                             self.limits.max_control_bytes))
+        monitor = open_monitor(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                               | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                               | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                               | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         connect(sock, endpoint)
         if self.poller is not None:
             self.poller.register(sock, zmq.POLLIN)
-        return ShardLink(endpoint, sock, answered=time.monotonic())
+            self.poller.register(monitor, zmq.POLLIN)
+        return ShardLink(endpoint, sock, monitor, answered=time.monotonic())
 
     def _close(self, link: ShardLink) -> None:
         self.requests.drop(link)
         if self.poller is not None:
             self.poller.unregister(link.sock)
+            self.poller.unregister(link.monitor)
+        link.monitor.close(linger=0)
         link.sock.close(linger=0)
 
     def close(self) -> None:
@@ -197,8 +225,22 @@ class ShardLinks:
     # -- replies -------------------------------------------------------------------------------
     def on_events(self, events: dict[object, int], now: float) -> None:
         for link in list(self.links.values()):
+            if link.monitor in events:
+                self._handshakes(link)
             if link.sock in events:
                 self._read(link, now)
+
+    def _handshakes(self, link: ShardLink) -> None:
+        for event in read_events(link.monitor):
+            if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if link.refused is not None:
+                    self._on_handshake(link.refused, False)
+                    link.refused = None
+                continue
+            why = describe_handshake_failure(event, client=True)
+            if why is not None:
+                link.refused = TransportError(f"trainer rank {link.rank}'s shard: {why}")
+                self._on_handshake(link.refused, True)
 
     def _read(self, link: ShardLink, now: float) -> None:
         def chunk(header: chunk_frame.ChunkHeader, frame: zmq.Frame) -> None:

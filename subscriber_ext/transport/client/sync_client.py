@@ -61,7 +61,7 @@ from subscriber_ext.transport.staging.request_table import RequestTable, Version
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
-from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubError
+from weightpub_wire.errors import ProtocolError, TransportError, VersionUnavailable, WeightPubError
 from weightpub_wire.peer_protocol import PEER_REPLIES, PeerPlan
 from weightpub_wire.security import CurveIdentity
 
@@ -130,7 +130,9 @@ class SyncClient:
                                  on_chunk=lambda h, f, s: self.on_chunk(h, f, s),
                                  on_error=self._on_error,
                                  on_bad=lambda exc: self.report.bad(exc),
-                                 discard_rest=self.discard_rest)
+                                 discard_rest=self.discard_rest,
+                                 on_handshake=self._on_shard_handshake,
+                                 hooks=socket_hooks)
         self.credit = FetchCredit(self.requests, self.peering, target=lambda: self.target,
                                   send=self.send, give_up=self._fail_target,
                                   window_bytes=options.window_bytes,
@@ -190,6 +192,15 @@ class SyncClient:
     def on_monitor(self) -> None:
         """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
         self.sockets.on_handshake_events()
+
+    def _on_shard_handshake(self, error: TransportError, refused: bool) -> None:
+        """A trainer rank refused this client's handshake (or took it after all)."""
+        if refused:
+            self.sockets.handshake_failures += 1
+            self.report.problem(error)
+            self.report.warn.warning("handshake", str(error))
+        else:
+            self.report.resolved(error)
 
     # -- time-driven work ----------------------------------------------------------------------
     def tick(self, now: float) -> float:
