@@ -5,7 +5,8 @@ subscriber's ``curve_server_key_file`` (the trainer's public key) authenticates 
 coordinator and each rank, and every one of them admits only its allow-listed
 subscribers. The collect socket admits only the trainer's own key: an
 allow-listed subscriber key, a stranger's key or a plaintext DEALER cannot
-submit a shard. Ranks run in this process (real sockets, one context each).
+submit a shard. Peer-sharing members authenticate each other with the keys the
+coordinator's tracker saw. Ranks run in this process (real sockets, one context each).
 """
 
 from __future__ import annotations
@@ -206,3 +207,35 @@ def test_non_loopback_binds_need_curve_or_insecure(keys: dict[str, Any]) -> None
     with ShardCoordinator("tcp://0.0.0.0:0", "tcp://0.0.0.0:0", 1,
                           curve_secret_key_file=keys["secret"]) as coordinator:
         assert coordinator.collect_endpoint.startswith("tcp://0.0.0.0:")
+
+
+def test_peers_share_a_curve_sharded_version(keys: dict[str, Any]) -> None:
+    """Under CURVE the coordinator's tracker sees each member's authenticated key and
+    plans it into the others' admit lists: the members fetch from each other too."""
+    members = [create_key_pair(keys["allowed"], f"member{i}")[1] for i in range(2)]
+    with _ranks(keys, [keys["allowed"], keys["allowed"]]) as ranks:
+        coordinator = ranks[0].coordinator
+        assert coordinator is not None
+        subs = [WeightSubscriber(coordinator.endpoint, curve_server_key_file=keys["public"],
+                                 curve_secret_key_file=str(secret), peer_share=True,
+                                 request_timeout=2.0, upload_mbit=16) for secret in members]
+        try:
+            def planned() -> bool:
+                plans = [sub.status()["peers"] for sub in subs]
+                return sorted(p["slot"] for p in plans if p["slot"] is not None) == [0, 1] \
+                    and len({p["plan_epoch"] for p in plans}) == 1
+
+            wait_until(planned, 20, "both members in one plan")
+            for version in (1, 2):
+                expected = _publish(ranks, version)
+                for sub in subs:
+                    staged = sub.wait_for_version(version, timeout=30)
+                    for name, want in expected.items():
+                        assert torch.equal(as_bytes(staged.tensors[name]), as_bytes(want))
+            statuses = [sub.status() for sub in subs]
+            # (which member waits for the other's stripe is a race on versions this small)
+            assert sum(s["peers"]["bytes_from_peers"] for s in statuses) > 0, statuses
+            assert all(s["last_error"] is None for s in statuses), statuses
+        finally:
+            for sub in subs:
+                sub.close()
