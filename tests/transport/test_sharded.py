@@ -231,8 +231,9 @@ def test_four_fsdp2_ranks_publish_a_quarter_each_and_a_rank_killed_costs_its_ver
     expected = dict(expected_tensors(shape))
     model = sum(t.numel() * t.element_size() for t in expected.values())
     staged_versions: list[int] = []
-    with FsdpRanks(run_fsdp_shard_rank, world, shape, chunk, timeout, timeout=timeout) as ranks:
-        (announce,) = ranks.expect(0, "announce", timeout=120)  # 4 spawns importing torch
+    with FsdpRanks(run_fsdp_shard_rank, world, shape, chunk, timeout, timeout=timeout,
+                   start_method="forkserver") as ranks:
+        (announce,) = ranks.expect(0, "announce", timeout=120)
         sub = subscribers(announce, request_timeout=2.0,
                           on_version=lambda s: staged_versions.append(s.version))
         for version in (1, 2):
