@@ -5,11 +5,14 @@ coordinator and so the tracker); each subscriber is a ``peer_share=True`` child
 (``peer_procs.py``) that checks every staged tensor against ``det_weights``.
 With the default fanout three members hold one stripe each, so every member
 fetches a third of each version from the ranks and the rest from the other two;
-a member killed mid-version sends the others to the ranks for its stripe.
+a member killed or stalled mid-version sends the others to the ranks for its
+stripe.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,7 +80,7 @@ SPECS = [[("layers.0.w", "float32", [512, 512]), ("embed", "bfloat16", [700, 64]
           ("norm", "float32", [300])]]
 
 
-def test_peers_share_a_sharded_version_and_a_dead_member_falls_back_to_the_ranks(
+def test_peers_share_a_sharded_version_and_a_dead_or_stalled_member_falls_back_to_the_ranks(
     spawn: Callable[..., Child],
 ) -> None:
     """Three members, the default fanout: three stripes, each member the root of one (it
@@ -121,4 +124,20 @@ def test_peers_share_a_sharded_version_and_a_dead_member_falls_back_to_the_ranks
     for child in alive:
         _staged(child, 4)
     after, _ = _sent(ranks)
-    print(f"versions 3-4 (a member killed): the ranks sent {(after - sent) / total:.2f}x")
+    print(f"versions 3-4 (a member killed): the ranks sent {(after - sent) / total:.2f}x "
+          "a version each")
+
+    # a member that stalls mid-version: the other's requests to it time out (its
+    # request_timeout) and go to the ranks; resumed, the stalled one stages it too
+    stalled, other = alive
+    _publish(ranks, 5)
+    wait_until(lambda: (_peers(other)["fetching_fraction"] or 0) >= 0.15, 30,
+               "version 5 under way")
+    os.kill(stalled.pid, signal.SIGSTOP)
+    try:
+        _staged(other, 5, timeout=30)
+        failures = _peers(other)["peers"]["peer_failures"]
+        assert failures.get("timeout", 0) >= 1, failures
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    _staged(stalled, 5)
