@@ -96,7 +96,8 @@ def run_fsdp_shard_rank(r: Any, chunk_size: int, timeout: float) -> None:
     every parameter) from version 2 on, the publish, and ``("shard", version, bytes
     held, shard total)``. ``die_after`` (a number of gathers) makes the rank SIGKILL
     itself in the middle of that publish; a rank whose publish raises sends
-    ``("raised", version, error, seconds)`` and re-raises. ``("done",)`` closes.
+    ``("raised", version, error, seconds, the coordinator's latest version or None)``
+    and re-raises. ``("done",)`` closes.
     """
     import time
 
@@ -125,8 +126,9 @@ def run_fsdp_shard_rank(r: Any, chunk_size: int, timeout: float) -> None:
             pub.publish(r.model, version=version)
             pub.wait_submitted(version, timeout)
         except Exception as exc:
+            announced = None if pub.coordinator is None else pub.coordinator.latest_version
             r.conn.send(("raised", version, f"{type(exc).__name__}: {exc}",
-                         time.monotonic() - start))
+                         time.monotonic() - start, announced))
             raise
         r.conn.send(("shard", version, pub.shard.data_stats()["host_held_bytes"],
                      pub.shard.manifest(version).total_bytes))

@@ -257,9 +257,10 @@ def test_four_fsdp2_ranks_publish_a_quarter_each_and_a_rank_killed_costs_its_ver
         for rank in range(world):  # rank 3 dies after its 5th gather of version 3
             ranks.send(rank, ("publish", 3, 5 if rank == world - 1 else None))
         for rank in range(world - 1):
-            _, error, seconds = ranks.expect(rank, "raised", timeout=2 * timeout)
+            _, error, seconds, announced = ranks.expect(rank, "raised", timeout=2 * timeout)
             print(f"rank {rank}: publish() raised after {seconds:.1f}s: {error[:120]}")
             assert seconds < timeout + 10
+            assert announced == (2 if rank == 0 else None)  # the coordinator: not version 3
         ranks.procs[world - 1].join(timeout)
         assert ranks.procs[world - 1].exitcode == -9
         codes = ranks.close(timeout)
