@@ -138,7 +138,8 @@ class ShardedPublisher:
                     insecure=bool(keywords.get("insecure", False)),
                     model_id=str(keywords.get("model_id", "")), peer_fanout=peer_fanout,
                     curve_secret_key_file=_path(keywords.get("curve_secret_key_file")),
-                    curve_allowed_clients_dir=_path(keywords.get("curve_allowed_clients_dir")))
+                    curve_allowed_clients_dir=_path(keywords.get("curve_allowed_clients_dir")),
+                    heartbeat_interval=float(keywords.get("heartbeat_interval", 1.0)))
                 # (its own context: one ZAP handler per context, and the shard's runs here)
                 coordinator = _dialable(self.coordinator.collect_endpoint)
             self._shard = WeightPublisher(endpoint, context=self._ctx, **keywords)

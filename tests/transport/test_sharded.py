@@ -357,8 +357,10 @@ def test_peer_share_without_a_tracker_fetches_a_sharded_version_from_the_ranks()
     (peers sharing a sharded version: ``test_sharded_peers.py``)."""
     with ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=1,
                           coordinator="tcp://127.0.0.1:0", announce_endpoint="tcp://127.0.0.1:0",
-                          chunk_size=CHUNK, peer_fanout=0) as pub:
+                          chunk_size=CHUNK, peer_fanout=0, heartbeat_interval=0.5) as pub:
         assert pub.coordinator is not None
+        # the coordinator beats as often as the rank's publisher (subscribers' silence limit)
+        assert pub.coordinator._server.options.heartbeat_interval == 0.5
         with pytest.raises(ConfigError, match="peer_fanout"):
             ShardCoordinator("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 1, peer_fanout=99)
         sub = WeightSubscriber(pub.coordinator.endpoint, peer_share=True)
