@@ -16,21 +16,11 @@ import zmq
 
 from publisher.shard_coordinator import MAX_PENDING_VERSIONS, ShardCoordinator
 from tests.transport.procs import wait_until
-from weightpub_wire import protocol as wire
+from tests.transport.test_sharded import _submit
 from weightpub_wire.errors import ConfigError
-from weightpub_wire.shard_submit import ShardSubmit, encode_submit
+from weightpub_wire.shard_submit import encode_submit
 
 pytestmark = pytest.mark.timeout(60)
-
-CHUNK = 4096
-
-
-def _submit(rank: int, version: int, world: int = 2) -> ShardSubmit:
-    entry = wire.TensorEntry(name=f"t{rank}", dtype="uint8", shape=(CHUNK,), offset=0,
-                             nbytes=CHUNK)
-    return ShardSubmit(rank=rank, world_size=world, version=version, publisher_id=f"r{rank}",
-                       endpoint=f"tcp://127.0.0.1:{9000 + rank}", chunk_size=CHUNK,
-                       total_bytes=CHUNK, tensors=(entry,), checksums=(rank,))
 
 
 def test_a_stray_peer_on_the_collect_socket_cannot_stop_the_next_version() -> None:

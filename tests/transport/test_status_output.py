@@ -13,7 +13,7 @@ import zmq
 from publisher import WeightPublisher
 from publisher.shard_coordinator import ShardCoordinator
 from tests.transport.faults.tools import RawPeer
-from tests.transport.test_shard_coordinator import _submit
+from tests.transport.test_sharded import _submit
 from weightpub.cli import main as cli_main
 from weightpub.fleet_view import printable
 from weightpub.status import fetch_status
