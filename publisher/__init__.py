@@ -10,6 +10,7 @@ from typing import Any as _Any
 
 from publisher.publisher_config import PublisherConfig
 from publisher.server import ServerLimits
+from publisher.sharded_publisher import ShardedPublisher
 from publisher.streamed_sources import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import (
@@ -38,6 +39,7 @@ __all__ = [
     "PublisherConfig",
     "Report",
     "ServerLimits",
+    "ShardedPublisher",
     "StagingBudgetError",
     "TensorEntry",
     "TransportError",

@@ -32,6 +32,7 @@ PUBLISHER_ALL = [
     "PublisherConfig",
     "Report",
     "ServerLimits",
+    "ShardedPublisher",
     "StagingBudgetError",
     "TensorEntry",
     "TransportError",
