@@ -27,6 +27,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from publisher.snapshot import (
     Snapshot,
@@ -303,18 +304,24 @@ def _plan(weights: PublishSource, share: tuple[int, int] | None = None,
     groups = layer_groups(list(by_name))
     pairs = [(name, _meta(tuple(by_name[name].shape), by_name[name].dtype))
              for names in groups for name in names]
-    keep = _kept(pairs, share)
+    owners = None if share is None else owner_ranks(pairs, share[1])
+    keep = None if share is None or owners is None else \
+        {name for name, owner in owners.items() if owner == share[0]}
 
     def produce() -> Iterator[Group]:
+        meshes = None if share is None else _MeshRanks(*share)
         for names in groups:
             kept_names: list[str] = []
             kept: list[Any] = []
             for name in names:
-                full = _full(by_name[name])  # a collective: every rank gathers every tensor
-                if keep is None or name in keep:
+                # a collective every rank joins: the whole tensor to every rank, or
+                # (``share``) to its owner only
+                held = _full(by_name[name]) if owners is None or meshes is None else \
+                    _take(by_name[name], owners[name], meshes)
+                if held is not None and (keep is None or name in keep):
                     kept_names.append(name)
-                    kept.append(full)
-                del full  # not kept: dropped before the next gather
+                    kept.append(held)
+                del held  # not kept: dropped before the next gather
             yield kept_names, kept
 
     pinned = torch.cuda.is_available() and any(t.device.type == "cuda" for t in by_name.values())
@@ -430,6 +437,167 @@ def _is_sharded(tensor: object) -> bool:
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor().detach() if _is_sharded(tensor) else tensor.detach()  # type: ignore[attr-defined]
+
+
+class _MeshRanks:
+    """Which publisher rank each rank of a 1-D mesh is, learned once per mesh per pass.
+
+    Why: gathering a tensor to its owner needs the owner's rank in the mesh's
+    process group, and every rank must choose the same path for every tensor (a
+    rank gathering where another all-gathers waits forever). One small
+    all-gather of (publisher rank, mesh coordinate) per mesh gives every rank
+    the same table; a mesh whose ranks are not exactly the publisher's
+    ``world_size`` ranks gets None (the ``full_tensor()`` path, on every rank).
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._meshes: dict[int, tuple[Any, _MeshTable | None]] = {}
+
+    def table(self, mesh: Any, device: torch.device) -> _MeshTable | None:
+        key = id(mesh)
+        if key not in self._meshes:  # keeps the mesh alive: its id is not reused
+            self._meshes[key] = (mesh, self._exchange(mesh, device))
+        return self._meshes[key][1]
+
+    def _exchange(self, mesh: Any, device: torch.device) -> _MeshTable | None:
+        group = mesh.get_group()
+        mine = torch.tensor([self.rank, mesh.get_local_rank()], dtype=torch.int64,
+                            device=device)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(rows, mine, group=group)
+        ranks = [int(row[0]) for row in rows]  # by group rank
+        coordinates = [int(row[1]) for row in rows]
+        every = list(range(self.world_size))
+        if sorted(ranks) != every or sorted(coordinates) != every:
+            return None
+        return _MeshTable(group, [dist.get_global_rank(group, g) for g in every], ranks,
+                          coordinates, dist.get_rank(group))
+
+
+class _MeshTable:
+    """A 1-D mesh's group as the publisher ranks see it (every list by group rank)."""
+
+    def __init__(self, group: Any, global_ranks: list[int], ranks: list[int],
+                 coordinates: list[int], me: int) -> None:
+        self.group = group
+        self.global_ranks = global_ranks  # what send/recv/gather name a peer by
+        self.ranks = ranks  # publisher ranks
+        self.coordinates = coordinates  # mesh coordinates: which rows a rank holds
+        self.me = me
+
+
+def _take(tensor: Any, owner: int, meshes: _MeshRanks) -> Any | None:
+    """``tensor`` whole on its ``owner`` (this rank: returned), nothing elsewhere (None).
+
+    Every rank calls it for every tensor in the same order (it is a collective).
+    A DTensor on a 1-D mesh of the publisher's ranks, ``Shard(0)`` (FSDP2's
+    default) or ``Replicate``: only the owner receives (``_gather_rows``) or,
+    replicated, takes its own copy: so each rank receives about its shard per
+    version rather than the whole model. Anything else (2-D meshes, other
+    placements, TP, non-DTensor ``full_tensor()`` objects): ``full_tensor()`` on
+    every rank, kept by the owner only.
+    """
+    table, placement = _placement(tensor, meshes)
+    if table is None:
+        full = _full(tensor)
+        return full if owner == meshes.rank else None
+    local = tensor.to_local().detach()
+    if placement == "replicate":
+        return local if owner == meshes.rank else None
+    return _gather_rows(tensor, local, table.ranks.index(owner), table)
+
+
+def _placement(tensor: Any, meshes: _MeshRanks) -> tuple[_MeshTable | None, str]:
+    """The mesh table and placement (``shard0``/``replicate``) of an owner-gatherable tensor."""
+    if not dist.is_available() or not _is_sharded(tensor):
+        return None, ""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return None, ""
+    mesh = tensor.device_mesh
+    if mesh.ndim != 1 or mesh.size() != meshes.world_size:
+        return None, ""
+    (placement,) = tensor.placements
+    if type(placement) is Shard and placement.dim == 0:  # not _StridedShard (a subclass)
+        kind = "shard0"
+    elif isinstance(placement, Replicate):
+        kind = "replicate"
+    else:
+        return None, ""
+    return meshes.table(mesh, tensor.to_local().device), kind
+
+
+def _gather_rows(tensor: Any, local: torch.Tensor, owner: int, table: _MeshTable,
+                 ) -> torch.Tensor | None:
+    """A ``Shard(0)`` DTensor's rows to group rank ``owner`` only, into one buffer there.
+
+    Rows follow ``torch.chunk`` (FSDP2's and DTensor's split): mesh coordinate
+    ``c`` holds rows ``[c * per, c * per + n_c)``, ``per = ceil(rows / world)``,
+    so trailing ranks may hold fewer or none. On CPU (gloo) the owner receives
+    each rank's rows straight into their place (point-to-point: gloo's
+    ``gather`` goes through a flat buffer of its own, a second copy of the
+    tensor); on a device (NCCL) ``gather`` into row views of one padded buffer.
+    """
+    shape, world = tuple(tensor.shape), table.group.size()
+    rows = shape[0]
+    per = -(-rows // world)
+    mine = table.me == owner
+
+    def held(index: int) -> int:  # rows group rank ``index`` holds
+        return max(0, min(per, rows - table.coordinates[index] * per))
+
+    if local.shape[0] != held(table.me):
+        raise ConfigError(f"a Shard(0) DTensor of {rows} rows holds {local.shape[0]} on mesh "
+                          f"coordinate {table.coordinates[table.me]}, not torch.chunk's "
+                          f"{held(table.me)}")
+    if not tensor.numel():
+        return torch.empty(shape, dtype=local.dtype, device=local.device) if mine else None
+    if local.device.type == "cpu":
+        return _receive_rows(local, shape, owner, table, per, held)
+    send = local if local.shape[0] == per and local.is_contiguous() else \
+        _padded(local, per)
+    if not mine:
+        dist.gather(send, None, dst=table.global_ranks[owner], group=table.group)
+        return None
+    buffer = torch.empty((world * per, *shape[1:]), dtype=local.dtype, device=local.device)
+    views = [buffer[table.coordinates[g] * per:(table.coordinates[g] + 1) * per]
+             for g in range(world)]
+    dist.gather(send, views, dst=table.global_ranks[owner], group=table.group)
+    return buffer[:rows]
+
+
+def _receive_rows(local: torch.Tensor, shape: tuple[int, ...], owner: int, table: _MeshTable,
+                  per: int, held: Callable[[int], int]) -> torch.Tensor | None:
+    """Point-to-point: each rank sends its rows to the owner, which receives them in place."""
+    if table.me != owner:
+        if held(table.me):
+            dist.send(local.contiguous(), dst=table.global_ranks[owner], group=table.group)
+        return None
+    out = torch.empty(shape, dtype=local.dtype, device=local.device)
+    works = []
+    for index in range(table.group.size()):
+        start = table.coordinates[index] * per
+        view = out[start:start + held(index)]
+        if not view.shape[0]:
+            continue
+        if index == table.me:
+            view.copy_(local)
+        else:
+            work = dist.irecv(view, src=table.global_ranks[index], group=table.group)
+            assert work is not None  # this rank is in the group
+            works.append(work)
+    for work in works:
+        work.wait()
+    return out
+
+
+def _padded(local: torch.Tensor, per: int) -> torch.Tensor:
+    out = torch.zeros((per, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    out[:local.shape[0]].copy_(local)
+    return out
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -88,26 +88,56 @@ def run_shard_rank(args: dict[str, Any]) -> None:
     pub.close()
 
 
+#: DTensors beside the FSDP2 model (name: shape, dtype, placement), built on its mesh:
+#: rows uneven over 4 ranks (2, 2, 2, 1), fewer rows than ranks (1, 1, 1, 0), replicated,
+#: and a Shard(1), which takes the ``full_tensor()`` path (every rank gathers it)
+FSDP_EXTRAS: dict[str, tuple[tuple[int, ...], str, str]] = {
+    "extra.uneven": ((7, 5), "float32", "shard0"),
+    "extra.short": ((3, 4), "int32", "shard0"),
+    "extra.replicated": ((6, 3), "bfloat16", "replicate"),
+    "extra.by_column": ((4, 10), "float32", "shard1"),
+}
+
+
+def fsdp_extra_tensors() -> dict[str, Any]:
+    """``FSDP_EXTRAS`` as whole tensors, the same in every process."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for index, (name, (shape, dtype, _)) in enumerate(FSDP_EXTRAS.items()):
+        values = torch.arange(1, 1 + torch.Size(shape).numel()) * (index + 3)
+        out[name] = values.reshape(shape).to(getattr(torch, dtype))
+    return out
+
+
 def run_fsdp_shard_rank(r: Any, chunk_size: int, timeout: float) -> None:
     """One FSDP2 gloo rank of a ``ShardedPublisher`` (``weightpub.bench.fsdp_ranks``).
 
-    Every rank passes the whole sharded model. Sends ``("announce", endpoint)`` (rank
-    0), then per ``("publish", version, die_after)`` command: a 'training step' (+1 on
-    every parameter) from version 2 on, the publish, and ``("shard", version, bytes
-    held, shard total)``. ``die_after`` (a number of gathers) makes the rank SIGKILL
-    itself in the middle of that publish; a rank whose publish raises sends
-    ``("raised", version, error, seconds, the coordinator's latest version or None)``
-    and re-raises. ``("done",)`` closes.
+    Every rank passes the whole sharded model plus ``FSDP_EXTRAS`` (DTensors on the
+    model's mesh). Sends ``("announce", endpoint)`` (rank 0), then per ``("publish",
+    version, die_after)`` command: a 'training step' (+1 on every model parameter)
+    from version 2 on, the publish, and ``("shard", version, bytes held, shard total,
+    counts)``, ``counts`` this publish's ``full_tensor()`` calls and point-to-point
+    sends/receives (and bytes received) of the owner gathers. ``die_after`` (a number
+    of gathers) makes the rank SIGKILL itself in the middle of that publish; a rank
+    whose publish raises sends ``("raised", version, error, seconds, the coordinator's
+    latest version or None)`` and re-raises. ``("done",)`` closes.
     """
     import time
 
     import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from weightpub.bench.fsdp_ranks import sharded_publisher
 
     pub = sharded_publisher(r, chunk_size=chunk_size, shard_timeout=5.0)
     if pub.coordinator is not None:
         r.conn.send(("announce", pub.coordinator.endpoint))
+    mesh = next(r.model.parameters()).device_mesh
+    placements = {"shard0": Shard(0), "shard1": Shard(1), "replicate": Replicate()}
+    extras = {name: distribute_tensor(tensor, mesh, [placements[FSDP_EXTRAS[name][2]]])
+              for name, tensor in fsdp_extra_tensors().items()}
+    counts = _count_gathers()
     while True:
         if not r.conn.poll(timeout):
             raise TimeoutError(f"rank {r.rank}: no command within {timeout}s")
@@ -122,8 +152,9 @@ def run_fsdp_shard_rank(r: Any, chunk_size: int, timeout: float) -> None:
         if die_after is not None:
             _die_after_gathers(die_after)
         start = time.monotonic()
+        counts.clear()
         try:
-            pub.publish(r.model, version=version)
+            pub.publish({**r.model.state_dict(), **extras}, version=version)
             pub.wait_submitted(version, timeout)
         except Exception as exc:
             announced = None if pub.coordinator is None else pub.coordinator.latest_version
@@ -131,22 +162,54 @@ def run_fsdp_shard_rank(r: Any, chunk_size: int, timeout: float) -> None:
                          time.monotonic() - start, announced))
             raise
         r.conn.send(("shard", version, pub.shard.data_stats()["host_held_bytes"],
-                     pub.shard.manifest(version).total_bytes))
+                     pub.shard.manifest(version).total_bytes, dict(counts)))
     pub.close()
 
 
+def _count_gathers() -> dict[str, int]:
+    """Counts of this rank's ``full_tensor()`` gathers and owner-gather sends/receives."""
+    import torch.distributed as dist
+
+    from publisher import streamed_sources
+
+    counts: dict[str, int] = {}
+    full, send, irecv = streamed_sources._full, dist.send, dist.irecv
+
+    def counted(key: str, size: int = 0) -> None:
+        counts[key] = counts.get(key, 0) + 1
+        if size:
+            counts[key + "_bytes"] = counts.get(key + "_bytes", 0) + size
+
+    def counting_full(tensor: Any) -> Any:
+        counted("full")
+        return full(tensor)
+
+    def counting_send(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        counted("sent", tensor.numel() * tensor.element_size())
+        return send(tensor, *args, **kwargs)
+
+    def counting_irecv(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        counted("received", tensor.numel() * tensor.element_size())
+        return irecv(tensor, *args, **kwargs)
+
+    streamed_sources._full = counting_full
+    dist.send, dist.irecv = counting_send, counting_irecv
+    return counts
+
+
 def _die_after_gathers(count: int) -> None:
-    """A real kill -9 of this rank between two gathers: after ``count`` more of them."""
+    """A real kill -9 of this rank between two gathers: after ``count`` more of them
+    (``_take``: one tensor's collective, whichever path it goes)."""
     import signal
 
     from publisher import streamed_sources
 
-    full, gathers = streamed_sources._full, [0]
+    take, gathers = streamed_sources._take, [0]
 
-    def dying(tensor: Any) -> Any:
+    def dying(tensor: Any, owner: int, meshes: Any) -> Any:
         gathers[0] += 1
         if gathers[0] > count:
             os.kill(os.getpid(), signal.SIGKILL)
-        return full(tensor)
+        return take(tensor, owner, meshes)
 
-    streamed_sources._full = dying
+    streamed_sources._take = dying

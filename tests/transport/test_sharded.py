@@ -42,12 +42,12 @@ SEED = 20
 def _start_ranks(spawn: Callable[..., Child], specs: list[Any], *, chunk_size: int = CHUNK,
                  **extra: Any) -> tuple[list[Child], dict[str, Any]]:
     world = len(specs)
-    rank0 = spawn("shard_rank", rank=0, world_size=world, spec=specs[0], seed=SEED,
+    rank0 = spawn("shard_rank", forked=True, rank=0, world_size=world, spec=specs[0], seed=SEED,
                   chunk_size=chunk_size, announce_endpoint="tcp://127.0.0.1:0", **extra)
     ready0 = rank0.event("ready", timeout=60)
     ranks = [rank0]
     for rank in range(1, world):
-        ranks.append(spawn("shard_rank", rank=rank, world_size=world, spec=specs[rank],
+        ranks.append(spawn("shard_rank", forked=True, rank=rank, world_size=world, spec=specs[rank],
                            seed=SEED, chunk_size=chunk_size, coordinator=ready0["collect"],
                            **extra))
     for child in ranks[1:]:
@@ -153,7 +153,7 @@ def test_a_rank_killed_mid_version_costs_that_version_only(
     assert sub.latest() is not None and sub.latest().version == 1  # type: ignore[union-attr]
 
     # the rank comes back (a new process, a new port): the next complete version follows
-    ranks[1] = spawn("shard_rank", rank=1, world_size=2, spec=big[1], seed=SEED,
+    ranks[1] = spawn("shard_rank", forked=True, rank=1, world_size=2, spec=big[1], seed=SEED,
                      chunk_size=CHUNK, coordinator=ready0["collect"])
     ranks[1].event("ready", timeout=60)
     _publish(ranks, 4)
@@ -217,18 +217,22 @@ def test_per_rank_memory_is_its_shard(spawn: Callable[..., Child]) -> None:
 def test_four_fsdp2_ranks_publish_a_quarter_each_and_a_rank_killed_costs_its_version(
     subscribers: Callable[..., WeightSubscriber],
 ) -> None:
-    """Four FSDP2 gloo ranks pass the whole (DTensor) model to their ``ShardedPublisher``:
-    every rank gathers every layer group and keeps the tensors it owns; the union is the
-    model bit for bit (after a training step too), each rank's snapshot about a quarter.
+    """Four FSDP2 gloo ranks pass the whole (DTensor) model to their ``ShardedPublisher``,
+    with DTensors of uneven rows (7 and 3 over 4 ranks), a replicated one and a Shard(1)
+    one: each Shard(0)/Replicate tensor goes to its owner only (no ``full_tensor()``: a
+    rank receives about its own shard, not the model), the Shard(1) one through
+    ``full_tensor()`` on every rank; the union is bit for bit (after a training step
+    too), each rank's snapshot about a quarter.
     Then rank 3 is killed (SIGKILL) between two gathers of version 3: the others' gathers
     fail within gloo's timeout (their ``publish()`` raises, never hangs), the coordinator
     drops version 3 and the subscriber keeps version 2; nothing partial is staged."""
-    from tests.transport.shard_procs import run_fsdp_shard_rank
+    from tests.transport.shard_procs import fsdp_extra_tensors, run_fsdp_shard_rank
     from weightpub.bench.fsdp_ranks import FsdpRanks, ModelShape, expected_tensors
 
     # gloo's timeout (init_process_group) bounds every collective with a dead peer
     shape, chunk, world, timeout = ModelShape(layers=6, hidden=128), 1 << 14, 4, 20.0
     expected = dict(expected_tensors(shape))
+    extras = fsdp_extra_tensors()  # not parameters: no training step
     model = sum(t.numel() * t.element_size() for t in expected.values())
     staged_versions: list[int] = []
     with FsdpRanks(run_fsdp_shard_rank, world, shape, chunk, timeout, timeout=timeout,
@@ -240,18 +244,30 @@ def test_four_fsdp2_ranks_publish_a_quarter_each_and_a_rank_killed_costs_its_ver
             ranks.send_all(("publish", version, None))
             shards = [ranks.expect(rank, "shard")[1:] for rank in range(world)]
             staged = sub.wait_for_version(version, timeout=timeout)
-            assert set(staged.tensors) == set(expected)
+            assert set(staged.tensors) == set(expected) | set(extras)
             for name, want in expected.items():
                 if version > 1:  # each rank added 1 to its own shards
                     want = want + 1
                 assert torch.equal(as_bytes(staged.tensors[name]), as_bytes(want)), \
                     (version, name)
+            for name, want in extras.items():
+                got = staged.tensors[name]
+                assert got.dtype == want.dtype and torch.equal(got, want), (version, name)
             assert staged.manifest.shards is not None
             assert [s.rank for s in staged.manifest.shards] == list(range(world))
-            for held, total in shards:  # held: the rank's snapshot, its shard and its pad
-                print(f"rank shard: {total / model:.2f}x the model ({held} bytes held)")
+            received = 0
+            for held, total, counts in shards:  # held: the rank's snapshot, shard and pad
+                print(f"rank shard: {total / model:.2f}x the model ({held} bytes held), "
+                      f"gathers {counts}")
                 assert total <= held <= total + chunk
                 assert 0.15 * model < total < 0.35 * model
+                assert counts["full"] == 1  # the Shard(1) tensor only
+                # an all-gather of every tensor would bring every rank 0.75x the model
+                assert 0 < counts["received_bytes"] < total
+                received += counts["received_bytes"]
+            # every Shard(0) row not on its owner crosses once: 3/4 of the model, here
+            # (plus the two uneven extras' rows)
+            assert 0.75 * model <= received < 0.75 * model + 256
         assert staged_versions == [1, 2]
 
         for rank in range(world):  # rank 3 dies after its 5th gather of version 3
