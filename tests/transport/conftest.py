@@ -14,15 +14,18 @@ from tests.transport.procs import Child
 
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., Child]]:
-    """``spawn("publisher" | "subscriber", **args)``; every child is stopped at teardown."""
+    """``spawn("publisher" | "subscriber", **args)``; every child is stopped at teardown.
+    ``forked=True``: forked from the zygote with torch imported (``zygote.py``)."""
     children: list[Child] = []
 
-    def start(role: str, **args: Any) -> Child:
-        child = Child(role, args)
+    def start(role: str, *, forked: bool = False, **args: Any) -> Child:
+        child = Child(role, args, forked=forked)
         children.append(child)
         return child
 
     yield start
+    for child in reversed(children):  # all at once: each one's shutdown takes seconds
+        child.ask_to_exit()
     for child in reversed(children):
         child.close(timeout=10)
 

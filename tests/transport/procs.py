@@ -209,19 +209,28 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
 class Child:
     """A helper process speaking JSON lines; every wait has a timeout."""
 
-    def __init__(self, role: str, args: dict[str, Any]) -> None:
+    def __init__(self, role: str, args: dict[str, Any], *, forked: bool = False) -> None:
+        """``forked``: from the zygote that has torch imported (``zygote.py``, milliseconds
+        instead of an interpreter start), still a process of its own."""
         self.role = role
         self._stderr = tempfile.TemporaryFile()
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.transport.procs", role, json.dumps(args)],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr, text=True, bufsize=1,
-        )
+        if forked:
+            from tests.transport.zygote import ForkedProcess
+
+            self.proc: Any = ForkedProcess(role, args, self._stderr)
+        else:
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
+                                                              env.get("PYTHONPATH")]))
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.transport.procs", role, json.dumps(args)],
+                cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=self._stderr, text=True, bufsize=1,
+            )
         self.events: list[dict[str, Any]] = []
         self._cond = threading.Condition()
         self._eof = False
+        self._exit_sent = False
         self._reader = threading.Thread(target=self._read, daemon=True,
                                         name=f"test-{role}-reader")
         self._reader.start()
@@ -290,10 +299,21 @@ class Child:
         os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
 
+    def ask_to_exit(self) -> None:
+        """Send ``exit`` without waiting: children asked together shut down side by side
+        (a subscriber's close takes seconds); ``close`` then waits for each."""
+        if self.proc.poll() is None and not self._exit_sent:
+            try:
+                self.send(cmd="exit")
+            except OSError:
+                pass  # it is going already; close() reaps (or kills) it
+            self._exit_sent = True
+
     def close(self, timeout: float = 10.0) -> int | None:
         if self.proc.poll() is None:
             try:
-                self.send(cmd="exit")
+                if not self._exit_sent:
+                    self.send(cmd="exit")
                 self.proc.wait(timeout=timeout)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
