@@ -18,6 +18,10 @@ is a collective:
 - FSDP1 wrappers: refused with a clear error (the callback is handed the
   unwrapped module, whose state dict is not the model's); use FSDP2.
 
+With a ``ShardedPublisher`` on every rank instead, every rank publishes its own
+shard (no rank holds the whole model) and the version is ``global_step``, the
+one number every rank agrees on.
+
 This is the one module of ``publisher`` that imports transformers; ``import
 publisher`` loads it only when ``PublishCallback`` is asked for.
 """
@@ -26,14 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
+from publisher.sharded_publisher import ShardedPublisher
 from publisher.snapshot import WeightsLike
-from publisher.streamed_sources import gather_full_tensors
+from publisher.streamed_sources import gather_full_tensors, owner_ranks
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import ConfigError
 
@@ -46,22 +51,25 @@ class PublishCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` that publishes the model every N optimizer steps.
 
     ``publisher`` is the ``WeightPublisher`` on the world process zero and ``None``
-    on every other rank. ``weights`` maps the model to what is published (default:
+    on every other rank, or every rank's own ``ShardedPublisher`` (versions are
+    then ``global_step``). ``weights`` maps the model to what is published (default:
     the model itself, i.e. its ``state_dict()``; e.g. merge LoRA adapters here); it
     runs on every rank, so collectives inside it line up.
     ``step_as_version`` numbers versions by ``state.global_step``, so a resumed run
     keeps its numbers monotonic. ``published`` lists ``(global_step, version)``.
     """
 
-    def __init__(self, publisher: WeightPublisher | None, every_n_steps: int = 1, *,
+    def __init__(self, publisher: WeightPublisher | ShardedPublisher | None,
+                 every_n_steps: int = 1, *,
                  publish_on_train_end: bool = True, step_as_version: bool = False,
                  weights: Callable[[torch.nn.Module], WeightsLike] | None = None) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) \
                 or every_n_steps < 1:
             raise ConfigError(f"every_n_steps: {every_n_steps!r} must be an int >= 1")
-        if publisher is not None and not isinstance(publisher, WeightPublisher):
-            raise ConfigError(f"publisher: expected a WeightPublisher or None, got "
-                              f"{type(publisher).__name__}")
+        if publisher is not None and not isinstance(publisher, (WeightPublisher,
+                                                                 ShardedPublisher)):
+            raise ConfigError(f"publisher: expected a WeightPublisher, a ShardedPublisher or "
+                              f"None, got {type(publisher).__name__}")
         self.publisher = publisher
         self.every_n_steps = every_n_steps
         self.publish_on_train_end = publish_on_train_end
@@ -95,14 +103,34 @@ class PublishCallback(TrainerCallback):
         self._last_step = step
         with _gathered(model):
             weights = model if self.weights is None else self.weights(model)
-            if not state.is_world_process_zero:
+            if isinstance(self.publisher, ShardedPublisher):  # every rank, its own shard
+                version = self.publisher.publish(_own_share(weights, self.publisher),
+                                                 version=step)
+            elif not state.is_world_process_zero:
                 gather_full_tensors(weights)  # take part in the DTensor collectives
                 return
-            assert self.publisher is not None  # checked at on_train_begin
-            version = self.publisher.publish(
-                weights, version=step if self.step_as_version else None)
+            else:
+                assert self.publisher is not None  # checked at on_train_begin
+                version = self.publisher.publish(
+                    weights, version=step if self.step_as_version else None)
         self.published.append((step, version))
         log.info("published version %d at step %d", version, step)
+
+
+def _own_share(weights: Any, publisher: ShardedPublisher) -> Any:
+    """What this rank publishes: DTensors (FSDP2, TP) as they are (each rank keeps what it
+    owns of each gather); weights every rank holds whole (DDP, gathered ZeRO-3) split by
+    ``owner_ranks``, so each rank serves its part and no name repeats across ranks."""
+    if isinstance(weights, torch.nn.Module):
+        items = list(weights.state_dict().items())
+    elif isinstance(weights, Mapping):
+        items = list(weights.items())
+    else:
+        return weights  # pairs or a WeightSource: this rank's own, as given
+    if any(callable(getattr(tensor, "full_tensor", None)) for _, tensor in items):
+        return weights
+    owners = owner_ranks(items, publisher.world_size)
+    return [(name, tensor) for name, tensor in items if owners[name] == publisher.rank]
 
 
 def _is_zero3(model: torch.nn.Module) -> bool:

@@ -1,5 +1,7 @@
 """``PublishCallback`` under FSDP2 (two gloo ranks, DTensor parameters): rank 0 publishes,
-rank 1 takes part in gathering, and the subscriber gets the full, trained weights.
+rank 1 takes part in gathering, and the subscriber gets the full, trained weights. In the
+same run a second callback gives each rank its ``ShardedPublisher``: each rank publishes
+its half, and a subscriber of the union gets the same trained weights, versioned by step.
 
 The CPU ``Trainer`` runs DDP, not FSDP (accelerate enables FSDP on GPUs only), so
 the ranks drive the callback's events themselves, with real ``TrainerState`` objects,
@@ -15,6 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from subscriber_ext import WeightSubscriber
 from tests.transport.procs import REPO, Child, digests
 
 pytestmark = pytest.mark.timeout(180)
@@ -29,13 +32,13 @@ def _rank(rank: int, store: str, conn) -> None:
     from torch.distributed.tensor import DTensor
     from transformers import TrainerControl, TrainerState
 
-    from publisher import PublishCallback, WeightPublisher
+    from publisher import PublishCallback, ShardedPublisher, WeightPublisher
     from tests.trainer.test_publish_callback import tiny_model
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=90))
-    pub = None
+    pub = shard = None
     try:
         model = tiny_model()
         for layer in model.model.layers:
@@ -43,53 +46,82 @@ def _rank(rank: int, store: str, conn) -> None:
         fully_shard(model)
         assert all(isinstance(p, DTensor) for p in model.parameters())
         pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2) if rank == 0 else None
+        where: list[str | None] = [None]  # rank 0's coordinator binds, then says where
+        if rank == 0:
+            shard = ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
+                                     coordinator="tcp://127.0.0.1:0",
+                                     announce_endpoint="tcp://127.0.0.1:0",
+                                     heartbeat_interval=0.2)
+            assert shard.coordinator is not None
+            where = [shard.coordinator.collect_endpoint]
+        dist.broadcast_object_list(where, src=0)
+        if rank != 0:
+            shard = ShardedPublisher("tcp://127.0.0.1:0", rank=rank, world_size=2,
+                                     coordinator=str(where[0]), heartbeat_interval=0.2)
         if pub is not None:
-            conn.send(pub.endpoint)
+            assert shard is not None and shard.coordinator is not None
+            conn.send((pub.endpoint, shard.coordinator.endpoint))
             assert conn.recv() == "subscribed"
-        callback = PublishCallback(pub, every_n_steps=2)
+        callbacks = [PublishCallback(pub, every_n_steps=2), PublishCallback(shard, every_n_steps=2)]
+        callback = callbacks[0]
         state = TrainerState(is_world_process_zero=rank == 0, is_local_process_zero=rank == 0)
         control = TrainerControl()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         ids = torch.arange(16).reshape(2, 8) * (rank + 1) % 64  # each rank its own batch
-        callback.on_train_begin(None, state, control, model=model)
+        for each in callbacks:
+            each.on_train_begin(None, state, control, model=model)
         for step in range(1, 4):
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             state.global_step = step
-            callback.on_step_end(None, state, control, model=model)
-        callback.on_train_end(None, state, control, model=model)
+            for each in callbacks:
+                each.on_step_end(None, state, control, model=model)
+        for each in callbacks:
+            each.on_train_end(None, state, control, model=model)
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v
                 for k, v in model.state_dict().items()}  # a collective, on both ranks
         if rank == 0:
-            conn.send((callback.published, digests(full.items())))
+            conn.send((callback.published, callbacks[1].published, digests(full.items())))
+            assert conn.recv() == "staged"  # the ranks serve their shards until then
         dist.barrier()  # tear the group down together
     finally:
         if pub is not None:
             pub.close()
+        if shard is not None:
+            shard.close()
         dist.destroy_process_group()
 
 
-def test_fsdp2_rank0_publishes_the_others_gather(tmp_path):
+def test_fsdp2_rank0_publishes_the_others_gather_or_every_rank_publishes_its_shard(tmp_path):
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), child), daemon=True)
              for r in (0, 1)]
     for proc in procs:
         proc.start()
-    sub = None
+    sub = union = None
     try:
         assert parent.poll(90), "rank 0 did not start its publisher"
-        sub = Child("subscriber", {"endpoint": parent.recv()})
+        endpoint, announce = parent.recv()
+        sub = Child("subscriber", {"endpoint": endpoint})
+        union = WeightSubscriber(announce)  # the sharded ranks' union, in this process
         sub.event("ready", 60)
         parent.send("subscribed")
         assert parent.poll(90), "the ranks did not finish training"
-        published, trained = parent.recv()
+        published, sharded, trained = parent.recv()
         assert published == [(2, 1), (3, 2)]  # step 2, then the end of training
+        assert sharded == [(2, 2), (3, 3)]  # sharded: the version is the step
         last = sub.event("staged", 60, version=2)
         assert last["digests"] == trained  # whole tensors, bit for bit
         assert last["shapes"]["lm_head.weight"] == [64, 64]
+        staged = union.wait_for_version(3, timeout=60)
+        assert digests(staged.tensors.items()) == trained  # the union of two halves
+        staged.release()
+        parent.send("staged")
     finally:
+        if union is not None:
+            union.close()
         if sub is not None:
             sub.close()
         for proc in procs:

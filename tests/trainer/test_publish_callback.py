@@ -102,3 +102,35 @@ def test_bad_arguments_name_what_is_wrong(tmp_path):
                       train_dataset=token_dataset(), callbacks=[PublishCallback(None)])
     with pytest.raises(ConfigError, match="world process zero needs a WeightPublisher"):
         trainer.train()
+
+
+def test_ranks_holding_the_whole_model_each_publish_their_share_with_sharded_publishers(
+) -> None:
+    """DDP (or gathered ZeRO-3): every rank holds the model whole; with a
+    ``ShardedPublisher`` each rank's callback publishes the part ``owner_ranks`` gives it,
+    so the union names every tensor once, at the step's version."""
+    from transformers import TrainerControl, TrainerState
+
+    from publisher import ShardedPublisher
+    from subscriber_ext import WeightSubscriber
+
+    model = tiny_model(seed=3)
+    with ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
+                          coordinator="tcp://127.0.0.1:0",
+                          announce_endpoint="tcp://127.0.0.1:0") as rank0:
+        assert rank0.coordinator is not None
+        with ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2,
+                              coordinator=rank0.coordinator.collect_endpoint) as rank1:
+            sub = WeightSubscriber(rank0.coordinator.endpoint)
+            try:
+                for rank, pub in enumerate((rank0, rank1)):
+                    state = TrainerState(is_world_process_zero=rank == 0, global_step=4)
+                    callback = PublishCallback(pub, every_n_steps=2)
+                    callback.on_step_end(None, state, TrainerControl(), model=model)
+                    assert callback.published == [(4, 4)]
+                    assert 0 < len(pub.shard.manifest(4).tensors) < len(model.state_dict())
+                staged = sub.wait_for_version(4, timeout=30)
+                assert digests(staged.tensors.items()) == digests(model.state_dict().items())
+                staged.release()
+            finally:
+                sub.close()
