@@ -3,7 +3,8 @@
 Run through ``python -m tests.transport.procs shard_rank '<json args>'``. The rank
 publishes ``det_weights(seed, version, spec)`` of its own ``spec`` on command, so
 the test can recompute every byte; rank 0 also runs the coordinator and says
-where subscribers and the other ranks dial it.
+where subscribers and the other ranks dial it. ``die_serving: V`` makes the rank
+SIGKILL itself when it is about to send its first chunk of version V.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def run_shard_rank(args: dict[str, Any]) -> None:
     from publisher.sharded_publisher import ShardedPublisher
 
     spec = [(name, dtype, tuple(shape)) for name, dtype, shape in args["spec"]]
+    if args.get("die_serving"):
+        _die_serving(int(args["die_serving"]))
     start_rss = _peak_rss()
     pub = ShardedPublisher(
         args.get("endpoint", "tcp://127.0.0.1:0"), rank=args["rank"],
@@ -86,6 +89,23 @@ def run_shard_rank(args: dict[str, Any]) -> None:
                   dropped=None if coordinator is None else coordinator.dropped_versions,
                   last_error=None if coordinator is None else coordinator.last_error)
     pub.close()
+
+
+def _die_serving(version: int) -> None:
+    """A real kill -9 of this rank as it is about to send its first chunk of ``version``
+    (or a later one): a subscriber is fetching it and none has a byte of this shard."""
+    import signal
+
+    from publisher import connection_credit
+
+    send = connection_credit.PeerTable._send_chunk
+
+    def dying(self: Any, peer: Any, header: Any, *rest: Any) -> bool | None:
+        if header.version >= version:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send(self, peer, header, *rest)
+
+    connection_credit.PeerTable._send_chunk = dying  # type: ignore[method-assign, assignment]
 
 
 #: DTensors beside the FSDP2 model (name: shape, dtype, placement), built on its mesh:

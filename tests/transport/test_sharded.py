@@ -1,9 +1,10 @@
 """Sharded trainers: every rank publishes its own shard, one version is the union.
 
-Ranks run as separate processes (``shard_procs.py``) serving their shards; rank 0
-also runs the coordinator that announces a version once every shard is in. The
-subscriber fetches each chunk from the rank holding it, bit-exact, and a rank
-killed mid-version costs that version only: nothing partial is ever staged.
+Ranks run as separate processes (``shard_procs.py``, forked from the zygote that has
+torch imported: ``zygote.py``) serving their shards; rank 0 also runs the coordinator
+that announces a version once every shard is in. The subscriber fetches each chunk
+from the rank holding it, bit-exact, and a rank killed mid-version costs that version
+only: nothing partial is ever staged.
 FSDP2 ranks (gloo, CPU) pass the whole sharded model and each keeps about 1/world.
 """
 
@@ -121,7 +122,7 @@ def test_a_rank_killed_mid_version_costs_that_version_only(
     spawn: Callable[..., Child], subscribers: Callable[..., WeightSubscriber],
 ) -> None:
     big = [SPECS[0], [("layers.1.w", "float32", (512, 256))]]  # rank 1: 128 chunks
-    ranks, ready0 = _start_ranks(spawn, big, shard_timeout=2.0)
+    ranks, ready0 = _start_ranks(spawn, big, shard_timeout=1.0)
     staged: list[int] = []
     # two chunks in flight per rank: the rank sends no more than that ahead of the kill
     sub = subscribers(ready0["announce"], request_timeout=0.5, max_chunk_retries=2,

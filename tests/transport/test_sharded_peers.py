@@ -6,7 +6,8 @@ coordinator and so the tracker); each subscriber is a ``peer_share=True`` child
 With the default fanout three members hold one stripe each, so every member
 fetches a third of each version from the ranks and the rest from the other two;
 a member killed or stalled mid-version sends the others to the ranks for its
-stripe.
+stripe; a rank killed mid-version costs that version only. Every process is forked
+from the zygote (``zygote.py``: torch imported once, so a start costs milliseconds).
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ SEED = 21
 
 
 def _start(spawn: Callable[..., Child], specs: list[Any], chunk: int, members: int,
-           member_args: dict[str, Any]) -> tuple[list[Child], list[Child]]:
+           member_args: dict[str, Any], last_rank_args: dict[str, Any] | None = None,
+           ) -> tuple[list[Child], list[Child]]:
     """The rank processes (rank 0 with the coordinator, so the tracker) and ``members``
     peer-sharing children, all started at once once rank 0 says where it is; returns
-    them when every member holds a slot of the same plan."""
-    rank0 = spawn("shard_rank", rank=0, world_size=len(specs), spec=specs[0], seed=SEED,
-                  chunk_size=chunk, announce_endpoint="tcp://127.0.0.1:0")
+    them when every member holds a slot of the same plan. All are forked from the
+    zygote (torch imported once: milliseconds each) and are processes of their own."""
+    rank0 = spawn("shard_rank", forked=True, rank=0, world_size=len(specs), spec=specs[0],
+                  seed=SEED, chunk_size=chunk, announce_endpoint="tcp://127.0.0.1:0")
     ready = rank0.event("ready", timeout=60)
-    ranks = [rank0] + [spawn("shard_rank", rank=rank, world_size=len(specs), spec=spec,
-                             seed=SEED, chunk_size=chunk, coordinator=ready["collect"])
+    ranks = [rank0] + [spawn("shard_rank", forked=True, rank=rank, world_size=len(specs),
+                             spec=spec, seed=SEED, chunk_size=chunk,
+                             coordinator=ready["collect"],
+                             **((last_rank_args or {}) if rank == len(specs) - 1 else {}))
                        for rank, spec in enumerate(specs[1:], start=1)]
     union = [entry for spec in specs for entry in spec]
-    peers = [spawn("peer", endpoint=ready["announce"], seed=SEED, spec=union, name=f"m{i}",
-                   **member_args) for i in range(members)]
+    peers = [spawn("peer", forked=True, endpoint=ready["announce"], seed=SEED, spec=union,
+                   name=f"m{i}", **member_args) for i in range(members)]
     for child in ranks[1:] + peers:
         child.event("ready", timeout=60)
 
@@ -84,10 +89,12 @@ def test_peers_share_a_sharded_version_and_a_dead_or_stalled_member_falls_back_t
     spawn: Callable[..., Child],
 ) -> None:
     """Three members, the default fanout: three stripes, each member the root of one (it
-    fetches that third from the ranks) and a leaf of the others (from the other two)."""
+    fetches that third from the ranks) and a leaf of the others (from the other two).
+    Then, on the same processes: a member killed, a member stalled, a rank killed."""
     ranks, members = _start(spawn, SPECS, 64 << 10, 3, {
-        "options": {"request_timeout": 2.0, "report_interval": 0.3},
-        "peer": {"upload_mbit": 16}})
+        "options": {"request_timeout": 2.0, "report_interval": 0.3,
+                    "switch_below_fraction": 0.9},
+        "peer": {"upload_mbit": 16}}, {"die_serving": 6})
     started = time.monotonic()
     for version in (1, 2):
         _publish(ranks, version)
@@ -141,3 +148,31 @@ def test_peers_share_a_sharded_version_and_a_dead_or_stalled_member_falls_back_t
     finally:
         os.kill(stalled.pid, signal.SIGCONT)
     _staged(stalled, 5)
+
+    # a trainer rank killed (kill -9) as the members fetch version 6: rank 1 dies at the
+    # first chunk of it that a member asks it for, so no member (and no peer) has a byte
+    # of its shard. Version 6 costs only itself: nothing of it is staged, the members keep
+    # version 5; rank 1 restarted (a new process, a new port), version 7 follows bit-exact.
+    # switch_below_fraction 0.9: v7 replaces the stuck v6 (rank 0's half, ~0.5 of it, in)
+    # at once instead of after v6's retries run out (max_chunk_retries x request_timeout)
+    started = time.monotonic()
+    for child in ranks:
+        child.send(cmd="publish", version=6)
+    ranks[0].event("published", timeout=30, version=6)
+    wait_until(lambda: ranks[1].proc.poll() is not None, 30, "rank 1 killed serving v6")
+    assert ranks[1].proc.returncode == -9, ranks[1].stderr_tail()
+    for child in alive:
+        status = _peers(child)
+        assert status["staged_version"] == 5, status
+    ranks[1] = spawn("shard_rank", forked=True, rank=1, world_size=2, spec=SPECS[1],
+                     seed=SEED, chunk_size=64 << 10,
+                     coordinator=ranks[0].event("ready", timeout=1)["collect"])
+    ranks[1].event("ready", timeout=60)
+    _publish(ranks, 7)
+    for child in alive:
+        _staged(child, 7)
+        staged = [e["version"] for e in child.events if e.get("event") == "staged"]
+        assert staged == [1, 2, 3, 4, 5, 7], staged  # never version 6, never part of it
+        assert _peers(child)["checksum_failures"] == 0
+    print(f"versions 6-7 (rank 1 killed serving 6, restarted): "
+          f"{time.monotonic() - started:.2f}s")
