@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,3 +27,66 @@ def _remove_vllm_shared_memory_left_behind() -> Iterator[None]:
     if SHM.is_dir():
         for path in set(SHM.glob("vllm_dist_*")) - before:
             path.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------ engines shared by modules
+#: fixture name -> (tiny model kind, TP size). Modules that start an engine with exactly
+#: these options (``make_llm``'s defaults) and whose tests do not need it fresh share one
+#: start (15-25 s on CI's 2 cores): they run one after another (first user's place) and
+#: the engine is let go after the last test that uses it, as a module fixture would.
+SHARED_ENGINES: dict[str, tuple[str, int]] = {
+    "qwen2_tp1_engine": ("qwen2", 1),  # test_tp1_qwen2.py, then test_transport_e2e.py
+}
+_engines: dict[str, Any] = {}
+_last_user: dict[str, str] = {}
+
+
+def _shared_engine(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    if name not in _engines:
+        from .helpers import make_llm, save_tiny
+
+        kind, tp = SHARED_ENGINES[name]
+        _engines[name] = make_llm(save_tiny(kind, 0, tmp_path_factory.mktemp(name)), tp=tp)
+    return _engines[name]
+
+
+@pytest.fixture(scope="module")
+def qwen2_tp1_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Tiny Qwen2 at TP=1, fresh for test_tp1_qwen2.py."""
+    return _shared_engine("qwen2_tp1_engine", tmp_path_factory)
+
+
+def _engines_of(item: pytest.Item) -> set[str]:
+    return SHARED_ENGINES.keys() & set(getattr(item, "fixturenames", ()))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each module that shares an engine is pulled up behind the previous one using it
+    (no other engine starts while it waits); every other module keeps its place."""
+    modules: dict[Any, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.path, []).append(item)
+    uses = {path: set().union(*map(_engines_of, group)) for path, group in modules.items()}
+    order: list[Any] = []
+    for path in modules:
+        if path in order:
+            continue
+        order.append(path)
+        for name in sorted(uses[path]):
+            order += [p for p in modules if name in uses[p] and p not in order]
+    items[:] = [item for path in order for item in modules[path]]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    for item in session.items:
+        for name in _engines_of(item):
+            _last_user[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last test that uses a shared engine, let it go (the module fixtures that
+    held it are torn down by now), so it shuts down as a module fixture's engine would."""
+    for name, nodeid in _last_user.items():
+        if nodeid == item.nodeid:
+            _engines.pop(name, None)

@@ -18,10 +18,8 @@ from .helpers import (
     encode_all,
     free_port,
     hf_greedy,
-    make_llm,
     new_weights,
     publish_to_dir,
-    save_tiny,
     trainer_main,
     vllm_greedy,
 )
@@ -32,11 +30,9 @@ N = 8
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = save_tiny(KIND, 0, tmp_path_factory.mktemp("qwen2"))
-    engine = make_llm(path, tp=1)
-    yield engine
-    del engine
+def llm(qwen2_tp1_engine):
+    """Fresh here (the first module to use it); test_transport_e2e.py goes on with it."""
+    return qwen2_tp1_engine
 
 
 def _check(llm, weights):

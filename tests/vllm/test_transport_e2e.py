@@ -24,9 +24,7 @@ from .helpers import (
     PROMPTS,
     assert_matches_hf,
     free_port,
-    make_llm,
     new_weights,
-    save_tiny,
     vllm_greedy,
 )
 
@@ -49,10 +47,10 @@ def _trainer(endpoint: str, conn: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    engine = make_llm(save_tiny(KIND, 0, tmp_path_factory.mktemp("e2e")), tp=1)
-    yield engine
-    del engine
+def llm(qwen2_tp1_engine):
+    """The engine test_tp1_qwen2.py used (one start): every test here starts its own
+    subscriber on its own publisher and asserts against the version it published."""
+    return qwen2_tp1_engine
 
 
 @pytest.fixture()
