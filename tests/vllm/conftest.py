@@ -36,6 +36,7 @@ def _remove_vllm_shared_memory_left_behind() -> Iterator[None]:
 #: the engine is let go after the last test that uses it, as a module fixture would.
 SHARED_ENGINES: dict[str, tuple[str, int]] = {
     "qwen2_tp1_engine": ("qwen2", 1),  # test_tp1_qwen2.py, then test_transport_e2e.py
+    "qwen2_tp2_engine": ("qwen2", 2),  # test_collective_tp2.py, then test_node_staging.py
 }
 _engines: dict[str, Any] = {}
 _last_user: dict[str, str] = {}
@@ -54,6 +55,12 @@ def _shared_engine(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
 def qwen2_tp1_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Tiny Qwen2 at TP=1, fresh for test_tp1_qwen2.py."""
     return _shared_engine("qwen2_tp1_engine", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2_tp2_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Tiny Qwen2 at TP=2, fresh for test_collective_tp2.py."""
+    return _shared_engine("qwen2_tp2_engine", tmp_path_factory)
 
 
 def _engines_of(item: pytest.Item) -> set[str]:

@@ -31,7 +31,7 @@ from subscriber_ext import wait_until_applied
 from tests.transport.collective_children import Child
 from tests.transport.procs import digests, free_port, wait_until
 
-from .helpers import assert_matches_hf, make_llm, new_weights, save_tiny
+from .helpers import assert_matches_hf, new_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(400)]
 KIND = "qwen2"
@@ -77,8 +77,9 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory) -> Iterator[Rig]:
-    llm = make_llm(save_tiny(KIND, 0, tmp_path_factory.mktemp("collective")), tp=2)
+def rig(qwen2_tp2_engine) -> Iterator[Rig]:
+    """A fresh engine (test_node_staging.py goes on with it, once this rig is stopped)."""
+    llm = qwen2_tp2_engine
     setup = Rig(llm, f"tcp://127.0.0.1:{free_port()}")
     yield setup
     try:
@@ -86,7 +87,6 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
     finally:
         for child in setup.children:
             child.close()
-        del llm
 
 
 def test_three_versions_arrive_by_gloo_into_the_tp2_replica(rig):

@@ -26,7 +26,7 @@ from subscriber_ext import wait_until_applied
 from tests.transport.byte_relay import ByteRelay
 from tests.transport.shm_probe import memfd_holders, our_shm_files, process_tree
 
-from .helpers import assert_matches_hf, make_llm, new_weights, save_tiny
+from .helpers import assert_matches_hf, new_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
@@ -48,11 +48,13 @@ def _wait(predicate, what: str, timeout: float = 30.0):
 
 
 @pytest.fixture(scope="module")
-def replica(tmp_path_factory):
+def replica(qwen2_tp2_engine):
+    """The engine test_collective_tp2.py used (its subscriber stopped): one start for both;
+    this module's last test kills it."""
     from publisher import WeightPublisher
 
     size = _size(new_weights(KIND, 0))
-    llm = make_llm(save_tiny(KIND, 0, tmp_path_factory.mktemp("node")), tp=2)
+    llm = qwen2_tp2_engine
     pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2)
     relay = ByteRelay.in_front_of(pub.endpoint)
     llm.collective_rpc("start_weight_subscriber", args=(relay.endpoint,), kwargs={
@@ -65,7 +67,6 @@ def replica(tmp_path_factory):
         pass
     relay.close()
     pub.close()
-    del llm
 
 
 def test_tp2_replica_is_one_subscriber_and_receives_each_version_once(replica):
