@@ -8,10 +8,23 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from publisher.chunk_sizing import LARGEST as LARGEST_CHUNK
-from publisher.publisher_options import PublisherOptions
+from publisher.publisher_options import PublisherKeywords, PublisherOptions
 from weightpub_wire.config_file import StrictConfig, check_endpoint, load_yaml_as
 
-__all__ = ["PublisherConfig", "load_publisher_config"]
+__all__ = ["PublisherConfig", "ShardingConfig", "load_publisher_config"]
+
+
+class ShardingConfig(StrictConfig):
+    """A sharded trainer (``ShardedPublisher.from_config``): every rank reads the same file."""
+
+    # where the ranks send their shards: rank 0 binds it, the others dial it
+    coordinator: str
+    announce_endpoint: str  # what replicas dial (rank 0's coordinator serves it)
+    shard_timeout: float = Field(30.0, gt=0, le=3600)  # a version's shards all in by then
+    # where replicas reach this rank's shard (default: endpoint as bound, this host's name)
+    advertise: str | None = None
+
+    _endpoints = field_validator("coordinator", "announce_endpoint")(check_endpoint)
 
 
 class PublisherConfig(StrictConfig):
@@ -42,6 +55,8 @@ class PublisherConfig(StrictConfig):
     peer_fanout: int = Field(4, ge=0, le=16)  # peer sharing: stripes per version (0: off)
     # host memory for version snapshots (None: 3/4 of what is available at start)
     host_budget_bytes: int | None = Field(None, ge=1)
+    # every trainer rank publishes its own shard (ShardedPublisher.from_config; None: off)
+    sharding: ShardingConfig | None = None
 
     _endpoint = field_validator("endpoint")(check_endpoint)
 
@@ -57,7 +72,12 @@ class PublisherConfig(StrictConfig):
 
     def options(self) -> PublisherOptions:
         """The ``WeightPublisher``'s options (the endpoint is passed beside them)."""
-        return PublisherOptions.from_keywords(
+        return PublisherOptions.from_keywords(**self.keywords())
+
+    def keywords(self) -> PublisherKeywords:
+        """The same options as ``WeightPublisher``'s keywords (``ShardedPublisher`` takes
+        these)."""
+        return PublisherKeywords(
             model_id=self.model_id, keep_versions=self.keep_versions,
             chunk_size=(self.chunk_mib << 20) or None, heartbeat_interval=self.heartbeat_interval,
             first_version=self.first_version, delta_anchor_every=self.delta_anchor_every,

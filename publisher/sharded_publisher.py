@@ -58,6 +58,7 @@ which only agrees while no rank restarts.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -66,6 +67,7 @@ from typing import Unpack
 import torch
 import zmq
 
+from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_options import PublisherKeywords
 from publisher.shard_coordinator import SHARD_PAD, ShardCoordinator
 from publisher.snapshot import named_tensors, plan_layout
@@ -119,7 +121,8 @@ class ShardedPublisher:
             if keywords.get(name) not in (None, 0, 1):
                 raise ConfigError(f"{name}: not supported with sharded publishing yet (the "
                                   "union is served by the ranks' own ROUTERs)")
-        keywords.setdefault("chunk_size", DEFAULT_SHARD_CHUNK)
+        if not keywords.get("chunk_size"):  # None (adaptive) differs between ranks' shards
+            keywords["chunk_size"] = DEFAULT_SHARD_CHUNK
         peer_fanout = keywords.pop("peer_fanout", None)  # the coordinator's tracker
         keywords["peer_fanout"] = 0  # subscribers say hello to the coordinator, not a rank
         self.rank = rank
@@ -160,6 +163,27 @@ class ShardedPublisher:
         self._thread = threading.Thread(target=self._submit_loop, daemon=True,
                                         name="weightpub-shard-submit")
         self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: str | os.PathLike[str] | PublisherConfig, *,
+                    rank: int | None = None, world_size: int | None = None,
+                    ) -> ShardedPublisher:
+        """This rank's publisher from a ``publisher:`` YAML file (or ``PublisherConfig``)
+        with a ``sharding:`` section, the same file on every rank. ``rank`` and
+        ``world_size`` default to ``RANK`` and ``WORLD_SIZE`` (torchrun sets them)."""
+        if not isinstance(config, PublisherConfig):
+            config = load_publisher_config(config)
+        sharding = config.sharding
+        if sharding is None:
+            raise ConfigError("publisher.sharding: missing (where the ranks' shards go and "
+                              "what replicas dial); without it use WeightPublisher.from_config")
+        rank = _from_env("RANK") if rank is None else rank
+        world_size = _from_env("WORLD_SIZE") if world_size is None else world_size
+        return cls(config.endpoint, rank=rank, world_size=world_size,
+                   coordinator=sharding.coordinator,
+                   announce_endpoint=sharding.announce_endpoint if rank == 0 else None,
+                   shard_timeout=sharding.shard_timeout, advertise=sharding.advertise,
+                   **config.keywords())
 
     @property
     def latest_version(self) -> int:
@@ -255,6 +279,14 @@ class ShardedPublisher:
 
 def _path(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+def _from_env(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None or not value.isdigit():
+        raise ConfigError(f"{name.lower()}: not given and ${name} is {value!r} (torchrun sets "
+                          "it; or pass it)")
+    return int(value)
 
 
 def _dialable(bound: str) -> str:

@@ -59,6 +59,10 @@ def test_shipped_configs_load(name, kind):
     ("replica:\n  model: m\n  subscriber: {endpoint: 'tcp://h:1', upload_mbit: 100}\n",
      "upload_mbit only apply with peer_share: true"),
     ("publisher:\n  endpoint: tcp://h:1\n  peer_fanout: 17\n", "publisher.peer_fanout"),
+    ("publisher:\n  endpoint: tcp://h:1\n  sharding: {coordinator: 'tcp://h:2'}\n",
+     "publisher.sharding.announce_endpoint"),
+    ("publisher:\n  endpoint: tcp://h:1\n  sharding: {coordinator: 'ipc:x', "
+     "announce_endpoint: 'tcp://h:3', shard_timeout: 0}\n", "publisher.sharding.shard_timeout"),
     ("nonsense: {}\n", "unknown top-level key 'nonsense'"),
     ("publisher: [unclosed\n", "not valid YAML"),
 ])
@@ -261,3 +265,42 @@ def test_bind_failure_is_a_transport_error():
         with pytest.raises(TransportError, match="cannot bind") as info:
             WeightPublisher(pub.endpoint)
         assert info.value.__cause__ is not None
+
+
+def test_every_rank_of_a_sharded_trainer_starts_from_the_same_file(tmp_path, monkeypatch):
+    from publisher import ShardedPublisher
+
+    path = tmp_path / "publisher.yaml"
+    path.write_text("publisher:\n  endpoint: tcp://127.0.0.1:0\n  heartbeat_interval: 0.2\n"
+                    "  sharding:\n    coordinator: tcp://127.0.0.1:0\n"
+                    "    announce_endpoint: tcp://127.0.0.1:0\n    shard_timeout: 5\n")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"rank: not given and \$RANK"):
+        ShardedPublisher.from_config(path, world_size=2)
+    with pytest.raises(ConfigError, match="publisher.sharding: missing"):
+        ShardedPublisher.from_config(PublisherConfig(endpoint="tcp://127.0.0.1:0"), rank=0,
+                                     world_size=1)
+    rank0 = ShardedPublisher.from_config(path, rank=0, world_size=2)
+    try:
+        assert rank0.coordinator is not None and rank0.coordinator.shard_timeout == 5
+        # rank 1's file names the coordinator rank 0 bound (on a cluster: the same file)
+        config = load_config(path)
+        assert isinstance(config, PublisherConfig) and config.sharding is not None
+        config = config.model_copy(update={"sharding": config.sharding.model_copy(
+            update={"coordinator": rank0.coordinator.collect_endpoint})})
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        with ShardedPublisher.from_config(config) as rank1:
+            assert (rank1.rank, rank1.world_size, rank1.coordinator) == (1, 2, None)
+            sub = WeightSubscriber(rank0.coordinator.endpoint)
+            try:
+                rank0.publish({"a": torch.arange(10.0)}, version=7)
+                rank1.publish({"b": torch.ones(3, 5)}, version=7)
+                staged = sub.wait_for_version(7, timeout=30)
+                assert torch.equal(staged.tensors["a"], torch.arange(10.0))
+                assert torch.equal(staged.tensors["b"], torch.ones(3, 5))
+                staged.release()
+            finally:
+                sub.close()
+    finally:
+        rank0.close()
