@@ -215,9 +215,9 @@ class Child:
         self.role = role
         self._stderr = tempfile.TemporaryFile()
         if forked:
-            from tests.transport.zygote import ForkedProcess
+            from tests.transport.zygote import forked_child
 
-            self.proc: Any = ForkedProcess(role, args, self._stderr)
+            self.proc: Any = forked_child(role, args, self._stderr)
         else:
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
