@@ -65,6 +65,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.netsim import Host, Link, Network, available  # noqa: E402
+from weightpub.bench.forked import ForkedProcess  # noqa: E402
 
 PORT = 5555
 
@@ -75,22 +76,38 @@ class Node:
 
     host: Host
     role: str
-    proc: subprocess.Popen[str]
+    proc: subprocess.Popen[str] | ForkedProcess
     events: queue.Queue[dict[str, Any]] = field(default_factory=queue.Queue)
 
     @classmethod
     def start(cls, host: Host, role: str, args: dict[str, Any],
-              torch_threads: int = 1) -> Node:
+              torch_threads: int = 1, forked: bool = False) -> Node:
+        """``forked``: forked from a zygote that imported torch once (``Host.fork``), not
+        a fresh interpreter: the same node in milliseconds instead of seconds of CPU."""
+        log_dir = os.environ.get("FLEET_LOG_DIR")  # keep each node's log there
+        log = None
+        if log_dir:
+            log = open(os.path.join(log_dir, f"{host.name or 'root'}-{role}.log"), "w")
+        if forked:
+            if not torch_threads:
+                raise ValueError("forked nodes need torch_threads >= 1 (the zygote's "
+                                 "torch is already loaded: its default is not a fresh one)")
+            from benchmarks.fleet_node import PRELOAD, forked_main
+
+            env = {"PYTHONUNBUFFERED": "1", "FLEET_TORCH_THREADS": str(torch_threads),
+                   "OMP_NUM_THREADS": str(torch_threads)}
+            node = cls(host, role, host.fork(forked_main, (role, json.dumps(args), env),
+                                             stderr=log, preload=PRELOAD,
+                                             name=f"fleet-{role}"))
+            threading.Thread(target=node._read, daemon=True).start()
+            return node
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1",
                    FLEET_TORCH_THREADS=str(torch_threads))
         if torch_threads:
             env["OMP_NUM_THREADS"] = str(torch_threads)
         else:  # torch's default, as an application that never set it
             env.pop("OMP_NUM_THREADS", None)
-        log_dir = os.environ.get("FLEET_LOG_DIR")  # keep each node's log there
-        stderr: Any = subprocess.DEVNULL
-        if log_dir:
-            stderr = open(os.path.join(log_dir, f"{host.name or 'root'}-{role}.log"), "w")
+        stderr: Any = subprocess.DEVNULL if log is None else log
         proc = host.popen([sys.executable, "-m", "benchmarks.fleet_node", role,
                            json.dumps(args)], cwd=str(REPO), env=env,
                           stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -151,6 +168,7 @@ class Scenario:
     diag: bool = False  # each host's peer figures after every version
     prefix: str = "wpsim"  # of its namespaces (``Network.reap`` removes them by it)
     trainer_ranks: int = 1  # > 1: a ShardedPublisher, one simulated host per rank
+    forked_nodes: bool = False  # nodes forked from a zygote with torch loaded (tests)
 
 
 def run_scenario(s: Scenario) -> dict[str, Any]:
@@ -164,7 +182,8 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
         else:
             trainers = [Node.start(trainer, "publisher", {
                 "bind": f"tcp://{trainer.address}:{PORT}", "chunk_mib": s.chunk_mib,
-                "publisher_options": {"peer_fanout": s.fanout}}, s.torch_threads)]
+                "publisher_options": {"peer_fanout": s.fanout}}, s.torch_threads,
+                s.forked_nodes)]
             endpoint = trainers[0].wait("ready", 120)["endpoint"]
         publisher = trainers[0]
         sources = [endpoint]
@@ -178,7 +197,7 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
                     "connect": endpoint, "bind": f"tcp://{host.address}:{PORT}",
                     "cut_through": s.mode == "relay",
                     "publisher_options": {"chunk_mib": s.chunk_mib} if s.chunk_mib else {}},
-                    s.torch_threads)
+                    s.torch_threads, s.forked_nodes)
                 nodes.append(relay)
                 sources.append(relay.wait("ready", 120)["endpoint"])
         options = {"peer_share": True, "insecure": True} if s.mode == "peers" else {}
@@ -187,12 +206,13 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
             host = net.add_host(s.link)
             sub = Node.start(host, "subscriber", {"connect": sources[index % len(sources)],
                                                   "subscriber_options": options,
-                                                  "consumer": s.consumer}, s.torch_threads)
+                                                  "consumer": s.consumer}, s.torch_threads,
+                           s.forked_nodes)
             subscribers.append(sub)
         for sub in subscribers:
             sub.wait("ready", 120)
         if s.mode == "peers":  # every subscriber has said hello and holds the plan
-            time.sleep(2.5)
+            _wait_for_plan(subscribers, 10.0)
         times, trainer_versions, spreads, diag = [], [], [], []
         sent_before = 0.0
         for version in range(1, s.rounds + 1):
@@ -245,17 +265,33 @@ def _start_ranks(net: Network, first: Host, s: Scenario) -> list[Node]:
         "bind": f"tcp://{first.address}:{PORT}", "rank": 0, "world": s.trainer_ranks,
         "announce": f"tcp://{first.address}:{PORT + 1}",
         "coordinator": f"tcp://{first.address}:{PORT + 2}", "chunk_mib": s.chunk_mib,
-        "peer_fanout": s.fanout}, s.torch_threads)
+        "peer_fanout": s.fanout}, s.torch_threads, s.forked_nodes)
     ranks = [rank0]
     for rank in range(1, s.trainer_ranks):
         host = net.add_host(s.link)
         ranks.append(Node.start(host, "shard_rank", {
             "bind": f"tcp://{host.address}:{PORT}", "rank": rank, "world": s.trainer_ranks,
             "coordinator": f"tcp://{first.address}:{PORT + 2}", "chunk_mib": s.chunk_mib},
-            s.torch_threads))
+            s.torch_threads, s.forked_nodes))
     for node in ranks[1:]:
         node.wait("ready", 120)
     return ranks
+
+
+def _wait_for_plan(subscribers: list[Node], timeout: float) -> None:
+    """Until every subscriber holds a slot of the same plan (the tracker's epoch), at most
+    ``timeout`` seconds: then the first version goes out anyway, as it would in a
+    deployment (this was a fixed 2.5 s sleep)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        plans = []
+        for sub in subscribers:
+            sub.send(cmd="status")
+            plans.append(sub.wait("status", 60)["status"]["peers"] or {})
+        if all(p.get("slot") is not None for p in plans) \
+                and len({p.get("plan_epoch") for p in plans}) == 1:
+            return
+        time.sleep(0.05)
 
 
 def _peer_figures(subscribers: list[Node]) -> list[dict[str, Any]]:

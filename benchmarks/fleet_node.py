@@ -185,6 +185,20 @@ def main() -> None:
     os._exit(0)  # do not wait for daemon threads of a node that is done
 
 
+#: what a zygote preloads for forked nodes (``Node.start(forked=True)``)
+PRELOAD = ["torch", "xxhash", "zmq", "msgspec", "publisher", "publisher.sharded_publisher",
+           "subscriber_ext", "weightpub.relay", "benchmarks.fleet_node"]
+
+
+def forked_main(role: str, raw: str, env: dict[str, str]) -> None:
+    """``main`` in a node forked from a zygote (``Host.fork``): the environment
+    ``python -m benchmarks.fleet_node`` would have been given, then the same run."""
+    os.environ.update(env)
+    sys.argv = ["benchmarks.fleet_node", role, raw]
+    threading.current_thread().name = "fleet-node"
+    main()
+
+
 if __name__ == "__main__":
     threading.current_thread().name = "fleet-node"
     main()

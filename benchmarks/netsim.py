@@ -24,8 +24,11 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import IO, Any
+
+from weightpub.bench.forked import ForkedProcess
 
 __all__ = ["Host", "Link", "Network", "available", "tbf_burst"]
 
@@ -65,13 +68,24 @@ class Host:
     name: str  # namespace name ("" for the machine's own namespace)
     address: str
     link: Link
-    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    procs: list[subprocess.Popen[str] | ForkedProcess] = field(default_factory=list)
 
     def popen(self, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[str]:
         """Start ``argv`` inside this host's namespace (killed when the network closes)."""
         prefix = ["ip", "netns", "exec", self.name] if self.name else []
         proc: subprocess.Popen[str] = subprocess.Popen(  # type: ignore[call-overload]
             [*prefix, *argv], start_new_session=True, text=True, **kwargs)
+        self.procs.append(proc)
+        return proc
+
+    def fork(self, target: Callable[..., None], args: tuple[Any, ...], *,
+             stderr: IO[Any] | None = None, preload: Sequence[str] = (),
+             name: str = "forked") -> ForkedProcess:
+        """``target(*args)`` forked from the zygote into this host's namespace, in a
+        session of its own: what ``popen`` starts, without an interpreter start (killed
+        when the network closes, as those are)."""
+        proc = ForkedProcess(target, args, stderr=stderr, preload=preload,
+                             netns=self.name or None, new_session=True, name=name)
         self.procs.append(proc)
         return proc
 
