@@ -17,9 +17,12 @@ passes its own named tensors (names must not repeat across ranks). FSDP/FSDP2
 at the same time; each walks the layer groups in the same order (each gather is
 a collective all ranks join) and keeps only the tensors it owns
 (``streamed_sources.plan_shard``: largest first to the least loaded rank, the
-same split on every rank from global names, shapes and dtypes), dropping the
-others as soon as they are gathered. So each rank's shard is about 1/world of
-the model, and a rank holds its shard plus one gathered group at a time.
+same split on every rank from global names, shapes and dtypes). FSDP2's
+``Shard(0)`` DTensors (1-D mesh of these ranks) and ``Replicate`` ones go to
+their owner only, so a rank receives about its shard per version and holds its
+shard plus the tensor being gathered; other DTensors (HSDP's 2-D meshes, TP,
+``Shard(1)``) and a ``WeightSource`` are gathered whole on every rank and
+dropped at once where not owned (the whole model crosses every rank's link).
 
 Deltas (``delta_anchor_every`` > 1, best the same on every rank: the union offers
 only what all of them serve; ``keep_versions`` >= 2, its default then): each

@@ -13,8 +13,13 @@ extra memory is about one group (the gather's own buffers at most double it).
 
 Sharded trainers (``ShardedPublisher``): every rank walks every group the same
 way (``plan_shard``) and keeps only the tensors it owns (``owner_ranks``, the
-same answer on every rank from names, shapes and dtypes), dropping each other
-gathered tensor at once, so its snapshot is about 1/world of the model.
+same answer on every rank from names, shapes and dtypes), so its snapshot is
+about 1/world of the model. Each tensor is gathered to its owner only where
+it can be (``_take``: a DTensor on a 1-D mesh of the publisher's ranks,
+``Shard(0)``, FSDP2's default, or ``Replicate``), so a rank receives about its
+shard per version, not the whole model (1 TB per rank per version at 1T
+parameters); anything else is ``full_tensor()``-ed on every rank and dropped
+at once where not owned.
 
 No vLLM import (``publisher`` never imports it): a ``WeightSource`` is known by
 its ``metadata()`` and ``iter_groups()`` methods.
@@ -247,10 +252,12 @@ def plan_shard(weights: PublishSource, rank: int, world_size: int,
                ) -> StreamedPairs | list[tuple[str, Any]]:
     """Rank ``rank``'s part of ``weights`` for a ``ShardedPublisher``.
 
-    Sharded weights (DTensors) or a ``WeightSource``: a plan whose pass gathers
+    Sharded weights (DTensors) or a ``WeightSource``: a plan whose pass walks
     every group (every rank must run it, in step) and keeps only the tensors
-    ``owner_ranks`` gives this rank. Anything else is this rank's own tensors,
-    returned as plain pairs (unchecked, as ``plan_snapshot`` takes them).
+    ``owner_ranks`` gives this rank; 1-D ``Shard(0)``/``Replicate`` DTensors are
+    sent to their owner only (``_take``), the rest (a ``WeightSource``'s groups
+    included) gathered whole on every rank. Anything else is this rank's own
+    tensors, returned as plain pairs (unchecked, as ``plan_snapshot`` takes them).
     """
     return _plan(weights, (rank, world_size))
 
@@ -280,7 +287,8 @@ def _plan(weights: PublishSource, share: tuple[int, int] | None = None,
 
     Reads names, global shapes and dtypes only; a one-shot iterable is read once
     here and its pairs handed on. ``share`` (rank, world size): keep only the
-    tensors ``owner_ranks`` gives that rank (every group is still gathered).
+    tensors ``owner_ranks`` gives that rank (every group is still walked: each
+    tensor's gather, to its owner or to every rank, is a collective).
     """
     if isinstance(weights, StreamedPairs):  # planned already (``plan_shard``)
         return weights
