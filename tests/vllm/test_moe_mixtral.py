@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from .helpers import shut_down
 from .moe_cases import malformed_expert_rejected, start_engine, three_versions
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -19,7 +20,7 @@ KIND = "mixtral"
 def llm(request, tmp_path_factory):
     engine = start_engine(KIND, request.param, tmp_path_factory)
     yield engine
-    del engine
+    shut_down(engine)
 
 
 def test_three_versions_per_expert_names_then_publish_model_then_prepared(llm):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from .helpers import shut_down
 from .moe_cases import malformed_expert_rejected, start_engine, three_versions
 from .storage import assert_same_storage, callable_rpcs, storages
 
@@ -24,7 +25,7 @@ def llm(request, tmp_path_factory):
     with callable_rpcs():  # storages(): a callable in collective_rpc
         engine = start_engine(KIND, request.param, tmp_path_factory)
         yield engine
-        del engine
+        shut_down(engine)
 
 
 def test_three_versions_per_expert_names_then_publish_model_then_prepared(llm):

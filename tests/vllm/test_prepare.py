@@ -25,6 +25,7 @@ from .helpers import (
     new_weights,
     publish_to_dir,
     save_tiny,
+    shut_down,
     vllm_greedy,
 )
 from .storage import assert_same_storage, callable_rpcs, storages
@@ -72,7 +73,7 @@ def llama(tmp_path_factory):
     with callable_rpcs():
         engine = make_llm(path, tp=1)
         yield engine
-        del engine
+        shut_down(engine)
 
 
 def test_prepared_commit_matches_hf_tied(llama, tmp_path):
@@ -95,7 +96,7 @@ def qwen2_tp2(tmp_path_factory):
     with callable_rpcs():
         engine = make_llm(path, tp=2)
         yield engine
-        del engine
+        shut_down(engine)
 
 
 TIED_QWEN2 = "qwen2_tied"

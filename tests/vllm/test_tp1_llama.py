@@ -15,6 +15,7 @@ from .helpers import (
     new_weights,
     publish_to_dir,
     save_tiny,
+    shut_down,
     vllm_greedy,
 )
 
@@ -28,7 +29,7 @@ def llm(tmp_path_factory):
     path = save_tiny(KIND, 0, tmp_path_factory.mktemp("llama"))
     engine = make_llm(path, tp=1)
     yield engine
-    del engine
+    shut_down(engine)
 
 
 def test_llama_subscriber_versions(llm, tmp_path):
