@@ -231,6 +231,9 @@ class WeightPublisher:
             if version is not None and version < self._next_version:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
+            # reply scratch kept idle since the last version would sit beside this snapshot
+            # (up to the subscribers' windows); the next version's replies make it anew
+            self._drop_idle_scratch()
             self._reuse_oldest()
             snapshot, pairs = plan_version(weights, self._pool,
                                            lambda nbytes: self._budget.admit(number, nbytes))
@@ -343,6 +346,9 @@ class WeightPublisher:
             # chunk frames' scratch ZeroMQ still holds (bounded by max_total_queued_bytes)
             "send_queued_bytes": 0 if self._server.peers is None
             else self._server.peers.total_queued,
+            # all reply scratch: queued frames and idle send buffers kept for reuse (dropped
+            # when the next version is published)
+            "reply_scratch_bytes": self._scratch_bytes(),
         }
 
     def _scratch_bytes(self) -> int:

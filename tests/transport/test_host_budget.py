@@ -18,7 +18,7 @@ from publisher.host_budget import DEFAULT_FRACTION
 from publisher.publisher_config import PublisherConfig
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.tools import RawPeer
-from tests.transport.procs import as_bytes, det_weights, spec_bytes
+from tests.transport.procs import as_bytes, det_weights, spec_bytes, wait_until
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ConfigError, StagingBudgetError
 from weightpub_wire.host_memory import available_memory
@@ -146,3 +146,19 @@ def test_reply_scratch_stays_within_what_the_snapshots_leave_of_the_budget(
     finally:
         reader.close()
         ctx.destroy(linger=0)
+
+
+def test_idle_reply_scratch_is_dropped_when_the_next_version_is_published(
+    make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    """Send buffers kept for reuse after a version was served would sit beside the next
+    snapshot (up to each subscriber's window): a publish drops them."""
+    pub = make_pub(chunk_size=256 << 10)
+    sub = make_sub(pub.endpoint)
+    pub.publish(det_weights(SEED, 1, BIG))
+    sub.wait_for_version(1, timeout=20).release()
+    sub.close()
+    wait_until(lambda: pub.data_stats()["send_queued_bytes"] == 0, 10, "replies sent")
+    assert pub.data_stats()["reply_scratch_bytes"] > 0  # idle, kept for the next version
+    pub.publish(det_weights(SEED, 2, BIG))
+    assert pub.data_stats()["reply_scratch_bytes"] == 0
