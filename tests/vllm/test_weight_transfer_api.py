@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from .helpers import assert_matches_hf, build_hf, new_weights, save_tiny
+from .helpers import assert_matches_hf, build_hf, new_weights, save_tiny, shut_down
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
@@ -64,7 +64,7 @@ def rig(tmp_path_factory):
         client=LLMClient(llm), source=ModuleSource(model))
     yield SimpleNamespace(llm=llm, model=model, trainer=trainer, path=path, last_weights=None)
     trainer.shutdown()
-    del llm
+    shut_down(llm)
 
 
 def _labels(llm) -> list[str]:
@@ -137,8 +137,6 @@ def test_a_late_replica_given_the_endpoint_in_additional_config(rig) -> None:
     """A second replica started after the loop: the endpoint comes from
     ``--additional-config`` (no init call), and vLLM's update_weights brings it to the
     newest version, checked by the oracle. It then follows the trainer's next version."""
-    import gc
-
     import torch
     from vllm import LLM
 
@@ -169,8 +167,7 @@ def test_a_late_replica_given_the_endpoint_in_additional_config(rig) -> None:
             assert replica.get_weight_version() == str(newest + 1)
             assert_matches_hf(replica, KIND, weights, N)
     finally:
-        del late
-        gc.collect()
+        shut_down(late)
 
 
 def test_in_flight_requests_complete_across_a_commit_with_their_version_spans(rig) -> None:

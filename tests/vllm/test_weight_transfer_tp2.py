@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from .helpers import assert_matches_hf, build_hf, new_weights, save_tiny
+from .helpers import assert_matches_hf, build_hf, new_weights, save_tiny, shut_down
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
@@ -45,4 +45,4 @@ def test_tp2_replica_follows_vllms_trainer_api(tmp_path) -> None:
         assert len(trainer.publisher.fleet()) == 1  # one subscription for the node
     finally:
         trainer.shutdown()
-        del llm
+        shut_down(llm)
