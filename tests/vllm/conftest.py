@@ -34,13 +34,16 @@ def _remove_vllm_shared_memory_left_behind() -> Iterator[None]:
 
 
 # ------------------------------------------------------------ engines shared by modules
-#: fixture name -> (tiny model kind, TP size). Modules that start an engine with exactly
-#: these options (``make_llm``'s defaults) and whose tests do not need it fresh share one
-#: start (15-25 s on CI's 2 cores): they run one after another (first user's place) and
-#: the engine is shut down after the last test that uses it.
-SHARED_ENGINES: dict[str, tuple[str, int]] = {
-    "qwen2_tp1_engine": ("qwen2", 1),  # test_tp1_qwen2.py, then test_transport_e2e.py
-    "qwen2_tp2_engine": ("qwen2", 2),  # test_collective_tp2.py, then test_node_staging.py
+#: fixture name -> (tiny model kind, TP size, its modules in the order they run). Modules
+#: that start an engine with exactly these options (``make_llm``'s defaults) and can take
+#: it as the module before left it share one start (15-25 s on CI's 2 cores): they run one
+#: after another in this order, wherever the first of them was collected, and the engine
+#: is shut down after the last test that uses it.
+SHARED_ENGINES: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    # the first needs it fresh (outputs of the checkpoint's weights)
+    "qwen2_tp1_engine": ("qwen2", 1, ("test_tp1_qwen2.py", "test_transport_e2e.py")),
+    # the last kills it
+    "qwen2_tp2_engine": ("qwen2", 2, ("test_collective_tp2.py", "test_node_staging.py")),
 }
 _engines: dict[str, Any] = {}
 _last_user: dict[str, str] = {}
@@ -50,7 +53,7 @@ def _shared_engine(name: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     if name not in _engines:
         from .helpers import make_llm, save_tiny
 
-        kind, tp = SHARED_ENGINES[name]
+        kind, tp, _ = SHARED_ENGINES[name]
         _engines[name] = make_llm(save_tiny(kind, 0, tmp_path_factory.mktemp(name)), tp=tp)
     return _engines[name]
 
@@ -72,8 +75,9 @@ def _engines_of(item: pytest.Item) -> set[str]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Each module that shares an engine is pulled up behind the previous one using it
-    (no other engine starts while it waits); every other module keeps its place."""
+    """The modules that share an engine run one after another, in their listed order, at
+    the place of the first one collected (no other engine starts while it waits); every
+    other module keeps its place."""
     modules: dict[Any, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.path, []).append(item)
@@ -84,7 +88,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             continue
         order.append(path)
         for name in sorted(uses[path]):
-            order += [p for p in modules if name in uses[p] and p not in order]
+            listed = SHARED_ENGINES[name][2]
+            group = [p for p in modules if name in uses[p]]
+            group.sort(key=lambda p: listed.index(p.name) if p.name in listed else len(listed))
+            if path in group[1:]:  # collected before the module that must run first
+                order.remove(path)
+            order += [p for p in group if p not in order]
     items[:] = [item for path in order for item in modules[path]]
 
 
