@@ -32,6 +32,7 @@ import multiprocessing.connection
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tests.transport.procs import det_weights
@@ -194,6 +195,21 @@ def _exact_rss() -> None:
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
 
 
+def _publish_on_command(conn: multiprocessing.connection.Connection, seed: int,
+                        publish: Callable[..., int], wait: Callable[..., None]) -> None:
+    """("publish", version, spec) -> publish ``det_weights``, ``wait`` for it, then
+    ("published", version); "exit" (or 10 minutes of silence) ends it."""
+    while conn.poll(600):
+        command = conn.recv()
+        if command[0] == "exit":
+            break
+        if command[0] == "publish":
+            _, version, spec = command
+            publish(det_weights(seed, version, spec), version=version)
+            wait(version, timeout=60)
+            conn.send(("published", version))
+
+
 def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str, Any]) -> None:
     """Commands over ``conn``: ("publish", version, spec) -> ("published", version); "exit"."""
     faulthandler.dump_traceback_later(30, exit=True)  # a start that hangs shows where
@@ -211,18 +227,7 @@ def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str,
                           keep_versions=args.get("keep_versions", 2), limits=limits)
     conn.send(("ready", pub.endpoint, pub.publisher_id, pub.started_at, os.getpid()))
     faulthandler.cancel_dump_traceback_later()
-    seed = args["seed"]
-    while True:
-        if not conn.poll(600):
-            break
-        command = conn.recv()
-        if command[0] == "exit":
-            break
-        if command[0] == "publish":
-            _, version, spec = command
-            pub.publish(det_weights(seed, version, spec), version=version)
-            pub.wait_announced(version, timeout=60)
-            conn.send(("published", version))
+    _publish_on_command(conn, args["seed"], pub.publish, pub.wait_announced)
     pub.close()
 
 
@@ -243,16 +248,7 @@ def shard_rank_child(conn: multiprocessing.connection.Connection, args: dict[str
     union_id = pub.shard.publisher_id if pub.coordinator is None else pub.coordinator.publisher_id
     conn.send(("ready", pub.endpoint, union_id, 0.0, os.getpid()))
     faulthandler.cancel_dump_traceback_later()
-    seed = args["seed"]
-    while conn.poll(600):
-        command = conn.recv()
-        if command[0] == "exit":
-            break
-        if command[0] == "publish":
-            _, version, spec = command
-            pub.publish(det_weights(seed, version, spec), version=version)
-            pub.wait_submitted(version, timeout=60)
-            conn.send(("published", version))
+    _publish_on_command(conn, args["seed"], pub.publish, pub.wait_submitted)
     pub.close()
 
 

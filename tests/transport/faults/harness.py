@@ -117,3 +117,13 @@ class Recorder:
     def got(self, publisher_id: str, version: int) -> bool:
         with self.lock:
             return (publisher_id, version) in self.delivered
+
+
+def close_all(sub: Any, procs: list[Proc]) -> None:
+    """A case's end: its subscriber closes promptly (asserted), then every process goes."""
+    if sub is not None:
+        start = time.monotonic()
+        sub.close()
+        assert time.monotonic() - start < 15, "subscriber close hung"
+    for proc in procs:
+        proc.close()

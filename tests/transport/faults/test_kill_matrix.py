@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from subscriber_ext import StagedVersion, WeightSubscriber
-from tests.transport.faults.harness import Proc, Recorder
+from tests.transport.faults.harness import Proc, Recorder, close_all
 from tests.transport.faults.tools import rss_mib
 from tests.transport.procs import det_weights, digests, free_port, pace_replies, wait_until
 from weightpub.status import fetch_status
@@ -170,12 +170,7 @@ def run_case(case: Case) -> dict[str, Any]:
                 "delivered": recorder.delivered[:], "restarted_rss_mib":
                 round(_child_rss(second), 1)}
     finally:
-        if sub is not None:
-            start = time.monotonic()
-            sub.close()
-            assert time.monotonic() - start < 15, "subscriber close hung"
-        for proc in procs:
-            proc.close()
+        close_all(sub, procs)
 
 
 def _child_rss(proc: Proc) -> float:

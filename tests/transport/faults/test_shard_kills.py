@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from subscriber_ext import WeightSubscriber
-from tests.transport.faults.harness import Proc, Recorder, Spec
+from tests.transport.faults.harness import Proc, Recorder, Spec, close_all
 from tests.transport.procs import free_port, pace_replies, wait_until
 from weightpub.status import fetch_status
 
@@ -83,12 +83,7 @@ def run_case(kill_at: str) -> dict[str, Any]:
         assert sub._thread.is_alive()
         return {"case": kill_at, "seconds": round(time.monotonic() - t0, 1)}
     finally:
-        if sub is not None:
-            start = time.monotonic()
-            sub.close()
-            assert time.monotonic() - start < 15, "subscriber close hung"
-        for proc in procs:
-            proc.close()
+        close_all(sub, procs)
 
 
 def _dropped(announce: str) -> int:
