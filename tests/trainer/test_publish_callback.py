@@ -128,6 +128,7 @@ def test_ranks_holding_the_whole_model_each_publish_their_share_with_sharded_pub
                     callback = PublishCallback(pub, every_n_steps=2)
                     callback.on_step_end(None, state, TrainerControl(), model=model)
                     assert callback.published == [(4, 4)]
+                    pub.wait_submitted(4, timeout=30)  # hashed: its manifest is out
                     assert 0 < len(pub.shard.manifest(4).tensors) < len(model.state_dict())
                 staged = sub.wait_for_version(4, timeout=30)
                 assert digests(staged.tensors.items()) == digests(model.state_dict().items())
