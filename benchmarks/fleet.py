@@ -13,7 +13,7 @@ the trainer's). Modes:
 * ``relay-sf``: the same with store-and-forward relays (``cut_through: false``);
 * ``peers``: every subscriber ``peer_share=True``; the trainer's tracker splits each
   version into ``--fanout`` stripes, each fetched once from the trainer by its root
-  and passed down that stripe's tree (``publisher/tracker.py``).
+  and passed down that stripe's tree (``publisher/serving/tracker.py``).
 
 ``--trainer-ranks R`` (R > 1): the trainer is R ranks of a ``ShardedPublisher``, each
 on a simulated host of its own behind its own link, each serving 1/R of the tensors

@@ -49,7 +49,7 @@ def probe(worker: Any, model_dir: str) -> dict[str, Any]:
     """Worker side: each step's (before, peak, after) resident bytes."""
     from safetensors.torch import load_file
 
-    from subscriber_ext.apply.prepare_budget import PrepareBudget
+    from subscriber_ext.vllm_ext.apply.prepare_budget import PrepareBudget
 
     applier = worker._wp_applier()
     libc = ctypes.CDLL("libc.so.6")

@@ -9,9 +9,9 @@ never pulls in transformers.
 from typing import Any as _Any
 
 from publisher.publisher_config import PublisherConfig
-from publisher.server import ServerLimits
+from publisher.serving.server import ServerLimits
 from publisher.sharded_publisher import ShardedPublisher
-from publisher.streamed_sources import gather_full_tensors
+from publisher.sources.streamed_sources import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import (
     ApplyError,

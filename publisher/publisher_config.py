@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from publisher.chunk_sizing import LARGEST as LARGEST_CHUNK
 from publisher.publisher_options import PublisherKeywords, PublisherOptions
+from publisher.store.chunk_sizing import LARGEST as LARGEST_CHUNK
 from weightpub_wire.config_file import StrictConfig, check_endpoint, load_yaml_as
 
 __all__ = ["PublisherConfig", "ShardingConfig", "load_publisher_config"]
@@ -35,7 +35,7 @@ class PublisherConfig(StrictConfig):
     # snapshots held whole (None: 1, or 2 with delta_anchor_every > 1; PublisherOptions)
     keep_versions: int | None = Field(None, ge=1, le=64)
     # chunk size on the wire; 0 (default): chosen per version from its size, a power of
-    # two from 256 KiB to 4 MiB giving at least 64 chunks (publisher.chunk_sizing)
+    # two from 256 KiB to 4 MiB giving at least 64 chunks (publisher.store.chunk_sizing)
     chunk_mib: int = Field(0, ge=0, le=1024)
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
     first_version: int = Field(1, ge=1)

@@ -15,9 +15,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, Unpack
 
-from publisher.chunk_sizing import chunk_size_for
-from publisher.collective_sender import CollectiveOptions, check_options
-from publisher.server import ServerLimits
+from publisher.collective.collective_sender import CollectiveOptions, check_options
+from publisher.serving.server import ServerLimits
+from publisher.store.chunk_sizing import chunk_size_for
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ConfigError
 from weightpub_wire.peer_protocol import MAX_STRIPES
@@ -32,7 +32,7 @@ class PublisherOptions:
     ``collective`` is None (no collective path) or the path's options; its ``host``
     None means the endpoint's host. ``limits.tracker.fanout`` is ``peer_fanout``.
     ``chunk_size`` None (the default): each version's chunk follows its size
-    (``publisher.chunk_sizing``; ``chunk_size_for`` says which).
+    (``publisher.store.chunk_sizing``; ``chunk_size_for`` says which).
     """
 
     model_id: str = ""
@@ -50,7 +50,7 @@ class PublisherOptions:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     collective: CollectiveOptions | None = None
-    #: None: derived from the memory available at start (``publisher.host_budget``)
+    #: None: derived from the memory available at start (``publisher.store.host_budget``)
     host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:

@@ -5,7 +5,7 @@ own endpoint, snapshot, credit, checksums), laid out from offset 0 and padded
 with zeros to a whole number of chunks (``SHARD_PAD``, left out of the union),
 so the shard is one chunk-aligned region of the union and its chunk ``i`` is
 the union's chunk ``first_chunk + i``. Once a shard is hashed the rank tells the
-coordinator (``publisher.shard_coordinator``) its layout and checksums over
+coordinator (``publisher.sharding.shard_coordinator``) its layout and checksums over
 ZeroMQ; the coordinator announces the version when every rank's shard is in.
 Subscribers fetch each chunk from the rank that holds it
 (``subscriber_ext/transport/client/shard_links.py``). No rank holds more than
@@ -29,7 +29,7 @@ only what all of them serve; ``keep_versions`` >= 2, its default then): each
 rank encodes its own shard against its previous one (its own ``DeltaPublisher``)
 and serves those deltas; its submit says which bases it serves them from, and
 the coordinator offers only the bases every rank serves with the shard layout
-unchanged (``publisher.shard_deltas``). A rank that restarted has none: the
+unchanged (``publisher.sharding.shard_deltas``). A rank that restarted has none: the
 next version goes out in full.
 
 Peers: the coordinator runs the tracker (rank 0's ``peer_fanout``); a
@@ -72,9 +72,9 @@ import zmq
 
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_options import PublisherKeywords
-from publisher.shard_coordinator import SHARD_PAD, ShardCoordinator
-from publisher.snapshot import named_tensors, plan_layout
-from publisher.streamed_sources import PublishSource, StreamedPairs, plan_shard
+from publisher.sharding.shard_coordinator import SHARD_PAD, ShardCoordinator
+from publisher.sources.streamed_sources import PublishSource, StreamedPairs, plan_shard
+from publisher.store.snapshot import named_tensors, plan_layout
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, WeightPubError

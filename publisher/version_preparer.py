@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from publisher.snapshot import (
+from publisher.sources.streamed_sources import StreamedPairs, copy_streamed
+from publisher.store.snapshot import (
     ChunkHasher,
     Snapshot,
     copy_in_priority_order,
@@ -28,7 +29,6 @@ from publisher.snapshot import (
     hashable_in_place,
     source_chunks,
 )
-from publisher.streamed_sources import StreamedPairs, copy_streamed
 from weightpub_wire.checksums import pieces_checksum
 
 __all__ = ["Announce", "VersionPreparer"]

@@ -25,18 +25,18 @@ from typing import Unpack
 
 import zmq
 
-from publisher.collective_sender import CollectiveOptions, CollectivePublisher
-from publisher.delta_encoder import DeltaPublisher
-from publisher.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
+from publisher.collective.collective_sender import CollectiveOptions, CollectivePublisher
+from publisher.deltas.delta_encoder import DeltaPublisher
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.publisher_options import PublisherKeywords, PublisherOptions
-from publisher.relayed import RelayedVersion, relay_upstream
-from publisher.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
-from publisher.server import ServerOptions, ServingThread, StatusExtras
-from publisher.snapshot import Snapshot
-from publisher.store import PublishedVersion, VersionStore
-from publisher.streamed_sources import PublishSource, plan_version
+from publisher.serving.relayed import RelayedVersion, relay_upstream
+from publisher.serving.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
+from publisher.serving.server import ServerOptions, ServingThread, StatusExtras
+from publisher.sources.streamed_sources import PublishSource, plan_version
+from publisher.store.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
+from publisher.store.snapshot import Snapshot
+from publisher.store.version_store import PublishedVersion, VersionStore
 from publisher.version_preparer import VersionPreparer
 from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList, start_authenticator
@@ -62,29 +62,31 @@ class WeightPublisher:
     ``ConfigError`` unless ``insecure=True``.
     ``metrics_port`` serves Prometheus metrics on ``metrics_host`` (loopback by default).
     ``delta_anchor_every`` > 1 also serves versions as deltas against the previous one
-    (``publisher.delta_encoder``), with a full anchor version every that many versions.
+    (``publisher.deltas.delta_encoder``), with a full anchor version every that many versions.
     ``limits`` overrides the serving thread's bounds (``ServerLimits``).
     ``chunk_size`` (bytes, each chunk checksummed and fetched alone) is by default
     chosen per version from its size: a power of two from 256 KiB to 4 MiB giving at
-    least 64 chunks (``publisher.chunk_sizing``: peers forward whole chunks, so a
+    least 64 chunks (``publisher.store.chunk_sizing``: peers forward whole chunks, so a
     small version in big chunks pays a long tail); set it to fix one for every version.
     ``host_budget_bytes`` bounds the host memory of the version snapshots (kept, being
-    sent, pooled); default: 3/4 of the memory available at start (``publisher.host_budget``).
+    sent, pooled); default: 3/4 of the memory available at start (``publisher.store.host_budget``).
     ``keep_versions`` is how many snapshots are held whole, each one version's bytes of
     host memory: by default 1 (2 with deltas), and each new version is copied over the
     oldest one held, which is served chunk by chunk until overwritten
-    (``publisher.store``); more lets subscribers slower than the trainer finish an older one.
+    (``publisher.store.version_store``); more lets subscribers slower than the trainer
+    finish an older one.
 
     ``collective`` (``"gloo"`` on CPUs, ``"nccl"`` on GPUs, ``"cuda_ipc"`` for a replica
     on this process's GPU, or None) also serves every version by a collective broadcast
     in packed buckets of ``collective_bucket_bytes`` to the subscribers that ask to join
-    (``publisher.collective_sender``); manifests announce it, ZeroMQ frames stay the fallback.
+    (``publisher.collective.collective_sender``); manifests announce it, ZeroMQ frames
+    stay the fallback.
     Its rendezvous binds ``collective_host`` (default: the endpoint's host) on
     ``collective_port`` (0: any free port); ``collective_timeout`` bounds every
     rendezvous and collective wait; ``collective_device`` is the GPU (nccl, cuda_ipc).
 
     ``peer_fanout`` (default 4; 0: off) is the number of stripes the tracker splits a
-    version into for subscribers started with ``peer_share=True`` (``publisher.tracker``):
+    version into for subscribers started with ``peer_share=True`` (``publisher.serving.tracker``):
     the trainer sends each chunk once, to the stripe's root, and the subscribers pass it on.
 
     These keywords build one ``PublisherOptions`` (``publisher.publisher_options``),
@@ -114,7 +116,7 @@ class WeightPublisher:
         self.options = options
         self.model_id = options.model_id
         #: the chunk size set by the user, or None: each version's follows its size
-        #: (``publisher.chunk_sizing``; ``manifest(v).chunk_size`` is the one used)
+        #: (``publisher.store.chunk_sizing``; ``manifest(v).chunk_size`` is the one used)
         self.chunk_size: int | None = options.chunk_size
         self.publisher_id = uuid.uuid4().hex
         self.started_at = time.time()
@@ -221,7 +223,7 @@ class WeightPublisher:
         (name, tensor); CPU or CUDA tensors; or a vLLM ``WeightSource`` (``ModuleSource``).
         Sharded weights (DTensors) and ``WeightSource``s are gathered, copied and dropped
         one layer group at a time; every other rank calls ``gather_full_tensors`` meanwhile
-        (``publisher.streamed_sources``).
+        (``publisher.sources.streamed_sources``).
         A snapshot that cannot fit ``host_budget_bytes`` beside the versions held raises
         ``StagingBudgetError`` (naming the budget and the bytes) before it is allocated;
         the versions published before stay served.

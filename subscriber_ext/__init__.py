@@ -12,7 +12,6 @@ parameters) and ``seed/``; ``transport/`` (subscribe, fetch, verify, stage) ->
 
 from typing import Any as _Any
 
-from subscriber_ext.llm import WORKER_EXTENSION, wait_until_applied
 from subscriber_ext.staleness import (
     VersionRange,
     keep_fresh,
@@ -23,6 +22,7 @@ from subscriber_ext.transport.client.sync_client import SyncOptions
 from subscriber_ext.transport.staging.assembly import StagedVersion
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.transport.subscriber_config import SubscriberConfig
+from subscriber_ext.vllm_ext.llm import WORKER_EXTENSION, wait_until_applied
 
 __all__ = [
     "WORKER_EXTENSION",
@@ -41,7 +41,7 @@ __all__ = [
 
 def __getattr__(name: str) -> _Any:
     if name == "BatchWeightSyncWorkerExtension":
-        from subscriber_ext.worker_extension import BatchWeightSyncWorkerExtension
+        from subscriber_ext.vllm_ext.worker_extension import BatchWeightSyncWorkerExtension
 
         return BatchWeightSyncWorkerExtension
     raise AttributeError(name)

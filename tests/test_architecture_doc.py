@@ -313,7 +313,8 @@ def test_the_checker_finds_stale_references() -> None:
 def test_the_checker_accepts_live_references_and_prose() -> None:
     page = "\n".join([
         "`publisher/weight_publisher.py: WeightPublisher.publish()` `version_preparer.py`",
-        "`VersionPreparer.copy_and_hash` `snapshot.copy_in_priority_order` `subscriber_ext/apply/`",
+        "`VersionPreparer.copy_and_hash` `snapshot.copy_in_priority_order` "
+        "`subscriber_ext/vllm_ext/apply/`",
         "`weightpub_wire/buffers.BufferPool` `DeltaAssembly.verify` (inherited) `wire.X`",
         "`copy=False, track=True` `window_bytes` `WAKEUP` `TCPStore` `kill -9`",
         "`subscriber_ext.transport.subscriber.WeightSubscriber.close`",
@@ -321,7 +322,7 @@ def test_the_checker_accepts_live_references_and_prose() -> None:
     reading = read_page(page)
     assert reading.stale == []
     assert REPO / "publisher" / "version_preparer.py" in reading.placed
-    assert REPO / "subscriber_ext" / "apply" / "__init__.py" in reading.placed
+    assert REPO / "subscriber_ext" / "vllm_ext" / "apply" / "__init__.py" in reading.placed
 
 
 def test_the_checker_finds_an_unplaced_module() -> None:

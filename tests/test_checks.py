@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subscriber_ext.seed.tensor_bytes import decode_one, encode_tensor
+from subscriber_ext.vllm_ext.seed.tensor_bytes import decode_one, encode_tensor
 from weightpub_wire.dtypes import parse_dtype
 from weightpub_wire.errors import ApplyError, ConfigError, ProtocolError
 
@@ -35,8 +35,8 @@ def test_wire_and_rpc_share_names_and_refuse_alike() -> None:
 
 
 def test_installed_vllm_is_one_we_support() -> None:
-    from subscriber_ext import vllm_compat
-    from subscriber_ext.commit import vllm_patches
+    from subscriber_ext.vllm_ext import vllm_compat
+    from subscriber_ext.vllm_ext.commit import vllm_patches
 
     assert vllm_compat.problems() == []
     vllm_patches.install()  # our own patches keep the signatures the check reads
@@ -46,7 +46,7 @@ def test_installed_vllm_is_one_we_support() -> None:
 def test_a_missing_internal_is_named_and_the_override_warns(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from subscriber_ext import vllm_compat
+    from subscriber_ext.vllm_ext import vllm_compat
 
     fake = vllm_compat.Internal("vllm.v1.engine.core", "EngineCore.no_such_method", None,
                                 "a test")

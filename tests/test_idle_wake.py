@@ -1,4 +1,4 @@
-"""The idle engine's wake-up (``subscriber_ext.commit.idle_wake``): real Unix sockets, no vLLM.
+"""The idle engine's wake-up (``vllm_ext.commit.idle_wake``): real Unix sockets, no vLLM.
 
 A burst of datagrams is one wake-up until the engine took it; a sender without a
 listener neither blocks nor raises; a second listener cannot steal the name; close
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from subscriber_ext.commit.idle_wake import CHECK_S, WakeListener, WakeSender, wake_address
+from subscriber_ext.vllm_ext.commit.idle_wake import CHECK_S, WakeListener, WakeSender, wake_address
 
 pytestmark = pytest.mark.timeout(30)
 

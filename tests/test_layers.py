@@ -19,7 +19,6 @@ PACKAGES = ("weightpub_wire", "publisher", "subscriber_ext", "weightpub")
 #: group (the longest matching prefix names a module's group).
 LAYERS: list[tuple[str, float]] = [
     ("weightpub_wire", 0),
-    ("subscriber_ext.vllm_compat", 1),
     # the subscriber's transport, its sub-systems bottom up: what is being staged,
     # then peers and the collective path, the sync client, the subscriber, node staging
     ("subscriber_ext.transport.staging", 2.0),
@@ -28,19 +27,35 @@ LAYERS: list[tuple[str, float]] = [
     ("subscriber_ext.transport.client", 2.2),
     ("subscriber_ext.transport", 2.3),  # subscriber, subscriber_options, subscriber_config
     ("subscriber_ext.transport.node", 2.4),
-    ("subscriber_ext.apply", 2),
-    ("subscriber_ext.seed", 2),
     ("subscriber_ext.observe", 2),
-    ("publisher", 2),
-    ("subscriber_ext.commit", 3),
-    ("subscriber_ext", 4),  # worker_state, seed_rpcs, worker_extension, worker_status, llm
+    # everything coupled to vLLM, bottom up: the versions we were written against, how
+    # tensors reach vLLM parameters and the seed's parts, when every rank switches, the RPCs
+    ("subscriber_ext.vllm_ext.vllm_compat", 3.0),
+    ("subscriber_ext.vllm_ext.apply", 3.0),
+    ("subscriber_ext.vllm_ext.seed", 3.0),
+    ("subscriber_ext.vllm_ext.commit", 3.1),
+    ("subscriber_ext.vllm_ext", 3.2),  # worker_extension, worker_state, seed_rpcs, backend, llm
+    ("subscriber_ext", 4),  # the package's front, staleness, the worker_extension import path
+    # the trainer side, its sub-systems bottom up: the snapshot and its store; where tensors
+    # come from, deltas, the collective path; serving; sharding; the publishers and options
+    ("publisher.store", 2.0),
+    ("publisher.sources", 2.1),
+    ("publisher.deltas", 2.1),
+    ("publisher.collective", 2.1),
+    ("publisher.serving", 2.2),
+    ("publisher.sharding", 2.3),
+    ("publisher", 2.4),
     ("weightpub", 5),
 ]
 #: third-party packages a group must never import, even lazily
 FORBIDDEN = {
-    "weightpub_wire": ("vllm", "transformers"),
-    "publisher": ("vllm", "transformers"),
+    "weightpub_wire": ("vllm", "transformers", "publisher", "subscriber_ext"),
+    # the two sides never import each other: only the application joins them
+    "publisher": ("vllm", "transformers", "subscriber_ext"),
+    "subscriber_ext": ("publisher",),
     "subscriber_ext.transport": ("vllm", "transformers"),
+    "subscriber_ext.observe": ("vllm", "transformers"),
+    "subscriber_ext.staleness": ("vllm", "transformers"),
 }
 #: the exceptions, one module each: ``publisher.callback`` *is* a transformers
 #: ``TrainerCallback`` (``import publisher`` loads it only on first use, which
@@ -130,14 +145,20 @@ def test_imports_point_down(path: Path) -> None:
 def test_the_checker_can_fail() -> None:
     """Upward and sideways imports, and vLLM in the trainer package, are all caught."""
     assert violations("weightpub_wire.protocol", [("publisher", 3)])
-    assert violations("publisher.server", [("subscriber_ext.transport.staging.assembly", 1)])
-    assert violations("subscriber_ext.transport.client.sync_client", [("subscriber_ext.commit", 1)])
-    assert violations("publisher.snapshot", [("vllm.config", 9)])
-    assert violations("publisher.snapshot", [("transformers", 9)])
+    assert violations("publisher.serving.server",
+                      [("subscriber_ext.transport.staging.assembly", 1)])
+    assert violations("subscriber_ext.transport.client.sync_client",
+                      [("subscriber_ext.vllm_ext.commit", 1)])
+    assert violations("subscriber_ext.transport.subscriber", [("vllm.config", 9)])
+    assert violations("publisher.store.snapshot", [("publisher.serving.server", 9)])
+    assert violations("publisher.serving.server", [("publisher.sharding.shard_coordinator", 9)])
+    assert violations("publisher.store.snapshot", [("vllm.config", 9)])
+    assert violations("publisher.store.snapshot", [("transformers", 9)])
     assert violations("publisher.callback", [("vllm", 9)])
     assert not violations("publisher.callback", [("transformers", 9)])
-    assert not violations("subscriber_ext.commit.coordinator",
-                          [("subscriber_ext.apply.prepare", 1), ("weightpub_wire.errors", 2)])
+    assert not violations("subscriber_ext.vllm_ext.commit.coordinator",
+                          [("subscriber_ext.vllm_ext.apply.prepare", 1),
+                           ("weightpub_wire.errors", 2)])
 
 
 def test_no_import_cycles() -> None:
@@ -164,3 +185,12 @@ def test_no_import_cycles() -> None:
     for node in sorted(graph):
         if node not in state:
             visit(node)
+
+
+
+def test_the_publisher_is_in_sub_packages() -> None:
+    """At most 10 modules flat in ``publisher/`` (STYLE.md: more hides sub-systems)."""
+    flat = sorted(p.name for p in (REPO / "publisher").glob("*.py") if p.name != "__init__.py")
+    assert len(flat) <= 10, flat
+    assert {p.name for p in (REPO / "publisher").iterdir() if (p / "__init__.py").is_file()} >= {
+        "store", "sources", "deltas", "collective", "serving", "sharding"}

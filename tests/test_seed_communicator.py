@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from subscriber_ext.seed.communicator import WeightCommunicator
+from subscriber_ext.vllm_ext.seed.communicator import WeightCommunicator
 from weightpub_wire.errors import ClosedError
 
 pytestmark = pytest.mark.timeout(300)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from subscriber_ext.seed.packing import MARKER, layout, pack, packed_specs, parse_specs, unpack
+from subscriber_ext.vllm_ext.seed.packing import (
+    MARKER,
+    layout,
+    pack,
+    packed_specs,
+    parse_specs,
+    unpack,
+)
 from weightpub_wire.errors import ApplyError
 
 pytestmark = pytest.mark.timeout(30)

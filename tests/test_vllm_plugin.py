@@ -14,7 +14,7 @@ from vllm.distributed.weight_transfer.factory import (
 )
 from vllm.engine.arg_utils import EngineArgs
 
-from subscriber_ext.commit import vllm_plugin
+from subscriber_ext.vllm_ext.commit import vllm_plugin
 from weightpub_wire.errors import ConfigError
 
 
@@ -90,7 +90,7 @@ def test_the_config_being_built_is_found_up_the_stack(monkeypatch: pytest.Monkey
     (["serve", "m", "--weight-transfer-config", '{"backend": "weightpub"}'], True),
     (["serve", "m", '--weight-transfer-config={"backend":"nccl"}'], False),
     (["serve", "m", "--additional-config", '{"weightpub": {"endpoint": "x"}}'], True),
-    (["serve", "m", "--worker-extension-cls=subscriber_ext.worker_extension.X"], True),
+    (["serve", "m", "--worker-extension-cls=subscriber_ext.vllm_ext.worker_extension.X"], True),
     (["serve", "weightpub-model-name"], False),  # a path or name is not a flag
 ])
 def test_a_serve_command_line_asks_only_through_the_flags(argv: list[str], asked: bool,
@@ -100,7 +100,10 @@ def test_a_serve_command_line_asks_only_through_the_flags(argv: list[str], asked
 
 
 def test_update_info_is_checked_before_any_wait() -> None:
-    from subscriber_ext.weight_transfer_backend import WeightpubInitInfo, WeightpubUpdateInfo
+    from subscriber_ext.vllm_ext.weight_transfer_backend import (
+        WeightpubInitInfo,
+        WeightpubUpdateInfo,
+    )
 
     assert WeightpubUpdateInfo(version=3).timeout > 0
     for bad in ({"version": 0}, {"version": "3"}, {"version": True},

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.weight_transfer.base import ModuleSource, layerwise_groups
 
 from publisher import WeightPublisher, gather_full_tensors
-from publisher.streamed_sources import layer_groups
+from publisher.sources.streamed_sources import layer_groups
 from subscriber_ext import WeightSubscriber
 from weightpub_wire.errors import ConfigError, StagingBudgetError
 
@@ -173,8 +173,8 @@ def test_sharded_ranks_each_keep_their_part_of_a_source() -> None:
     """Two ``ShardedPublisher`` ranks (here in one process: a ``ModuleSource`` needs no
     collective) pass the same source; each walks every group, keeps its own tensors and
     drops the rest at once; the union is the model."""
-    from publisher.shard_coordinator import SHARD_PAD
     from publisher.sharded_publisher import ShardedPublisher
+    from publisher.sharding.shard_coordinator import SHARD_PAD
 
     model = _model()
     want = {n: p.detach() for n, p in model.named_parameters()}

@@ -19,7 +19,7 @@ import logging
 import threading
 
 from publisher import WeightPublisher
-from publisher.relayed import RelayedVersion
+from publisher.serving.relayed import RelayedVersion
 from subscriber_ext import StagedVersion, WeightSubscriber
 from weightpub.deployment_config import RelayConfig
 from weightpub_wire.buffers import byte_view

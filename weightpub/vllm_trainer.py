@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from publisher import WeightPublisher, gather_full_tensors
-from subscriber_ext.commit.vllm_plugin import BACKEND, ensure_backends
+from subscriber_ext.vllm_ext.commit.vllm_plugin import BACKEND, ensure_backends
 from weightpub_wire.errors import ConfigError
 
 __all__ = ["LLMClient", "WeightpubTrainerEngine", "WeightpubTrainerInitInfo"]

@@ -14,7 +14,7 @@ its credentials callback (or allowing any key when there is no list: the
 Refusals are logged at WARNING, rate-limited. ``only_keys`` gives a ZAP domain
 (a socket's ``zap_domain``) a fixed set of keys of its own instead: a sharded
 trainer's collect socket admits only the trainer's key pair
-(``publisher.shard_coordinator``), whatever the subscribers' allow-list says.
+(``publisher.sharding.shard_coordinator``), whatever the subscribers' allow-list says.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ a 16.1 GB version pins 32 GiB that no budget sees, for the life of the process.
 unregisters them when the last view of the memory is gone. Unlike torch's pinned
 blocks, no event recorded by an asynchronous copy keeps such a buffer from being
 reused: whoever copies out of a staged buffer with ``non_blocking=True`` waits for
-that copy before releasing the buffer (``subscriber_ext/apply/streams.py`` does).
+that copy before releasing the buffer (``subscriber_ext/vllm_ext/apply/streams.py`` does).
 """
 
 from __future__ import annotations

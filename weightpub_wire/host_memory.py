@@ -7,7 +7,7 @@ past what is left gets the process OOM-killed. Containers see the host's
 the smaller one wins. Each side takes its own fraction of it when nobody set a
 budget: the subscriber's staging budget
 (``subscriber_ext.transport.staging.memory_budget``) and the publisher's host
-budget (``publisher.host_budget``).
+budget (``publisher.store.host_budget``).
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     deltas_follow: bool = False
     #: the version is the union of trainer ranks' shards, each serving its chunk range
     #: (``ShardSource``, in chunk order, covering every chunk), its deltas too (each rank
-    #: against its own range of the base: ``publisher.shard_deltas``); None: this ROUTER
+    #: against its own range of the base: ``publisher.sharding.shard_deltas``); None: this ROUTER
     #: serves all
     shards: Annotated[tuple[ShardSource, ...], Meta(min_length=1, max_length=MAX_SHARDS)] \
         | None = None

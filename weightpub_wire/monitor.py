@@ -7,7 +7,7 @@ a refused client just sees silence until its timeout. Both sides open a monitor
 - the subscriber turns a refusal into a ``TransportError`` naming the cause
   (``describe_handshake_failure``) within the handshake timeout;
 - the publisher logs refusals at WARNING and learns each accepted connection's
-  file descriptor (``publisher/connections.py`` bounds what a connection may hold).
+  file descriptor (``publisher/serving/connections.py`` bounds what a connection may hold).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A subscriber started with ``peer_share=True`` serves the verified chunks it
 holds on a ROUTER of its own, and asks the publisher's tracker where to fetch
 from. The tracker answers with an *assignment* (a striped tree, see
-``publisher/tracker.py``): chunk ``c`` belongs to stripe ``c % stripes``; for
+``publisher/serving/tracker.py``): chunk ``c`` belongs to stripe ``c % stripes``; for
 each stripe the subscriber gets a short chain of peers (its parent in that
 stripe's tree, then the grandparent), and fetches from the first one that
 works, then from the publisher. An empty chain means: from the publisher (this

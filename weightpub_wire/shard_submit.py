@@ -39,7 +39,7 @@ class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
 
     ``delta``: the versions this rank serves its shard's deltas from (its own
     ``Manifest.delta``, digests over its own checksums); ``deltas_follow``: it serves
-    deltas at all (``publisher.shard_deltas`` makes the union's from every rank's)."""
+    deltas at all (``publisher.sharding.shard_deltas`` makes the union's from every rank's)."""
 
     rank: Rank
     world_size: Annotated[int, Meta(ge=1, le=MAX_SHARDS)]

@@ -281,7 +281,7 @@ def test_expandable_segments_version_of_4_gib_by_cuda_ipc() -> None:
 # -- 5. the seed communicator formed and closed 20 times -----------------------------------------
 def _seed_worker(port_box: Any, out: Any, device: str) -> None:
     """The replica's worker: rank 0 (it serves the store), 20 groups in a row."""
-    from subscriber_ext.seed.communicator import WeightCommunicator
+    from subscriber_ext.vllm_ext.seed.communicator import WeightCommunicator
 
     os.environ.update(one_gpu_nccl_env("worker"))
     torch.cuda.set_device(device)
@@ -319,7 +319,7 @@ def test_seed_communicator_reinitialised_20_times_leaks_nothing() -> None:
 
 def _seed_cycles(port_box: Any, out: Any, proc: Any,
                  worker_device: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    from subscriber_ext.seed.communicator import WeightCommunicator
+    from subscriber_ext.vllm_ext.seed.communicator import WeightCommunicator
     from weightpub_wire.collective_group import bounded_start
 
     before: tuple[int, int] | None = None

@@ -81,7 +81,7 @@ def trainer_child(conn: multiprocessing.connection.Connection, args: dict[str, A
     faulthandler.dump_traceback_later(60, exit=True)
     _logging("trainer")
     from publisher import WeightPublisher
-    from publisher.collective_sender import CollectivePublisher
+    from publisher.collective.collective_sender import CollectivePublisher
 
     _count_buckets(CollectivePublisher, args.get("kill_at"), after=False)
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 64 << 10),

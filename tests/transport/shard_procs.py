@@ -96,7 +96,7 @@ def _die_serving(version: int) -> None:
     (or a later one): a subscriber is fetching it and none has a byte of this shard."""
     import signal
 
-    from publisher import connection_credit
+    from publisher.serving import connection_credit
 
     send = connection_credit.PeerTable._send_chunk
 
@@ -190,7 +190,7 @@ def _count_gathers() -> dict[str, int]:
     """Counts of this rank's ``full_tensor()`` gathers and owner-gather sends/receives."""
     import torch.distributed as dist
 
-    from publisher import streamed_sources
+    from publisher.sources import streamed_sources
 
     counts: dict[str, int] = {}
     full, send, irecv = streamed_sources._full, dist.send, dist.irecv
@@ -222,7 +222,7 @@ def _die_after_gathers(count: int) -> None:
     (``_take``: one tensor's collective, whichever path it goes)."""
     import signal
 
-    from publisher import streamed_sources
+    from publisher.sources import streamed_sources
 
     take, gathers = streamed_sources._take, [0]
 

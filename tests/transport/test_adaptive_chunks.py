@@ -1,6 +1,6 @@
 """A publisher given no chunk size cuts each version by its size; subscribers follow.
 
-Issue 22.5: the chunk size is chosen per version (``publisher.chunk_sizing``) and
+Issue 22.5: the chunk size is chosen per version (``publisher.store.chunk_sizing``) and
 carried by its manifest, so versions of different sizes from one publisher have
 different chunks, arrive bit-exact, and consecutive versions of one size still
 chain as deltas. An explicit ``chunk_size`` is kept whatever the size.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from publisher import WeightPublisher
-from publisher.chunk_sizing import adaptive_chunk_size
+from publisher.store.chunk_sizing import adaptive_chunk_size
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import as_bytes
 

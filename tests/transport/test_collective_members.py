@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from publisher.collective_members import MemberLimits, MemberTable
+from publisher.collective.collective_members import MemberLimits, MemberTable
 from weightpub_wire import protocol as wire
 from weightpub_wire.collective_layout import RoundHeader, bucket_spans
 

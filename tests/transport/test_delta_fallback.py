@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import zmq
 
-import publisher.delta_encoder as publisher_delta
+import publisher.deltas.delta_encoder as publisher_delta
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import StagedVersion, WeightSubscriber
 from tests.transport.procs import REPO, digests, drift_weights, spec_bytes, wait_until

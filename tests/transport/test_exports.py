@@ -100,9 +100,29 @@ def test_wire_all_is_pinned_and_shared() -> None:
 
 
 def test_worker_extension_path_resolves_to_the_class() -> None:
+    """The public string users put in configs stays, and names the class in ``vllm_ext``."""
     module, _, name = subscriber_ext.WORKER_EXTENSION.rpartition(".")
     assert module == "subscriber_ext.worker_extension"
     assert name == "BatchWeightSyncWorkerExtension"
+    import importlib
+
+    from subscriber_ext.vllm_ext import worker_extension
+    assert getattr(importlib.import_module(module), name) is \
+        worker_extension.BatchWeightSyncWorkerExtension
+
+
+def test_the_transport_side_loads_no_vllm() -> None:
+    """A non-vLLM consumer (``WeightSubscriber``, the staleness helpers) never imports vLLM."""
+    import subprocess
+    import sys
+    code = ("import sys, subscriber_ext, subscriber_ext.transport.subscriber, "
+            "subscriber_ext.transport.node.node_owner, subscriber_ext.staleness, "
+            "subscriber_ext.observe.replica_metrics, publisher; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('vllm', 'transformers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.strip()
+    assert out == "[]"
 
 
 def test_all_entries_are_unique_and_errors_share_one_base() -> None:
@@ -118,7 +138,7 @@ def test_all_entries_are_unique_and_errors_share_one_base() -> None:
 def test_importing_the_packages_does_not_import_vllm_or_transformers() -> None:
     code = ("import sys, weightpub_wire, publisher, subscriber_ext; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers') "
-            "or m in ('subscriber_ext.worker_extension', 'publisher.callback')); "
+            "or m in ('subscriber_ext.vllm_ext.worker_extension', 'publisher.callback')); "
             "print(bad); assert not bad")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=60)

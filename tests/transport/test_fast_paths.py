@@ -155,7 +155,7 @@ def test_a_reception_given_up_is_cancelled_and_a_new_one_gets_a_new_attempt(
 def test_the_largest_tensors_travel_first_and_are_copied_first() -> None:
     """The subscriber fetches, and the publisher copies, the largest tensors first (an
     untied lm_head at the end of the layout must not be the last thing to prepare)."""
-    from publisher.snapshot import copy_in_priority_order, plan_snapshot
+    from publisher.store.snapshot import copy_in_priority_order, plan_snapshot
     from weightpub_wire.chunk_order import priority_chunks
 
     weights = {"embed": torch.ones(4096, dtype=torch.int32)}  # 16 KiB: big

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from publisher.snapshot import cuda_devices
+from publisher.store.snapshot import cuda_devices
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool, HostAllocator, page_locked
 from weightpub_wire.collective_group import (
@@ -235,7 +235,8 @@ def test_a_snapshot_waits_for_each_source_device_once() -> None:
 
 
 # -- findings 3, 10, 11: where the collective path's device work runs ----------------------------
-DEVICE_FILES = ["publisher/collective_sender.py", "publisher/collective_ipc.py",
+DEVICE_FILES = ["publisher/collective/collective_sender.py",
+                "publisher/collective/collective_ipc.py",
                 "subscriber_ext/transport/collective/collective_receiver.py",
                 "weightpub_wire/collective_group.py"]
 STREAM_CONTEXTS = {"on_stream", "side_stream", "stream"}  # group's, cuda_ipc's, torch.cuda's

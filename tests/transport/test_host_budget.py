@@ -14,8 +14,8 @@ import torch
 import zmq
 
 from publisher import WeightPublisher
-from publisher.host_budget import DEFAULT_FRACTION
 from publisher.publisher_config import PublisherConfig
+from publisher.store.host_budget import DEFAULT_FRACTION
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.tools import RawPeer
 from tests.transport.procs import as_bytes, det_weights, spec_bytes, wait_until

@@ -161,8 +161,8 @@ def test_shm_entries_of_killed_engines_are_reaped_at_the_next_start(tmp_path: Pa
     mapped it) and the front end's status directory (removed at exit). One left by a
     process killed before that is removed by the next engine's ``SlotTable.create`` /
     the next front end's ``StatusBoard.create``; staging itself has no name (memfd)."""
-    from subscriber_ext.commit.shared_slots import reap_stale_tables
     from subscriber_ext.observe.status_board import reap_orphaned_boards
+    from subscriber_ext.vllm_ext.commit.shared_slots import reap_stale_tables
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=30)

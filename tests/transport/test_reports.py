@@ -11,8 +11,8 @@ import torch
 import zmq
 
 from publisher import WeightPublisher, WeightPubTimeout
-from publisher.reports import UNAUTHENTICATED_QUORUM, ReportLimits, ReportTable
-from publisher.server import ServerLimits
+from publisher.serving.reports import UNAUTHENTICATED_QUORUM, ReportLimits, ReportTable
+from publisher.serving.server import ServerLimits
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.tools import RawPeer, rss_mib
 from tests.transport.procs import wait_until

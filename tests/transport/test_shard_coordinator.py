@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from publisher.shard_coordinator import MAX_PENDING_VERSIONS, ShardCoordinator
+from publisher.sharding.shard_coordinator import MAX_PENDING_VERSIONS, ShardCoordinator
 from tests.transport.procs import wait_until
 from tests.transport.test_sharded import _submit
 from weightpub_wire.errors import ConfigError

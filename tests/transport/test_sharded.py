@@ -20,8 +20,8 @@ import pytest
 import torch
 import zmq
 
-from publisher.shard_coordinator import SHARD_PAD, ShardCoordinator
 from publisher.sharded_publisher import ShardedPublisher
+from publisher.sharding.shard_coordinator import SHARD_PAD, ShardCoordinator
 from subscriber_ext import StagedVersion, WeightSubscriber
 from tests.transport.procs import Child, as_bytes, det_weights, wait_until
 from weightpub_wire import protocol as wire

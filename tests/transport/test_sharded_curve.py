@@ -21,8 +21,8 @@ import pytest
 import torch
 import zmq
 
-from publisher.shard_coordinator import ShardCoordinator
 from publisher.sharded_publisher import ShardedPublisher
+from publisher.sharding.shard_coordinator import ShardCoordinator
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import as_bytes, det_weights, wait_until
 from weightpub_wire import protocol as wire

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import torch
 
-from publisher.shard_coordinator import ShardCoordinator
 from publisher.sharded_publisher import ShardedPublisher
+from publisher.sharding.shard_coordinator import ShardCoordinator
 from subscriber_ext import StagedVersion, WeightSubscriber
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from tests.transport.byte_relay import ByteRelay

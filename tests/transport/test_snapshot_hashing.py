@@ -8,7 +8,7 @@ import pytest
 import torch
 import xxhash
 
-from publisher.snapshot import ChunkHasher, copy_into, plan_snapshot, source_chunks
+from publisher.store.snapshot import ChunkHasher, copy_into, plan_snapshot, source_chunks
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.checksums import pieces_checksum as hash_pieces
 

@@ -11,7 +11,7 @@ import torch
 import zmq
 
 from publisher import WeightPublisher
-from publisher.shard_coordinator import ShardCoordinator
+from publisher.sharding.shard_coordinator import ShardCoordinator
 from tests.transport.faults.tools import RawPeer
 from tests.transport.test_sharded import _submit
 from weightpub.cli import main as cli_main

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from publisher.streamed_sources import gather_full_tensors, layer_groups, owner_ranks
+from publisher.sources.streamed_sources import gather_full_tensors, layer_groups, owner_ranks
 from weightpub.bench.fsdp_streaming import ModelShape, run_streaming
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import zmq
 
-from publisher.tracker import Plan, Tracker, TrackerLimits, advertised_endpoint
+from publisher.serving.tracker import Plan, Tracker, TrackerLimits, advertised_endpoint
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.peer_protocol import MAX_STRIPES, PeerHello, PeerPlan, PeerSource

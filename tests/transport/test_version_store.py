@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from publisher.buffer_claims import REGION, BufferClaims
-from publisher.snapshot import Snapshot, copy_in_priority_order
-from publisher.store import PublishedVersion, VersionStore
+from publisher.store.buffer_claims import REGION, BufferClaims
+from publisher.store.snapshot import Snapshot, copy_in_priority_order
+from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool, byte_view
 

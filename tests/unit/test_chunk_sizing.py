@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from publisher.chunk_sizing import (
+from publisher.publisher_config import PublisherConfig
+from publisher.publisher_options import PublisherOptions
+from publisher.store.chunk_sizing import (
     LARGEST,
     MIN_CHUNKS,
     SMALLEST,
     adaptive_chunk_size,
     chunk_size_for,
 )
-from publisher.publisher_config import PublisherConfig
-from publisher.publisher_options import PublisherOptions
 from weightpub_wire.errors import ConfigError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

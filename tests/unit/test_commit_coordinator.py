@@ -22,11 +22,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from subscriber_ext.apply.prepare import PreparedVersion
-from subscriber_ext.commit.coordinator import CommitCoordinator
-from subscriber_ext.commit.engine_driver import COMMIT_RPC, EngineDriver
-from subscriber_ext.commit.shared_slots import SlotReader, SlotTable, SlotWriter
-from subscriber_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
+from subscriber_ext.vllm_ext.apply.prepare import PreparedVersion
+from subscriber_ext.vllm_ext.commit.coordinator import CommitCoordinator
+from subscriber_ext.vllm_ext.commit.engine_driver import COMMIT_RPC, EngineDriver
+from subscriber_ext.vllm_ext.commit.shared_slots import SlotReader, SlotTable, SlotWriter
+from subscriber_ext.vllm_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
 
 OLD, NEW = "a" * 32, "b" * 32  # two publisher instances
 WAIT_S = 10.0

@@ -12,14 +12,14 @@ import dataclasses
 
 import pytest
 
-from publisher.collective_sender import CollectiveOptions
+from publisher.collective.collective_sender import CollectiveOptions
 from publisher.publisher_config import PublisherConfig
 from publisher.publisher_options import PublisherOptions
-from publisher.server import ServerLimits
+from publisher.serving.server import ServerLimits
 from subscriber_ext.transport.client.sync_client import SyncOptions
 from subscriber_ext.transport.subscriber_config import SubscriberConfig
 from subscriber_ext.transport.subscriber_options import SubscriberOptions
-from subscriber_ext.worker_options import DEFAULT_SOURCE, WorkerOptions
+from subscriber_ext.vllm_ext.worker_options import DEFAULT_SOURCE, WorkerOptions
 from weightpub_wire.errors import ConfigError
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from subscriber_ext.apply.prepare import ModuleSwap, PreparedVersion
-from subscriber_ext.apply.streams import PrepStream
+from subscriber_ext.vllm_ext.apply.prepare import ModuleSwap, PreparedVersion
+from subscriber_ext.vllm_ext.apply.streams import PrepStream
 
 
 def _swap(name: str, live: torch.nn.Module, params: dict, buffers: dict | None = None,

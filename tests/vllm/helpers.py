@@ -191,7 +191,7 @@ def make_llm(model_dir: Path, tp: int = 1, *, engine_driver: bool = True, **extr
 
 
 def encode_all(weights: dict[str, torch.Tensor]) -> list[dict]:
-    from subscriber_ext.seed.tensor_bytes import encode_tensor
+    from subscriber_ext.vllm_ext.seed.tensor_bytes import encode_tensor
 
     return [encode_tensor(n, t) for n, t in weights.items()]
 
@@ -274,7 +274,7 @@ def trainer_packed_main(host: str, ports: list[int], vllm_world: int, path: str,
     (``BroadcastClient.send_packed``); puts the broadcast count of each session on ``out``."""
     from safetensors.torch import load_file
 
-    from subscriber_ext.seed.broadcast_client import BroadcastClient
+    from subscriber_ext.vllm_ext.seed.broadcast_client import BroadcastClient
 
     weights = sorted(load_file(path).items())
     for port in ports:
@@ -287,7 +287,7 @@ def trainer_main(host: str, port: int, vllm_world: int, path: str, rounds: int) 
     """Trainer process: join the group as last rank and broadcast the file's tensors."""
     from safetensors.torch import load_file
 
-    from subscriber_ext.seed.broadcast_client import BroadcastClient
+    from subscriber_ext.vllm_ext.seed.broadcast_client import BroadcastClient
 
     weights = load_file(path)
     client = BroadcastClient(host, port, vllm_world, timeout_s=120)

@@ -14,7 +14,7 @@ from typing import Any
 
 def probe(worker: Any = None) -> dict[str, Any]:
     """What this process (a worker's, via ``collective_rpc``, or the front end) carries."""
-    from subscriber_ext.commit.vllm_patches import installed
+    from subscriber_ext.vllm_ext.commit.vllm_patches import installed
 
     out: dict[str, Any] = dict(installed())
     out["pid"] = os.getpid()

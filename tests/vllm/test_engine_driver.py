@@ -1,4 +1,4 @@
-"""Engine-core commit driver (``subscriber_ext.commit``), real transport, real engines.
+"""Engine-core commit driver (``subscriber_ext.vllm_ext.commit``), real transport, real engines.
 
 (a) after a commit a new request never reuses prefix-cache blocks of the old weights,
 (b) outputs carry the weight version (``CompletionOutput.weight_versions``),

@@ -205,7 +205,7 @@ def test_tp2_seed_gloo_packed_buckets_and_a_stale_communicator_closed_first(llm,
     stale group first and the next session works."""
     from safetensors.torch import save_file
 
-    from subscriber_ext.seed.broadcast_client import BroadcastClient
+    from subscriber_ext.vllm_ext.seed.broadcast_client import BroadcastClient
 
     w = new_weights(KIND, 37)
     path = tmp_path / "w.safetensors"

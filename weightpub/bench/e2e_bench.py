@@ -67,7 +67,7 @@ def vllm_greedy(llm: Any) -> list[int]:
 def _run_path(name: str, llm: Any, model: torch.nn.Module, pub: Any,
               ckpt_dir: str) -> tuple[float, dict[str, Any], list[int]]:
     from subscriber_ext import wait_until_applied
-    from subscriber_ext.seed.tensor_bytes import encode_tensor
+    from subscriber_ext.vllm_ext.seed.tensor_bytes import encode_tensor
 
     phases: dict[str, Any] = {}
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ Runs interleave sizes (a round goes up, the next down) so drift on a shared host
 falls on every size alike. A fresh buffer pays first-touch page faults (about
 0.5 s/GB): the trainer makes a new snapshot buffer for each of the first
 ``keep_versions`` versions and copies every later one over the oldest held
-(``publisher/store.py``), so GB/s is given three ways: ``first`` (version 1),
+(``publisher/store/version_store.py``), so GB/s is given three ways: ``first`` (version 1),
 ``cold`` (the other fresh snapshot buffers; none with ``keep_versions=1``) and
 ``warm`` (reused ones: the steady state of a long run, and the figure compared
 across sizes).

@@ -63,7 +63,9 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
     if not kill_at:
         return
     point, _, arg = kill_at.partition(":")
-    from publisher import connection_credit, server, snapshot, weight_publisher
+    from publisher import weight_publisher
+    from publisher.serving import connection_credit, server
+    from publisher.store import snapshot
 
     if point == "announce":
         original_announce = weight_publisher.WeightPublisher._announce
@@ -113,7 +115,7 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
                 if hasattr(module, copy):
                     setattr(module, copy, counted(getattr(snapshot, copy)))
         assert hasattr(version_preparer, "copy_into"), "the copy moved: patch its caller"
-        from publisher import relayed
+        from publisher.serving import relayed
 
         original_write = relayed.RelayedVersion.write_chunk
 
@@ -218,8 +220,8 @@ def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str,
         _exact_rss()
     _install(args.get("kill_at"))
     from publisher import WeightPublisher
-    from publisher.connection_credit import PeerLimits
-    from publisher.server import ServerLimits
+    from publisher.serving.connection_credit import PeerLimits
+    from publisher.serving.server import ServerLimits
 
     limits = ServerLimits(peers=PeerLimits(stall_timeout=args.get("stall_timeout", 30.0)))
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 128 << 10),

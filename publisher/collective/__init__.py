@@ -1,0 +1,1 @@
+"""The collective data path: a version pushed by a broadcast (NCCL, gloo) or CUDA IPC."""

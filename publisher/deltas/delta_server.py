@@ -1,0 +1,123 @@
+"""Serving delta chunks (``FetchRequest.base`` set) on the publisher's serving thread.
+
+A chunk still being encoded is held back and sent once ready (checked every
+loop turn, like chunks still being copied); a chunk where the delta did not
+pay is sent from the version's full bytes; either way as one chunk frame
+(``weightpub_wire.chunk_frame``). The held-back requests
+are bounded, per peer and in all: past either bound a request gets a
+``bad_request`` error (the subscriber then fetches the full version). They
+drain on their own: every encoding ends, or is cut short and served raw.
+Every frame goes out through the server's per-peer credit
+(``publisher/serving/connection_credit.py``):
+a chunk a peer has no room for waits here like one still being encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from publisher.deltas.delta_encoder import RAW, DeltaPublisher, EncodedDelta
+from publisher.store.version_store import PublishedVersion, VersionStore
+from weightpub_wire import protocol as wire
+from weightpub_wire.chunk_frame import ChunkHeader
+
+__all__ = ["DeltaServing"]
+
+log = logging.getLogger("weightpub.publisher")
+
+#: (identity, chunk header, payload, version the payload points into) -> sent (or peer gone)
+Send = Callable[[bytes, ChunkHeader, "memoryview | bytes", "PublishedVersion | None"], bool]
+Reply = Callable[[bytes, bytes], bool]
+
+
+class DeltaServing:
+    """Answers delta fetches; owned by ``ServingThread`` and used only on its thread."""
+
+    def __init__(self, deltas: DeltaPublisher | None, store: VersionStore, publisher_id: str,
+                 send: Send, reply: Reply, *, max_chunks_per_request: int = 256,
+                 max_deferred: int = 65_536, max_deferred_per_peer: int = 4096) -> None:
+        self._deltas = deltas
+        self._send = send
+        self._reply = reply
+        self._store = store
+        self._publisher_id = publisher_id
+        self._max_chunks = max_chunks_per_request
+        self._max_deferred = max_deferred
+        self._max_per_peer = max_deferred_per_peer
+        self._per_peer: Counter[bytes] = Counter()
+        self._deferred: list[tuple[bytes, int, EncodedDelta, int]] = []
+        self.bytes_sent = 0
+
+    @property
+    def waiting(self) -> bool:
+        """Whether chunks are held back until encoded (the loop then polls often)."""
+        return bool(self._deferred)
+
+    def serve(self, identity: bytes, request: wire.FetchRequest) -> None:
+        delta = None
+        if self._deltas is not None and request.publisher_id == self._publisher_id:
+            delta = self._deltas.lookup(request.version, request.base)
+        if delta is None:
+            self._error(identity, request, "version_unavailable",
+                        f"no delta of version {request.version} against version {request.base} "
+                        "is held here; fetch it in full")
+            return
+        if len(request.chunks) > self._max_chunks or \
+                any(c >= len(delta.payloads) for c in request.chunks):
+            self._error(identity, request, "bad_request",
+                        "chunk ids out of range or too many in one request")
+            return
+        if len(self._deferred) + len(request.chunks) > self._max_deferred or \
+                self._per_peer[identity] + len(request.chunks) > self._max_per_peer:
+            self._error(identity, request, "bad_request",
+                        "too many delta chunks are waiting to be encoded; fetch it in full")
+            return
+        for chunk in request.chunks:
+            if not self._try_send(identity, request.req, delta, chunk):
+                self._deferred.append((identity, request.req, delta, chunk))
+                self._per_peer[identity] += 1
+
+    def flush(self) -> None:
+        """Send the held-back chunks that are encoded (and have credit) by now."""
+        waiting = []
+        for item in self._deferred:
+            if self._try_send(*item):
+                self._per_peer[item[0]] -= 1
+                if not self._per_peer[item[0]]:
+                    del self._per_peer[item[0]]
+            else:
+                waiting.append(item)
+        self._deferred = waiting
+
+    def _try_send(self, identity: bytes, req: int, delta: EncodedDelta, chunk: int) -> bool:
+        """Send one chunk if its payload is final; False to try again later."""
+        payload = delta.payload(chunk)
+        if payload is None:
+            return False
+        data: memoryview | bytes = payload
+        version = None
+        if payload is RAW:
+            version = self._store.get(delta.version)
+            if version is None or version.failed:
+                error = wire.ErrorReply(req=req, code="version_unavailable", version=delta.version,
+                                        message=f"version {delta.version} is no longer held")
+                self._reply(identity, wire.encode(error))
+                return True
+            if not version.chunk_ready(chunk):
+                return False
+            data = version.chunk_view(chunk)
+        header = ChunkHeader(req=req, version=delta.version, chunk=chunk, size=len(data))
+        # one frame: the payload is copied behind the header (a raw chunk while its
+        # version is held), the same form as full chunks (chunk_frame.py)
+        if not self._send(identity, header, data, version):
+            return False
+        self.bytes_sent += len(data)
+        return True
+
+    def _error(self, identity: bytes, request: wire.FetchRequest, code: str,
+               message: str) -> None:
+        error = wire.ErrorReply(req=request.req, code=code, message=message,
+                                version=request.version)
+        self._reply(identity, wire.encode(error))

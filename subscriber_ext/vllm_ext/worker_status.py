@@ -1,0 +1,120 @@
+"""What a worker says about itself: the status RPCs' dict and the /metrics status file.
+
+Why apart from ``worker_extension.py`` (subscription and commit): reporting only
+reads the rank's state (coordinator, applier, version source, metrics) and never
+changes it; a thread writes the snapshot to the ``StatusBoard`` the front end's
+``/metrics`` reads, so it must never raise into the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from subscriber_ext.observe.status_board import StatusBoard
+from subscriber_ext.vllm_ext.worker_state import StateAccess
+
+__all__ = ["STATUS_INTERVAL_S", "WorkerStatus"]
+
+logger = logging.getLogger("weightpub.worker")
+
+STATUS_INTERVAL_S = 1.0  # how often each rank refreshes its status file for /metrics
+
+
+class WorkerStatus(StateAccess):
+    """Mixed into the worker extension: this rank's status, for RPCs and /metrics."""
+
+    def _wp_start_status_writer(self) -> None:
+        st = self._wp()
+        board = StatusBoard.from_env()
+        if board is None or st.status_writer is not None:
+            return
+        st.status_writer = threading.Thread(target=self._wp_publish_status, args=(board,),
+                                            name="weightpub-status", daemon=True)
+        st.status_writer.start()
+
+    def _wp_publish_status(self, board: StatusBoard) -> None:
+        """Writer thread: this rank's versions and metrics, for the front end's /metrics."""
+        st = self._wp()
+        while True:
+            try:
+                board.write(self.rank, self._wp_metrics_snapshot())
+            except Exception:  # never let metrics take a worker down
+                logger.exception("weightpub: status file write failed")
+            time.sleep(STATUS_INTERVAL_S)
+            if st.status_writer is None:
+                return
+
+    def _wp_metrics_snapshot(self) -> dict[str, Any]:
+        st = self._wp()
+        coord = st.coordinator
+        source = {}
+        if st.source is not None:
+            try:
+                source = st.source.status()
+            except Exception:
+                source = {}
+        metrics = st.metrics.to_json()
+        for name, count in (source.get("failures") or {}).items():
+            metrics["failures"][name] = metrics["failures"].get(name, 0) + int(count)
+        # a follower shows its node owner's subscription; its own bytes come from shared memory
+        follower = (source.get("node_staging") or {}).get("role") == "follower"
+        return {
+            "rank": self.rank,
+            "applied_version": coord.applied_version if coord else None,
+            "staged_version": coord.staged_version() if coord else None,
+            "publisher_latest_version": source.get("publisher_latest_version"),
+            "received_bytes": 0 if follower else source.get("received_bytes", 0),
+            # how the applied version's bytes reached this node: zmq, gloo, nccl, cuda_ipc
+            "data_path": coord.applied_data_path if coord else None,
+            # versions held back for the collective path but fetched over ZeroMQ, by cause
+            # (the node's subscription: counted at its owner rank only)
+            "collective_fallbacks": {} if follower else dict(
+                (source.get("collective") or {}).get("fallback_causes") or {}),
+            "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
+            "metrics": metrics,
+        }
+
+    def _wp_status(self) -> dict[str, Any]:
+        st = self._wp()
+        coord = st.coordinator
+        applier = st.applier
+        report = applier.last_report if applier else None
+        source_status = None
+        if st.source is not None:
+            try:
+                source_status = st.source.status()
+            except Exception as exc:
+                source_status = {"error": str(exc)}
+        return {
+            "rank": self.rank,
+            "endpoint": st.endpoint,
+            "applied_version": coord.applied_version if coord else None,
+            "data_path": coord.applied_data_path if coord else None,
+            "staged_version": coord.staged_version() if coord else None,
+            "publisher_id": coord.publisher_id if coord else None,
+            "last_error": (coord.last_error if coord else None)
+            or (source_status or {}).get("refused") or st.last_error,
+            "apply_mode": applier.mode() if applier else st.options.apply_mode,
+            "last_apply_s": report.seconds if report else None,
+            # the newest few: this dict crosses the RPC boundary on every poll
+            "commits": list(coord.commit_log)[-16:] if coord else [],
+            "commit_count": coord.commit_count if coord else 0,
+            "prepare": coord.prepare_status() if coord else None,
+            # bytes prepared shadows may hold and hold now (``apply/prepare_budget.py``)
+            "prepare_budget": applier.prepare_budget.status() if applier else None,
+            # glibc heap memory given back after commits (``apply/heap_trim.py``)
+            "heap_trim": coord.heap_trim.status() if coord else None,
+            "step": coord.step if coord else 0,
+            "step_check_s": st.step_check_s,
+            "driven": coord.driven if coord else st.slots is not None,
+            "collectives": coord.strategy.collectives if coord else 0,
+            # the node's collective path: versions fetched over ZeroMQ instead, by cause
+            "collective_fallbacks": dict(((source_status or {}).get("collective") or {})
+                                         .get("fallback_causes") or {}),
+            "seed_tensors": st.seed_tensors,
+            "seed_pending": sorted(st.seed_pending),
+            "subscriber": source_status,
+        }
