@@ -34,6 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from publisher.sources.vllm_sources import as_grouped, is_weight_source
 from publisher.store.snapshot import (
     Snapshot,
     WeightsLike,
@@ -292,8 +293,8 @@ def _plan(weights: PublishSource, share: tuple[int, int] | None = None,
     """
     if isinstance(weights, StreamedPairs):  # planned already (``plan_shard``)
         return weights
-    if _is_weight_source(weights):
-        return _plan_source(weights, share)  # type: ignore[arg-type]
+    if is_weight_source(weights):
+        return _plan_source(as_grouped(weights), share)
     if isinstance(weights, torch.nn.Module):
         items: list[tuple[str, Any]] = list(weights.state_dict().items())
     elif isinstance(weights, Mapping):
@@ -431,11 +432,6 @@ def _copy_group(snapshot: Snapshot, start: int, group: Group, chunk_size: int) -
     if devices:
         wait_for_copies(devices)  # the group is freed and hashed next
     return entries[index].offset if index < len(entries) else total
-
-
-def _is_weight_source(weights: object) -> bool:
-    return callable(getattr(weights, "metadata", None)) and \
-        callable(getattr(weights, "iter_groups", None))
 
 
 def _is_sharded(tensor: object) -> bool:

@@ -26,7 +26,7 @@ __all__ = ["ALLOW_ENV", "INTERNALS", "SUPPORTED_VLLM", "Internal", "check_vllm",
 logger = logging.getLogger("weightpub.vllm")
 
 #: Inclusive lower, exclusive upper (major, minor) of the vLLM releases we support.
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 ALLOW_ENV = "WEIGHTPUB_ALLOW_UNTESTED_VLLM"
 
 
