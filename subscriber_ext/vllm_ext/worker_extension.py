@@ -44,6 +44,7 @@ from subscriber_ext.vllm_ext.commit.strategies import CommitStrategy, EngineDriv
 from subscriber_ext.vllm_ext.commit.vllm_patches import wrap_execute_model
 from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.seed_rpcs import SeedRpcs
+from subscriber_ext.vllm_ext.slice_rpcs import SliceRpcs
 from subscriber_ext.vllm_ext.vllm_compat import check_vllm
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from subscriber_ext.vllm_ext.worker_state import VersionSource
@@ -56,7 +57,7 @@ __all__ = ["BatchWeightSyncWorkerExtension"]
 logger = logging.getLogger("weightpub.worker")
 
 
-class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
+class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
     """Worker extension adding subscription, step-boundary commit and the seed API."""
 
     # ------------------------------------------------------------ internals
