@@ -168,6 +168,8 @@ class WeightPublisher:
         self._announced = threading.Condition()
         self._announced_version = 0
         self._last_snapshot: tuple[int, Snapshot] | None = None  # the newest publish()'s
+        #: the last version a failed publish withdrew, and why (``status``, issue 28.7)
+        self.withdrawn: tuple[int, str] | None = None
         self._publish_lock = threading.Lock()
         self._closed = False
         # copies and hashes each snapshot; its thread calls _announce with the checksums
@@ -246,13 +248,19 @@ class WeightPublisher:
             try:
                 self._preparer.copy_and_hash(number, snapshot, pairs,
                                              self.options.chunk_size_for(snapshot.total_bytes))
-            except BaseException:
+            except BaseException as exc:
                 snapshot.failed = True  # subscribers get "version unavailable"
-                dropped = self._store.drop_lent(snapshot.buffer)
-                if dropped:
-                    log.warning("publish of version %d failed midway over version %s's "
-                                "buffer: that version is withdrawn too", number, dropped)
-                if not self._store.discard(number):
+                kept, dropped = self._store.drop_lent(snapshot.buffer)
+                if dropped:  # keep_versions buffers: the one it lent is half overwritten
+                    self.withdrawn = (dropped[-1], (
+                        f"publish of version {number} failed midway ({type(exc).__name__}: "
+                        f"{exc}) over its buffer (keep_versions={self._store.keep}: the "
+                        "snapshot overwrites the oldest version held)")[:4096])
+                    log.warning("version %s withdrawn: %s", dropped, self.withdrawn[1])
+                if kept:  # no byte was copied, so nothing of it was announced either:
+                    log.warning("publish of version %d failed before it overwrote version "
+                                "%s, which stays served", number, kept)
+                elif not self._store.discard(number):  # the buffer is the kept one's
                     self._store.give_back(snapshot.buffer)
                 raise
         return number
@@ -375,7 +383,9 @@ class WeightPublisher:
         return StatusExtras(memory=wire.HostMemory(
             budget_bytes=self._budget.budget_bytes, held_bytes=self._pool.held_bytes,
             keep_versions=self._store.keep,
-            send_queued_bytes=0 if peers is None else peers.scratch_bytes))
+            send_queued_bytes=0 if peers is None else peers.scratch_bytes,
+            withdrawn_version=0 if self.withdrawn is None else self.withdrawn[0],
+            withdrawn_reason="" if self.withdrawn is None else self.withdrawn[1]))
 
     def collective_status(self) -> GroupStatus | None:
         """The collective path's group (backend, epoch, members, rounds), or None."""

@@ -145,6 +145,10 @@ class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
     held_bytes: U64 = 0  # snapshot buffers: about ``keep_versions`` versions
     keep_versions: U63 = 0
     send_queued_bytes: U64 = 0  # reply scratch: frames ZeroMQ holds, idle send buffers
+    #: the last version a failed publish withdrew (0: none) and why (its buffer was the
+    #: one the failed copy overwrote: ``keep_versions``)
+    withdrawn_version: U63 = 0
+    withdrawn_reason: ErrorText = ""
 
 
 class PendingShards(msgspec.Struct, frozen=True):

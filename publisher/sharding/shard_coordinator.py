@@ -11,10 +11,14 @@ and fetch the chunks from the ranks. It holds no weight bytes. With deltas
 serves its deltas from, with the same layout (``publisher.sharding.shard_deltas``).
 
 All or nothing: a version whose shards are not all in within ``shard_timeout``
-of its first one, or older than one already announced, is dropped (counted in
-``dropped_versions``); replicas keep the last complete one. Versions strictly
-increase. A rank that restarts (a new instance, perhaps a new port) is simply in
-the next version's manifest.
+of its first one is dropped (counted in ``dropped_versions``), and so is one whose
+ranks name one address twice; replicas keep the last complete one. A rank that
+restarts (a new instance, perhaps a new port) is simply in the next version's
+manifest. Versions announced normally increase; a complete version *below* the
+announced one is announced too, in its place (a WARNING): no announced version, a
+forged ``2**62`` included, locks the ranks' own sequence out (issue 28.2; what is
+left to a stranger is in ``docs/RELIABILITY.md``). Versions still collecting below
+a newly announced one are dropped.
 
 Bounded: at most ``MAX_PENDING_VERSIONS`` versions collect at once and their
 submits hold at most ``max_pending_bytes`` (each submit's frame counted); a new
@@ -327,9 +331,8 @@ class ShardCoordinator:
             self._refuse(f"rank {submit.rank} says world_size {submit.world_size}, the "
                          f"group has {self.world_size}")
             return
-        if submit.version <= self._announced:
-            self._refuse(f"rank {submit.rank}'s version {submit.version} is not newer than "
-                         f"the announced {self._announced}")
+        if submit.version == self._announced:
+            self._refuse(f"rank {submit.rank}'s version {submit.version} is already announced")
             return
         if nbytes > self._max_submit:
             self._refuse(f"rank {submit.rank}'s shard of version {submit.version} is "
@@ -349,6 +352,10 @@ class ShardCoordinator:
             except (ValueError, ProtocolError) as exc:
                 self._drop(submit.version, f"shards do not fit together: {exc}")
                 return
+            if submit.version < self._announced:
+                log.warning("shard coordinator: every rank's shard of version %d is in, below "
+                            "the announced %d: that one is withdrawn (a forged or replayed "
+                            "version, or the trainer went back)", submit.version, self._announced)
             self._announce(manifest)
             self._deltas.announced(manifest, [pending.shards[r] for r in range(self.world_size)])
 
@@ -370,7 +377,7 @@ class ShardCoordinator:
 
     def _expire(self, now: float) -> None:
         for version, pending in list(self._pending.items()):
-            if version <= self._announced:
+            if version == self._announced:
                 self._drop(version, f"version {self._announced} was announced first")
             elif now - pending.first_at > self.shard_timeout:
                 missing = sorted(set(range(self.world_size)) - set(pending.shards))
@@ -393,8 +400,14 @@ class ShardCoordinator:
         offset = 0
         if sorted(shards) != list(range(self.world_size)):
             raise ValueError(f"shards of ranks {sorted(shards)}, expected 0..{self.world_size - 1}")
+        serving: dict[str, int] = {}
         for rank in range(self.world_size):
             shard = shards[rank]
+            other = serving.setdefault(shard.endpoint, rank)
+            if other != rank:  # one DEALER per address: a subscriber would ask one range only
+                raise ValueError(f"ranks {other} and {rank} both say they serve at "
+                                 f"{shard.endpoint!r}: each rank needs an address of its own "
+                                 "that subscribers reach")
             if shard.chunk_size != chunk_size:
                 raise ValueError(f"rank {rank}'s chunk_size {shard.chunk_size} differs from "
                                  f"rank 0's {chunk_size}")

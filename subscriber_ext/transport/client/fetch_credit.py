@@ -107,7 +107,13 @@ class FetchCredit:
             target = self._target()
             self.shards.expire(now, lambda chunk: self.count_retry(
                 chunk, "timed out at its trainer rank", WeightPubTimeout)
-                or self._target() is not target)
+                or self._target() is not target, self._give_up)
+            target = self._target()
+            stalled = None if target is None or target.manifest.shards is None \
+                else self.shards.stalled(target, now)
+            if stalled is not None:
+                self._give_up(stalled)
+                return
         for request in self.requests.timed_out(now, self.request_timeout):
             for chunk in request.chunks:
                 if self.count_retry(chunk, "timed out", WeightPubTimeout):

@@ -14,6 +14,12 @@ range's deltas against its own shard of the base). A request a rank leaves unans
 ``QUEUED_TIMEOUT_FACTOR`` timeouts in all) is asked again and counts a try of
 each chunk: a rank that died costs the version after ``max_chunk_retries``.
 
+No stall without a named error (issue 28.1): a request that times out at a rank this
+client is not connected to (unreachable, refused, or gone) gives the version up at
+once, naming the rank; and a version with chunks missing and nothing asked of anyone
+for ``request_timeout`` (a range no link serves) is given up, naming the ranks whose
+chunks are missing. Either way ``last_error`` says so and the next version is followed.
+
 CURVE: every link gets the client's socket hooks (``curve_server_key_file``,
 ``curve_secret_key_file``): all ranks of a sharded trainer serve with the one
 trainer key pair, so the publisher's public key authenticates each rank too, and
@@ -34,7 +40,7 @@ from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.request_table import QUEUED_TIMEOUT_FACTOR, RequestTable
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import ProtocolError, TransportError
+from weightpub_wire.errors import ProtocolError, TransportError, WeightPubError, WeightPubTimeout
 from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events
 from weightpub_wire.reply_reader import read_replies
 from weightpub_wire.sockets import configure_socket, connect
@@ -51,6 +57,7 @@ class ShardLink:
     monitor: zmq.Socket  # its handshake events (a CURVE refusal)
     rank: int = 0
     refused: TransportError | None = None  # its last handshake was refused (CURVE)
+    connected: bool = False  # a handshake succeeded and the connection has not ended since
     first_chunk: int = 0
     num_chunks: int = 0
     publisher_id: str = ""
@@ -90,6 +97,7 @@ class ShardLinks:
         self.poller: zmq.Poller | None = None
         self._following: wire.Manifest | None = None
         self._fetching: tuple[weakref.ref[Assembly], int, int] | None = None
+        self._idle: tuple[tuple[int, int], float] | None = None  # nothing asked since then
 
     # -- sockets -------------------------------------------------------------------------------
     def register(self, poller: zmq.Poller) -> None:
@@ -128,7 +136,7 @@ class ShardLinks:
         monitor = open_monitor(sock, zmq.EVENT_HANDSHAKE_FAILED_AUTH
                                | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                               | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                               | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         connect(sock, endpoint)
         if self.poller is not None:
             self.poller.register(sock, zmq.POLLIN)
@@ -205,9 +213,11 @@ class ShardLinks:
             for link in self.links.values():
                 link.cursor = 0
 
-    def expire(self, now: float, retry: Callable[[int], bool]) -> None:
+    def expire(self, now: float, retry: Callable[[int], bool],
+               give_up: Callable[[WeightPubError], None] = lambda why: None) -> None:
         """Re-ask what a rank left unanswered too long; ``retry(chunk)`` counts a try and
-        is True when the version was given up."""
+        is True when the version was given up. ``give_up(why)``: the version cannot
+        complete (a rank not connected, or chunks nobody is asked for)."""
         timeout = self.request_timeout
         for req, request in list(self.requests.requests.items()):
             link = request.source
@@ -218,9 +228,39 @@ class ShardLinks:
                     now - max(request.sent_at, link.answered) < timeout:
                 continue
             del self.requests.requests[req]
+            if not link.connected:  # asking again cannot help: say which rank, now
+                why = link.refused or f"trainer rank {link.rank}'s shard at " \
+                    f"{link.endpoint} is not connected (unreachable or gone)"
+                give_up(WeightPubTimeout(f"version {self._fetch_version()}: chunks timed out "
+                                         f"after {timeout}s: {why}; given up"))
+                return
             for chunk in sorted(request.chunks):
                 if retry(chunk):
                     return
+
+    def stalled(self, target: Assembly, now: float) -> WeightPubError | None:
+        """The error to give ``target`` up with when it has chunks missing and nothing was
+        asked of anyone (ranks, peers) for ``request_timeout``; None while it moves."""
+        key = (target.fetch_version, target.fetch_base)
+        if self.requests.requests or not target.missing:
+            self._idle = None
+            return None
+        if self._idle is None or self._idle[0] != key:
+            self._idle = (key, now)
+            return None
+        if now - self._idle[1] < self.request_timeout:
+            return None
+        self._idle = None
+        manifest = target.manifest
+        ranks = sorted({manifest.shard_of(chunk).rank for chunk in list(target.missing)[:4096]})
+        serving = sorted(link.rank for link in self.links.values())
+        return WeightPubTimeout(
+            f"version {manifest.version}: {len(target.missing)} chunks of ranks {ranks} "
+            f"missing and none asked of any source for {self.request_timeout}s (links to "
+            f"ranks {serving}); given up")
+
+    def _fetch_version(self) -> int:
+        return 0 if self._fetching is None else self._fetching[1]
 
     # -- replies -------------------------------------------------------------------------------
     def on_events(self, events: dict[object, int], now: float) -> None:
@@ -232,7 +272,11 @@ class ShardLinks:
 
     def _handshakes(self, link: ShardLink) -> None:
         for event in read_events(link.monitor):
+            if event.event == zmq.EVENT_DISCONNECTED:
+                link.connected = False
+                continue
             if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected = True
                 if link.refused is not None:
                     self._on_handshake(link.refused, False)
                     link.refused = None
