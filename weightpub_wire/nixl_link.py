@@ -97,6 +97,10 @@ def _agent(prefix: str) -> Any:
     error = nixl_error()
     if error is not None:
         raise TransportError(error)
+    if "UCX_NET_DEVICES" not in os.environ:
+        logger.warning("nixl: UCX_NET_DEVICES is not set, so UCX listens on every interface "
+                       "(docs/RELIABILITY.md); set it to the fabric's devices, e.g. "
+                       "UCX_NET_DEVICES=mlx5_0:1 (or lo on one host)")
     api = __import__(f"{MODULE}._api", fromlist=["nixl_agent", "nixl_agent_config"])
     name = f"{prefix}-{os.getpid()}-{next(_names)}"
     config = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
