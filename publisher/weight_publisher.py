@@ -89,8 +89,9 @@ class WeightPublisher:
     version into for subscribers started with ``peer_share=True`` (``publisher.serving.tracker``):
     the trainer sends each chunk once, to the stripe's root, and the subscribers pass it on.
 
-    These keywords build one ``PublisherOptions`` (``publisher.publisher_options``),
-    checked before anything starts; ``options=`` passes one whole instead (the YAML
+    These keywords build one ``PublisherOptions`` (``publisher.publisher_options``: each
+    option declared there once, with its bound, default and unit), checked before
+    anything starts; ``options=`` passes one whole instead (the YAML
     path does). ``socket_hooks`` and ``context`` are not options: they are objects
     of this process.
     """
@@ -138,8 +139,9 @@ class WeightPublisher:
             hooks.append(curve_server_hook(options.curve_secret_key_file))
             if options.curve_allowed_clients_dir is not None:
                 allow_list = AllowList(options.curve_allowed_clients_dir)
-        self._collective = None if options.collective is None else \
-            self._start_collective(options.collective, router)
+        collective = options.collective_options
+        self._collective = None if collective is None else \
+            self._start_collective(collective, router)
         self._own_context = context is None
         self._ctx = context or zmq.Context()
         # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
@@ -149,7 +151,7 @@ class WeightPublisher:
             self._ctx, self._store,
             ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
                           heartbeat_interval=options.heartbeat_interval,
-                          limits=options.limits, curve=curve, allow_list=allow_list),
+                          limits=options.server_limits, curve=curve, allow_list=allow_list),
             publisher_id=self.publisher_id, started_at=self.started_at,
             configure=hooks, deltas=self._deltas, collective=self._collective,
             status_extras=self._status_extras, budget_room=self._budget_room,

@@ -23,13 +23,12 @@ executor reads every rank's reply and the next RPC gets its own.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Unpack
 
 from subscriber_ext.transport.node.node_join import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
@@ -46,7 +45,7 @@ from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.seed_rpcs import SeedRpcs
 from subscriber_ext.vllm_ext.slice_rpcs import SliceRpcs
 from subscriber_ext.vllm_ext.vllm_compat import check_vllm
-from subscriber_ext.vllm_ext.worker_options import WorkerOptions
+from subscriber_ext.vllm_ext.worker_options import WorkerKeywords, WorkerOptions
 from subscriber_ext.vllm_ext.worker_state import VersionSource
 from subscriber_ext.vllm_ext.worker_status import WorkerStatus
 from weightpub_wire.endpoints import parse_endpoint
@@ -197,6 +196,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
         if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
             raise ConfigError("additional_config.weightpub.endpoint: expected a string")
         options = {k: v for k, v in cfg.items() if k != "endpoint"}
+        # from a file or the command line: checked like init_info (no Python-only option)
+        WorkerOptions.from_wire(options, "additional_config.weightpub")
         self.start_weight_subscriber(cfg["endpoint"], **options)
 
     def _wp_source_class(self, qualname: str) -> Any:
@@ -208,7 +209,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
 
     # --------------------------------------------------------- subscription
     @all_ranks_reply
-    def start_weight_subscriber(self, endpoint: str, **options: Any) -> dict[str, Any]:
+    def start_weight_subscriber(self, endpoint: str,
+                                **options: Unpack[WorkerKeywords]) -> dict[str, Any]:
         """Subscribe this rank to ``endpoint``; idempotent for the same endpoint.
 
         Extension options: ``apply_mode`` (auto|in_place|reload), ``keep`` (staged
@@ -229,7 +231,9 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
         peak, page faults on fresh large blocks; docs/benchmarks.md),
         ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``; called
-        as ``cls(endpoint, on_version=..., options=SubscriberOptions)``),
+        as ``cls(endpoint, on_version=..., options=SubscriberOptions)``; Python only:
+        refused from ``init_info`` and ``--additional-config``, so nothing is imported by
+        a name that came over the network),
         ``prepare_while_arriving`` (default True: with ``prepare`` on, each layer is
         prepared as soon as its bytes are verified, while later layers are still on
         the wire, busy engine or idle; the commit then only swaps),
@@ -295,13 +299,12 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
     def _wp_subscriber_options(self, options: SubscriberOptions) -> SubscriberOptions:
         """This rank's defaults: an id naming host, process and rank; the rank's GPU for a
         collective path."""
-        sync = options.sync
-        if sync.collective and sync.collective_device is None and \
+        changes: dict[str, Any] = {"subscriber_id": options.subscriber_id or
+                                   f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}"}
+        if options.collective and options.collective_device is None and \
                 getattr(self.device, "type", "") == "cuda":
-            sync = dataclasses.replace(sync, collective_device=str(self.device))
-        return dataclasses.replace(
-            options, sync=sync, subscriber_id=options.subscriber_id or
-            f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}")
+            changes["collective_device"] = str(self.device)
+        return options.replace(**changes)
 
     def _wp_node_key(self, endpoint: str) -> str | None:
         """What every local rank of this replica (and no other replica) shares: vLLM's

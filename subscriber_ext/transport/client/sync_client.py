@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -51,8 +50,9 @@ from subscriber_ext.transport.client.client_sockets import ClientSockets
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
 from subscriber_ext.transport.client.instance_following import InstanceFollower
 from subscriber_ext.transport.client.shard_links import ShardLinks
+from subscriber_ext.transport.client.sync_options import SyncOptions
 from subscriber_ext.transport.client.version_choice import VersionChoice
-from subscriber_ext.transport.peers.peering import Peering, PeerOptions
+from subscriber_ext.transport.peers.peering import Peering
 from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
 from subscriber_ext.transport.staging.budget_gate import BudgetGate
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
@@ -68,20 +68,6 @@ from weightpub_wire.security import CurveIdentity
 __all__ = ["SyncClient", "SyncOptions"]
 
 log = logging.getLogger("weightpub.subscriber")
-
-
-@dataclass(frozen=True, slots=True)
-class SyncOptions:
-    request_timeout: float = 5.0
-    window_bytes: int = 64 << 20
-    chunks_per_request: int = 4
-    max_chunk_retries: int = 5
-    switch_below_fraction: float = 0.5
-    report_interval: float = 2.0
-    limits: wire.Limits = field(default_factory=wire.Limits)
-    collective: bool = False  # join the publisher's collective path if it announces one
-    collective_device: str | None = None  # nccl / cuda_ipc: this node's GPU ("cuda:0")
-    peers: PeerOptions | None = None  # peer sharing (``peer_share=True``), peering.py
 
 
 class SyncClient:
