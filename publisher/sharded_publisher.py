@@ -76,7 +76,7 @@ from publisher.sharding.shard_coordinator import SHARD_PAD, ShardCoordinator
 from publisher.sources.streamed_sources import PublishSource, StreamedPairs, plan_shard
 from publisher.store.snapshot import named_tensors, plan_layout
 from publisher.weight_publisher import WeightPublisher
-from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.endpoints import is_wildcard, parse_endpoint
 from weightpub_wire.errors import ConfigError, WeightPubError
 from weightpub_wire.security import CurveIdentity, load_key_file
 from weightpub_wire.shard_submit import ShardSubmit, encode_submit
@@ -87,7 +87,6 @@ __all__ = ["DEFAULT_SHARD_CHUNK", "ShardedPublisher"]
 log = logging.getLogger("weightpub.publisher")
 
 DEFAULT_SHARD_CHUNK = 1 << 20  # every rank's chunk size must agree: no adaptive sizing
-_WILDCARDS = {"*", "0.0.0.0", "::", ""}
 
 
 class ShardedPublisher:
@@ -295,6 +294,6 @@ def _from_env(name: str) -> int:
 def _dialable(bound: str) -> str:
     """A bound address as others dial it: a wildcard host becomes this host's name."""
     endpoint = parse_endpoint(bound)
-    if endpoint.scheme == "tcp" and endpoint.host in _WILDCARDS:
+    if is_wildcard(endpoint):
         return f"tcp://{socket.gethostname()}:{endpoint.port}"
     return bound

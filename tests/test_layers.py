@@ -194,3 +194,34 @@ def test_the_publisher_is_in_sub_packages() -> None:
     assert len(flat) <= 10, flat
     assert {p.name for p in (REPO / "publisher").iterdir() if (p / "__init__.py").is_file()} >= {
         "store", "sources", "deltas", "collective", "serving", "sharding"}
+
+
+#: every Python file of the repository's own code (tests and benchmarks too)
+ALL_SOURCES = sorted(p for top in (*PACKAGES, "tests", "benchmarks")
+                     for p in (REPO / top).rglob("*.py"))
+
+
+def test_dtypes_are_looked_up_only_through_the_allow_list() -> None:
+    """``getattr(torch, name)`` reaches any attribute of torch: only ``weightpub_wire.dtypes``
+    builds its allow-list that way; everything else calls ``parse_dtype``/``dtype_from_name``."""
+    found = []
+    for path in ALL_SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id == "getattr" and node.args and \
+                    isinstance(node.args[0], ast.Name) and node.args[0].id == "torch":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == ["weightpub_wire/dtypes.py:17"], found
+
+
+def test_wildcard_hosts_are_declared_once() -> None:
+    """Which hosts nobody can dial is ``weightpub_wire.endpoints.WILDCARD_HOSTS``, nowhere else."""
+    found = []
+    for path in ALL_SOURCES:
+        if path == Path(__file__).resolve():
+            continue  # the pattern below
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Set | ast.Tuple | ast.List) and {"0.0.0.0", "::"} <= {
+                    e.value for e in node.elts if isinstance(e, ast.Constant)}:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == ["weightpub_wire/endpoints.py:21"], found

@@ -123,10 +123,12 @@ def fsdp_extra_tensors() -> dict[str, Any]:
     """``FSDP_EXTRAS`` as whole tensors, the same in every process."""
     import torch
 
+    from weightpub_wire.dtypes import dtype_from_name
+
     out: dict[str, Any] = {}
     for index, (name, (shape, dtype, _)) in enumerate(FSDP_EXTRAS.items()):
         values = torch.arange(1, 1 + torch.Size(shape).numel()) * (index + 3)
-        out[name] = values.reshape(shape).to(getattr(torch, dtype))
+        out[name] = values.reshape(shape).to(dtype_from_name(dtype))
     return out
 
 
