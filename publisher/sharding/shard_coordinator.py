@@ -16,12 +16,19 @@ of its first one, or older than one already announced, is dropped (counted in
 increase. A rank that restarts (a new instance, perhaps a new port) is simply in
 the next version's manifest.
 
-Bounded: at most ``MAX_PENDING_VERSIONS`` versions collect at once and their
-submits hold at most ``max_pending_bytes`` (each submit's frame counted); a new
-version past either drops the oldest pending one (a WARNING, counted), so a
-rank far ahead or a stray peer costs old versions, never memory. A submit that
-breaks the coordinator's own code is refused and counted; the collecting thread
-lives on.
+Bounded by what it holds decoded (issue 28.3): at most ``MAX_PENDING_VERSIONS``
+versions collect at once and their submits hold at most ``max_pending_bytes`` as
+decoded objects (``shard_submit.decoded_bytes``: 3-13x the frame); a new version
+past either drops the oldest pending one, and a submit that does not fit even then
+is refused (a WARNING, counted), so a rank far ahead or a stray peer costs old
+versions, never memory. A frame is at most ``max_pending_bytes / 16`` (ZeroMQ's
+``MAXMSGSIZE``), so decoding one cannot exceed the bound either; what ZeroMQ holds
+for messages not yet read (a multipart message that never ends included) is
+bounded per connection and over all of them by the publisher's own
+``ConnectionGuard`` (the connection is cut). Once pending submits are dropped,
+expired or announced, the heap they freed is given back to the OS
+(``weightpub_wire.heap_trim``). A submit that breaks the coordinator's own code is
+refused and counted; the collecting thread lives on.
 
 CURVE (``curve_secret_key_file``: the trainer's key pair, the one every rank
 serves with): the subscribers' ROUTER and PUB are CURVE servers with that key
@@ -46,6 +53,7 @@ import torch
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from publisher.serving.connections import ConnectionGuard, GuardLimits
 from publisher.serving.reports import counts_for, reporters
 from publisher.serving.server import (
     ServerLimits,
@@ -61,8 +69,14 @@ from weightpub_wire.allow_list import AllowList, KeySet, start_authenticator
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
 from weightpub_wire.errors import ConfigError, ProtocolError, WeightPubTimeout
+from weightpub_wire.heap_trim import trim_heap
 from weightpub_wire.security import check_bind_allowed, curve_server_hook, load_key_file
-from weightpub_wire.shard_submit import ShardSubmit, decode_submit
+from weightpub_wire.shard_submit import (
+    DECODED_PER_FRAME_BYTE,
+    ShardSubmit,
+    decode_submit,
+    decoded_bytes,
+)
 from weightpub_wire.sockets import bind, configure_socket
 
 __all__ = ["SHARD_PAD", "ShardCoordinator"]
@@ -77,13 +91,17 @@ COLLECT_ZAP_DOMAIN = "weightpub-shard-collect"
 #: versions collecting at once: a trainer has one, two while a slow rank catches up
 MAX_PENDING_VERSIONS = 4
 DEFAULT_MAX_PENDING_BYTES = 512 << 20
+#: complete submits ZeroMQ queues per connection before the collecting thread reads them
+COLLECT_RCVHWM = 4
+#: pending bytes freed since the last trim that make the heap worth trimming
+TRIM_AFTER_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
 class _Pending:
     first_at: float
     shards: dict[int, ShardSubmit] = field(default_factory=dict)
-    sizes: dict[int, int] = field(default_factory=dict)  # each rank's submit, in frame bytes
+    sizes: dict[int, int] = field(default_factory=dict)  # each rank's submit, decoded bytes
 
     @property
     def nbytes(self) -> int:
@@ -101,8 +119,9 @@ class ShardCoordinator:
                  curve_secret_key_file: str | None = None,
                  curve_allowed_clients_dir: str | None = None,
                  context: zmq.Context | None = None) -> None:
-        """``max_pending_bytes``: what the submits of versions still collecting may hold
-        (frame bytes; each submit is at most the smaller of it and 256 MiB).
+        """``max_pending_bytes``: what the submits of versions still collecting may hold,
+        decoded (``shard_submit.decoded_bytes``); a submit's frame is at most 1/16 of it
+        (and 256 MiB), what ZeroMQ holds unread at most all of it.
         ``peer_fanout``: as ``WeightPublisher``'s (default 4; 0: off): the tracker runs
         here, peer-sharing subscribers say hello here and fetch from each other what the
         plan says, the rest from the ranks. ``curve_*``: see the module docstring."""
@@ -135,6 +154,9 @@ class ShardCoordinator:
         self.dropped_versions = 0
         self.refused_submits = 0
         self.refused_handshakes = 0  # collect connections without the trainer's key (CURVE)
+        self.cut_connections = 0  # collect connections that held too many unread bytes
+        self.trimmed_bytes = 0  # resident bytes the heap trims gave back
+        self._freed_since_trim = 0
         self.last_error = ""
         self._pending: dict[int, _Pending] = {}
         self._deltas = ShardDeltas()  # announced unions' digests: the bases deltas start from
@@ -166,6 +188,7 @@ class ShardCoordinator:
             if curve:
                 self._collect.setsockopt_string(zmq.ZAP_DOMAIN, COLLECT_ZAP_DOMAIN)
             self._collect.setsockopt(zmq.MAXMSGSIZE, self._max_submit)
+            self._collect.setsockopt(zmq.RCVHWM, COLLECT_RCVHWM)
             self.collect_endpoint = bind(self._collect, str(collect))
         except BaseException:
             self._collect.close(linger=0)
@@ -204,12 +227,20 @@ class ShardCoordinator:
 
     @property
     def pending_bytes(self) -> int:
-        """Frame bytes the submits of versions still collecting hold."""
+        """Decoded bytes the submits of versions still collecting hold."""
         return sum(pending.nbytes for pending in list(self._pending.values()))
 
     @property
     def _max_submit(self) -> int:
-        return min(MAX_SUBMIT_BYTES, self.max_pending_bytes)
+        """A submit's largest frame: decoded, it still fits ``max_pending_bytes``."""
+        return min(MAX_SUBMIT_BYTES, self.max_pending_bytes // DECODED_PER_FRAME_BYTE)
+
+    @property
+    def _guard_limits(self) -> GuardLimits:
+        """Unread bytes ZeroMQ may hold: a few frames per connection, the bound in all."""
+        return GuardLimits(max_held_bytes=(COLLECT_RCVHWM + 1) * self._max_submit + (1 << 20),
+                           max_connections=4 * self.world_size + 64,
+                           max_total_held_bytes=self.max_pending_bytes)
 
     def manifest(self) -> wire.Manifest | None:
         latest = self._store.latest()
@@ -285,29 +316,50 @@ class ShardCoordinator:
     # -- the collecting thread -----------------------------------------------------------------
     def _run(self) -> None:
         sock = self._collect
+        guard = ConnectionGuard({"collect": sock}, self._guard_limits)
+        poller = zmq.Poller()
+        for polled in (sock, *guard.monitors):
+            poller.register(polled, zmq.POLLIN)
         try:
             while not self._closed:
-                if sock.poll(100):
+                events = dict(poller.poll(50))
+                guard.on_events()
+                if sock in events:
                     for _ in range(64):
                         try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
+                        fd = _property(frames[-1], zmq.SRCFD)
+                        guard.delivered(fd if isinstance(fd, int) else None)
                         self._on_frames(frames)
-                self._expire(time.monotonic())
+                        del frames  # freed before the next one is read
+                now = time.monotonic()
+                guard.check(now)
+                self.cut_connections = guard.cut_count
+                self._expire(now)
+                self._trim()
         finally:
+            guard.close()
             sock.close(linger=0)
 
-    def _on_frames(self, frames: list[bytes]) -> None:
+    def _trim(self) -> None:
+        """Give the heap back once pending submits freed enough of it (they are many small
+        objects: glibc and pymalloc keep much of it otherwise)."""
+        if self._freed_since_trim >= TRIM_AFTER_BYTES:
+            self._freed_since_trim = 0
+            self.trimmed_bytes += trim_heap()
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
         try:
             if len(frames) != 2:
                 raise ProtocolError(f"{len(frames)} frames, expected 2")
-            submit = decode_submit(frames[1], self._max_submit)
+            submit = decode_submit(frames[1].buffer, self._max_submit)
         except ProtocolError as exc:
             self._refuse(f"refused a shard: {exc}")
             return
         try:
-            self.submitted(submit, time.monotonic(), nbytes=len(frames[1]))
+            self.submitted(submit, time.monotonic())
         except Exception as exc:  # a bug must cost this submit, not the collecting thread
             log.exception("shard coordinator: rank %d's shard of version %d failed",
                           submit.rank, submit.version)
@@ -320,9 +372,9 @@ class ShardCoordinator:
         self.last_error = why
         log.warning("shard coordinator: %s", why)
 
-    def submitted(self, submit: ShardSubmit, now: float, *, nbytes: int = 0) -> None:
-        """One rank's shard of a version (``nbytes``: its frame); announces the version when
-        it completes it."""
+    def submitted(self, submit: ShardSubmit, now: float, *, nbytes: int | None = None) -> None:
+        """One rank's shard of a version (``nbytes``: what it holds, by default
+        ``decoded_bytes``); announces the version when it completes it."""
         if submit.world_size != self.world_size or not 0 <= submit.rank < self.world_size:
             self._refuse(f"rank {submit.rank} says world_size {submit.world_size}, the "
                          f"group has {self.world_size}")
@@ -331,19 +383,28 @@ class ShardCoordinator:
             self._refuse(f"rank {submit.rank}'s version {submit.version} is not newer than "
                          f"the announced {self._announced}")
             return
-        if nbytes > self._max_submit:
-            self._refuse(f"rank {submit.rank}'s shard of version {submit.version} is "
-                         f"{nbytes} bytes, more than {self._max_submit}")
+        if nbytes is None:
+            nbytes = decoded_bytes(submit)
+        if nbytes > self.max_pending_bytes:
+            self._refuse(f"rank {submit.rank}'s shard of version {submit.version} holds "
+                         f"{nbytes} bytes decoded, more than max_pending_bytes "
+                         f"{self.max_pending_bytes}")
             return
         earlier = self._pending.get(submit.version)
         if earlier is not None:
-            earlier.sizes.pop(submit.rank, None)  # replaced below: its room is free
-        self._make_room(submit.version, nbytes)
+            self._freed(earlier.sizes.pop(submit.rank, 0))  # replaced below: its room is free
+        if not self._make_room(submit.version, nbytes):
+            self._refuse(f"rank {submit.rank}'s shard of version {submit.version} "
+                         f"({nbytes} bytes decoded) does not fit beside the "
+                         f"{self.pending_bytes} bytes its version's other shards hold "
+                         f"(max_pending_bytes {self.max_pending_bytes})")
+            return
         pending = self._pending.setdefault(submit.version, _Pending(now))
         pending.shards[submit.rank] = submit  # a restarted rank's later shard replaces it
         pending.sizes[submit.rank] = nbytes
         if len(pending.shards) == self.world_size:
             del self._pending[submit.version]
+            self._freed(pending.nbytes)
             try:
                 manifest = self._union(submit.version, pending.shards)
             except (ValueError, ProtocolError) as exc:
@@ -352,8 +413,9 @@ class ShardCoordinator:
             self._announce(manifest)
             self._deltas.announced(manifest, [pending.shards[r] for r in range(self.world_size)])
 
-    def _make_room(self, version: int, nbytes: int) -> None:
-        """Drop the oldest other pending versions until ``version``'s submit fits the bounds."""
+    def _make_room(self, version: int, nbytes: int) -> bool:
+        """Drop the oldest other pending versions until ``version``'s submit fits the bounds;
+        False if it does not fit even then."""
         def over() -> bool:
             versions = len(self._pending) + (version not in self._pending)
             return (versions > MAX_PENDING_VERSIONS
@@ -362,11 +424,12 @@ class ShardCoordinator:
         while over():
             others = [v for v in self._pending if v != version]
             if not others:
-                return  # this version's own earlier shards: replaced ranks free their room
+                return False  # this version's own shards alone fill the bound
             oldest = min(others)
             self._drop(oldest, f"more than {MAX_PENDING_VERSIONS} versions or "
                                f"{self.max_pending_bytes} bytes of shards were pending; "
                                f"version {version} came in")
+        return True
 
     def _expire(self, now: float) -> None:
         for version, pending in list(self._pending.items()):
@@ -380,10 +443,15 @@ class ShardCoordinator:
                                     f"{self.shard_timeout}s{hint}")
 
     def _drop(self, version: int, why: str) -> None:
-        self._pending.pop(version, None)
+        dropped = self._pending.pop(version, None)
+        if dropped is not None:
+            self._freed(dropped.nbytes)
         self.dropped_versions += 1
         self.last_error = f"version {version} dropped: {why}"
         log.warning("shard coordinator: %s", self.last_error)
+
+    def _freed(self, nbytes: int) -> None:
+        self._freed_since_trim += nbytes
 
     def _union(self, version: int, shards: dict[int, ShardSubmit]) -> wire.Manifest:
         chunk_size = shards[0].chunk_size
@@ -429,3 +497,11 @@ class ShardCoordinator:
             self._drop(version, f"version {manifest.version} was announced first")
         log.info("shard coordinator: announced version %d (%d bytes from %d ranks)",
                  manifest.version, manifest.total_bytes, len(manifest.shards or ()))
+
+
+def _property(frame: zmq.Frame, name: str | int) -> object:
+    """A frame's metadata (``SRCFD``), or None if unset."""
+    try:
+        return frame.get(name)
+    except zmq.ZMQError:
+        return None
