@@ -16,7 +16,7 @@ passes its own named tensors (names must not repeat across ranks). FSDP/FSDP2
 (DTensors, or a vLLM ``WeightSource``): every rank passes the same whole model,
 at the same time; each walks the layer groups in the same order (each gather is
 a collective all ranks join) and keeps only the tensors it owns
-(``streamed_sources.plan_shard``: largest first to the least loaded rank, the
+(``streamed_plan.plan_shard``: largest first to the least loaded rank, the
 same split on every rank from global names, shapes and dtypes). FSDP2's
 ``Shard(0)`` DTensors (1-D mesh of these ranks) and ``Replicate`` ones go to
 their owner only, so a rank receives about its shard per version and holds its
@@ -73,7 +73,7 @@ import zmq
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_options import PublisherKeywords
 from publisher.sharding.shard_coordinator import SHARD_PAD, ShardCoordinator
-from publisher.sources.streamed_sources import PublishSource, StreamedPairs, plan_shard
+from publisher.sources.streamed_plan import PublishSource, StreamedPairs, plan_shard
 from publisher.store.snapshot import named_tensors, plan_layout
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.endpoints import is_wildcard, parse_endpoint

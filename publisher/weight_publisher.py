@@ -33,7 +33,8 @@ from publisher.publisher_options import PublisherKeywords, PublisherOptions
 from publisher.serving.relayed import RelayedVersion, relay_upstream
 from publisher.serving.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
 from publisher.serving.server import ServerOptions, ServingThread, StatusExtras
-from publisher.sources.streamed_sources import PublishSource, plan_version
+from publisher.sources.streamed_copy import plan_version
+from publisher.sources.streamed_plan import PublishSource
 from publisher.store.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
 from publisher.store.snapshot import Snapshot
 from publisher.store.version_store import PublishedVersion, VersionStore
@@ -223,7 +224,7 @@ class WeightPublisher:
         (name, tensor); CPU or CUDA tensors; or a vLLM ``WeightSource`` (``ModuleSource``).
         Sharded weights (DTensors) and ``WeightSource``s are gathered, copied and dropped
         one layer group at a time; every other rank calls ``gather_full_tensors`` meanwhile
-        (``publisher.sources.streamed_sources``).
+        (``publisher.sources.streamed_copy``).
         A snapshot that cannot fit ``host_budget_bytes`` beside the versions held raises
         ``StagingBudgetError`` (naming the budget and the bytes) before it is allocated;
         the versions published before stay served.
