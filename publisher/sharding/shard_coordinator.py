@@ -51,26 +51,20 @@ from dataclasses import dataclass, field
 
 import torch
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from publisher.serving.connections import ConnectionGuard, GuardLimits
+from publisher.serving.front import ServingFront
 from publisher.serving.reports import counts_for, reporters
-from publisher.serving.server import (
-    ServerLimits,
-    ServerOptions,
-    ServingThread,
-    StatusExtras,
-    TrackerLimits,
-)
+from publisher.serving.server import ServerLimits, StatusExtras, TrackerLimits
 from publisher.sharding.shard_deltas import ShardDeltas, shard_layout
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
-from weightpub_wire.allow_list import AllowList, KeySet, start_authenticator
+from weightpub_wire.allow_list import KeySet
 from weightpub_wire.buffers import BufferPool
-from weightpub_wire.endpoints import parse_endpoint, pub_bind_address
+from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, ProtocolError, WeightPubTimeout
 from weightpub_wire.heap_trim import trim_heap
-from weightpub_wire.security import check_bind_allowed, curve_server_hook, load_key_file
+from weightpub_wire.security import load_key_file
 from weightpub_wire.shard_submit import (
     DECODED_PER_FRAME_BYTE,
     ShardSubmit,
@@ -135,16 +129,12 @@ class ShardCoordinator:
             raise ConfigError(f"peer_{exc}") from None
         if max_pending_bytes < 1 << 20:
             raise ConfigError(f"max_pending_bytes: {max_pending_bytes} must be >= 1 MiB")
-        router = parse_endpoint(endpoint)
+        # the subscribers' side, as a WeightPublisher's; checked before anything is opened
+        self._front = ServingFront(endpoint, curve_secret_key_file=curve_secret_key_file,
+                                   curve_allowed_clients_dir=curve_allowed_clients_dir,
+                                   insecure=insecure, also_binds=[collect_endpoint])
         collect = parse_endpoint(collect_endpoint)
-        curve = curve_secret_key_file is not None
-        for where in (router, collect):
-            check_bind_allowed(where, curve=curve, insecure=insecure,
-                               allowed_clients_dir=curve_allowed_clients_dir)
-        hooks = [] if curve_secret_key_file is None else [
-            curve_server_hook(curve_secret_key_file)]  # validates before any socket
-        allow_list = None if curve_allowed_clients_dir is None else \
-            AllowList(curve_allowed_clients_dir)
+        curve = self._front.curve
         self.world_size = world_size
         self.shard_timeout = shard_timeout
         self.model_id = model_id
@@ -162,28 +152,17 @@ class ShardCoordinator:
         self._deltas = ShardDeltas()  # announced unions' digests: the bases deltas start from
         self._announced = 0
         self._cond = threading.Condition()
-        self._own_context = context is None
-        self._ctx = context or zmq.Context()
-        self._authenticator = None if curve_secret_key_file is None else \
-            self._start_authenticator(curve_secret_key_file, allow_list)
         self._store = VersionStore(1, BufferPool(max_buffers=1))
-        self._server = ServingThread(
-            self._ctx, self._store,
-            ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
-                          heartbeat_interval=heartbeat_interval,
-                          limits=ServerLimits(tracker=tracker), curve=curve,
-                          allow_list=allow_list),
-            publisher_id=self.publisher_id, started_at=self.started_at,
-            configure=hooks, status_extras=self._status_extras)
-        try:
-            self._server.start_and_wait()
-        except BaseException:
-            self._release_context()
-            raise
-        self._collect = self._ctx.socket(zmq.ROUTER)
+        self._server = self._front.start(
+            self._store, publisher_id=self.publisher_id, started_at=self.started_at,
+            heartbeat_interval=heartbeat_interval, limits=ServerLimits(tracker=tracker),
+            context=context, zap_domains=None if curve_secret_key_file is None else
+            self._collect_keys(curve_secret_key_file), status_extras=self._status_extras)
+        assert self._front.ctx is not None
+        self._collect = self._front.ctx.socket(zmq.ROUTER)
         try:
             configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
-            for hook in hooks:
+            for hook in self._front.hooks:
                 hook(self._collect, server=True)
             if curve:
                 self._collect.setsockopt_string(zmq.ZAP_DOMAIN, COLLECT_ZAP_DOMAIN)
@@ -192,9 +171,7 @@ class ShardCoordinator:
             self.collect_endpoint = bind(self._collect, str(collect))
         except BaseException:
             self._collect.close(linger=0)
-            self._server.send_command(b"close")
-            self._server.join(timeout=10)
-            self._release_context()
+            self._front.close()
             raise
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="weightpub-shard-collect",
@@ -203,14 +180,13 @@ class ShardCoordinator:
         log.info("shard coordinator %s: subscribers dial %s, %d ranks submit to %s",
                  self.publisher_id[:8], self.endpoint, world_size, self.collect_endpoint)
 
-    def _start_authenticator(self, secret_key_file: str,
-                             allow_list: AllowList | None) -> ThreadAuthenticator:
-        """ZAP: subscribers by ``allow_list`` (any key without one); ranks by the trainer's
-        own public key only."""
+    def _collect_keys(self, secret_key_file: str) -> dict[str, KeySet]:
+        """ZAP for the collect socket: the trainer's own public key only (subscribers go by
+        the front's allow-list, any key without one)."""
         public, _ = load_key_file(secret_key_file, need_secret=True)
         trainer = KeySet([public], f"the trainer's key ({secret_key_file})",
                          on_refused=self._refused_handshake)
-        return start_authenticator(self._ctx, allow_list, {COLLECT_ZAP_DOMAIN: trainer})
+        return {COLLECT_ZAP_DOMAIN: trainer}
 
     def _refused_handshake(self, why: str) -> None:
         self.refused_handshakes += 1
@@ -219,7 +195,7 @@ class ShardCoordinator:
     @property
     def endpoint(self) -> str:
         """The address subscribers are given (the real port when bound to port 0)."""
-        return self._server.router_endpoint
+        return self._front.endpoint
 
     @property
     def latest_version(self) -> int:
@@ -271,7 +247,7 @@ class ShardCoordinator:
                 self._cond.wait(left)
 
     def fleet(self) -> list[wire.Report]:
-        return self._server.fleet()
+        return self._front.fleet()
 
     def wait_for_subscribers(self, version: int, count: int, *, applied: bool = True,
                              timeout: float = 60.0) -> list[wire.Report]:
@@ -292,20 +268,11 @@ class ShardCoordinator:
         if self._closed:
             return
         self._closed = True
-        self._thread.join(timeout=5)
-        self._server.send_command(b"close")
-        self._server.join(timeout=10)
+        self._thread.join(timeout=5)  # closes the collect socket
+        self._front.close()  # the serving thread, the ZAP handler, our own context
         self._store.clear()
         with self._cond:
             self._cond.notify_all()
-        self._release_context()
-
-    def _release_context(self) -> None:
-        """The ZAP handler (after the sockets: none is left unchecked), our own context."""
-        if self._authenticator is not None:
-            self._authenticator.stop()
-        if self._own_context:
-            self._ctx.term()
 
     def __enter__(self) -> ShardCoordinator:
         return self
@@ -437,7 +404,7 @@ class ShardCoordinator:
                 self._drop(version, f"version {self._announced} was announced first")
             elif now - pending.first_at > self.shard_timeout:
                 missing = sorted(set(range(self.world_size)) - set(pending.shards))
-                hint = "" if self._authenticator is None else \
+                hint = "" if not self._front.curve else \
                     " (under CURVE a rank needs the trainer's curve_secret_key_file)"
                 self._drop(version, f"ranks {missing} sent no shard within "
                                     f"{self.shard_timeout}s{hint}")
@@ -489,7 +456,7 @@ class ShardCoordinator:
     def _announce(self, manifest: wire.Manifest) -> None:
         empty = torch.empty(64, dtype=torch.uint8)  # the bytes live on the ranks
         self._store.add(PublishedVersion(manifest=manifest, buffer=empty, view=memoryview(b"")))
-        self._server.send_command(b"announce")
+        self._front.announce()
         with self._cond:
             self._announced = manifest.version
             self._cond.notify_all()
