@@ -11,7 +11,7 @@ from typing import Any as _Any
 from publisher.publisher_config import PublisherConfig
 from publisher.serving.server import ServerLimits
 from publisher.sharded_publisher import ShardedPublisher
-from publisher.sources.streamed_sources import gather_full_tensors
+from publisher.sources.streamed_copy import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import (
     ApplyError,

@@ -37,7 +37,8 @@ import torch
 from transformers import TrainerCallback
 
 from publisher.sharded_publisher import ShardedPublisher
-from publisher.sources.streamed_sources import gather_full_tensors, owner_ranks
+from publisher.sources.shard_owners import owner_ranks
+from publisher.sources.streamed_copy import gather_full_tensors
 from publisher.store.snapshot import WeightsLike
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import ConfigError

@@ -16,7 +16,7 @@ passes its own named tensors (names must not repeat across ranks). FSDP/FSDP2
 (DTensors, or a vLLM ``WeightSource``): every rank passes the same whole model,
 at the same time; each walks the layer groups in the same order (each gather is
 a collective all ranks join) and keeps only the tensors it owns
-(``streamed_sources.plan_shard``: largest first to the least loaded rank, the
+(``streamed_plan.plan_shard``: largest first to the least loaded rank, the
 same split on every rank from global names, shapes and dtypes). FSDP2's
 ``Shard(0)`` DTensors (1-D mesh of these ranks) and ``Replicate`` ones go to
 their owner only, so a rank receives about its shard per version and holds its
@@ -73,10 +73,10 @@ import zmq
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_options import PublisherOptions, ShardedKeywords, ShardingOptions
 from publisher.sharding.shard_coordinator import SHARD_PAD, ShardCoordinator
-from publisher.sources.streamed_sources import PublishSource, StreamedPairs, plan_shard
+from publisher.sources.streamed_plan import PublishSource, StreamedPairs, plan_shard
 from publisher.store.snapshot import named_tensors, plan_layout
 from publisher.weight_publisher import WeightPublisher
-from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.endpoints import is_wildcard, parse_endpoint
 from weightpub_wire.errors import ConfigError, WeightPubError
 from weightpub_wire.security import CurveIdentity, load_key_file
 from weightpub_wire.shard_submit import ShardSubmit, encode_submit
@@ -87,7 +87,6 @@ __all__ = ["DEFAULT_SHARD_CHUNK", "ShardedPublisher"]
 log = logging.getLogger("weightpub.publisher")
 
 DEFAULT_SHARD_CHUNK = 1 << 20  # every rank's chunk size must agree: no adaptive sizing
-_WILDCARDS = {"*", "0.0.0.0", "::", ""}
 
 
 class ShardedPublisher:
@@ -305,6 +304,6 @@ def _from_env(name: str) -> int:
 def _dialable(bound: str) -> str:
     """A bound address as others dial it: a wildcard host becomes this host's name."""
     endpoint = parse_endpoint(bound)
-    if endpoint.scheme == "tcp" and endpoint.host in _WILDCARDS:
+    if is_wildcard(endpoint):
         return f"tcp://{socket.gethostname()}:{endpoint.port}"
     return bound

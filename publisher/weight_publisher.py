@@ -30,21 +30,22 @@ from publisher.deltas.delta_encoder import DeltaPublisher
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.publisher_options import PublisherKeywords, PublisherOptions
+from publisher.serving.front import ServingFront
 from publisher.serving.relayed import RelayedVersion, relay_upstream
 from publisher.serving.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
-from publisher.serving.server import ServerOptions, ServingThread, StatusExtras
-from publisher.sources.streamed_sources import PublishSource, plan_version
+from publisher.serving.server import StatusExtras
+from publisher.sources.streamed_copy import plan_version
+from publisher.sources.streamed_plan import PublishSource
 from publisher.store.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
 from publisher.store.snapshot import Snapshot
 from publisher.store.version_store import PublishedVersion, VersionStore
 from publisher.version_preparer import VersionPreparer
 from weightpub_wire import protocol as wire
-from weightpub_wire.allow_list import AllowList, start_authenticator
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.collective_layout import GroupStatus
-from weightpub_wire.endpoints import Endpoint, parse_endpoint, pub_bind_address
+from weightpub_wire.endpoints import Endpoint
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
-from weightpub_wire.security import check_bind_allowed, curve_server_hook, is_local
+from weightpub_wire.security import is_local
 
 __all__ = ["WeightPublisher"]
 
@@ -110,10 +111,11 @@ class WeightPublisher:
         elif keywords:
             raise ConfigError(f"WeightPublisher: {', '.join(sorted(keywords))} given with "
                               "options= (put them in the options)")
-        router = parse_endpoint(endpoint)
-        curve = options.curve_secret_key_file is not None
-        check_bind_allowed(router, curve=curve, insecure=options.insecure,
-                           allowed_clients_dir=options.curve_allowed_clients_dir)
+        # checks the endpoint, the key file and the allow-list before anything is opened
+        self._front = ServingFront(endpoint,
+                                   curve_secret_key_file=options.curve_secret_key_file,
+                                   curve_allowed_clients_dir=options.curve_allowed_clients_dir,
+                                   insecure=options.insecure, socket_hooks=socket_hooks or ())
         self.options = options
         self.model_id = options.model_id
         #: the chunk size set by the user, or None: each version's follows its size
@@ -132,40 +134,21 @@ class WeightPublisher:
                                   retiring=self._store.retiring, scratch=self._scratch_bytes,
                                   drop_idle_scratch=self._drop_idle_scratch)
         self._deltas = DeltaPublisher(options.delta_anchor_every)
-        hooks = list(socket_hooks or [])
-        allow_list = None
-        if options.curve_secret_key_file is not None:
-            # validates before any socket
-            hooks.append(curve_server_hook(options.curve_secret_key_file))
-            if options.curve_allowed_clients_dir is not None:
-                allow_list = AllowList(options.curve_allowed_clients_dir)
         collective = options.collective_options
         self._collective = None if collective is None else \
-            self._start_collective(collective, router)
-        self._own_context = context is None
-        self._ctx = context or zmq.Context()
-        # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
-        # request its client's key (User-Id), which reports are filed under
-        self._authenticator = start_authenticator(self._ctx, allow_list) if curve else None
-        self._server = ServingThread(
-            self._ctx, self._store,
-            ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
-                          heartbeat_interval=options.heartbeat_interval,
-                          limits=options.server_limits, curve=curve, allow_list=allow_list),
-            publisher_id=self.publisher_id, started_at=self.started_at,
-            configure=hooks, deltas=self._deltas, collective=self._collective,
-            status_extras=self._status_extras, budget_room=self._budget_room,
-        )
+            self._start_collective(collective, self._front.router)
         try:
-            self._server.start_and_wait()
+            # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
+            # request its client's key (User-Id), which reports are filed under
+            self._server = self._front.start(
+                self._store, publisher_id=self.publisher_id, started_at=self.started_at,
+                heartbeat_interval=options.heartbeat_interval, limits=options.server_limits,
+                context=context, deltas=self._deltas, collective=self._collective,
+                status_extras=self._status_extras, budget_room=self._budget_room)
         except BaseException:
             self._deltas.close()
             if self._collective is not None:
                 self._collective.close()
-            if self._authenticator is not None:
-                self._authenticator.stop()
-            if self._own_context:
-                self._ctx.term()
             raise
         self._announced = threading.Condition()
         self._announced_version = 0
@@ -213,7 +196,7 @@ class WeightPublisher:
     @property
     def endpoint(self) -> str:
         """The bound ROUTER address (with the real port when bound to port 0)."""
-        return self._server.router_endpoint
+        return self._front.endpoint
 
     @property
     def latest_version(self) -> int:
@@ -227,7 +210,7 @@ class WeightPublisher:
         (name, tensor); CPU or CUDA tensors; or a vLLM ``WeightSource`` (``ModuleSource``).
         Sharded weights (DTensors) and ``WeightSource``s are gathered, copied and dropped
         one layer group at a time; every other rank calls ``gather_full_tensors`` meanwhile
-        (``publisher.sources.streamed_sources``).
+        (``publisher.sources.streamed_copy``).
         A snapshot that cannot fit ``host_budget_bytes`` beside the versions held raises
         ``StagingBudgetError`` (naming the budget and the bytes) before it is allocated;
         the versions published before stay served.
@@ -415,7 +398,7 @@ class WeightPublisher:
         that reaches the endpoint can satisfy it with reports under invented ids (logged
         as a warning at first use). Returns the reports that count.
         """
-        if not self._server.options.curve and not getattr(self, "_quorum_warned", False):
+        if not self._front.curve and not getattr(self, "_quorum_warned", False):
             self._quorum_warned = True
             log.warning(UNAUTHENTICATED_QUORUM)
         deadline = time.monotonic() + timeout
@@ -453,15 +436,10 @@ class WeightPublisher:
         self._deltas.close()
         if self._collective is not None:
             self._collective.close()  # bounded by collective_timeout
-        self._server.send_command(b"close")
-        self._server.join(timeout=10)
+        self._front.close()  # the serving thread, the ZAP handler, our own context
         self._store.clear()
-        if self._authenticator is not None:
-            self._authenticator.stop()
         with self._announced:
             self._announced.notify_all()
-        if self._own_context:
-            self._ctx.term()
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -497,7 +475,7 @@ class WeightPublisher:
 
     def _announced_now(self, published: PublishedVersion) -> None:
         number = published.manifest.version
-        self._server.send_command(b"announce")
+        self._front.announce()
         if self._collective is not None:
             self._collective.announced(published)  # its own thread broadcasts it
         with self._announced:

@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from publisher import WeightPublisher
-from publisher.sources.vllm_sources import FullIterSource, as_grouped, layer_runs
+from publisher.sources.layer_grouping import layer_runs
+from publisher.sources.vllm_sources import FullIterSource, as_grouped
 from scripts.fetch_vllm_wheel import fetch_wheel
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.vllm_ext import vllm_compat

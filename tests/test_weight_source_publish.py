@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.weight_transfer.base import ModuleSource, layerwise_groups
 
 from publisher import WeightPublisher, gather_full_tensors
-from publisher.sources.streamed_sources import layer_groups
+from publisher.sources.layer_grouping import layer_groups
 from subscriber_ext import WeightSubscriber
 from weightpub_wire.errors import ConfigError, StagingBudgetError
 

@@ -54,6 +54,7 @@ from weightpub_wire.collective_layout import (
     publisher_tag,
 )
 from weightpub_wire.cuda_ipc import device_uuid
+from weightpub_wire.endpoints import WILDCARD_HOSTS
 from weightpub_wire.errors import ConfigError
 
 __all__ = ["CollectiveOptions", "CollectivePublisher"]
@@ -264,7 +265,7 @@ class CollectivePublisher:
 
     def _local_host(self) -> str | None:
         host = self.options.host
-        return None if host in ("0.0.0.0", "::", "*", "") else host
+        return None if host in WILDCARD_HOSTS else host
 
     def _header(self, header: RoundHeader) -> None:
         assert self._group is not None

@@ -14,12 +14,13 @@ attributes, no vLLM import (``publisher`` never imports vLLM).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
+from publisher.sources.layer_grouping import layer_runs
 from weightpub_wire.errors import ConfigError
 
-__all__ = ["FullIterSource", "as_grouped", "is_weight_source", "layer_runs"]
+__all__ = ["FullIterSource", "as_grouped", "is_weight_source"]
 
 #: one group as it is materialized: names and full tensors (None: not owned on this rank)
 Group = tuple[list[str], list[Any]]
@@ -37,33 +38,6 @@ def as_grouped(source: Any) -> Any:
     if callable(getattr(source, "iter_groups", None)):
         return source
     return FullIterSource(source)
-
-
-def layer_runs(names: Sequence[str]) -> list[list[str]]:
-    """Consecutive names of one layer (the outermost integer segment), in the given order.
-
-    Why not ``layer_groups``: that reorders (the post block last, stacks by index)
-    while a 0.33 source iterates in metadata order only; runs keep that order, so a
-    group is gathered whole before the next starts, and every rank derives the same
-    runs from the same metadata.
-    """
-    runs: list[list[str]] = []
-    last: object = object()
-    for name in names:
-        key = _layer_key(name)
-        if not runs or key != last:
-            runs.append([])
-            last = key
-        runs[-1].append(name)
-    return runs
-
-
-def _layer_key(name: str) -> tuple[str, int] | None:
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i]), int(part)
-    return None
 
 
 class FullIterSource:

@@ -33,7 +33,6 @@ from typing import Any, Unpack
 from subscriber_ext.transport.node.node_join import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.transport.subscriber_options import SubscriberOptions
-from subscriber_ext.vllm_ext.apply.heap_trim import set_mmap_threshold
 from subscriber_ext.vllm_ext.apply.prepare import PreparedVersion
 from subscriber_ext.vllm_ext.apply.prepare_budget import PrepareBudget
 from subscriber_ext.vllm_ext.apply.progressive import VersionPrep
@@ -50,6 +49,7 @@ from subscriber_ext.vllm_ext.worker_state import VersionSource
 from subscriber_ext.vllm_ext.worker_status import WorkerStatus
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError
+from weightpub_wire.heap_trim import set_mmap_threshold
 
 __all__ = ["BatchWeightSyncWorkerExtension"]
 

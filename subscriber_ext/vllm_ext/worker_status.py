@@ -105,7 +105,7 @@ class WorkerStatus(StateAccess):
             "prepare": coord.prepare_status() if coord else None,
             # bytes prepared shadows may hold and hold now (``apply/prepare_budget.py``)
             "prepare_budget": applier.prepare_budget.status() if applier else None,
-            # glibc heap memory given back after commits (``apply/heap_trim.py``)
+            # glibc heap memory given back after commits (``weightpub_wire/heap_trim.py``)
             "heap_trim": coord.heap_trim.status() if coord else None,
             "step": coord.step if coord else 0,
             "step_check_s": st.step_check_s,

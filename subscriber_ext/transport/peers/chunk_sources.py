@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.endpoints import is_wildcard, parse_endpoint
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.monitor import open_monitor, read_events
 from weightpub_wire.peer_protocol import PeerPlan, PeerSource
@@ -40,7 +40,6 @@ __all__ = ["PeerLink", "Sources", "VersionKey"]
 log = logging.getLogger("weightpub.peers")
 
 VersionKey = tuple[str, int]  # (publisher_id, version)
-_WILDCARDS = {"*", "0.0.0.0", "::", ""}
 REDIAL_AFTER = 0.25  # seconds after a refused handshake
 _EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -114,7 +113,7 @@ class Sources:
             return wanted[source.endpoint]
         try:
             endpoint = parse_endpoint(source.endpoint, error=ProtocolError)
-            if endpoint.scheme == "tcp" and (endpoint.host in _WILDCARDS or not endpoint.port):
+            if is_wildcard(endpoint) or (endpoint.scheme == "tcp" and not endpoint.port):
                 raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} is not reachable")
             if curve != bool(source.key):
                 raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} "

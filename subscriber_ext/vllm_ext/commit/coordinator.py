@@ -26,12 +26,12 @@ from typing import Any, Protocol
 
 import torch
 
-from subscriber_ext.vllm_ext.apply.heap_trim import HeapTrimmer
 from subscriber_ext.vllm_ext.apply.prepare import PreparedVersion
 from subscriber_ext.vllm_ext.apply.preparer import Preparer
 from subscriber_ext.vllm_ext.apply.progressive import VersionPrep
 from subscriber_ext.vllm_ext.commit.shared_slots import pid_hash
 from subscriber_ext.vllm_ext.commit.strategies import CommitStrategy
+from weightpub_wire.heap_trim import HeapTrimmer
 
 __all__ = ["CommitCoordinator", "StagedLike"]
 
@@ -122,7 +122,7 @@ class CommitCoordinator:
         self._apply_prepared = apply_prepared
         self._preparer: Preparer | None = None
         self._offered_at: dict[int, float] = {}  # version -> when it was staged here
-        #: gives the heap memory each commit frees back to the OS (``apply/heap_trim.py``)
+        #: gives the heap memory each commit frees back to the OS (``weightpub_wire/heap_trim.py``)
         self.heap_trim = HeapTrimmer(trim_heap)
         if prepare is not None and apply_prepared is not None:
             self._preparer = Preparer(prepare, self._on_prepared, start_progressive,
