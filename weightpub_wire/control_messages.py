@@ -14,8 +14,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.collective_layout import (
-    BACKENDS,
     DATA_PATHS,
     MAX_FALLBACK_CAUSES,
     MAX_MEMBERS,
@@ -24,6 +24,7 @@ from weightpub_wire.collective_layout import (
     IpcHandle,
     Label,
 )
+from weightpub_wire.errors import ConfigError
 from weightpub_wire.manifest import Manifest
 from weightpub_wire.message_base import (
     MAX_CHUNKS,
@@ -213,8 +214,10 @@ class CollectivePoll(_Message, tag="coll_poll", kw_only=True, frozen=True):
         _Message.__post_init__(self)
         if self.state not in POLL_STATES:
             raise ValueError(f"state: unknown state {self.state!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: unknown backend {self.backend!r}")
+        try:
+            collective_backend(self.backend)
+        except ConfigError as exc:
+            raise ValueError(f"backend: {exc}") from None
 
 
 class CollectiveReply(_FromPublisher, tag="coll_rep", kw_only=True, frozen=True):

@@ -338,10 +338,7 @@ class WeightSubscriber:
             if not client.sub.poll(0):
                 break
             client.on_sub()
-        if client.peering is not None:
-            client.peering.on_events(events, time.monotonic())
-        if client.shards.links:
-            client.shards.on_events(events, time.monotonic())
+        client.on_events(events, time.monotonic())
 
     def _run(self) -> None:
         client = self._client
@@ -350,9 +347,7 @@ class WeightSubscriber:
         poller.register(client.sub, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
         poller.register(client.monitor, zmq.POLLIN)
-        if client.peering is not None:
-            client.peering.register(poller)
-        client.shards.register(poller)
+        client.register(poller)
         try:
             while not self._closed:
                 try:

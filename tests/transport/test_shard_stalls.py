@@ -167,10 +167,11 @@ def test_a_forged_version_2_62_does_not_lock_the_ranks_out(
 
 # -- the coordinator, the subscriber's links and the wire, in process -----------------------
 def test_a_sharded_target_nobody_is_asked_for_is_given_up_after_the_request_timeout() -> None:
-    """The subscriber's backstop (``ShardLinks.stalled``): chunks missing and nothing in
-    flight to anyone for ``request_timeout`` (a range no link serves, whatever the cause)
-    is an error naming the ranks whose chunks are missing; anything in flight resets it."""
-    from subscriber_ext.transport.client.shard_links import ShardLinks
+    """The subscriber's backstop (``fetch_credit.IdleWatch``, armed by the trainer ranks'
+    ``idle_limit``): chunks missing and nothing in flight to anyone for ``request_timeout``
+    (a range no link serves, whatever the cause) is an error naming the ranks whose chunks
+    are missing; anything in flight resets it."""
+    from subscriber_ext.transport.client.fetch_credit import IdleWatch
     from subscriber_ext.transport.staging.assembly import Assembly
     from subscriber_ext.transport.staging.request_table import RequestTable
     from weightpub_wire.buffers import BufferPool
@@ -183,26 +184,20 @@ def test_a_sharded_target_nobody_is_asked_for_is_given_up_after_the_request_time
                 wire.ShardSource(rank=1, endpoint="tcp://h:2", publisher_id="b",
                                  first_chunk=1, num_chunks=2)))
     requests = RequestTable()
-    ctx: zmq.Context = zmq.Context()
-    links = ShardLinks(ctx, requests, limits=wire.Limits(), chunks_per_request=4,
-                       request_timeout=TIMEOUT, on_chunk=lambda h, f, s: None,
-                       on_error=lambda e: None, on_bad=lambda e: None,
-                       discard_rest=lambda more, sock: None)
+    watch = IdleWatch()
     target = Assembly(manifest, BufferPool(max_buffers=1, pinned=False))
     try:
-        assert links.stalled(target, 100.0) is None  # idle from now
+        assert watch.check(target, requests, 100.0, TIMEOUT) is None  # idle from now
         requests.track(requests.next_id(), [1], 100.5)  # something asked: not idle
-        assert links.stalled(target, 100.9) is None
+        assert watch.check(target, requests, 100.9, TIMEOUT) is None
         requests.clear()
-        assert links.stalled(target, 101.0) is None  # idle again from 101
-        assert links.stalled(target, 101.0 + 0.9 * TIMEOUT) is None
-        error = links.stalled(target, 101.0 + TIMEOUT)
+        assert watch.check(target, requests, 101.0, TIMEOUT) is None  # idle again from 101
+        assert watch.check(target, requests, 101.0 + 0.9 * TIMEOUT, TIMEOUT) is None
+        error = watch.check(target, requests, 101.0 + TIMEOUT, TIMEOUT)
         assert error is not None
         assert "version 7: 3 chunks of ranks [0, 1] missing and none asked" in str(error)
     finally:
         target.abandon()
-        links.close()
-        ctx.term()
 
 
 def test_the_coordinator_drops_a_version_whose_ranks_share_an_address() -> None:

@@ -29,11 +29,10 @@ import zmq
 
 from weightpub_wire.endpoints import is_wildcard, parse_endpoint
 from weightpub_wire.errors import ProtocolError
-from weightpub_wire.monitor import open_monitor, read_events
+from weightpub_wire.monitored_dealer import LINK_EVENTS, MonitoredDealer
 from weightpub_wire.peer_protocol import PeerPlan, PeerSource
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.security import SocketHook
-from weightpub_wire.sockets import configure_socket, connect
 
 __all__ = ["PeerLink", "Sources", "VersionKey"]
 
@@ -41,9 +40,6 @@ log = logging.getLogger("weightpub.peers")
 
 VersionKey = tuple[str, int]  # (publisher_id, version)
 REDIAL_AFTER = 0.25  # seconds after a refused handshake
-_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-           | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 @dataclass(eq=False, slots=True)
@@ -52,14 +48,21 @@ class PeerLink:
 
     endpoint: str
     key: str
-    sock: zmq.Socket
-    monitor: zmq.Socket
+    dealer: MonitoredDealer  # its socket and monitor (monitored_dealer.py)
     last_progress: float = 0.0  # a chunk arrived, or the first request went out
     blocked_since: float | None = None  # sends refused (not connected yet)
     down: bool = False  # disconnected, and not connected again since
     refused_at: float | None = None  # the peer refused our handshake (dialled again soon)
     failed: set[VersionKey] = field(default_factory=set)
     banned_until: float = 0.0
+
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.dealer.sock
+
+    @property
+    def monitor(self) -> zmq.Socket:
+        return self.dealer.monitor
 
     def usable(self, key: VersionKey, now: float) -> bool:
         return not self.down and key not in self.failed and now >= self.banned_until
@@ -127,24 +130,18 @@ class Sources:
         if old is not None and old.key == source.key:
             wanted[source.endpoint] = old
             return old
-        sock, monitor = self._connect(source.endpoint, source.key)
-        link = PeerLink(source.endpoint, source.key, sock, monitor)
+        link = PeerLink(source.endpoint, source.key, self._connect(source.endpoint, source.key))
         wanted[source.endpoint] = link
         self.on_open(link)
         return link
 
-    def _connect(self, endpoint: str, key: str) -> tuple[zmq.Socket, zmq.Socket]:
-        sock = self.ctx.socket(zmq.DEALER)
-        configure_socket(sock, heartbeat_interval=1.0)
-        for hook in self.hooks_for(key):
-            hook(sock, server=False)
-        # no IMMEDIATE: libzmq aborts on a half-read reply when it drops the pipe at
-        # once (client_sockets.py); a dead peer is found by its silence instead
-        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(self.timeout * 1000)))
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        monitor = open_monitor(sock, _EVENTS)
-        connect(sock, endpoint)
-        return sock, monitor
+    def _connect(self, endpoint: str, key: str) -> MonitoredDealer:
+        # the receive queue keeps ZeroMQ's default bound (a peer is asked a few chunks at
+        # a time); the monitor also reports disconnects: a dead peer is skipped at once
+        return MonitoredDealer(self.ctx, endpoint, hooks=self.hooks_for(key),
+                               handshake_timeout=self.timeout,
+                               max_message_bytes=self.max_message_bytes,
+                               unbounded_receive=False, events=LINK_EVENTS)
 
     def redial(self, now: float) -> None:
         """Dial again the peers that refused our handshake a moment ago: ZeroMQ gives up on a
@@ -152,16 +149,14 @@ class Sources:
         for link in self.links.values():
             if link.refused_at is not None and now - link.refused_at >= REDIAL_AFTER:
                 self.on_close(link)
-                link.monitor.close(linger=0)
-                link.sock.close(linger=0)
-                link.sock, link.monitor = self._connect(link.endpoint, link.key)
+                link.dealer.close()
+                link.dealer = self._connect(link.endpoint, link.key)
                 link.refused_at = None
                 self.on_open(link)
 
     def _close(self, link: PeerLink) -> None:
         self.on_close(link)
-        link.monitor.close(linger=0)
-        link.sock.close(linger=0)
+        link.dealer.close()
 
     def close(self) -> None:
         for link in self.links.values():
@@ -232,7 +227,7 @@ class Sources:
         connection attempt was refused). A link that is down is skipped (a dead peer costs
         the next version nothing) until it connects again."""
         lost = False
-        for event in read_events(link.monitor):
+        for event in link.dealer.events():
             if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.down, link.blocked_since = False, None
             elif event.event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):
