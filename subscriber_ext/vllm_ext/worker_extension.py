@@ -107,12 +107,14 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
             if st.adapter_server is None:
                 st.adapter_server = AdapterServer(manager)
             st.adapter_server.apply(adapters)
+            st.adapter_mode = "serve"
             return
         if st.adapter_merger is None or st.adapter_merger.adapter != st.options.merge_adapter:
             st.adapter_merger = AdapterMerger(self._wp_applier(),
                                               self.vllm_config.model_config.model,
                                               st.options.merge_adapter)
         st.adapter_merger.apply(adapters)
+        st.adapter_mode = "merge"
 
     def _wp_configure(self, options: WorkerOptions) -> None:
         """Take ``options``; an applier or coordinator built with other settings goes."""

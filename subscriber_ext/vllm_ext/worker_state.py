@@ -74,6 +74,7 @@ class WorkerState:
         #: LoRA manager's loader) or merged (rebuilt with the options)
         self.adapter_server: AdapterServer | None = None
         self.adapter_merger: AdapterMerger | None = None
+        self.adapter_mode: str | None = None  # how the last adapter version was applied
 
     def record_step(self, scheduler_output: Any, version: int | None) -> None:
         """Remember, per request id, the first and last version its steps ran with."""

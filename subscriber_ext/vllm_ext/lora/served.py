@@ -9,6 +9,10 @@ held tensors (``LoRAModel.from_lora_tensors``) under the request's id, whatever 
 path says; other names load as vLLM does. The cache can thus never fall back to a
 placeholder path (or to an older version) for a published name.
 
+Pitfall: vLLM multiplies ``lora_B`` by the scaling in place when it adds a model
+(``LoRALayerWeights.optimize``), so every build hands it fresh copies of the held tensors;
+a second load from the same tensors would otherwise scale them twice.
+
 A new version of an adapter is applied at the commit (between two steps, every rank):
 the held tensors are replaced, and every id of that name the manager holds is reloaded
 in place (vLLM's ``load_inplace``: a real reload; the same id without it would keep the
@@ -99,8 +103,10 @@ class AdapterServer:
                                  f"{module!r}, not a LoRA module of this model "
                                  f"({sorted(expected)})")
         cls = getattr(mgr, "_lora_model_cls", LoRAModel)
+        # copies: vLLM scales lora_B in place when it adds the model (``optimize``), and
+        # ``from_lora_tensors`` keeps a tensor as is when its dtype and device match
         return cls.from_lora_tensors(
-            lora_model_id=lora_id, tensors=held.tensors, peft_helper=helper, device="cpu",
+            lora_model_id=lora_id, tensors={n: t.clone() for n, t in held.tensors.items()}, peft_helper=helper, device="cpu",
             dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
             weights_mapper=mapper, skip_prefixes=getattr(model, "lora_skip_prefixes", None))
 
