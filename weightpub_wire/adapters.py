@@ -13,6 +13,7 @@ conflation (a replica skipping to the newest version) never loses an adapter.
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated
 
 import msgspec
@@ -25,8 +26,9 @@ MAX_LORA_RANK = 4096
 MAX_TARGET_MODULES = 256
 SEPARATOR = "/"
 
-AdapterName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
-ModuleName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+_NAME = r"^[A-Za-z0-9_.\-]{1,128}$"
+AdapterName = Annotated[str, Meta(min_length=1, max_length=128, pattern=_NAME)]
+ModuleName = Annotated[str, Meta(min_length=1, max_length=128, pattern=_NAME)]
 
 
 class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,6 +42,17 @@ class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
     use_rslora: bool = False
 
     def __post_init__(self) -> None:
+        # msgspec checks the annotations when decoding; a publisher builds one directly
+        if not isinstance(self.name, str) or not re.match(_NAME, self.name):
+            raise ValueError(f"name: {self.name!r} is not 1-128 of [A-Za-z0-9_.-]")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) \
+                or not 1 <= self.rank <= MAX_LORA_RANK:
+            raise ValueError(f"rank: {self.rank!r} is not an int in 1..{MAX_LORA_RANK} "
+                             f"(adapter {self.name!r})")
+        if not 1 <= len(self.target_modules) <= MAX_TARGET_MODULES or not all(
+                isinstance(m, str) and re.match(_NAME, m) for m in self.target_modules):
+            raise ValueError(f"target_modules: {list(self.target_modules)[:8]!r} is not 1.."
+                             f"{MAX_TARGET_MODULES} module names (adapter {self.name!r})")
         if not math.isfinite(self.alpha) or not 0 < self.alpha <= 1e6:
             raise ValueError(f"alpha: {self.alpha!r} is not a number in (0, 1e6] "
                              f"(adapter {self.name!r})")

@@ -106,7 +106,8 @@ class AdapterServer:
         # copies: vLLM scales lora_B in place when it adds the model (``optimize``), and
         # ``from_lora_tensors`` keeps a tensor as is when its dtype and device match
         return cls.from_lora_tensors(
-            lora_model_id=lora_id, tensors={n: t.clone() for n, t in held.tensors.items()}, peft_helper=helper, device="cpu",
+            lora_model_id=lora_id, tensors={n: t.clone() for n, t in held.tensors.items()},
+            peft_helper=helper, device="cpu",
             dtype=mgr.lora_config.lora_dtype, model_vocab_size=mgr.vocab_size,
             weights_mapper=mapper, skip_prefixes=getattr(model, "lora_skip_prefixes", None))
 
