@@ -145,3 +145,21 @@ def test_publish_callback_publishes_only_the_adapter() -> None:
         assert {t.name for t in manifest.tensors} == {
             "policy/base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
             "policy/base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"}
+
+
+def test_a_node_shared_view_is_recognised_as_adapters() -> None:
+    """Node staging hands followers (and, at TP>1, the owner) a ``SharedView``: it must
+    carry the manifest, or an adapter version reaches the applier as model weights."""
+    from subscriber_ext.transport.staging.assembly import SharedView
+    from subscriber_ext.vllm_ext.commit.coordinator import is_adapters
+    from subscriber_ext.vllm_ext.lora import adapter_version
+
+    manifest = decode(frame())
+    staged_a, staged_b = torch.ones(8, 16), torch.ones(16, 8)
+    view = SharedView(manifest, {A: staged_a, B: staged_b}, lambda: None)
+    assert is_adapters(view)
+    (held,) = adapter_version(view) or ()
+    assert held.info.name == "a" and held.version == 1
+    assert set(held.tensors) == {A.removeprefix("a/"), B.removeprefix("a/")}
+    staged_a.zero_()  # the staging buffer is reused after the commit: the adapter kept a copy
+    assert held.tensors[A.removeprefix("a/")].sum() == 8 * 16

@@ -82,12 +82,30 @@ def applied(llm, pub, version: int) -> dict:
                               fail_on_error=True)[0]
 
 
-@pytest.fixture(scope="module")
+_ENGINES: dict[int, object] = {}
+
+
+def lora_engine(tp: int, tmp_path_factory) -> object:
+    """One LoRA engine at a time: starting the TP=2 one shuts the TP=1 one down."""
+    if tp not in _ENGINES:
+        for other in list(_ENGINES):
+            shut_down(_ENGINES.pop(other))
+        _ENGINES[tp] = make_llm(save_tiny(KIND, 0, tmp_path_factory.mktemp(f"lora{tp}")),
+                                tp=tp, enable_lora=True, max_lora_rank=RANK, max_loras=2,
+                                max_cpu_loras=2)
+    return _ENGINES[tp]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _engines_shut_down():
+    yield
+    while _ENGINES:
+        shut_down(_ENGINES.popitem()[1])
+
+
+@pytest.fixture
 def llm(tmp_path_factory):
-    engine = make_llm(save_tiny(KIND, 0, tmp_path_factory.mktemp("lora")), tp=1,
-                      enable_lora=True, max_lora_rank=RANK, max_loras=2, max_cpu_loras=2)
-    yield engine
-    shut_down(engine)
+    return lora_engine(1, tmp_path_factory)
 
 
 @pytest.fixture
@@ -199,3 +217,33 @@ def test_merged_mode_replaces_not_stacks(llm):
             llm.reset_prefix_cache()
             assert_same(generate(llm, None), hf_greedy(KIND, merged(adapter), N))
         llm.collective_rpc("stop_weight_subscriber")
+
+
+@pytest.fixture
+def llm_tp2(tmp_path_factory):
+    """TP=2 (each rank slices A or B for its shard of the layer; node staging shares one
+    subscription); last in the module: it replaces the TP=1 engine."""
+    return lora_engine(2, tmp_path_factory)
+
+
+def test_tp2_served_versions_then_merged(llm_tp2):
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm_tp2.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        for seed in (51, 52):
+            adapter = lora_tensors(seed)
+            version = pub.publish(adapter, adapter=spec("a"))
+            ranks = wait_until_applied(llm_tp2, version, publisher_id=pub.publisher_id,
+                                       fail_on_error=True)
+            assert [r["lora"]["adapters"]["a"]["version"] for r in ranks] == [version] * 2
+            assert_same(generate(llm_tp2, "a"), hf_greedy(KIND, merged(adapter), N))
+        llm_tp2.collective_rpc("stop_weight_subscriber")
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm_tp2.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
+                               kwargs={"lora_mode": "merge"})
+        adapter = lora_tensors(53)
+        version = pub.publish(adapter, adapter=spec("m"))
+        wait_until_applied(llm_tp2, version, publisher_id=pub.publisher_id,
+                           fail_on_error=True)
+        llm_tp2.reset_prefix_cache()
+        assert_same(generate(llm_tp2, None), hf_greedy(KIND, merged(adapter), N))
+        llm_tp2.collective_rpc("stop_weight_subscriber")
