@@ -64,3 +64,37 @@ def generate(llm, name: str | None, n: int = N, prompts: list | None = None) -> 
         toks = list(o.token_ids)
         out.append((toks, [float(o.logprobs[i][t].logprob) for i, t in enumerate(toks)]))
     return out
+
+
+#: teacher-forced sequences: every position after the first is scored
+SEQUENCES = [[(i * 37 + 5 * j) % 500 + 1 for i in range(24)] for j in range(1, 4)]
+
+
+@torch.no_grad()
+def hf_forced(weights: dict[str, torch.Tensor], dtype: torch.dtype) -> list[list[float]]:
+    """transformers' logprob of each next token of ``SEQUENCES`` with ``weights`` in
+    ``dtype``."""
+    model = build_hf(KIND, 0)
+    model.load_state_dict(weights)
+    model = model.to(dtype)
+    out = []
+    for seq in SEQUENCES:
+        lp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+        out.append([float(lp[i, seq[i + 1]]) for i in range(len(seq) - 1)])
+    return out
+
+
+def vllm_forced(llm, name: str | None) -> list[list[float]]:
+    """vLLM's prompt logprobs of ``SEQUENCES`` (the same positions as ``hf_forced``)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    res = llm.generate([{"prompt_token_ids": s} for s in SEQUENCES], sp, use_tqdm=False,
+                       lora_request=None if name is None else adapter_request(name))
+    return [[float(r.prompt_logprobs[i + 1][seq[i + 1]].logprob) for i in range(len(seq) - 1)]
+            for r, seq in zip(res, SEQUENCES, strict=True)]
+
+
+def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True)
+               for x, y in zip(ra, rb, strict=True))
