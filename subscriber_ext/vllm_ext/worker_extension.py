@@ -109,10 +109,14 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
             st.adapter_server.apply(adapters)
             st.adapter_mode = "serve"
             return
-        if st.adapter_merger is None or st.adapter_merger.adapter != st.options.merge_adapter:
-            st.adapter_merger = AdapterMerger(self._wp_applier(),
+        applier = self._wp_applier()  # a new one when apply_mode changed
+        merger = st.adapter_merger
+        if merger is None or merger.adapter != st.options.merge_adapter \
+                or merger.applier is not applier:
+            st.adapter_merger = AdapterMerger(applier,
                                               self.vllm_config.model_config.model,
                                               st.options.merge_adapter)
+        assert st.adapter_merger is not None
         st.adapter_merger.apply(adapters)
         st.adapter_mode = "merge"
 

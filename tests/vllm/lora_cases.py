@@ -96,5 +96,13 @@ def vllm_forced(llm, name: str | None) -> list[list[float]]:
 
 
 def max_gap(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b, strict=True)
-               for x, y in zip(ra, rb, strict=True))
+    return max(gaps(a, b))
+
+
+def mean_gap(a: list[list[float]], b: list[list[float]]) -> float:
+    found = gaps(a, b)
+    return sum(found) / len(found)
+
+
+def gaps(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    return [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]

@@ -29,14 +29,16 @@ from .lora_cases import (
     hf_forced,
     lora_tensors,
     max_gap,
+    mean_gap,
     merged,
     spec,
     vllm_forced,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-#: bf16 teacher-forced logprobs, vLLM vs transformers (both bf16, different kernels)
-BF16_ATOL = 0.25
+#: bf16 teacher-forced logprobs, vLLM vs transformers (both bf16, different kernels; vLLM
+#: applies B @ (A @ x) unmerged), mean absolute gap over the scored positions
+BF16_ATOL = 0.15  # measured: 0.038 base, 0.059-0.064 adapters (vs 2.7-2.9 to the base)
 
 
 def applied(llm, pub, version: int) -> dict:
@@ -190,11 +192,13 @@ def llm_tp2(tmp_path_factory):
 
 def assert_forced_close(got: list, want: list, base: list) -> None:
     """bf16 on a random model: tokens may differ, so teacher-forced logprobs are compared;
-    vLLM must be near the adapter's oracle and much farther from the base model's."""
-    near, far = max_gap(got, want), max_gap(got, base)
-    print(f"bf16 teacher-forced: max gap to the adapter oracle {near:.4f}, to the base {far:.4f}")
+    vLLM must be near the adapter's oracle and far from the base model's (max gaps reach
+    ~1 at a few positions where bf16 rounding flips near-ties, hence the mean)."""
+    near, far = mean_gap(got, want), mean_gap(got, base)
+    print(f"bf16 teacher-forced: mean gap to the adapter oracle {near:.4f} (max "
+          f"{max_gap(got, want):.4f}), to the base {far:.4f} (max {max_gap(got, base):.4f})")
     assert near <= BF16_ATOL, (near, far)
-    assert far > 4 * near, (near, far)
+    assert far > 10 * near, (near, far)
 
 
 def test_tp2_bf16_served_versions_then_merged(llm_tp2):
@@ -209,7 +213,10 @@ def test_tp2_bf16_served_versions_then_merged(llm_tp2):
             assert [r["lora"]["adapters"]["a"]["version"] for r in ranks] == [version] * 2
             assert_forced_close(vllm_forced(llm_tp2, "a"),
                                 hf_forced(merged(adapter), torch.bfloat16), base)
-        assert max_gap(vllm_forced(llm_tp2, None), base) <= BF16_ATOL  # base untouched
+        untouched = vllm_forced(llm_tp2, None)
+        print(f"bf16 base: mean gap {mean_gap(untouched, base):.4f} "
+              f"(max {max_gap(untouched, base):.4f})")
+        assert mean_gap(untouched, base) <= BF16_ATOL  # the base model untouched
         llm_tp2.collective_rpc("stop_weight_subscriber")
     with WeightPublisher("tcp://127.0.0.1:0") as pub:
         llm_tp2.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),

@@ -49,7 +49,7 @@ class AdapterMerger:
 
     def __init__(self, applier: WeightApplier, checkpoint_dir: str | os.PathLike[str],
                  adapter: str | None = None) -> None:
-        self._applier = applier
+        self.applier = applier
         self._dir = Path(checkpoint_dir)
         self.adapter = adapter
         self._files: dict[str, Path] | None = None  # checkpoint tensor name -> file
@@ -120,18 +120,26 @@ class AdapterMerger:
         wanted = set(targets) | self._siblings(set(targets), index)
         base = self._read(sorted(wanted))
         scale = held.info.scale
-        for name, ab in targets.items():
-            w = base[name]
-            a, b = ab["A"].float(), ab["B"].float()
-            if b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
-                raise ApplyError(f"lora merge: {name}: B {list(b.shape)} @ A "
-                                 f"{list(a.shape)} does not make the weight {list(w.shape)}")
-            base[name] = (w.float() + scale * (b @ a)).to(w.dtype)
+        served = self._served_dtype()
+        for name, w in base.items():
+            if name in targets:
+                a, b = targets[name]["A"].float(), targets[name]["B"].float()
+                if b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
+                    raise ApplyError(f"lora merge: {name}: B {list(b.shape)} @ A "
+                                     f"{list(a.shape)} does not make the weight "
+                                     f"{list(w.shape)}")
+                w = w.float() + scale * (b @ a)  # in float32, rounded once below
+            # the checkpoint's dtype may not be the served one (fp32 file, bf16 engine)
+            base[name] = w.to(served) if served is not None and w.is_floating_point() else w
         return base
+
+    def _served_dtype(self) -> torch.dtype | None:
+        dtype = getattr(getattr(self.applier.vllm_config, "model_config", None), "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     def _siblings(self, targets: set[str], index: dict[str, Path]) -> set[str]:
         """Checkpoint tensors of every module that shares a vLLM layer with a target."""
-        packed = getattr(self._applier.model, "packed_modules_mapping", None) or {}
+        packed = getattr(self.applier.model, "packed_modules_mapping", None) or {}
         groups = [list(members) for members in packed.values()]
         out: set[str] = set()
         for name in targets:
@@ -146,7 +154,7 @@ class AdapterMerger:
     def apply(self, adapters: list[AdapterVersion]) -> None:
         """Commit: merge the chosen adapter's version into the live weights."""
         held = self.choose(adapters)
-        self._applier.apply(self.merged_tensors(held))
+        self.applier.apply(self.merged_tensors(held))
         self.merged = {held.info.name: held.version}
         logger.info("weightpub: adapter %r version %d merged into the base weights",
                     held.info.name, held.version)
