@@ -25,6 +25,7 @@ from typing import Unpack
 
 import zmq
 
+from publisher.adapters import AdapterBook, AdapterSpec
 from publisher.collective.collective_sender import CollectiveOptions, CollectivePublisher
 from publisher.deltas.delta_encoder import DeltaPublisher
 from publisher.publisher_config import PublisherConfig, load_publisher_config
@@ -41,6 +42,7 @@ from publisher.store.snapshot import Snapshot
 from publisher.store.version_store import PublishedVersion, VersionStore
 from publisher.version_preparer import VersionPreparer
 from weightpub_wire import protocol as wire
+from weightpub_wire.adapters import AdapterInfo
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.endpoints import Endpoint
@@ -159,6 +161,10 @@ class WeightPublisher:
         self._closed = False
         # copies and hashes each snapshot; its thread calls _announce with the checksums
         self._preparer = VersionPreparer(self._announce)
+        #: LoRA adapters served (``publish(..., adapter=)``); None until the first, and
+        #: a publisher serves either adapters or model weights (one version stream)
+        self._adapters: AdapterBook | None = None
+        self._adapters_of: dict[int, tuple[AdapterInfo, ...]] = {}  # until announced
         self._versions_published = 0
         self.metrics: MetricsServer | None = None
         if options.metrics_port is not None:
@@ -203,8 +209,15 @@ class WeightPublisher:
         """The newest version announced to subscribers (0 before the first)."""
         return self._announced_version
 
-    def publish(self, weights: PublishSource, *, version: int | None = None) -> int:
+    def publish(self, weights: PublishSource, *, version: int | None = None,
+                adapter: AdapterSpec | None = None) -> int:
         """Snapshot ``weights`` and return its version once the caller may modify them.
+
+        ``adapter``: ``weights`` are a LoRA adapter (a PEFT model or its PEFT-named A/B
+        tensors; ``publisher.adapters``) published under ``adapter.name``; the version
+        holds every adapter published so far, each its newest tensors, and replicas serve
+        them by name or merge them (``subscriber_ext.vllm_ext.lora``). A publisher serves
+        either adapters or model weights, never both (``ConfigError``).
 
         Accepts a ``torch.nn.Module``, a mapping name -> tensor, or an iterable of
         (name, tensor); CPU or CUDA tensors; or a vLLM ``WeightSource`` (``ModuleSource``).
@@ -220,6 +233,7 @@ class WeightPublisher:
             if version is not None and version < self._next_version:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
+            weights = self._adapter_version(number, weights, adapter)
             # reply scratch kept idle since the last version would sit beside this snapshot
             # (up to the subscribers' windows); the next version's replies make it anew
             self._drop_idle_scratch()
@@ -249,6 +263,27 @@ class WeightPublisher:
                     self._store.give_back(snapshot.buffer)
                 raise
         return number
+
+    def _adapter_version(self, number: int, weights: PublishSource,
+                         adapter: AdapterSpec | None) -> PublishSource:
+        """An adapter publish: the version's tensors (every adapter's); remembers the
+        adapters for the manifest. Refuses mixing adapters and model weights."""
+        if adapter is None:
+            if self._adapters is not None:
+                raise ConfigError("publish: this publisher serves LoRA adapters "
+                                  f"({self._adapters.names}); publish model weights from "
+                                  "another publisher, or pass adapter=")
+            return weights
+        if self._adapters is None:
+            if self._last_snapshot is not None:
+                raise ConfigError("publish: this publisher serves model weights; publish "
+                                  "adapters from another publisher")
+            self._adapters = AdapterBook()
+        tensors, infos = self._adapters.version(adapter, weights)
+        self._adapters_of[number] = infos
+        while len(self._adapters_of) > 64:  # bounded, whatever never gets announced
+            self._adapters_of.pop(next(iter(self._adapters_of)))
+        return tensors
 
     def _reuse_oldest(self, wait_s: float = 10.0) -> None:
         """With ``keep_versions`` held, hand the oldest one's buffer to the next snapshot.
@@ -466,6 +501,7 @@ class WeightPublisher:
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
+            adapters=self._adapters_of.pop(number, None),
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, float]] = [
     ("subscriber_ext.vllm_ext.vllm_compat", 3.0),
     ("subscriber_ext.vllm_ext.apply", 3.0),
     ("subscriber_ext.vllm_ext.seed", 3.0),
+    ("subscriber_ext.vllm_ext.lora", 3.05),  # LoRA adapter versions: served or merged
     ("subscriber_ext.vllm_ext.commit", 3.1),
     ("subscriber_ext.vllm_ext", 3.2),  # worker_extension, worker_state, seed_rpcs, backend, llm
     ("subscriber_ext", 4),  # the package's front, staleness, the worker_extension import path

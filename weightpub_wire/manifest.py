@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from weightpub_wire.adapters import MAX_ADAPTERS, AdapterInfo, check_adapters
 from weightpub_wire.collective_layout import CollectiveAnnounce
 from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
 from weightpub_wire.errors import ProtocolError
@@ -130,9 +131,15 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     #: ``publisher.sharding.shard_deltas``); None: this ROUTER serves all
     shards: Annotated[tuple[ShardSource, ...], Meta(min_length=1, max_length=MAX_SHARDS)] \
         | None = None
+    #: the version is LoRA adapters (``weightpub_wire.adapters``), not model weights: every
+    #: tensor is ``"<adapter>/<PEFT name>"`` of one of them; None: model weights
+    adapters: Annotated[tuple[AdapterInfo, ...], Meta(min_length=1, max_length=MAX_ADAPTERS)] \
+        | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
+        if self.adapters is not None:
+            check_adapters(self.adapters, [t.name for t in self.tensors])
         if self.shards is not None:
             self._check_shards(self.shards)
         if self.collective is not None and self.collective.bucket_bytes % self.chunk_size:

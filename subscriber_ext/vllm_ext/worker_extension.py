@@ -40,6 +40,9 @@ from subscriber_ext.vllm_ext.commit.coordinator import CommitCoordinator, Staged
 from subscriber_ext.vllm_ext.commit.shared_slots import ENV, SlotTable, SlotWriter
 from subscriber_ext.vllm_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
 from subscriber_ext.vllm_ext.commit.vllm_patches import wrap_execute_model
+from subscriber_ext.vllm_ext.lora.adapter_versions import adapter_version
+from subscriber_ext.vllm_ext.lora.merged import AdapterMerger
+from subscriber_ext.vllm_ext.lora.served import AdapterServer, lora_manager_of
 from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.seed_rpcs import SeedRpcs
 from subscriber_ext.vllm_ext.slice_rpcs import SliceRpcs
@@ -48,7 +51,7 @@ from subscriber_ext.vllm_ext.worker_options import WorkerKeywords, WorkerOptions
 from subscriber_ext.vllm_ext.worker_state import VersionSource
 from subscriber_ext.vllm_ext.worker_status import WorkerStatus
 from weightpub_wire.endpoints import parse_endpoint
-from weightpub_wire.errors import ConfigError
+from weightpub_wire.errors import ApplyError, ConfigError
 from weightpub_wire.heap_trim import set_mmap_threshold
 
 __all__ = ["BatchWeightSyncWorkerExtension"]
@@ -83,8 +86,39 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
                 prepare_policy="always" if settings.prepare else "auto",
                 start_progressive=self._wp_start_progressive if early else None,
                 trim_heap=settings.trim_heap,
+                apply_adapters=self._wp_apply_adapters,
             )
         return st.coordinator
+
+    def _wp_apply_adapters(self, staged: StagedLike) -> None:
+        """Commit (every rank, one step): a version of LoRA adapters, served by name or
+        merged into the base weights (``lora/``; ``lora_mode``)."""
+        adapters = adapter_version(staged)
+        assert adapters, "the coordinator sends adapter versions only"
+        st = self._wp()
+        mode = st.options.lora_mode
+        manager = lora_manager_of(self.model_runner)
+        if mode == "auto":
+            mode = "serve" if manager is not None else "merge"
+        if mode == "serve":
+            if manager is None:
+                raise ApplyError("lora_mode 'serve': this engine was started without "
+                                 "enable_lora; start it with LoRA or use lora_mode 'merge'")
+            if st.adapter_server is None:
+                st.adapter_server = AdapterServer(manager)
+            st.adapter_server.apply(adapters)
+            st.adapter_mode = "serve"
+            return
+        applier = self._wp_applier()  # a new one when apply_mode changed
+        merger = st.adapter_merger
+        if merger is None or merger.adapter != st.options.merge_adapter \
+                or merger.applier is not applier:
+            st.adapter_merger = AdapterMerger(applier,
+                                              self.vllm_config.model_config.model,
+                                              st.options.merge_adapter)
+        assert st.adapter_merger is not None
+        st.adapter_merger.apply(adapters)
+        st.adapter_mode = "merge"
 
     def _wp_configure(self, options: WorkerOptions) -> None:
         """Take ``options``; an applier or coordinator built with other settings goes."""

@@ -16,7 +16,7 @@ first, so no module is ever imported by a name that came over the network.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Self
+from typing import Literal, Self, get_args
 
 from pydantic import Field, model_validator
 
@@ -27,6 +27,8 @@ from weightpub_wire.option_set import MiB, unit
 __all__ = ["DEFAULT_SOURCE", "CommitSettings", "WorkerKeywords", "WorkerOptions"]
 
 DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
+LoraMode = Literal["auto", "serve", "merge"]
+LORA_MODES: tuple[str, ...] = get_args(LoraMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,12 @@ class WorkerOptions(SubscriberOptions):
     node_staging: bool | None = Field(
         None, description="the ranks on one node share one subscription and staged copy "
                           "(None: when the replica has more than one rank)")
+    lora_mode: LoraMode = Field(
+        "auto", description="LoRA adapter versions: serve them by name (an engine with "
+                            "enable_lora), merge one into the base weights, or auto (serve "
+                            "when the engine has LoRA enabled, else merge)")
+    merge_adapter: str | None = Field(
+        None, min_length=1, description="the adapter merged when a version holds several")
 
     @model_validator(mode="after")
     def _budget_for_prepare(self) -> Self:
@@ -116,3 +124,5 @@ class WorkerKeywords(SubscriberKeywords, total=False):
     request_log_size: int
     subscriber_cls: str
     node_staging: bool | None
+    lora_mode: LoraMode
+    merge_adapter: str | None
