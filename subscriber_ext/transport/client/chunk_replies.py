@@ -1,7 +1,7 @@
 """One chunk reply, from the publisher or a peer: receive it into place, verify, route on.
 
-Split from ``sync_client.py``: the one-frame ``chunk`` reply
-(``weightpub_wire.chunk_frame``) is the data path's hot spot and has the most
+Split from ``sync_client.py``: the ``chunk`` reply (``weightpub_wire.chunk_frame``:
+inline, or a header whose payload is the next message) is the data path's hot spot and has the most
 outcomes (stale, duplicate, malformed, checksum mismatch, a delta that does not
 decode, verified), each with its own consequence for the request table, the
 peer that sent it and the target. The frame is taken as ZeroMQ delivered it
@@ -81,7 +81,7 @@ class ChunkReceiver:
 
     def receive(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
                 sock: zmq.Socket) -> None:
-        """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``)."""
+        """Handle one parsed chunk (its payload in ``frame``: ``chunk_frame.payload``)."""
         target = self._target()
         table = self._requests
         request = table.get(header.req)
@@ -100,7 +100,7 @@ class ChunkReceiver:
         if header.chunk not in target.missing:  # already here from another source
             return
         size = header.size
-        target.chunk_target(header.chunk)[:size] = chunk_frame.payload(frame.buffer)
+        target.chunk_target(header.chunk)[:size] = chunk_frame.payload(frame.buffer, header)
         self.received_bytes += size
         self._deltas.count(target, size)
         final = final_bytes(target)

@@ -57,6 +57,8 @@ class ShardLink:
     cursor: int = 0  # chunks below first_chunk + cursor are in (the target's)
     answered: float = 0.0  # the rank's last chunk
     bad: dict[str, int] = field(default_factory=dict)
+    #: a header (chunk_frame.FOLLOWS) whose payload is this socket's next message
+    pairing: chunk_frame.PayloadPairing = field(default_factory=chunk_frame.PayloadPairing)
 
 
 class ShardLinks:
@@ -247,10 +249,11 @@ class ShardLinks:
             link.answered = now
             union = chunk_frame.ChunkHeader(req=header.req, version=header.version,
                                             chunk=header.chunk + link.first_chunk,
-                                            size=header.size)
+                                            size=header.size, follows=header.follows)
             self._on_chunk(union, frame, link.sock)
 
-        read_replies(link.sock, self.limits, most=256, discard_rest=self._discard_rest,
+        read_replies(link.sock, self.limits, most=256, pairing=link.pairing,
+                     discard_rest=self._discard_rest,
                      on_chunk=chunk, on_error=self._on_error,
                      on_bad=lambda exc: self._on_bad(
                          ProtocolError(f"shard {link.endpoint}: bad reply: {exc}")))

@@ -140,6 +140,8 @@ class SyncClient:
                                   request_timeout=options.request_timeout,
                                   max_chunk_retries=options.max_chunk_retries,
                                   shards=self.shards)
+        # the header (chunk_frame.FOLLOWS) whose payload is the dealer's next message
+        self.pairing = chunk_frame.PayloadPairing()
         self.receiver = ChunkReceiver(self.sockets.dealer, self.credit, self.report,
                                       self.deltas, self.listeners, target=lambda: self.target,
                                       complete=self.complete_target,
@@ -355,10 +357,18 @@ class SyncClient:
         more = int(dealer.getsockopt(zmq.RCVMORE))
         self.sockets.heard(time.monotonic())
         try:
-            if chunk_frame.is_chunk(first.buffer):  # one frame: header and payload
-                header = parse_chunk(first, more)
+            if self.pairing.due is not None:  # the payload of the header before it
+                header = self.pairing.take(first.buffer, more)
                 self.follower.heard(time.monotonic())
                 self.on_chunk(header, first)
+                return
+            if chunk_frame.is_chunk(first.buffer):  # a header (and maybe its payload)
+                header = parse_chunk(first, more)
+                self.follower.heard(time.monotonic())
+                if header.follows:
+                    self.pairing.expect(header)  # the payload is the next message
+                else:
+                    self.on_chunk(header, first)
                 return
             message = wire.decode(first.buffer, limits=self.options.limits,
                                   expect=(wire.LatestReply, wire.ErrorReply,

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from weightpub_wire.chunk_frame import PayloadPairing
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.monitor import open_monitor, read_events
@@ -61,6 +62,8 @@ class PeerLink:
     refused_at: float | None = None  # the peer refused our handshake (dialled again soon)
     failed: set[VersionKey] = field(default_factory=set)
     banned_until: float = 0.0
+    #: a header (chunk_frame.FOLLOWS) whose payload is this socket's next message
+    pairing: PayloadPairing = field(default_factory=PayloadPairing)
 
     def usable(self, key: VersionKey, now: float) -> bool:
         return not self.down and key not in self.failed and now >= self.banned_until
