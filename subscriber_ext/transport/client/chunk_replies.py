@@ -100,11 +100,12 @@ class ChunkReceiver:
         if header.chunk not in target.missing:  # already here from another source
             return
         size = header.size
-        target.chunk_target(header.chunk)[:size] = chunk_frame.payload(frame.buffer, header)
+        # the one copy, out of ZeroMQ's frame, checksummed in the same pass
+        digest = target.place(header.chunk, chunk_frame.payload(frame.buffer, header))
         self.received_bytes += size
         self._deltas.count(target, size)
         final = final_bytes(target)
-        if not target.verify(header.chunk, size):
+        if not target.verify(header.chunk, size, digest):
             self.checksum_failures += 1
             if isinstance(target, DeltaAssembly):
                 self._delta_failed(target,
