@@ -8,7 +8,9 @@ through a pipe right after ``wait_for_version`` returns (the version complete, c
 and staged). Deliver time = ``publish()`` start -> the last subscriber of the group
 staged. Rounds are interleaved (1, 4, relay4, rotating order), each publishing a changed
 version; medians over the rounds after the warm-up. Target (shared/DESIGN.md):
-deliver(4) / deliver(1) <= 1.5.
+deliver(4) / deliver(1) <= 1.5. ``raw4`` is the baseline for fan-out itself: this process
+sends the same bytes on 4 TCP sockets at once (a thread each, ``sendall``) to 4 processes
+that ``recv_into`` a buffer of their own; target: raw4 / 4 >= 0.85 (issue 29).
 
 On one 2-core machine all replicas, the relay and the publisher share the CPU, the memory
 bandwidth and the loopback, so this measures the publisher's cost of serving N subscribers
@@ -17,20 +19,25 @@ own NIC and cores and the trainer's uplink is the bottleneck).
 
     python benchmarks/fanout.py                    # 256 MiB versions, 6 rounds (~1.5 min)
     python benchmarks/fanout.py --mib 32 --rounds 3    # quick smoke run
+    python benchmarks/fanout.py --groups 4,raw4        # only fan-out against raw streams
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import socket
 import statistics
+import threading
 import time
 from typing import Any
 
 import orjson
 import torch
 
-GROUPS = ("1", "4", "relay4")
+from weightpub_wire.buffers import byte_view
+
+GROUPS = ("1", "4", "relay4", "raw4")
 
 
 def _subscriber(endpoint: str, versions: int, window_mib: int, conn: Any) -> None:
@@ -56,6 +63,61 @@ def _relay(upstream: str, chunk_mib: int, window_mib: int, conn: Any) -> None:
     with Relay(config) as relay:
         conn.send(relay.endpoint)
         conn.recv()  # until told to stop
+
+
+def _raw_receiver(port: int, nbytes: int, versions: int, conn: Any) -> None:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        conn.send("ready")
+        for _ in range(versions):
+            got = 0
+            while got < nbytes:
+                n = sock.recv_into(view[got:], nbytes - got)
+                if n == 0:
+                    raise ConnectionError("sender closed early")
+                got += n
+            conn.send(time.time())
+
+
+class RawGroup:
+    """``n`` raw TCP streams of the same bytes from this process, one receiver process each."""
+
+    def __init__(self, n: int, nbytes: int, versions: int) -> None:
+        ctx = mp.get_context("spawn")
+        server = socket.create_server(("127.0.0.1", 0))
+        self.conns, self.procs, self.socks = [], [], []
+        for _ in range(n):
+            conn, child = mp.Pipe()
+            proc = ctx.Process(target=_raw_receiver,
+                               args=(server.getsockname()[1], nbytes, versions, child),
+                               daemon=True)
+            proc.start()
+            server.settimeout(120)
+            sock, _ = server.accept()
+            self.conns.append(conn)
+            self.procs.append(proc)
+            self.socks.append(sock)
+        server.close()
+        for conn in self.conns:
+            conn.recv()
+
+    def round(self, weights: dict[str, torch.Tensor]) -> tuple[float, float]:
+        view = byte_view(weights["w"])
+        start = time.time()
+        threads = [threading.Thread(target=sock.sendall, args=(view,)) for sock in self.socks]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        staged = [conn.recv() for conn in self.conns]
+        return max(staged) - start, 0.0
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
+        for proc in self.procs:
+            proc.join(60)
 
 
 class Group:
@@ -110,20 +172,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--chunk-mib", type=int, default=4)
     parser.add_argument("--window-mib", type=int, default=64, help="subscriber credit")
+    parser.add_argument("--groups", default=",".join(GROUPS),
+                        help=f"which of {','.join(GROUPS)} to run (1 is always run)")
     args = parser.parse_args()
+    chosen = tuple(g for g in GROUPS if g == "1" or g in args.groups.split(","))
     nbytes = args.mib << 20
     versions = args.warmup + args.rounds
     weights = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
     t0 = time.perf_counter()
-    groups = {name: Group(4 if name != "1" else 1, name == "relay4", versions,
-                          args.chunk_mib, args.window_mib) for name in GROUPS}
-    print(f"{args.mib} MiB versions; 9 subscriber processes + 1 relay process started in "
+    groups: dict[str, Group | RawGroup] = {
+        name: RawGroup(4, nbytes, versions) if name == "raw4" else
+        Group(4 if name != "1" else 1, name == "relay4", versions, args.chunk_mib,
+              args.window_mib) for name in chosen}
+    print(f"{args.mib} MiB versions; groups {', '.join(chosen)} started in "
           f"{time.perf_counter() - t0:.1f} s; {args.rounds} rounds (+{args.warmup} warm-up) "
           f"per group, interleaved", flush=True)
-    deliver: dict[str, list[float]] = {g: [] for g in GROUPS}
-    publish: dict[str, list[float]] = {g: [] for g in GROUPS}
+    deliver: dict[str, list[float]] = {g: [] for g in chosen}
+    publish: dict[str, list[float]] = {g: [] for g in chosen}
     for rnd in range(versions):
-        order = GROUPS[rnd % 3:] + GROUPS[:rnd % 3]
+        shift = rnd % len(chosen)
+        order = chosen[shift:] + chosen[:shift]
         line = []
         for name in order:
             weights["w"][rnd * 8:rnd * 8 + 8] += 1  # a different version each round
@@ -137,20 +205,27 @@ def main() -> None:
     for group in groups.values():
         group.close()
     med = {g: statistics.median(v) for g, v in deliver.items()}
-    ratio = med["4"] / med["1"]
-    relay_ratio = med["relay4"] / med["1"]
+    ratio = med["4"] / med["1"] if "4" in med else float("nan")
+    relay_ratio = med["relay4"] / med["1"] if "relay4" in med else float("nan")
+    # per round, raw4's time over 4's (the rounds interleave the two): a same-run ratio
+    raw_ratio = statistics.median(r / w for r, w in zip(deliver["raw4"], deliver["4"],
+                                                         strict=True)) \
+        if "raw4" in med and "4" in med else float("nan")
     print(f"\n{'group':<24}{'deliver s (median)':>19}{'min':>8}{'max':>8}{'GB/s out':>10}"
           f"{'publish() s':>13}")
-    labels = {"1": "1 subscriber", "4": "4 subscribers", "relay4": "4 behind a relay"}
-    for g in GROUPS:
+    labels = {"1": "1 subscriber", "4": "4 subscribers", "relay4": "4 behind a relay",
+              "raw4": "4 raw TCP streams"}
+    for g in chosen:
         fan = 1 if g == "1" else 4
         print(f"{labels[g]:<24}{med[g]:>19.3f}{min(deliver[g]):>8.3f}{max(deliver[g]):>8.3f}"
               f"{fan * nbytes / med[g] / 1e9:>10.2f}{statistics.median(publish[g]):>13.3f}")
     print(f"ratio 4/1 {ratio:.2f}x (target <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'}); "
-          f"relay4/1 {relay_ratio:.2f}x")
+          f"relay4/1 {relay_ratio:.2f}x; 4 subscribers vs 4 raw streams {raw_ratio:.2f}x "
+          f"(target >= 0.85x: {'met' if raw_ratio >= 0.85 else 'NOT met'})")
     print(orjson.dumps({
         "bench": "fanout", "bytes": nbytes, "rounds": args.rounds, "median_s": med,
-        "ratio_4_vs_1": ratio, "ratio_relay4_vs_1": relay_ratio, "target": "<= 1.5",
+        "ratio_4_vs_1": ratio, "ratio_relay4_vs_1": relay_ratio,
+        "ratio_raw4_vs_4": raw_ratio, "target": "<= 1.5",
         "deliver_s": deliver, "publish_s": publish,
     }).decode())
 

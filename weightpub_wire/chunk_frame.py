@@ -1,30 +1,34 @@
-"""A chunk reply is ONE ZeroMQ frame: a fixed 32-byte binary header, then the payload.
+"""A chunk reply: a fixed 32-byte binary header, then the payload, in one of two forms.
 
 ::
 
     offset  0   4s  magic  b"WPck"   (never the first byte of a msgpack map: control
                                       frames and chunk frames are told apart here)
-            4   u16 protocol          PROTOCOL_VERSION (3); checked before anything else
-            6   u16 flags             0
+            4   u16 protocol          PROTOCOL_VERSION (4); checked before anything else
+            6   u16 flags             0: inline, FOLLOWS (1): the payload is the next message
             8   u64 req               the fetch request this answers
            16   u64 version           the version the bytes belong to
            24   u32 chunk             chunk index
-           28   u32 size              payload bytes (== frame length - 32)
-           32   <size bytes>          the chunk (or its delta payload, ``delta_codec``)
+           28   u32 size              payload bytes
+           32   <size bytes>          inline only: the chunk (or its delta payload, ``delta_codec``)
 
     all little-endian.
 
-Why one frame: with protocol 2 a reply was two frames (msgpack header, payload).
-A connection that drops between them leaves libzmq 4.3.5 holding half a
-message; it then aborted the process (``zmq_assert(!_more)`` in ``fq.cpp``) on
-the next read. A one-frame reply arrives whole or not at all, so no reconnect
-can tear it (docs/RELIABILITY.md).
+*Inline* (flags 0): header and payload in ONE frame (``build``/``pack``, a copy
+behind the header); a peer serving from its staging sends this form.
 
-Copies: the sender copies the payload once behind the header into a reused
-``ScratchPool`` buffer (held until ZeroMQ reports the frame sent, so a slow
-reader pins scratch, never a version); the receiver takes the frame as ZeroMQ
-delivered it (``recv(copy=False)``) and copies the payload into place, the same
-single copy ``recv_into`` made. ``benchmarks/chunk_frames.py`` measures both forms.
+*Follows* (flags ``FOLLOWS``, protocol 4): the header is a 32-byte message of its
+own, and the very next message on the same connection is the payload alone, exactly
+``size`` bytes, sent by the publisher straight from its snapshot (``zmq`` ``copy=False``,
+``track=True``: no copy per subscriber; ``publisher/store/buffer_claims.py`` keeps the
+snapshot region from being overwritten while ZeroMQ still sends it). Both messages are
+one frame each, so neither can be torn by a reconnect (the libzmq 4.3.5 ``fq.cpp``
+``!_more`` abort that ended two-frame replies, docs/RELIABILITY.md); a header whose
+payload never comes, or a message of the wrong size where a payload is due, is a
+``ProtocolError`` (``PayloadPairing``) and the chunk is fetched again.
+
+Receivers accept both forms and copy the payload once, from ZeroMQ's frame into place.
+``benchmarks/chunk_frames.py`` measures the forms.
 """
 
 from __future__ import annotations
@@ -36,13 +40,14 @@ from dataclasses import dataclass
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.message_base import MAX_CHUNK_SIZE, MAX_CHUNKS, PROTOCOL_VERSION
 
-__all__ = ["HEADER_BYTES", "MAGIC", "ChunkHeader", "ScratchPool", "build", "frame_bytes",
-           "is_chunk", "pack", "parse", "payload"]
+__all__ = ["FOLLOWS", "HEADER_BYTES", "MAGIC", "ChunkHeader", "PayloadPairing", "ScratchPool",
+           "build", "frame_bytes", "header_frame", "is_chunk", "pack", "parse", "payload"]
 
 MAGIC = b"WPck"
 _HEADER = struct.Struct("<4sHHQQII")
 HEADER_BYTES = _HEADER.size  # 32
 _MAX_U63 = (1 << 63) - 1
+FOLLOWS = 1  # flags: the payload is the next message on the connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,8 @@ class ChunkHeader:
     version: int
     chunk: int
     size: int
+    #: the payload is a message of its own (``FOLLOWS``), not behind the header
+    follows: bool = False
 
 
 def frame_bytes(size: int) -> int:
@@ -73,6 +80,11 @@ def pack(buffer: bytearray | memoryview, *, req: int, version: int, chunk: int,
     view = memoryview(buffer)[: HEADER_BYTES + size]
     view[HEADER_BYTES:] = payload
     return view
+
+
+def header_frame(*, req: int, version: int, chunk: int, size: int) -> bytes:
+    """The 32-byte header of a ``FOLLOWS`` reply: the payload goes as the next message."""
+    return _HEADER.pack(MAGIC, PROTOCOL_VERSION, FOLLOWS, req, version, chunk, size)
 
 
 def build(*, req: int, version: int, chunk: int, payload: bytes | memoryview) -> bytearray:
@@ -98,9 +110,13 @@ def parse(frame: bytes | memoryview) -> ChunkHeader:
     if len(frame) < HEADER_BYTES:
         raise ProtocolError(f"chunk: {len(frame)}-byte frame, shorter than its header")
     _, _, flags, req, version, chunk, size = _HEADER.unpack_from(frame)
-    if flags:
-        raise ProtocolError(f"chunk.flags: {flags}, expected 0")
-    if size != len(frame) - HEADER_BYTES:
+    if flags not in (0, FOLLOWS):
+        raise ProtocolError(f"chunk.flags: {flags}, expected 0 or {FOLLOWS}")
+    follows = flags == FOLLOWS
+    if follows and len(frame) != HEADER_BYTES:
+        raise ProtocolError(f"chunk: a {len(frame)}-byte header frame, expected "
+                            f"{HEADER_BYTES} (its payload follows as a message of its own)")
+    if not follows and size != len(frame) - HEADER_BYTES:
         raise ProtocolError(f"chunk.size: {size}, the frame carries "
                             f"{len(frame) - HEADER_BYTES} payload bytes")
     if size > MAX_CHUNK_SIZE:
@@ -109,12 +125,46 @@ def parse(frame: bytes | memoryview) -> ChunkHeader:
         raise ProtocolError(f"chunk: version {version} or req {req} out of range")
     if chunk > MAX_CHUNKS:
         raise ProtocolError(f"chunk.chunk: {chunk} exceeds {MAX_CHUNKS}")
-    return ChunkHeader(req=req, version=version, chunk=chunk, size=size)
+    return ChunkHeader(req=req, version=version, chunk=chunk, size=size, follows=follows)
 
 
-def payload(frame: bytes | memoryview) -> memoryview:
-    """The payload of a parsed chunk frame (a view, no copy)."""
+def payload(frame: bytes | memoryview, header: ChunkHeader | None = None) -> memoryview:
+    """The payload in ``frame`` (a view, no copy): behind the header of an inline reply,
+    the whole frame when it is the message that followed a ``FOLLOWS`` header."""
+    if header is not None and header.follows:
+        return memoryview(frame)
     return memoryview(frame)[HEADER_BYTES:]
+
+
+class PayloadPairing:
+    """Per receiving socket: the ``FOLLOWS`` header whose payload message is due next.
+
+    Why a state: ZeroMQ hands the header over as soon as it arrived, while the payload
+    may still be on the wire; the reader returns to its other sockets meanwhile.
+    """
+
+    __slots__ = ("due",)
+
+    def __init__(self) -> None:
+        self.due: ChunkHeader | None = None
+
+    def expect(self, header: ChunkHeader) -> None:
+        self.due = header
+
+    def take(self, frame: bytes | memoryview, more: int) -> ChunkHeader:
+        """The header ``frame`` is the payload of; ``ProtocolError`` if it is not one."""
+        header, self.due = self.due, None
+        if header is None:  # pragma: no cover - callers check ``due`` first
+            raise ProtocolError("chunk: a payload with no header before it")
+        if more or len(frame) != header.size:
+            raise ProtocolError(f"chunk {header.chunk} of version {header.version}: "
+                                f"{len(frame)}-byte message{' (multipart)' if more else ''} "
+                                f"where its {header.size}-byte payload was due")
+        return header
+
+    def reset(self) -> None:
+        """The connection went away (a reconnect): no payload is due any more."""
+        self.due = None
 
 
 class ScratchPool:

@@ -27,7 +27,7 @@ __all__ = [
     "Limits",
 ]
 
-PROTOCOL_VERSION = 3  # 3: a chunk reply is one frame (chunk_frame.py); 2: two frames
+PROTOCOL_VERSION = 4  # 4: a chunk's payload may follow its header (chunk_frame.py); 3: one frame
 CHECKSUM_ALGORITHM = "xxh3_64"
 TENSOR_ALIGN = 64
 MAX_CONTROL_BYTES = 256 << 20

@@ -2,13 +2,13 @@
 
 A subscriber asks peers (``subscriber_ext/transport/peers``) and the ranks of a
 sharded trainer (``client/shard_links.py``) for chunks on one DEALER each; every
-such DEALER gets what a publisher's would: one-frame chunk replies
-(``chunk_frame``) and ``error`` replies. ``read_replies`` is the one loop that
-drains such a socket: a bounded batch per call (the subscriber's thread has other
-sockets to serve), each reply decoded, the rest of a malformed or multi-frame
-reply dropped through the caller's ``discard_rest`` (the client counts what it
-reads), and each outcome handed to the caller, which decides what it means for
-that source.
+such DEALER gets what a publisher's would: chunk replies (``chunk_frame``: inline,
+or a header whose payload is the next message) and ``error`` replies.
+``read_replies`` is the one loop that drains such a socket: a bounded batch per
+call (the subscriber's thread has other sockets to serve), each reply decoded,
+the rest of a malformed or multi-frame reply dropped through the caller's
+``discard_rest`` (the client counts what it reads), and each outcome handed to
+the caller, which decides what it means for that source.
 """
 
 from __future__ import annotations
@@ -40,13 +40,16 @@ def decode_reply(frame: zmq.Frame, more: int,
 
 
 def read_replies(sock: zmq.Socket, limits: wire.Limits, *, most: int,
+                 pairing: chunk_frame.PayloadPairing,
                  discard_rest: Callable[[int, zmq.Socket], None],
                  on_chunk: Callable[[chunk_frame.ChunkHeader, zmq.Frame], None],
                  on_error: Callable[[wire.ErrorReply], None],
                  on_bad: Callable[[ProtocolError], None]) -> None:
     """Read up to ``most`` replies waiting on ``sock`` (never blocks).
 
-    ``on_chunk(header, frame)``: a chunk (its payload still in ``frame``);
+    ``on_chunk(header, frame)``: a chunk (its payload still in ``frame``: behind the
+    header, or the whole frame after a ``FOLLOWS`` header, ``chunk_frame.payload``);
+    ``pairing``: this socket's header whose payload message is due;
     ``on_error(reply)``: an ``error`` reply; ``on_bad(exc)``: a reply that does not
     decode. ``discard_rest(more, sock)`` drops what follows the first frame."""
     for _ in range(most):
@@ -55,6 +58,15 @@ def read_replies(sock: zmq.Socket, limits: wire.Limits, *, most: int,
         except zmq.Again:
             return
         more = int(sock.getsockopt(zmq.RCVMORE))
+        if pairing.due is not None:
+            try:
+                header = pairing.take(first.buffer, more)
+            except ProtocolError as exc:
+                discard_rest(more, sock)
+                on_bad(exc)
+                continue
+            on_chunk(header, first)
+            continue
         try:
             message = decode_reply(first, more, limits)
         except ProtocolError as exc:
@@ -62,7 +74,10 @@ def read_replies(sock: zmq.Socket, limits: wire.Limits, *, most: int,
             on_bad(exc)
             continue
         if isinstance(message, chunk_frame.ChunkHeader):
-            on_chunk(message, first)
+            if message.follows:
+                pairing.expect(message)
+            else:
+                on_chunk(message, first)
             continue
         discard_rest(more, sock)
         on_error(message)

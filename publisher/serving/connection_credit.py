@@ -2,10 +2,12 @@
 
 Every reply to a peer is sent tracked (``zmq.MessageTracker`` says when ZeroMQ
 has written the frame to the kernel), so for each peer the serving thread knows
-the bytes it handed to ZeroMQ that have not left yet. A chunk reply is one frame
-(``weightpub_wire.chunk_frame``): its payload is copied behind the header into a
-reused scratch buffer, which goes back to the pool once ZeroMQ has sent it; so a
-slow reader holds scratch (bounded by the queued bytes below), never a version.
+the bytes it handed to ZeroMQ that have not left yet. A chunk goes without a copy
+(``weightpub_wire.chunk_frame``, ``FOLLOWS``): a 32-byte header message, then the
+chunk's bytes straight from the snapshot (``copy=False``), counted in the buffer's
+claims until ZeroMQ has sent them, so no newer snapshot overwrites them meanwhile
+(``publisher/store/buffer_claims.py``). A delta payload goes the same way from the
+encoder's bytes. Nothing is copied per subscriber.
 
 Bounds, per peer (a ROUTER identity):
 
@@ -15,19 +17,22 @@ Bounds, per peer (a ROUTER identity):
 - ``max_pending_chunks``: a fetch that would take a peer past it is refused and
   the peer's connection is cut (a well-behaved subscriber keeps at most
   ``MAX_CREDIT_CHUNKS`` in flight);
-- the host budget (``host_budget_bytes``): all scratch, queued and idle, stays
-  within what the snapshots leave of it (at least one frame is always in flight);
+- the host budget (``host_budget_bytes``): frames that own memory beyond the
+  snapshots (control replies) stay within what the snapshots leave of it (at
+  least one frame is always in flight); chunk frames are the snapshot's own bytes;
 - ``stall_timeout``: a peer with bytes queued and no progress for this long (it
-  never reads) is cut; ZeroMQ then drops its queue and its scratch is freed;
+  never reads) is cut; ZeroMQ then drops its queue and the bytes it held are freed;
+  while a new snapshot waits to overwrite bytes ZeroMQ still sends, a peer with no
+  progress for ``overwrite_grace`` is cut (the writer's wait stays short);
 - deferred chunks of a version that was evicted are dropped with a
   ``version_unavailable`` reply, so nothing deferred pins an old version; so is a
-  chunk found overwritten by a newer snapshot once copied into scratch
-  (``PublishedVersion.intact``, ``publisher/store/buffer_claims.py``): the scratch is
-  dropped unsent, and the subscriber moves to the newer version.
+  chunk found already claimed by a newer snapshot when its send would begin
+  (``PublishedVersion.send_begin``): the subscriber moves to the newer version.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -54,6 +59,7 @@ class PeerLimits:
     max_total_queued_bytes: int = 2 << 30
     max_pending_chunks: int = 4 * MAX_CREDIT_CHUNKS
     stall_timeout: float = 30.0
+    overwrite_grace: float = 2.0  # no progress while a snapshot waits for its bytes: cut
     max_peers: int = 4096
     idle_forget: float = 120.0
 
@@ -64,10 +70,12 @@ class Peer:
     fd: int | None
     last_seen: float
     last_progress: float
-    #: frames handed to ZeroMQ: (tracker, bytes, the scratch buffer of a chunk frame)
-    queue: deque[tuple[zmq.MessageTracker, int, bytearray | None]] = field(
+    #: frames handed to ZeroMQ: (tracker, bytes, what to do once ZeroMQ let go of it)
+    queue: deque[tuple[zmq.MessageTracker, int, Callable[[], None] | None]] = field(
         default_factory=deque)
     queued_bytes: int = 0
+    #: a chunk's payload due right after the header already sent (the pipe was full)
+    owed: tuple[memoryview | bytes, Callable[[], None] | None] | None = None
     deferred: deque[tuple[int, PublishedVersion, int]] = field(default_factory=deque)
 
     @property
@@ -92,11 +100,14 @@ class PeerTable:
         self._active: set[bytes] = set()  # peers with frames queued or chunks deferred
         self._next_forget = 0.0
         self.total_queued = 0
+        self.owned_queued = 0  # queued bytes that are copies (control replies), not snapshots
         self.chunk_bytes = 0  # full-version chunk bytes handed to ZeroMQ
-        # chunk frames' send buffers: one peer's queue is kept for reuse, so a steady
-        # reader costs no allocation (a fresh buffer costs its page faults, ~0.5 s/GB)
-        self.scratch = chunk_frame.ScratchPool(
-            max_free_bytes=self.limits.max_queued_bytes * 5 // 4)
+        # kept for the host budget's bookkeeping: chunk frames no longer take scratch
+        self.scratch = chunk_frame.ScratchPool(max_free_bytes=0)
+        #: frames of dropped peers ZeroMQ still holds, each with its release
+        self._orphans: list[tuple[zmq.MessageTracker, Callable[[], None]]] = []
+        #: the claims of the snapshots sent from (their writers may wait for sends to end)
+        self.is_overwriting: Callable[[], bool] = lambda: False
         self.dropped_replies = 0
         self.cut_peers = 0
         self._warn = RateLimitedLog(log)
@@ -129,7 +140,7 @@ class PeerTable:
     def _forget_idle(self, now: float, wanted: int | None = None) -> int:
         gone = 0
         for identity, peer in list(self._peers.items()):
-            idle = not peer.queue and not peer.deferred
+            idle = not peer.queue and not peer.deferred and peer.owed is None
             if idle and (wanted is not None or now - peer.last_seen > self.limits.idle_forget):
                 del self._peers[identity]
                 gone += 1
@@ -139,8 +150,20 @@ class PeerTable:
 
     # -- sending -------------------------------------------------------------------------------
     def _send(self, peer: Peer, body: memoryview | bytes,
-              scratch: bytearray | None = None) -> bool:
-        """Send the one-frame ``body`` tracked; False if ZeroMQ refused it."""
+              release: Callable[[], None] | None = None, *, owned: bool = True) -> bool:
+        """Send the one-frame ``body`` tracked; False if ZeroMQ refused it.
+
+        ``release``: called once ZeroMQ has let go of ``body``; ``owned``: the frame is a
+        copy of its own (counted in the host budget), not bytes of a snapshot."""
+        if peer.owed is not None and not self._pay_owed(peer):
+            return False
+        if not self._route(peer):
+            return False
+        self._track(peer, body, release, owned)
+        return True
+
+    def _route(self, peer: Peer) -> bool:
+        """Address the next frame to ``peer``; False if its pipe is full or it is gone."""
         try:
             self.router.send(peer.identity, zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:  # the peer's pipe is at its high-water mark: try again later
@@ -150,37 +173,48 @@ class PeerTable:
                 self._drop(peer)
                 return False
             raise
+        return True
+
+    def _track(self, peer: Peer, body: memoryview | bytes,
+               release: Callable[[], None] | None, owned: bool) -> None:
         tracker = self.router.send(body, copy=False, track=True)
         self._active.add(peer.identity)
-        peer.queue.append((tracker, len(body), scratch))
+        nbytes = len(body) if owned else -len(body)  # the sign says which: kept in the queue
+        peer.queue.append((tracker, nbytes, release))
         peer.queued_bytes += len(body)
         self.total_queued += len(body)
+        if owned:
+            self.owned_queued += len(body)
+
+    def _pay_owed(self, peer: Peer) -> bool:
+        """Send the payload whose header went before the pipe filled; False: not yet."""
+        assert peer.owed is not None
+        if not self._route(peer):
+            return False
+        payload, release = peer.owed
+        peer.owed = None
+        self._track(peer, payload, release, owned=False)
         return True
 
     @property
     def scratch_bytes(self) -> int:
-        """Send buffers alive: frames ZeroMQ still holds and idle ones kept for reuse."""
-        return self.total_queued + self.scratch.free_bytes
+        """Send buffers alive beside the snapshots: copied frames ZeroMQ still holds."""
+        return self.owned_queued + self.scratch.free_bytes
 
     def _room(self, peer: Peer, nbytes: int) -> bool:
         return (peer.queued_bytes + nbytes <= self.limits.max_queued_bytes or not peer.queue) \
-            and self.total_queued + nbytes <= self.limits.max_total_queued_bytes \
-            and self._within_budget(nbytes)
+            and self.total_queued + nbytes <= self.limits.max_total_queued_bytes
 
     def _within_budget(self, nbytes: int) -> bool:
         """The host budget's room beside the snapshots; with nothing queued one frame
         always goes (else a budget full of snapshots would stop serving them)."""
-        if self._budget_room is None or not self.total_queued:
+        if self._budget_room is None or not self.owned_queued:
             return True
-        room = self._budget_room()
-        if self.scratch_bytes + nbytes <= room:
-            return True
-        self.scratch.drop_idle()
-        return self.total_queued + nbytes <= room
+        return self.owned_queued + nbytes <= self._budget_room()
 
     def reply(self, peer: Peer, body: bytes) -> bool:
         """A control reply (latest, status, error); dropped when the peer is not reading."""
-        if not self._room(peer, len(body)):
+        if not self._room(peer, len(body)) or not self._within_budget(len(body)):
             self.dropped_replies += 1
             self._warn.warning("reply", f"dropped a reply: peer has {peer.queued_bytes} bytes "
                                         "unread (max_queued_bytes)")
@@ -189,21 +223,32 @@ class PeerTable:
 
     def _send_chunk(self, peer: Peer, header: chunk_frame.ChunkHeader,
                     data: memoryview | bytes, version: PublishedVersion | None) -> bool | None:
-        """One chunk frame: ``data`` copied behind its header into scratch, then sent.
+        """One chunk without a copy: its header message, then ``data`` itself.
 
-        ``data`` in ``version``'s buffer: sent only if, once copied, the chunk is still
-        intact (a newer snapshot may be overwriting that buffer); None when it was not.
+        ``data`` in ``version``'s buffer: counted as sent from there until ZeroMQ lets go
+        of it (a newer snapshot waits before overwriting it); None when a newer snapshot
+        has already claimed it. ``data`` of its own (a delta payload): sent as it is.
         """
-        scratch = self.scratch.take(chunk_frame.frame_bytes(len(data)))
-        frame = chunk_frame.pack(scratch, req=header.req, version=header.version,
-                                 chunk=header.chunk, payload=data)
-        if version is not None and not version.intact(header.chunk):
-            self.scratch.give(scratch)  # bytes of another version may be in it: never sent
-            return None
-        if self._send(peer, frame, scratch):
-            return True
-        self.scratch.give(scratch)
-        return False
+        release: Callable[[], None] | None = None
+        if version is not None:
+            if not version.send_begin(header.chunk):
+                return None  # bytes of another version may be there: never sent
+            release = functools.partial(version.send_end, header.chunk)
+        if peer.owed is not None and not self._pay_owed(peer):
+            if release is not None:
+                release()
+            return False
+        head = chunk_frame.header_frame(req=header.req, version=header.version,
+                                        chunk=header.chunk, size=len(data))
+        if not self._route(peer):
+            if release is not None:
+                release()
+            return False
+        self.router.send(head, copy=True)
+        self._active.add(peer.identity)
+        peer.owed = (data, release)
+        self._pay_owed(peer)  # the pipe may be full now: then paid before anything else
+        return True
 
     def send_to(self, identity: bytes, header: chunk_frame.ChunkHeader,
                 data: memoryview | bytes, version: PublishedVersion | None) -> bool:
@@ -215,7 +260,7 @@ class PeerTable:
         peer = self._peers.get(identity)
         if peer is None:
             return True
-        if not self._room(peer, chunk_frame.frame_bytes(len(data))):
+        if not self._room(peer, len(data)):
             return False
         sent = self._send_chunk(peer, header, data, version)
         if sent is None:  # overwritten by a newer version meanwhile: the peer is told so
@@ -253,7 +298,7 @@ class PeerTable:
             if not version.chunk_ready(chunk):
                 return  # announced before its copy ended: sent once the bytes are final
             data = version.chunk_view(chunk)
-            if not self._room(peer, chunk_frame.frame_bytes(len(data))):
+            if not self._room(peer, len(data)):
                 return
             header = chunk_frame.ChunkHeader(req=req, version=version.manifest.version,
                                              chunk=chunk, size=len(data))
@@ -289,29 +334,60 @@ class PeerTable:
                 continue
             progressed = False
             while peer.queue and peer.queue[0][0].done:
-                _, nbytes, scratch = peer.queue.popleft()
-                peer.queued_bytes -= nbytes
-                self.total_queued -= nbytes
-                if scratch is not None:
-                    self.scratch.give(scratch)
+                _, nbytes, release = peer.queue.popleft()
+                self._unqueue(peer, nbytes)
+                if release is not None:
+                    release()
                 progressed = True
+            if peer.owed is not None:
+                progressed = self._pay_owed(peer) or progressed
             if progressed or not peer.queue:
                 peer.last_progress = now
             elif now - peer.last_progress > self.limits.stall_timeout:
                 self.cut(peer, f"{peer.queued_bytes} bytes unread for "
                                f"{now - peer.last_progress:.0f}s (stall_timeout)")
                 continue
+            elif now - peer.last_progress > self.limits.overwrite_grace \
+                    and self.is_overwriting() and any(r is not None for _, _, r in peer.queue):
+                self.cut(peer, f"{peer.queued_bytes} bytes unread for "
+                               f"{now - peer.last_progress:.1f}s while a new version waits "
+                               "to overwrite them (overwrite_grace)")
+                continue
             if peer.deferred:
                 self._flush(peer, now)
-            if not peer.queue and not peer.deferred:
+            if not peer.queue and not peer.deferred and peer.owed is None:
                 self._active.discard(identity)
+        if self._orphans:
+            still = []
+            for tracker, release in self._orphans:
+                if tracker.done:
+                    release()
+                else:
+                    still.append((tracker, release))
+            self._orphans = still
         if now >= self._next_forget:
             self._next_forget = now + 1.0
             self._forget_idle(now)
 
+    def _unqueue(self, peer: Peer, nbytes: int) -> None:
+        size = abs(nbytes)
+        peer.queued_bytes -= size
+        self.total_queued -= size
+        if nbytes > 0:
+            self.owned_queued -= nbytes
+
+    @property
+    def sends_held(self) -> int:
+        """Frames of dropped peers ZeroMQ still holds (their bytes stay counted as sent)."""
+        return len(self._orphans)
+
     def busy(self) -> bool:
-        """Whether some peer has deferred chunks (the loop should come back soon)."""
-        return any(self._peers[i].deferred for i in self._active if i in self._peers)
+        """Whether the loop should come back soon: some peer has deferred chunks, a payload
+        owed, or frames sent from a snapshot that ZeroMQ still holds (a writer may be
+        waiting for them to end)."""
+        return bool(self._orphans) or any(
+            p.deferred or p.owed is not None or p.queue
+            for p in (self._peers.get(i) for i in self._active) if p is not None)
 
     def cut(self, peer: Peer, why: str) -> None:
         """Stop serving a peer: forget its deferred chunks and close its connection."""
@@ -323,7 +399,14 @@ class PeerTable:
         self._drop(peer)
 
     def _drop(self, peer: Peer) -> None:
-        # its queued frames' scratch is freed by the GC once ZeroMQ lets go of it
-        self.total_queued -= peer.queued_bytes
+        # ZeroMQ lets go of its queued frames once it closes the pipe: watch them till then
+        for tracker, nbytes, release in peer.queue:
+            self._unqueue(peer, nbytes)
+            if release is not None:
+                self._orphans.append((tracker, release))
+        peer.queue.clear()
+        if peer.owed is not None and peer.owed[1] is not None:
+            peer.owed[1]()  # never handed to ZeroMQ
+        peer.owed = None
         self._peers.pop(peer.identity, None)
         self._active.discard(peer.identity)

@@ -165,7 +165,8 @@ class ServingThread(threading.Thread):
         guard = self.guard = ConnectionGuard({"router": router, "pub": pub},
                                              self.limits.connections)
         peers = self.peers = PeerTable(router, self.limits.peers, guard, self._is_held,
-                                            self._budget_room)
+                                       self._budget_room)
+        peers.is_overwriting = self.store.writers_waiting
         self._ready.set()
         poller = zmq.Poller()
         for sock in (router, commands, *guard.monitors):
@@ -214,7 +215,8 @@ class ServingThread(threading.Thread):
                 hook(sock, server=True)
         limits = self.limits
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer: an error, not a silent drop
-        router.setsockopt(zmq.SNDHWM, limits.peers.max_pending_chunks + 1024)
+        # two messages a chunk (header, payload: chunk_frame.FOLLOWS) and control replies
+        router.setsockopt(zmq.SNDHWM, 2 * limits.peers.max_pending_chunks + 1024)
         router.setsockopt(zmq.RCVHWM, limits.router_rcvhwm)
         # requests are small; ZeroMQ drops a peer that sends a bigger frame before
         # allocating it (a message of many frames is bounded by connections.py)

@@ -14,19 +14,32 @@ bytes.
 
 A region is ``REGION`` bytes; a claim covers every region it touches, so a reader
 of the old version may lose a chunk one region early, never late.
+
+Sends without a copy: the serving thread hands a chunk's bytes to ZeroMQ in place
+(``copy=False``), so ZeroMQ reads them *after* the check. Such a send is counted per
+region (``send_begin``: count, then check; ``send_end`` once ZeroMQ reports the frame
+sent), and a writer waits, after its claim and before its write, until no counted
+send is left in the regions it claimed (``claim``). The count goes up before the
+check and the claim before the wait, so either the reader sees the claim (and does
+not send) or the writer sees the count (and waits): a reply never carries bytes of
+two versions. The writer's wait is bounded: a reader that does not read is cut by
+the serving thread (``writers_waiting``, ``connection_credit.py``), which frees its
+frames; past ``SEND_WAIT`` seconds the write fails with ``TimeoutError``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import numpy
 import torch
 
-__all__ = ["REGION", "BufferClaims", "ClaimTable"]
+__all__ = ["REGION", "SEND_WAIT", "BufferClaims", "ClaimTable"]
 
 REGION = 64 << 10
+SEND_WAIT = 60.0  # most seconds a writer waits for ZeroMQ to finish sending a region
 
 
 class BufferClaims:
@@ -41,11 +54,56 @@ class BufferClaims:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self._versions = numpy.zeros(max(1, -(-nbytes // REGION)), dtype=numpy.int64)
+        #: per region, sends ZeroMQ holds without a copy (changed on the serving thread only)
+        self._sending = numpy.zeros(len(self._versions), dtype=numpy.int32)
+        #: writers waiting for such sends to end (the serving thread then cuts stalled readers)
+        self.writers_waiting = 0
 
-    def claim(self, start: int, stop: int, version: int) -> None:
-        """Call before writing bytes ``[start, stop)`` of ``version``."""
+    def claim(self, start: int, stop: int, version: int, wait: float = SEND_WAIT) -> None:
+        """Call before writing bytes ``[start, stop)`` of ``version``: returns once no
+        send of older bytes there is in flight; ``TimeoutError`` after ``wait`` seconds."""
+        if stop <= start:
+            return
+        regions = slice(start // REGION, -(-stop // REGION))
+        self._versions[regions] = version
+        if not self._sending[regions].any():
+            return
+        deadline = time.monotonic() + wait
+        pause = 0.0002
+        self.writers_waiting += 1
+        try:
+            while self._sending[regions].any():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"bytes [{start}, {stop}) of a snapshot buffer were still being sent "
+                        f"{wait:.0f}s after version {version} claimed them")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
+        finally:
+            self.writers_waiting -= 1
+
+    def send_begin(self, start: int, stop: int, version: int) -> bool:
+        """Before handing ``[start, stop)`` to ZeroMQ without a copy (serving thread):
+        counts the send if the bytes are still ``version``'s; False (nothing counted) if a
+        newer version has claimed them."""
+        if stop <= start:
+            return True
+        regions = slice(start // REGION, -(-stop // REGION))
+        self._sending[regions] += 1
+        if self.holds(start, stop, version):
+            return True
+        self._sending[regions] -= 1
+        return False
+
+    def send_end(self, start: int, stop: int) -> None:
+        """ZeroMQ has let go of a frame counted by ``send_begin``."""
         if stop > start:
-            self._versions[start // REGION: -(-stop // REGION)] = version
+            self._sending[start // REGION: -(-stop // REGION)] -= 1
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Region-sends ZeroMQ holds (a test and a status read it)."""
+        return int(self._sending.sum())
 
     def holds(self, start: int, stop: int, version: int) -> bool:
         """Whether no other version has claimed any of ``[start, stop)``: call after reading."""
@@ -76,6 +134,11 @@ class ClaimTable:
             claims = BufferClaims(base.numel())
             self._table[key] = (weakref.ref(base, self._forget), claims)
             return claims
+
+    def writers_waiting(self) -> bool:
+        """Whether a writer waits for ZeroMQ to finish sending some region (any thread)."""
+        with self._lock:
+            return any(claims.writers_waiting for _, claims in self._table.values())
 
     def _forget(self, gone: weakref.ref[torch.Tensor]) -> None:
         with self._lock:

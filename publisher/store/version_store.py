@@ -79,6 +79,20 @@ class PublishedVersion:
         start, size = self.manifest.chunk_span(chunk)
         return self.claims.holds(start, start + size, self.manifest.version)
 
+    def send_begin(self, chunk: int) -> bool:
+        """Before ZeroMQ sends the chunk in place (no copy): count the send, so no newer
+        snapshot overwrites it meanwhile (``buffer_claims.py``); False if one already has."""
+        if self.claims is None:
+            return True
+        start, size = self.manifest.chunk_span(chunk)
+        return self.claims.send_begin(start, start + size, self.manifest.version)
+
+    def send_end(self, chunk: int) -> None:
+        """ZeroMQ has sent (or dropped) the frame ``send_begin`` counted."""
+        if self.claims is not None:
+            start, size = self.manifest.chunk_span(chunk)
+            self.claims.send_end(start, start + size)
+
     def claim(self, start: int, stop: int) -> None:
         """Before writing ``[start, stop)`` of this version (a relay's chunk)."""
         if self.claims is not None:
@@ -130,6 +144,10 @@ class VersionStore:
     def claims(self, buffer: torch.Tensor) -> BufferClaims:
         """The claims of ``buffer`` (any view of a pool buffer): a snapshot claims as it copies."""
         return self._claims.of(buffer)
+
+    def writers_waiting(self) -> bool:
+        """Whether a snapshot waits for ZeroMQ to finish sending bytes it will overwrite."""
+        return self._claims.writers_waiting()
 
     def make_room(self) -> None:
         """Before a new snapshot takes a buffer: with ``keep`` versions held, lend the

@@ -29,10 +29,34 @@ import msgspec
 import torch
 import xxhash
 
+from weightpub_wire import chunk_frame
 from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
 
 REPO = Path(__file__).resolve().parents[2]
 Spec = list[tuple[str, str, tuple[int, ...]]]  # (name, dtype name, shape)
+
+class InlineChunks:
+    """For a test proxy that reads a publisher's replies: a chunk whose payload follows its
+    header (protocol 4, ``chunk_frame.FOLLOWS``) comes out as one inline frame, so the
+    proxy can look at (or spoil) header and payload together; subscribers take both forms.
+    One per upstream socket."""
+
+    def __init__(self) -> None:
+        self.due: chunk_frame.ChunkHeader | None = None
+
+    def feed(self, frames: list[bytes]) -> list[bytes] | None:
+        """The message to forward, or None while a header waits for its payload."""
+        if self.due is not None:
+            header, self.due = self.due, None
+            return [bytes(chunk_frame.build(req=header.req, version=header.version,
+                                            chunk=header.chunk, payload=frames[0]))]
+        if len(frames) == 1 and chunk_frame.is_chunk(frames[0]):
+            header = chunk_frame.parse(frames[0])
+            if header.follows:
+                self.due = header
+                return None
+        return frames
+
 
 # -- deterministic bytes ------------------------------------------------------------------------
 _MUL1 = 6364136223846793005

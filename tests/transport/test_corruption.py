@@ -11,7 +11,7 @@ import zmq
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
-from tests.transport.procs import as_bytes, det_weights, wait_until
+from tests.transport.procs import InlineChunks, as_bytes, det_weights, wait_until
 from weightpub_wire import chunk_frame
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,6 +34,7 @@ class CorruptingProxy(threading.Thread):
         self.frontend.bind("tcp://127.0.0.1:0")
         self.endpoint = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend = ctx.socket(zmq.DEALER)
+        self.inline = InlineChunks()  # header + payload messages -> one frame to spoil
         self.backend.setsockopt(zmq.LINGER, 0)
         self.backend.connect(upstream)
         self.nth = nth
@@ -57,9 +58,10 @@ class CorruptingProxy(threading.Thread):
                     self.backend.send_multipart(body)
                     self.forwarded += 1
                 if self.backend in events:
-                    frames = self.backend.recv_multipart()
-                    if client is None:
+                    joined = self.inline.feed(self.backend.recv_multipart())
+                    if client is None or joined is None:
                         continue
+                    frames = joined
                     self._maybe_corrupt(frames)
                     self.frontend.send_multipart([client, *frames])
         finally:

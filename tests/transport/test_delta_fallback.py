@@ -15,7 +15,14 @@ import zmq
 import publisher.deltas.delta_encoder as publisher_delta
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import StagedVersion, WeightSubscriber
-from tests.transport.procs import REPO, digests, drift_weights, spec_bytes, wait_until
+from tests.transport.procs import (
+    REPO,
+    InlineChunks,
+    digests,
+    drift_weights,
+    spec_bytes,
+    wait_until,
+)
 from tests.transport.test_metrics import scrape
 from weightpub.deployment_config import RelayConfig
 from weightpub.relay import Relay
@@ -65,6 +72,7 @@ class DeltaTamperingProxy(threading.Thread):
         self.mode, self.spoil = mode, spoil
         self.delta_requests: set[int] = set()
         self.spoiled = 0
+        self.inline = InlineChunks()  # header + payload messages -> one frame to spoil
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -80,8 +88,8 @@ class DeltaTamperingProxy(threading.Thread):
                     self._note(body)
                     self.backend.send_multipart(body)
                 if self.backend in events:
-                    frames = self.backend.recv_multipart()
-                    if client is not None:
+                    frames = self.inline.feed(self.backend.recv_multipart()) or []
+                    if client is not None and frames:
                         self.frontend.send_multipart([client, *self._tamper(frames)])
         finally:
             self.frontend.close()
@@ -196,11 +204,13 @@ def test_hostile_delta_fetches_get_errors_and_the_publisher_keeps_serving(
         peer.send(wire.encode(wire.FetchRequest(req=req, publisher_id=pub.publisher_id,
                                                 version=2, base=base, chunks=chunks)))
 
+    inline = InlineChunks()
+
     def error_reply() -> wire.ErrorReply:
         while True:
             assert peer.poll(10_000), "no reply"
-            frames = peer.recv_multipart()
-            if chunk_frame.is_chunk(frames[0]):
+            frames = inline.feed(peer.recv_multipart())
+            if frames is None or chunk_frame.is_chunk(frames[0]):
                 continue
             return wire.decode_as(frames[0], wire.ErrorReply)
 

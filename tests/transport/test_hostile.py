@@ -53,7 +53,14 @@ class RawClient:
         frames = self.recv()
         self.last_frames = frames
         if chunk_frame.is_chunk(frames[0]):
-            return chunk_frame.parse(frames[0])
+            header = chunk_frame.parse(frames[0])
+            if header.follows:  # protocol 4: the payload is the next message, alone
+                payload = self.recv()
+                assert len(payload) == 1, "a payload message is one frame"
+                self.last_payload = payload[0]
+            else:
+                self.last_payload = bytes(chunk_frame.payload(frames[0]))
+            return header
         return wire.decode(frames[0])
 
 
@@ -110,8 +117,9 @@ def test_garbage_to_publisher_router_is_refused_and_service_continues(
 
         good = fetch(chunks=(0,))  # the same socket is still served
         assert isinstance(good, chunk_frame.ChunkHeader) and good.chunk == 0
-        assert len(raw.last_frames) == 1  # one frame: header and payload (protocol 3)
-        assert len(chunk_frame.payload(raw.last_frames[0])) == good.size == 4096
+        # protocol 4: a 32-byte header message, then the payload message from the snapshot
+        assert good.follows and [len(f) for f in raw.last_frames] == [chunk_frame.HEADER_BYTES]
+        assert len(raw.last_payload) == good.size == 4096
         assert pub._server.is_alive()
     finally:
         ctx.destroy(linger=0)
@@ -150,7 +158,8 @@ class FakePublisher(threading.Thread):
     """ROUTER + PUB written by hand: answers ``latest`` with ``latest_manifest`` (a raw,
     possibly malformed wire dict), serves chunks of ``data[version]``, and publishes
     whatever is put into ``outbox`` on PUB. ``protocol`` is the ``p`` of its ``latest``
-    replies; ``old_chunks`` serves chunks as protocol 2 did (two frames, ``p`` 2)."""
+    replies; ``old_chunks`` serves chunks as protocol 2 did (two frames, ``p`` 2);
+    ``chunk_protocol`` stamps its one-frame chunks with another protocol (3: inline only)."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         super().__init__(name="test-fake-publisher", daemon=True)
@@ -170,6 +179,7 @@ class FakePublisher(threading.Thread):
         self.evicted: set[int] = set()  # fetches of these get a version_unavailable error
         self.protocol = wire.PROTOCOL_VERSION
         self.old_chunks = False
+        self.chunk_protocol: int | None = None  # one-frame chunks stamped with this protocol
         self.chunk_replies = 0
         self.stop = threading.Event()
 
@@ -214,6 +224,8 @@ class FakePublisher(threading.Thread):
                     continue
                 frame = chunk_frame.build(req=request.req, version=request.version,
                                           chunk=chunk, payload=piece)
+                if self.chunk_protocol is not None:  # an older (or newer) publisher's frame
+                    frame[4:6] = self.chunk_protocol.to_bytes(2, "little")
                 self.router.send_multipart([identity, frame])
 
     def manifest(self, weights: dict[str, torch.Tensor], version: int,

@@ -420,3 +420,15 @@ def test_decode_as_returns_the_one_expected_type() -> None:
     assert wire.decode_as(frame, wire.StatusRequest).req == 3
     with pytest.raises(ProtocolError, match=r"message\.t: unexpected 'status'"):
         wire.decode_as(frame, wire.StatusReply)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 256 << 10, (256 << 10) + 1, (1 << 20) + 17])
+def test_copy_checksum_places_the_bytes_and_hashes_them_as_one_sweep_would(size: int) -> None:
+    """The receiver's one pass (copy a block, hash it while it is in the cache) gives the
+    manifest's checksum of the whole chunk, whatever the size against the block."""
+    from weightpub_wire.checksums import chunk_checksum, copy_checksum
+
+    src = memoryview(bytes((i * 131 + 7) % 251 for i in range(size)))
+    dst = memoryview(bytearray(size + 8))
+    assert copy_checksum(dst[:size], src) == chunk_checksum(src)
+    assert dst[:size] == src and dst[size:] == bytes(8)  # nothing written past the chunk

@@ -1,12 +1,15 @@
-"""Protocol 3 (one-frame chunk replies) meets protocol 2: a named error, never a crash or a hang.
+"""Protocol 4 (a chunk's payload may follow its header) meets protocol 3: a named error.
 
-Protocol 2 sent a chunk reply as two frames; a reconnect between them tore the
-message and libzmq 4.3.5 aborted the process. Protocol 3 sends one frame
-(``weightpub_wire.chunk_frame``). The two cannot share a transfer, so each side
-must say so, naming both versions: an old subscriber's requests get an ``error``
-reply from a new publisher (which an old decoder refuses by its ``p``), and a
-new subscriber refuses an old publisher's replies and two-frame chunks with a
-``ProtocolVersionError``, and carries on with anything that speaks its version.
+Protocol 3 sent every chunk reply as one frame, the payload copied behind its header
+for each subscriber. Protocol 4 lets the header go as a 32-byte message of its own and
+the payload as the next message, straight from the snapshot (``chunk_frame.FOLLOWS``);
+each message is still one frame (protocol 2's two-frame replies could be torn by a
+reconnect, and libzmq 4.3.5 then aborted). A protocol-3 subscriber would take a header
+alone for an empty chunk, so the sides must not share a transfer, and each says so,
+naming both versions: an old subscriber's requests get an ``error`` reply from a new
+publisher (which an old decoder refuses by its ``p``), and a new subscriber refuses an
+old publisher's replies and chunk frames with a ``ProtocolVersionError``, and carries
+on with anything that speaks its version. Protocol 2's two-frame replies stay refused.
 """
 
 from __future__ import annotations
@@ -32,13 +35,34 @@ from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 
 pytestmark = pytest.mark.timeout(90)
 
-OLD = 2
+OLD = 3
 NEW = wire.PROTOCOL_VERSION
 BOTH = f"protocol version {OLD} from the peer, this side speaks {NEW}"
 
 
-def test_the_step_is_from_2_to_3() -> None:
-    assert (OLD, NEW) == (2, 3)
+def test_the_step_is_from_3_to_4() -> None:
+    assert (OLD, NEW) == (3, 4)
+
+
+def test_a_follows_header_is_a_message_of_its_own_and_its_payload_the_next() -> None:
+    head = chunk_frame.header_frame(req=9, version=4, chunk=7, size=4352)
+    assert len(head) == chunk_frame.HEADER_BYTES and chunk_frame.is_chunk(head)
+    header = chunk_frame.parse(head)
+    assert header == chunk_frame.ChunkHeader(req=9, version=4, chunk=7, size=4352,
+                                             follows=True)
+    pairing = chunk_frame.PayloadPairing()
+    pairing.expect(header)
+    payload = bytes(4352)
+    assert pairing.take(payload, 0) == header and pairing.due is None
+    assert chunk_frame.payload(payload, header).nbytes == 4352  # the whole message
+    with pytest.raises(ProtocolError, match="32-byte header frame, expected|36-byte header"):
+        chunk_frame.parse(head + b"tail")  # a follows header carries no payload
+    for wrong, more in ((bytes(4351), 0), (bytes(4352), 1), (head, 0)):
+        pairing.expect(header)
+        with pytest.raises(ProtocolError, match="chunk 7 of version 4: .* its 4352-byte "
+                                                "payload was due"):
+            pairing.take(wrong, more)
+        assert pairing.due is None  # the chunk is fetched again; the next message is new
 
 
 # -- the chunk frame itself ----------------------------------------------------------------------
@@ -66,7 +90,8 @@ BAD_FRAMES = [
     ("a future protocol, short", b"WPck" + (9).to_bytes(2, "little"), "chunk.protocol"),
     ("short header", bytes(GOOD[:20]), "shorter than its header"),
     ("bad magic", b"WPcx" + bytes(GOOD[4:]), "bad magic"),
-    ("flags", _patched(GOOD, 6, b"\x01\x00"), "chunk.flags"),
+    ("flags", _patched(GOOD, 6, b"\x02\x00"), "chunk.flags"),
+    ("follows, with bytes behind", _patched(GOOD, 6, b"\x01\x00"), "header frame"),
     ("size past the frame", _patched(GOOD, 28, (101).to_bytes(4, "little")), "chunk.size"),
     ("size short of the frame", bytes(GOOD) + b"!", "chunk.size"),
     ("version 0", _patched(GOOD, 16, bytes(8)), "version 0"),
@@ -98,7 +123,7 @@ def test_an_old_subscriber_is_answered_with_an_error_naming_both_versions(
     make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """A protocol-2 DEALER's ``latest`` and ``fetch`` each get an ``error`` reply at once
+    """A protocol-3 DEALER's ``latest`` and ``fetch`` each get an ``error`` reply at once
     (silence would leave it waiting); its decoder refuses that reply by its ``p``, which
     is how it learns. The publisher logs both versions and serves on."""
     caplog.set_level(logging.WARNING, logger="weightpub.publisher")
@@ -119,17 +144,18 @@ def test_an_old_subscriber_is_answered_with_an_error_naming_both_versions(
             frames = raw.recv(timeout=10)  # an answer, never silence
             assert len(frames) == 1 and not chunk_frame.is_chunk(frames[0])
             reply = msgpack.unpackb(frames[0])
-            assert reply["p"] == NEW  # a protocol-2 decoder refuses this by ``p``
+            assert reply["p"] == NEW  # a protocol-3 decoder refuses this by ``p``
             assert (reply["t"], reply["req"], reply["code"]) == ("error", req, "bad_request")
             assert f"protocol version {OLD} is not spoken here" in reply["message"]
             assert f"speaks {NEW}" in reply["message"]
         assert pub._server.bad_messages - before == len(old_requests)
         assert any(BOTH in record.getMessage() for record in caplog.records), caplog.text
-        # the same connection, speaking protocol 3, is served as before
+        # the same connection, speaking protocol 4, is served as before
         assert isinstance(raw.call(wire.StatusRequest(req=9)), wire.StatusReply)
         good = raw.call(wire.FetchRequest(req=10, publisher_id=pub.publisher_id,
                                           version=version, chunks=(0,)))
         assert isinstance(good, chunk_frame.ChunkHeader) and len(raw.last_frames) == 1
+        assert good.follows and len(raw.last_payload) == good.size
     finally:
         ctx.destroy(linger=0)
     assert pub._server.is_alive()
@@ -157,7 +183,7 @@ def _status(sub: WeightSubscriber) -> dict[str, Any]:
 def test_a_new_subscriber_names_both_versions_to_an_old_publisher(
     fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
 ) -> None:
-    """Every reply and heartbeat of a protocol-2 publisher is refused by name; the
+    """Every reply and heartbeat of a protocol-3 publisher is refused by name; the
     subscriber keeps asking (the publisher may be upgraded) and closes promptly."""
     fake.protocol = OLD
     fake.latest_manifest = fake.manifest(det_weights(8, 1, SPEC), 1)
@@ -183,7 +209,8 @@ def test_old_two_frame_chunk_replies_are_refused_and_nothing_hangs(
     fake.latest_manifest = fake.manifest(weights, 1)
     fake.old_chunks = True
     sub = make_sub(fake.endpoint, request_timeout=1.0)
-    wait_until(lambda: f"chunk.p: {BOTH}" in (_status(sub)["last_error"] or ""), 15,
+    two = f"protocol version 2 from the peer, this side speaks {NEW}"
+    wait_until(lambda: f"chunk.p: {two}" in (_status(sub)["last_error"] or ""), 15,
                "the old chunk reply refused by name")
     assert fake.chunk_replies >= 1 and _status(sub)["staged_version"] == 0
     fake.old_chunks = False
@@ -191,10 +218,30 @@ def test_old_two_frame_chunk_replies_are_refused_and_nothing_hangs(
     assert digests(staged.items()) == digests(weights.items())
 
 
+def test_protocol_3_chunk_frames_are_refused_by_name_then_4_is_staged(
+    fake: FakePublisher, make_sub: Callable[..., WeightSubscriber],
+) -> None:
+    """A protocol-3 publisher's one-frame chunks (its ``latest`` already spoke 4 here, as
+    a mixed fleet mid-upgrade may) are each refused naming both versions, nothing is
+    staged; once its frames say 4 the same subscriber stages the version whole."""
+    weights = det_weights(8, 1, SPEC)
+    fake.latest_manifest = fake.manifest(weights, 1)
+    fake.chunk_protocol = OLD
+    sub = make_sub(fake.endpoint, request_timeout=1.0)
+    wait_until(lambda: f"chunk.protocol: {BOTH}" in (_status(sub)["last_error"] or ""), 15,
+               "the protocol-3 chunk frame refused by name")
+    assert fake.chunk_replies >= 1 and _status(sub)["staged_version"] == 0
+    assert _status(sub)["failures"].get("ProtocolVersionError", 0) >= 1
+    fake.chunk_protocol = None
+    staged = sub.wait_for_version(1, timeout=60)
+    assert digests(staged.items()) == digests(weights.items())
+
+
 # -- peers ---------------------------------------------------------------------------------------
 def test_a_peer_server_answers_an_old_peer_with_an_error_and_serves_one_frames() -> None:
-    """A protocol-2 peer's fetch gets an ``error`` naming both versions (it moves on to its
-    next source); a protocol-3 fetch gets the chunk as one frame."""
+    """A protocol-3 peer's fetch gets an ``error`` naming both versions (it moves on to its
+    next source); a protocol-4 fetch gets the chunk as one frame (a peer copies out of its
+    staging, which a newer version reuses, so it sends the inline form)."""
     ctx = zmq.Context()
     try:
         router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)

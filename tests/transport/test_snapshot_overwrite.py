@@ -43,9 +43,13 @@ def _fetch_one(sock: zmq.Socket, manifest: wire.Manifest, chunk: int,
         frame = sock.recv(copy=False)
         if chunk_frame.is_chunk(frame.buffer):
             header = chunk_frame.parse(frame.buffer)
+            if header.follows:  # the payload is the next message, straight from the snapshot
+                assert sock.poll(10_000), "no payload within 10 s"
+                frame = sock.recv(copy=False)
             if header.req != req:
                 continue
-            payload = frame.buffer[chunk_frame.HEADER_BYTES:]
+            payload = chunk_frame.payload(frame.buffer, header)
+            assert len(payload) == header.size
             return "ok" if chunk_checksum(payload) == manifest.checksums[chunk] else "MIXED"
         reply = wire.decode(frame.buffer)
         if isinstance(reply, wire.ErrorReply) and reply.req == req:

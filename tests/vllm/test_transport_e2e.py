@@ -17,6 +17,7 @@ import zmq
 
 from publisher import WeightPublisher
 from subscriber_ext import wait_until_applied
+from tests.transport.procs import InlineChunks
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 
@@ -115,6 +116,7 @@ class CorruptingProxy:
 
     def _run(self) -> None:
         backs: dict[bytes, zmq.Socket] = {}
+        inline: dict[zmq.Socket, InlineChunks] = {}  # header + payload -> one frame
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
         while not self._stop.is_set():
@@ -129,7 +131,10 @@ class CorruptingProxy:
                         poller.register(back, zmq.POLLIN)
                     back.send_multipart(body)
                 else:
-                    frames = sock.recv_multipart()
+                    joined = inline.setdefault(sock, InlineChunks()).feed(sock.recv_multipart())
+                    if joined is None:
+                        continue  # a header: its payload is the next message
+                    frames = joined
                     if (len(frames) == 1 and chunk_frame.is_chunk(frames[0])
                             and self.corrupt.is_set()):
                         data = bytearray(frames[0])  # one frame: header, then the payload

@@ -32,6 +32,12 @@ def summary(result: dict[str, Any]) -> list[Row]:
                              p["cold_ratio"] >= 0.6))
             rows.append(_row("transport", f"{where} transfer only (manifest -> staged)",
                              f"{p['transfer_seconds']:.3f} s", "raw TCP", p["transfer_ratio"]))
+            cpu = p.get("cpu_s_per_GB")
+            if cpu:
+                rows.append(_row("transport", f"{where} CPU-s per GB: publisher, subscriber",
+                                 f"{cpu['publisher']:.2f}, {cpu['subscriber']:.2f}",
+                                 f"raw send {cpu['raw_sender']:.2f}, "
+                                 f"recv {cpu['raw_receiver']:.2f}", None))
     e2e = result.get("e2e")
     if e2e:
         med, r = e2e["median_s"], e2e["ratios"]

@@ -15,6 +15,13 @@ sides is reused (the publisher copies each version over its one snapshot from
 round 2 on, ``keep_versions`` = 1; it took a fresh one up to round 3 before).
 ``transfer_seconds`` is the subscriber's manifest -> staged time,
 the figure the replica's ``weightpub_transfer_seconds`` histogram records.
+
+CPU (``cpu_probe.py``): every round measures the CPU-seconds each side spent
+(``/proc/<pid>/stat``: all threads, ZeroMQ's I/O threads included), reported per GB
+moved: the publisher (this process, which only publishes and serves during its round),
+the subscriber process, and the raw sender and receiver for scale. The subscriber also
+says how its CPU splits over its threads and, sampled every 2 ms, which Python lines
+its threads were on (``profile``): where the CPU goes beyond the kernel's copies.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from typing import Any
 
 import torch
 
+from weightpub.bench.cpu_probe import StackSampler, process_cpu, thread_cpu
 from weightpub_wire.buffers import byte_view
 
 __all__ = ["run_transport"]
@@ -43,23 +51,32 @@ def _raw_receiver(port: int, nbytes: int, rounds: int, conn: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(rounds):
             got = 0
+            cpu = process_cpu()
             while got < nbytes:
                 n = sock.recv_into(view[got:], nbytes - got)
                 if n == 0:
                     raise ConnectionError("sender closed early")
                 got += n
-            conn.send(got)
+            conn.send((got, process_cpu() - cpu))
 
 
 def _wp_receiver(endpoint: str, rounds: int, conn: Any) -> None:
     from subscriber_ext import WeightSubscriber
 
-    with WeightSubscriber(endpoint) as sub:
+    with WeightSubscriber(endpoint) as sub, StackSampler() as sampler:
         conn.send("ready")
+        threads_before = thread_cpu()
         for version in range(1, rounds + 1):
+            cpu = process_cpu()
             staged = sub.wait_for_version(version, timeout=300)
-            conn.send(staged.fetch_seconds)  # manifest seen -> all chunks verified
+            # manifest seen -> all chunks verified; this process's CPU over the round
+            conn.send((staged.fetch_seconds, process_cpu() - cpu))
             staged.release()
+        threads = thread_cpu()
+        conn.send({"threads": {name: round(seconds - threads_before.get(name, 0.0), 3)
+                               for name, seconds in threads.items()
+                               if seconds - threads_before.get(name, 0.0) >= 0.01},
+                   "python": sampler.top()})
 
 
 class _RawPath:
@@ -78,11 +95,14 @@ class _RawPath:
 
     def round(self) -> dict[str, float]:
         start = time.perf_counter()
+        cpu = process_cpu()
         self.sock.sendall(self.view)
+        sender_cpu = process_cpu() - cpu
         if not self.conn.poll(300):
             raise TimeoutError("raw receiver did not answer")
-        self.conn.recv()
-        return {"seconds": time.perf_counter() - start}
+        _, receiver_cpu = self.conn.recv()
+        return {"seconds": time.perf_counter() - start, "sender_cpu": sender_cpu,
+                "receiver_cpu": receiver_cpu}
 
     def close(self) -> None:
         self.sock.close()
@@ -105,18 +125,26 @@ class _WeightpubPath:
 
     def round(self) -> dict[str, float]:
         start = time.perf_counter()
+        cpu = process_cpu()
         self.pub.publish(self.weights)
         published = time.perf_counter() - start
         if not self.conn.poll(300):
             raise TimeoutError("subscriber did not stage the version")
-        transfer = self.conn.recv()
+        transfer, subscriber_cpu = self.conn.recv()
         took = time.perf_counter() - start
+        publisher_cpu = process_cpu() - cpu
         self.weights["w"][:8] += 1  # a different version each round
-        return {"seconds": took, "publish_seconds": published, "transfer_seconds": transfer}
+        return {"seconds": took, "publish_seconds": published, "transfer_seconds": transfer,
+                "publisher_cpu": publisher_cpu, "subscriber_cpu": subscriber_cpu}
 
-    def close(self) -> None:
+    def close(self) -> dict[str, Any]:
+        """The subscriber's CPU breakdown over all rounds (threads, Python lines)."""
+        profile: dict[str, Any] = {}
+        if self.conn.poll(60):
+            profile = self.conn.recv()
         self.proc.join(60)
         self.pub.close()
+        return profile
 
 
 def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], None],
@@ -126,6 +154,7 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
     wp_path = _WeightpubPath(source, rounds, endpoint)
     raw: list[dict[str, float]] = []
     wp: list[dict[str, float]] = []
+    profile: dict[str, Any] = {}
     try:
         for rnd in range(rounds):
             first, second = (raw_path, wp_path) if rnd % 2 == 0 else (wp_path, raw_path)
@@ -134,12 +163,15 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
                 tick()
     finally:
         raw_path.close()
-        wp_path.close()
+        profile = wp_path.close()
     nbytes = source.numel()
     steady = slice(STEADY_FROM, None) if rounds > STEADY_FROM else slice(rounds - 1, None)
 
     def med(runs: list[dict[str, float]], key: str) -> float:
         return statistics.median(r[key] for r in runs[steady])
+
+    def per_gb(runs: list[dict[str, float]], key: str) -> float:
+        return round(med(runs, key) / (nbytes / 1e9), 3)
 
     raw_s, wp_s = med(raw, "seconds"), med(wp, "seconds")
     return {
@@ -155,6 +187,12 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
         "transfer_seconds": med(wp, "transfer_seconds"),
         "raw_seconds": [r["seconds"] for r in raw],
         "weightpub_seconds": [w["seconds"] for w in wp],
+        # CPU-seconds per GB moved, steady rounds (medians), each side's whole process
+        "cpu_s_per_GB": {"publisher": per_gb(wp, "publisher_cpu"),
+                         "subscriber": per_gb(wp, "subscriber_cpu"),
+                         "raw_sender": per_gb(raw, "sender_cpu"),
+                         "raw_receiver": per_gb(raw, "receiver_cpu")},
+        "subscriber_profile": profile,
     }
 
 

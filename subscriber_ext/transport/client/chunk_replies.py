@@ -1,7 +1,7 @@
 """One chunk reply, from any ``ChunkSource``: receive it into place, verify, route on.
 
-Split from ``sync_client.py``: the one-frame ``chunk`` reply
-(``weightpub_wire.chunk_frame``) is the data path's hot spot and has the most
+Split from ``sync_client.py``: the ``chunk`` reply (``weightpub_wire.chunk_frame``:
+inline, or a header whose payload is the next message) is the data path's hot spot and has the most
 outcomes (stale, duplicate, malformed, checksum mismatch, a delta that does not
 decode, verified), each with its own consequence for the request table, the
 source that sent it (``arrived`` / ``refused``) and the target. The frame is
@@ -81,7 +81,7 @@ class ChunkReceiver:
 
     def receive(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame, source: ChunkSource,
                 via: object) -> None:
-        """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``) that
+        """Handle one parsed chunk (its payload in ``frame``: ``chunk_frame.payload``) that
         ``source`` delivered through ``via`` (what it tracked the request under)."""
         target = self._target()
         table = self._requests
@@ -96,11 +96,12 @@ class ChunkReceiver:
         if header.chunk not in target.missing:  # already here from another source
             return
         size = header.size
-        target.chunk_target(header.chunk)[:size] = chunk_frame.payload(frame.buffer)
+        # the one copy, out of ZeroMQ's frame, checksummed in the same pass
+        digest = target.place(header.chunk, chunk_frame.payload(frame.buffer, header))
         self.received_bytes += size
         self._deltas.count(target, size)
         final = final_bytes(target)
-        if not target.verify(header.chunk, size):
+        if not target.verify(header.chunk, size, digest):
             self.checksum_failures += 1
             if isinstance(target, DeltaAssembly):
                 self._delta_failed(target,

@@ -43,6 +43,8 @@ class ClientSockets:
         self._report = report
         self._dealer, self.sub = _open(ctx, endpoint, request_timeout, limits, hooks)
         self.dealer, self.monitor = self._dealer.sock, self._dealer.monitor
+        #: a header (``chunk_frame.FOLLOWS``) whose payload is the DEALER's next message
+        self.pairing = chunk_frame.PayloadPairing()
 
     def close(self) -> None:
         self._dealer.close()
@@ -59,15 +61,23 @@ class ClientSockets:
             return False
 
     def read_reply(self, limits: wire.Limits, expect: tuple[type, ...]
-                   ) -> tuple[chunk_frame.ChunkHeader, zmq.Frame] | wire.Message:
-        """The next reply on the DEALER: (header, frame) of a one-frame chunk, or a control
-        message of ``expect``; ``ProtocolError`` (the rest of it dropped) otherwise."""
+                   ) -> tuple[chunk_frame.ChunkHeader, zmq.Frame] | wire.Message | None:
+        """The next reply on the DEALER: (header, frame) of a chunk (inline, or the payload
+        message after its ``FOLLOWS`` header), a control message of ``expect``, or None (a
+        header whose payload is the next message); ``ProtocolError`` (the rest of it
+        dropped) otherwise."""
         first = self.dealer.recv(copy=False)
         more = int(self.dealer.getsockopt(zmq.RCVMORE))
         self.replies.heard(time.monotonic())
         try:
+            if self.pairing.due is not None:  # the payload of the header before it
+                return self.pairing.take(first.buffer, more), first
             if chunk_frame.is_chunk(first.buffer):
-                return parse_chunk(first, more), first
+                header = parse_chunk(first, more)
+                if header.follows:
+                    self.pairing.expect(header)
+                    return None
+                return header, first
             message = wire.decode(first.buffer, limits=limits, expect=expect)
         finally:
             discard_rest(self.dealer, more)
@@ -123,6 +133,7 @@ class ClientSockets:
             "redial", f"no reply from {self.endpoint} for {SILENT_TIMEOUTS * timeout:.0f}s "
                       "while waiting for one; dialling again")
         self._dealer.redial()
+        self.pairing = chunk_frame.PayloadPairing()  # a payload due before the redial is lost
 
     def redial_sub(self) -> None:
         """Dial the PUB endpoint anew (after the publisher went silent on it)."""

@@ -79,6 +79,8 @@ class ShardRankSource(ChunkSource):
         self.answered = time.monotonic()  # the rank's last chunk
         self._fetching: tuple[weakref.ref[Assembly], int, int] | None = None
         self._poller: zmq.Poller | None = None
+        #: a header (``chunk_frame.FOLLOWS``) whose payload is this socket's next message
+        self.pairing = chunk_frame.PayloadPairing()
 
     @property
     def label(self) -> str:
@@ -194,11 +196,12 @@ class ShardRankSource(ChunkSource):
             self.answered = now
             union = chunk_frame.ChunkHeader(req=header.req, version=header.version,
                                             chunk=header.chunk + self.first_chunk,
-                                            size=header.size)
+                                            size=header.size, follows=header.follows)
             self._sink.chunk(union, frame, self, self)
 
         sink = self._sink
-        read_replies(self.sock, self.limits, most=256, discard_rest=sink.discard_rest,
+        read_replies(self.sock, self.limits, most=256, pairing=self.pairing,
+                     discard_rest=sink.discard_rest,
                      on_chunk=chunk, on_error=sink.error,
                      on_bad=lambda exc: sink.bad(
                          ProtocolError(f"shard {self.endpoint}: bad reply: {exc}")))

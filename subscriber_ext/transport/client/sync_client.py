@@ -342,6 +342,8 @@ class SyncClient:
             self.report.bad(within("bad reply", exc))
             return
         self.follower.heard(time.monotonic())
+        if message is None:  # a chunk header: its payload is the next message
+            return
         if isinstance(message, tuple):
             self.on_chunk(*message)
             return

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from weightpub_wire.chunk_frame import PayloadPairing
 from weightpub_wire.endpoints import is_wildcard, parse_endpoint
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.monitored_dealer import LINK_EVENTS, MonitoredDealer
@@ -55,6 +56,8 @@ class PeerLink:
     refused_at: float | None = None  # the peer refused our handshake (dialled again soon)
     failed: set[VersionKey] = field(default_factory=set)
     banned_until: float = 0.0
+    #: a header (chunk_frame.FOLLOWS) whose payload is this socket's next message
+    pairing: PayloadPairing = field(default_factory=PayloadPairing)
 
     @property
     def sock(self) -> zmq.Socket:

@@ -204,7 +204,7 @@ class Peering(ChunkSource):
             if reply.req in self.client.requests.peer_requests(link):
                 self._fail(link, self._key(), reply.code, reply.message[:200], now)
 
-        read_replies(link.sock, self.client.options.limits, most=64,
+        read_replies(link.sock, self.client.options.limits, most=64, pairing=link.pairing,
                      discard_rest=self.client.discard_rest,
                      on_chunk=lambda header, frame: self.client.on_chunk(header, frame,
                                                                          self, link),

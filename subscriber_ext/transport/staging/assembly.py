@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from weightpub_wire.buffers import BufferPool, byte_view
-from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.checksums import chunk_checksum, copy_checksum
 from weightpub_wire.chunk_order import priority_chunks
 from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.protocol import Manifest
@@ -160,9 +160,17 @@ class Assembly:
         """Whether a chunk reply of ``size`` bytes can be what was asked for."""
         return size == self.manifest.chunk_span(chunk)[1]
 
-    def verify(self, chunk: int, size: int | None = None) -> bool:
-        """Check a received chunk against the manifest; mark it done when it matches."""
-        ok = chunk_checksum(self.chunk_target(chunk)) == self.manifest.checksums[chunk]
+    def place(self, chunk: int, payload: memoryview) -> int | None:
+        """Copy a received chunk's bytes into place; their checksum when it was taken in
+        the same pass (``verify`` then needs no second sweep), else None."""
+        return copy_checksum(self.chunk_target(chunk)[: len(payload)], payload)
+
+    def verify(self, chunk: int, size: int | None = None, digest: int | None = None) -> bool:
+        """Check a received chunk against the manifest; mark it done when it matches.
+        ``digest``: the checksum ``place`` took of the bytes in place."""
+        if digest is None:
+            digest = chunk_checksum(self.chunk_target(chunk))
+        ok = digest == self.manifest.checksums[chunk]
         if ok:
             self.missing.discard(chunk)
         return ok

@@ -80,8 +80,14 @@ class DeltaAssembly(Assembly):
     def accepts(self, chunk: int, size: int) -> bool:
         return size <= self.manifest.chunk_span(chunk)[1]
 
-    def verify(self, chunk: int, size: int | None = None) -> bool:
-        """Decode the payload in ``scratch`` into place; check it on the last step."""
+    def place(self, chunk: int, payload: memoryview) -> int | None:
+        """Copy a delta payload into ``scratch`` (``verify`` decodes it into place)."""
+        self.chunk_target(chunk)[: len(payload)] = payload
+        return None
+
+    def verify(self, chunk: int, size: int | None = None, digest: int | None = None) -> bool:
+        """Decode the payload in ``scratch`` into place; check it on the last step
+        (``digest`` is of the payload, never given here: the rebuilt bytes are checked)."""
         start, span = self.manifest.chunk_span(chunk)
         out = self.view[start: start + span]
         source = self.base.view[start: start + span] if self.step == 0 else out
