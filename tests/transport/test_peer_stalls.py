@@ -119,3 +119,36 @@ def test_a_peer_that_leaves_the_plan_and_comes_back_is_still_backed_off() -> Non
     finally:
         sources.close()
         ctx.term()
+
+
+def test_a_peer_on_probation_is_asked_one_chunk_and_its_stripe_goes_on() -> None:
+    import zmq
+
+    from weightpub_wire.peer_protocol import PeerPlan, PeerSource
+
+    ctx = zmq.Context()
+    sources = Sources(ctx, lambda key: [], window=4, timeout=5.0, max_message_bytes=1 << 20,
+                      on_open=lambda link: None, on_close=lambda link: None)
+    try:
+        parent, grandparent = "tcp://127.0.0.1:9", "tcp://127.0.0.1:10"
+        sources.apply(PeerPlan(req=1, publisher_id="p" * 32, started_at=1.0, version=1,
+                               epoch=1, stripes=1, slot=2, sources=((
+                                   PeerSource(parent), PeerSource(grandparent)),)),
+                      curve=False)
+        first, second = sources.links[parent], sources.links[grandparent]
+        to_peers, to_publisher = sources.route(list(range(8)), ("p", 1), {}, 0.0)
+        assert to_peers == {first: [0, 1, 2, 3]} and to_publisher == []  # a full window
+        sources.fail(first, ("p", 1), "timeout", "stalled", 0.0)  # backed off 10 s
+        to_peers, to_publisher = sources.route(list(range(8)), ("p", 2), {}, 1.0)
+        assert to_peers == {second: [0, 1, 2, 3]}  # skipped while backed off
+        later = BACKOFF_S + 1.0  # backoff over: probation, one chunk, the rest go on
+        to_peers, to_publisher = sources.route(list(range(8)), ("p", 3), {}, later)
+        assert to_peers == {first: [0], second: [1, 2, 3, 4]} and to_publisher == []
+        to_peers, _ = sources.route([5, 6], ("p", 3), {first: 1, second: 4}, later)
+        assert to_peers == {}  # the probe is out: nothing more for it
+        sources.arrived(first, later + 0.1)  # it sent its chunk: a full window again
+        to_peers, _ = sources.route(list(range(8)), ("p", 3), {}, later + 0.2)
+        assert to_peers == {first: [0, 1, 2, 3]}
+    finally:
+        sources.close()
+        ctx.term()

@@ -18,7 +18,8 @@ subscriber's ``request_timeout``, while it cannot be sent to at all).
 ``stall_timeout`` scales with the version's chunk size (``stall_timeout()``: about
 1 s for the default chunks; a peer slower than that is better skipped). A peer that
 stalls is also backed off for later versions: ``BACKOFF_S`` doubled per stall in
-a row, at most ``BACKOFF_MAX_S``, forgotten at its next chunk; kept (for
+a row, at most ``BACKOFF_MAX_S``, forgotten at its next chunk (until then, once
+its backoff is over, it is asked one chunk at a time: ``route``); kept (for
 ``MAX_SHUNNED`` endpoints) when the peer leaves the plan, so leaving and joining
 again does not reset it. So a stranger that joins the plan and never serves (a
 sybil) costs one stall time now and then, not one per version.
@@ -201,15 +202,19 @@ class Sources:
     def route(self, todo: list[int], key: VersionKey, in_flight: dict[PeerLink, int],
               now: float) -> tuple[dict[PeerLink, list[int]], list[int]]:
         """Split ``todo`` (ascending) into chunks to ask of each peer now and chunks for
-        the publisher; a chunk whose peer has no room waits for that peer."""
+        the publisher; a chunk whose peer has no room waits for that peer. A peer on
+        probation (it stalled, its backoff is over) is asked one chunk at a time until
+        it sends one; the rest of its stripe goes on to the next source meanwhile, so
+        probing a peer that still stalls costs one chunk's wait, not the stripe's."""
         to_peers: dict[PeerLink, list[int]] = {}
         to_publisher: list[int] = []
         stripes = self.stripes
         for chunk in todo:
             link = None
             if stripes:
-                link = next((lk for lk in self.chains[chunk % stripes] if lk.usable(key, now)),
-                            None)
+                link = next((lk for lk in self.chains[chunk % stripes] if lk.usable(key, now)
+                             and not (lk.stalls and in_flight.get(lk, 0)
+                                      + len(to_peers.get(lk, ())) >= 1)), None)
             if link is None:
                 to_publisher.append(chunk)
                 continue
