@@ -25,12 +25,12 @@ demo: $(STAMP)
 demo-rl: $(STAMP)
 	$(VENV)/bin/weightpub demo --rl
 
-# every package, lowest layer first (mypy also checks the benchmarks/ scripts)
+# every package, lowest layer first (mypy also checks benchmarks/ and scripts/)
 PACKAGES := weightpub_wire publisher subscriber_ext weightpub
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m mypy $(PACKAGES) benchmarks
+	$(PY) -m mypy $(PACKAGES) benchmarks scripts
 	@# a crash of pytest itself (a native abort) names the test it was running, at the end
 	$(PY) -m pytest -q -p no:cacheprovider || { rc=$$?; $(PY) tests/crash_report.py; exit $$rc; }
 

@@ -37,6 +37,7 @@ from subscriber_ext import wait_until_applied
 from weightpub.bench.e2e_bench import GAP_TOL, GEN_TOKENS, PROMPT, greedy_gap, perturb, vllm_greedy
 from weightpub.bench.engines import build_model
 from weightpub.demos.tiny_vllm import hf_greedy
+from weightpub_wire.dtypes import dtype_from_name
 
 PATHS = ("zmq", "gloo")
 
@@ -128,7 +129,7 @@ def run_tp(tp: int, args: argparse.Namespace, base: str, model: torch.nn.Module,
             oracle.load_state_dict(model.state_dict())
             exact = got == hf_greedy(oracle, PROMPT, GEN_TOKENS)
             gap = greedy_gap(oracle, got)
-            mismatches += not (exact or gap <= GAP_TOL[getattr(torch, args.dtype)])
+            mismatches += not (exact or gap <= GAP_TOL[dtype_from_name(args.dtype)])
         llm.collective_rpc("stop_weight_subscriber")
         group = pub.collective_status()
     del llm
@@ -156,7 +157,7 @@ def main() -> int:
 
     hf_logging.disable_progress_bar()
     size = "tiny" if args.tiny else "311MB"
-    model = build_model(size, getattr(torch, args.dtype))
+    model = build_model(size, dtype_from_name(args.dtype))
     oracle = build_model(size, torch.float32)
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     print(f"Qwen2-shaped {'tiny ' if args.tiny else ''}model: {nbytes / 1e6:.1f} MB "

@@ -49,8 +49,9 @@ def _relay(upstream: str, chunk_mib: int, window_mib: int, conn: Any) -> None:
     from weightpub.relay import Relay
 
     config = RelayConfig(
-        upstream=SubscriberConfig(endpoint=upstream, window_mib=window_mib),
-        downstream=PublisherConfig(endpoint="tcp://127.0.0.1:0", chunk_mib=chunk_mib),
+        upstream=SubscriberConfig(endpoint=upstream, window_bytes=window_mib << 20),
+        downstream=PublisherConfig(endpoint="tcp://127.0.0.1:0",
+                                   chunk_size=(chunk_mib << 20) or None),
     )
     with Relay(config) as relay:
         conn.send(relay.endpoint)

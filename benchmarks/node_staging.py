@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.transport.byte_relay import ByteRelay  # noqa: E402
 from tests.transport.shm_probe import process_tree, pss_bytes  # noqa: E402
+from weightpub_wire.dtypes import dtype_from_name  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- replica side
@@ -195,7 +196,7 @@ def main() -> int:
         return 0
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = build(args.tiny, getattr(torch, args.dtype), Path(tmp))
+        model = build(args.tiny, dtype_from_name(args.dtype), Path(tmp))
         replicas = [Replica("TP=1", 1, True, tmp, args.dtype),  # shared too: measurable
                     Replica("TP=2", 2, True, tmp, args.dtype)]
         if args.per_rank:

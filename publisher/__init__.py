@@ -8,10 +8,11 @@ never pulls in transformers.
 
 from typing import Any as _Any
 
+from publisher.adapters import AdapterSpec
 from publisher.publisher_config import PublisherConfig
 from publisher.serving.server import ServerLimits
 from publisher.sharded_publisher import ShardedPublisher
-from publisher.sources.streamed_sources import gather_full_tensors
+from publisher.sources.streamed_copy import gather_full_tensors
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import (
     ApplyError,
@@ -29,6 +30,7 @@ from weightpub_wire.protocol import PROTOCOL_VERSION, Manifest, Report, TensorEn
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AdapterSpec",
     "ApplyError",
     "ChecksumError",
     "ClosedError",

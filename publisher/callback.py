@@ -36,8 +36,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from publisher.adapters import AdapterSpec
 from publisher.sharded_publisher import ShardedPublisher
-from publisher.sources.streamed_sources import gather_full_tensors, owner_ranks
+from publisher.sources.shard_owners import owner_ranks
+from publisher.sources.streamed_copy import gather_full_tensors
 from publisher.store.snapshot import WeightsLike
 from publisher.weight_publisher import WeightPublisher
 from weightpub_wire.errors import ConfigError
@@ -57,12 +59,16 @@ class PublishCallback(TrainerCallback):
     runs on every rank, so collectives inside it line up.
     ``step_as_version`` numbers versions by ``state.global_step``, so a resumed run
     keeps its numbers monotonic. ``published`` lists ``(global_step, version)``.
+    ``adapter``: publish only the LoRA adapter of a PEFT model, as an adapter version
+    (``publisher.adapters``): an ``AdapterSpec``, or a name (the config is then read from
+    the model's ``peft_config`` of its active adapter); a ``WeightPublisher`` only.
     """
 
     def __init__(self, publisher: WeightPublisher | ShardedPublisher | None,
                  every_n_steps: int = 1, *,
                  publish_on_train_end: bool = True, step_as_version: bool = False,
-                 weights: Callable[[torch.nn.Module], WeightsLike] | None = None) -> None:
+                 weights: Callable[[torch.nn.Module], WeightsLike] | None = None,
+                 adapter: AdapterSpec | str | None = None) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) \
                 or every_n_steps < 1:
             raise ConfigError(f"every_n_steps: {every_n_steps!r} must be an int >= 1")
@@ -70,6 +76,10 @@ class PublishCallback(TrainerCallback):
                                                                  ShardedPublisher)):
             raise ConfigError(f"publisher: expected a WeightPublisher, a ShardedPublisher or "
                               f"None, got {type(publisher).__name__}")
+        if adapter is not None and isinstance(publisher, ShardedPublisher):
+            raise ConfigError("adapter: a ShardedPublisher publishes model shards; publish "
+                              "adapters from a WeightPublisher on rank 0")
+        self.adapter = adapter
         self.publisher = publisher
         self.every_n_steps = every_n_steps
         self.publish_on_train_end = publish_on_train_end
@@ -112,9 +122,24 @@ class PublishCallback(TrainerCallback):
             else:
                 assert self.publisher is not None  # checked at on_train_begin
                 version = self.publisher.publish(
-                    weights, version=step if self.step_as_version else None)
+                    weights, version=step if self.step_as_version else None,
+                    adapter=None if self.adapter is None else _adapter_spec(self.adapter,
+                                                                            model))
         self.published.append((step, version))
         log.info("published version %d at step %d", version, step)
+
+
+def _adapter_spec(adapter: AdapterSpec | str, model: torch.nn.Module) -> AdapterSpec:
+    """The spec given, or one named ``adapter`` from the PEFT model's active config."""
+    if isinstance(adapter, AdapterSpec):
+        return adapter
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, Mapping) or not configs:
+        raise ConfigError(f"adapter {adapter!r}: the model has no peft_config; pass an "
+                          "AdapterSpec")
+    active = getattr(model, "active_adapter", None)
+    key = active if isinstance(active, str) and active in configs else next(iter(configs))
+    return AdapterSpec.from_peft(adapter, configs[key])
 
 
 def _own_share(weights: Any, publisher: ShardedPublisher) -> Any:

@@ -1,87 +1,136 @@
-"""``PublisherOptions``: everything a ``WeightPublisher`` is configured with, checked once.
+"""``PublisherOptions`` and ``ShardingOptions``: every trainer-side option, declared once.
 
-Why one object: the trainer API takes flat keywords (``chunk_size=``,
-``collective_timeout=``, ...), the ``publisher:`` YAML section has its own
-spelling (``chunk_mib``), and the parts inside (serving thread, collective
-sender) want their own typed options. Both front doors build this object
-(``PublisherOptions.from_keywords``, ``PublisherConfig.options``); it checks
-every value in ``__post_init__`` (``ConfigError`` naming the keyword) and is then
-passed whole, nested options (``ServerLimits``, ``CollectiveOptions``) included.
+Why one flat object: the trainer API takes flat keywords (``chunk_size=``,
+``collective_timeout=``, ``peer_fanout=``, ...) and the ``publisher:`` YAML section
+(``publisher_config.py``) gives the same names, so both are this ``OptionSet``
+(``weightpub_wire/option_set.py``): each option is declared once with its bound,
+default, unit and doc, and a bad value is the same ``ConfigError`` from either door.
+The parts inside want their own typed options; they are derived here
+(``collective_options``, ``server_limits``), never declared again.
+
+``ShardedPublisher`` takes these plus ``ShardingOptions`` (where the ranks' shards go).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, TypedDict, Unpack
+from typing import Literal, Self, TypedDict
+
+from pydantic import Field, InstanceOf, field_validator, model_validator
 
 from publisher.collective.collective_sender import CollectiveOptions, check_options
+from publisher.deltas.delta_encoder import MAX_ANCHOR_EVERY
 from publisher.serving.server import ServerLimits
 from publisher.store.chunk_sizing import chunk_size_for
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import ConfigError
+from weightpub_wire.collective_layout import MAX_BUCKET_BYTES
+from weightpub_wire.config_file import check_endpoint
+from weightpub_wire.option_set import MiB, OptionSet, unit
 from weightpub_wire.peer_protocol import MAX_STRIPES
 
-__all__ = ["PublisherKeywords", "PublisherOptions"]
+__all__ = ["PublisherKeywords", "PublisherOptions", "ShardedKeywords", "ShardingOptions"]
+
+Backend = Literal["gloo", "nccl", "cuda_ipc"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PublisherOptions:
-    """A publisher's options (see ``WeightPublisher`` for what each one does).
+class PublisherOptions(OptionSet):
+    """A publisher's options (``WeightPublisher``'s docstring says what each one does)."""
 
-    ``collective`` is None (no collective path) or the path's options; its ``host``
-    None means the endpoint's host. ``limits.tracker.fanout`` is ``peer_fanout``.
-    ``chunk_size`` None (the default): each version's chunk follows its size
-    (``publisher.store.chunk_sizing``; ``chunk_size_for`` says which).
-    """
+    option_owner = "WeightPublisher"
 
-    model_id: str = ""
-    #: snapshots held whole (each one version's bytes of host memory, in
-    #: ``host_budget_bytes``); None: 1, or 2 with ``delta_anchor_every`` > 1 (``versions_kept``)
-    keep_versions: int | None = None
-    chunk_size: int | None = None
-    heartbeat_interval: float = 1.0
-    first_version: int = 1
-    delta_anchor_every: int = 1
-    curve_secret_key_file: str | None = None
-    curve_allowed_clients_dir: str | None = None
-    insecure: bool = False
-    limits: ServerLimits = field(default_factory=ServerLimits)
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    collective: CollectiveOptions | None = None
-    #: None: derived from the memory available at start (``publisher.store.host_budget``)
-    host_budget_bytes: int | None = None
+    model_id: str = Field("", description="the model's name, in every manifest")
+    keep_versions: int | None = Field(
+        None, ge=1, json_schema_extra=unit("versions"),
+        description="snapshots held whole, each one version's bytes of host memory counted "
+                    "in host_budget_bytes (None: 1, or 2 with delta_anchor_every > 1)")
+    chunk_size: int | None = Field(
+        None, ge=wire.MIN_CHUNK_SIZE, le=wire.MAX_CHUNK_SIZE,
+        json_schema_extra=unit("bytes", yaml="chunk_mib", zero_is_none=True),
+        description="bytes per chunk on the wire (None, YAML 0: chosen per version from its "
+                    "size, a power of two from 256 KiB to 4 MiB giving at least 64 chunks)")
+    heartbeat_interval: float = Field(
+        1.0, gt=0, le=3600, json_schema_extra=unit("s"),
+        description="heartbeats on PUB; subscribers call the publisher gone after 3 silent "
+                    "intervals (at least 3 s)")
+    first_version: int = Field(
+        1, ge=1, le=(1 << 63) - 1, json_schema_extra=unit("version"),
+        description="the first version number (e.g. the trainer step, to stay monotonic "
+                    "across restarts)")
+    delta_anchor_every: int = Field(
+        1, ge=1, le=MAX_ANCHOR_EVERY, json_schema_extra=unit("versions"),
+        description="> 1: versions also travel as deltas, a full version every N")
+    curve_secret_key_file: str | None = Field(
+        None, description="this publisher's zmq certificate: turns on CurveZMQ")
+    curve_allowed_clients_dir: str | None = Field(
+        None, description="only the client keys in this directory may connect (re-read)")
+    insecure: bool = Field(
+        False, description="allow a non-loopback bind without CURVE (trusted networks only)")
+    peer_fanout: int | None = Field(
+        None, ge=0, le=MAX_STRIPES, json_schema_extra=unit("stripes"),
+        description="peer sharing: stripes per version, 0 off (None: the limits' tracker "
+                    "fanout, 4)")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="serve Prometheus /metrics here (0: any port)")
+    metrics_host: str = Field("127.0.0.1", description="where /metrics listens")
+    collective: Backend | None = Field(
+        None, description="also send every version by a group broadcast to the subscribers "
+                          "that ask (None: off)")
+    collective_bucket_bytes: int = Field(
+        64 * MiB, ge=1, le=MAX_BUCKET_BYTES,
+        json_schema_extra=unit("bytes", yaml="collective_bucket_mib"),
+        description="broadcast bucket, a multiple of the chunk size (of 4 MiB when chunks "
+                    "are chosen per version)")
+    collective_timeout: float = Field(
+        30.0, gt=1.0, le=3600, json_schema_extra=unit("s"),
+        description="bounds every rendezvous and collective wait (more than the 1 s "
+                    "keepalive)")
+    collective_port: int = Field(0, ge=0, le=65535,
+                                 description="the rendezvous port (0: any free port)")
+    collective_host: str | None = Field(
+        None, description="where members reach the rendezvous (default: the endpoint's host)")
+    collective_device: str | None = Field(
+        None, description="nccl / cuda_ipc: the publisher's GPU, e.g. 'cuda:0'")
+    host_budget_bytes: int | None = Field(
+        None, ge=1, json_schema_extra=unit("bytes"),
+        description="host memory for version snapshots (None: 3/4 of what is available at "
+                    "start)")
+    limits: InstanceOf[ServerLimits] | None = Field(
+        None, json_schema_extra=unit("", python_only=True),
+        description="the serving thread's bounds (ServerLimits); peer_fanout overrides its "
+                    "tracker fanout")
 
-    def __post_init__(self) -> None:
-        if self.chunk_size is not None and (
-                isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int)
-                or not wire.MIN_CHUNK_SIZE <= self.chunk_size <= wire.MAX_CHUNK_SIZE):
-            raise ConfigError(f"chunk_size: {self.chunk_size} is outside "
-                              f"[{wire.MIN_CHUNK_SIZE}, {wire.MAX_CHUNK_SIZE}] (or None: "
-                              "chosen per version from its size)")
-        if self.keep_versions is not None and self.keep_versions < 1:
-            raise ConfigError(f"keep_versions: {self.keep_versions} must be >= 1")
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Self:
         if self.delta_anchor_every > 1 and self.keep_versions == 1:
-            raise ConfigError(
+            raise ValueError(
                 f"keep_versions: 1 with delta_anchor_every {self.delta_anchor_every}: a delta "
                 "is encoded against the previous version, kept whole beside the new one, so "
                 "deltas need keep_versions >= 2 (one more snapshot of host memory, counted in "
                 "host_budget_bytes; leave keep_versions unset for 2)")
-        if self.first_version < 1:
-            raise ConfigError(f"first_version: {self.first_version} must be >= 1")
-        if not 0 < self.heartbeat_interval <= 3600:
-            raise ConfigError(f"heartbeat_interval: {self.heartbeat_interval} is outside "
-                              "(0, 3600]")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ConfigError(f"metrics_port: {self.metrics_port} is not a port")
-        if self.collective is not None:
-            check_options(self.collective, self.chunk_size)
-        budget = self.host_budget_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget < 1):
-            raise ConfigError(f"host_budget_bytes: {budget!r} must be a positive number of "
-                              "bytes (or None: derived from the memory available)")
+        collective = self.collective_options
+        if collective is not None:  # the collective_* options only shape a path that is on
+            check_options(collective, self.chunk_size)
+        return self
+
+    @property
+    def collective_options(self) -> CollectiveOptions | None:
+        """The collective path's options (None: off)."""
+        if self.collective is None:
+            return None
+        host = "0.0.0.0" if self.collective_host == "*" else self.collective_host
+        return CollectiveOptions(backend=self.collective, host=host, port=self.collective_port,
+                                 bucket_bytes=self.collective_bucket_bytes,
+                                 timeout=self.collective_timeout,
+                                 device=self.collective_device)
+
+    @property
+    def server_limits(self) -> ServerLimits:
+        """The serving thread's bounds, its tracker's fanout ``peer_fanout``."""
+        limits = self.limits or ServerLimits()
+        if self.peer_fanout is None:
+            return limits
+        return dataclasses.replace(limits, tracker=dataclasses.replace(
+            limits.tracker, fanout=self.peer_fanout))
 
     def chunk_size_for(self, total_bytes: int) -> int:
         """The chunk size of a version of ``total_bytes``: ``chunk_size``, or adaptive."""
@@ -95,28 +144,35 @@ class PublisherOptions:
             return self.keep_versions
         return 2 if self.delta_anchor_every > 1 else 1
 
+
+class ShardingOptions(OptionSet):
+    """A sharded trainer rank's own options (``ShardedPublisher``; YAML ``sharding:``)."""
+
+    option_owner = "ShardedPublisher"
+
+    coordinator: str = Field(
+        description="where the ranks send their shards: rank 0 binds it, the others dial it")
+    announce_endpoint: str | None = Field(
+        None, description="what replicas dial (rank 0 only: its coordinator serves it)")
+    shard_timeout: float = Field(
+        30.0, gt=0, le=3600, json_schema_extra=unit("s"),
+        description="a version whose shards are not all in this long after its first is "
+                    "dropped")
+    advertise: str | None = Field(
+        None, description="where replicas reach this rank's shard (default: the endpoint as "
+                          "bound, a wildcard host replaced by this host's name)")
+
+    _endpoints = field_validator("coordinator")(check_endpoint)
+
+    @field_validator("announce_endpoint", "advertise")
     @classmethod
-    def from_keywords(cls, **keywords: Unpack[PublisherKeywords]) -> PublisherOptions:
-        """The options of ``WeightPublisher(endpoint, **keywords)``; ``ConfigError`` names
-        an unknown keyword or a bad value."""
-        unknown = set(keywords) - set(PublisherKeywords.__annotations__)
-        if unknown:
-            raise ConfigError(f"WeightPublisher: unknown option(s) {sorted(unknown)} (known: "
-                              f"{sorted(PublisherKeywords.__annotations__)})")
-        given: dict[str, Any] = dict(keywords)
-        collective = _collective(given)  # pops every collective_* keyword
-        fanout = given.pop("peer_fanout", None)
-        limits: ServerLimits = given.pop("limits", None) or ServerLimits()
-        if fanout is not None:  # (TrackerLimits checks it too, under its own name)
-            if not 0 <= fanout <= MAX_STRIPES:
-                raise ConfigError(f"peer_fanout: {fanout} is outside [0, {MAX_STRIPES}]")
-            limits = dataclasses.replace(limits, tracker=dataclasses.replace(
-                limits.tracker, fanout=fanout))
-        return cls(**given, limits=limits, collective=collective)
+    def _optional_endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
 
 class PublisherKeywords(TypedDict, total=False):
-    """``WeightPublisher``'s option keywords (the flat, public spelling)."""
+    """``WeightPublisher``'s option keywords, for type checkers; a test holds it equal to
+    ``PublisherOptions``' declaration."""
 
     model_id: str
     keep_versions: int | None
@@ -127,27 +183,23 @@ class PublisherKeywords(TypedDict, total=False):
     curve_secret_key_file: str | None
     curve_allowed_clients_dir: str | None
     insecure: bool
-    limits: ServerLimits | None
     peer_fanout: int | None
     metrics_port: int | None
     metrics_host: str
-    collective: str | None
+    collective: Backend | None
     collective_bucket_bytes: int
     collective_timeout: float
     collective_port: int
     collective_host: str | None
     collective_device: str | None
     host_budget_bytes: int | None
+    limits: ServerLimits | None
 
 
-def _collective(given: dict[str, Any]) -> CollectiveOptions | None:
-    """``CollectiveOptions`` from the ``collective*`` keywords (removed from ``given``)."""
-    backend = given.pop("collective", None)
-    fields = {name: given.pop(f"collective_{name}") for name in
-              ("bucket_bytes", "timeout", "port", "host", "device")
-              if f"collective_{name}" in given}
-    if backend is None:
-        return None  # the collective_* keywords only shape a path that is on
-    if fields.get("host") == "*":
-        fields["host"] = "0.0.0.0"
-    return CollectiveOptions(backend=str(backend), **fields)
+class ShardedKeywords(PublisherKeywords, total=False):
+    """``ShardedPublisher``'s option keywords: the publisher's and ``ShardingOptions``'."""
+
+    coordinator: str
+    announce_endpoint: str | None
+    shard_timeout: float
+    advertise: str | None

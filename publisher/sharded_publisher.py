@@ -16,7 +16,7 @@ passes its own named tensors (names must not repeat across ranks). FSDP/FSDP2
 (DTensors, or a vLLM ``WeightSource``): every rank passes the same whole model,
 at the same time; each walks the layer groups in the same order (each gather is
 a collective all ranks join) and keeps only the tensors it owns
-(``streamed_sources.plan_shard``: largest first to the least loaded rank, the
+(``streamed_plan.plan_shard``: largest first to the least loaded rank, the
 same split on every rank from global names, shapes and dtypes). FSDP2's
 ``Shard(0)`` DTensors (1-D mesh of these ranks) and ``Replicate`` ones go to
 their owner only, so a rank receives about its shard per version and holds its
@@ -65,18 +65,18 @@ import os
 import queue
 import socket
 import threading
-from typing import Unpack
+from typing import Any, Unpack
 
 import torch
 import zmq
 
 from publisher.publisher_config import PublisherConfig, load_publisher_config
-from publisher.publisher_options import PublisherKeywords
+from publisher.publisher_options import PublisherOptions, ShardedKeywords, ShardingOptions
 from publisher.sharding.shard_coordinator import SHARD_PAD, ShardCoordinator
-from publisher.sources.streamed_sources import PublishSource, StreamedPairs, plan_shard
+from publisher.sources.streamed_plan import PublishSource, StreamedPairs, plan_shard
 from publisher.store.snapshot import named_tensors, plan_layout
 from publisher.weight_publisher import WeightPublisher
-from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.endpoints import is_wildcard, parse_endpoint
 from weightpub_wire.errors import ConfigError, WeightPubError
 from weightpub_wire.security import CurveIdentity, load_key_file
 from weightpub_wire.shard_submit import ShardSubmit, encode_submit
@@ -87,7 +87,6 @@ __all__ = ["DEFAULT_SHARD_CHUNK", "ShardedPublisher"]
 log = logging.getLogger("weightpub.publisher")
 
 DEFAULT_SHARD_CHUNK = 1 << 20  # every rank's chunk size must agree: no adaptive sizing
-_WILDCARDS = {"*", "0.0.0.0", "::", ""}
 
 
 class ShardedPublisher:
@@ -99,38 +98,55 @@ class ShardedPublisher:
     dial; it starts the ``ShardCoordinator`` there. ``shard_timeout``: a version whose
     shards are not all in that long after its first is dropped. ``advertise``: the
     address subscribers reach this rank's shard at (default: ``endpoint`` as bound, its
-    host replaced by this host's name when it is a wildcard). The other keywords are
-    ``WeightPublisher``'s, for this rank's shard; ``chunk_size`` must be the same on every
-    rank (default 1 MiB); ``delta_anchor_every`` best too (deltas of this rank's shard,
-    see the module docstring). ``peer_fanout`` (default 4; 0: off) is rank 0's, for the
-    coordinator's tracker (other ranks ignore it): subscribers started with
-    ``peer_share=True`` fetch from each other the stripes the plan gives them and the
-    rest from the ranks, so each chunk leaves its rank about once.
+    host replaced by this host's name when it is a wildcard); these four are
+    ``ShardingOptions`` (``sharding=`` passes them whole). The other keywords are
+    ``WeightPublisher``'s (``PublisherOptions``, or ``options=`` whole), for this rank's
+    shard; ``chunk_size`` must be the same on every rank (default 1 MiB);
+    ``delta_anchor_every`` best too (deltas of this rank's shard, see the module
+    docstring). ``peer_fanout`` (default 4; 0: off) is rank 0's, for the coordinator's
+    tracker (other ranks ignore it): subscribers started with ``peer_share=True`` fetch
+    from each other the stripes the plan gives them and the rest from the ranks, so each
+    chunk leaves its rank about once.
     ``curve_secret_key_file`` / ``curve_allowed_clients_dir``: the trainer's key pair (the
     same on every rank) and this rank's subscriber allow-list, see the module docstring.
     """
 
-    def __init__(self, endpoint: str, *, rank: int, world_size: int, coordinator: str,
-                 announce_endpoint: str | None = None, shard_timeout: float = 30.0,
-                 advertise: str | None = None, context: zmq.Context | None = None,
-                 **keywords: Unpack[PublisherKeywords]) -> None:
+    def __init__(self, endpoint: str, *, rank: int, world_size: int,
+                 context: zmq.Context | None = None, options: PublisherOptions | None = None,
+                 sharding: ShardingOptions | None = None,
+                 **keywords: Unpack[ShardedKeywords]) -> None:
+        given: dict[str, Any] = dict(keywords)
+        own = {name: given.pop(name) for name in list(given)
+               if name in ShardingOptions.model_fields}
+        if sharding is None:
+            sharding = ShardingOptions.from_keywords(**own)
+        elif own:
+            raise ConfigError(f"ShardedPublisher: {', '.join(sorted(own))} given with "
+                              "sharding= (put them in the options)")
+        if options is None:
+            options = PublisherOptions.from_keywords(**given)
+        elif given:
+            raise ConfigError(f"ShardedPublisher: {', '.join(sorted(given))} given with "
+                              "options= (put them in the options)")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank: {rank} is not in [0, world_size {world_size})")
+        announce_endpoint, coordinator = sharding.announce_endpoint, sharding.coordinator
         if (rank == 0) != (announce_endpoint is not None):
             raise ConfigError("announce_endpoint: rank 0 (only) announces the union; give it "
                               "there" if rank == 0 else
                               f"announce_endpoint: only rank 0 announces (this is rank {rank})")
-        for name in ("collective",):
-            if keywords.get(name) not in (None, 0, 1):
-                raise ConfigError(f"{name}: not supported with sharded publishing yet (the "
-                                  "union is served by the ranks' own ROUTERs)")
-        if not keywords.get("chunk_size"):  # None (adaptive) differs between ranks' shards
-            keywords["chunk_size"] = DEFAULT_SHARD_CHUNK
-        peer_fanout = keywords.pop("peer_fanout", None)  # the coordinator's tracker
-        keywords["peer_fanout"] = 0  # subscribers say hello to the coordinator, not a rank
+        if options.collective is not None:
+            raise ConfigError("collective: not supported with sharded publishing yet (the "
+                              "union is served by the ranks' own ROUTERs)")
+        # every rank's chunk size must agree: adaptive sizing would differ between shards;
+        # subscribers say hello to the coordinator (rank 0's peer_fanout), not to a rank
+        shard_options = options.replace(chunk_size=options.chunk_size or DEFAULT_SHARD_CHUNK,
+                                        peer_fanout=0)
         self.rank = rank
         self.world_size = world_size
-        self.chunk_size = int(keywords["chunk_size"] or DEFAULT_SHARD_CHUNK)
+        self.options = options
+        self.sharding = sharding
+        self.chunk_size = shard_options.chunk_size or DEFAULT_SHARD_CHUNK
         self.coordinator: ShardCoordinator | None = None
         self._own_context = context is None
         self._ctx = context or zmq.Context()
@@ -140,19 +156,19 @@ class ShardedPublisher:
         try:
             if announce_endpoint is not None:
                 self.coordinator = ShardCoordinator(
-                    announce_endpoint, coordinator, world_size, shard_timeout=shard_timeout,
-                    insecure=bool(keywords.get("insecure", False)),
-                    model_id=str(keywords.get("model_id", "")), peer_fanout=peer_fanout,
-                    curve_secret_key_file=_path(keywords.get("curve_secret_key_file")),
-                    curve_allowed_clients_dir=_path(keywords.get("curve_allowed_clients_dir")),
-                    heartbeat_interval=float(keywords.get("heartbeat_interval", 1.0)))
+                    announce_endpoint, coordinator, world_size,
+                    shard_timeout=sharding.shard_timeout, insecure=options.insecure,
+                    model_id=options.model_id, peer_fanout=options.peer_fanout,
+                    curve_secret_key_file=options.curve_secret_key_file,
+                    curve_allowed_clients_dir=options.curve_allowed_clients_dir,
+                    heartbeat_interval=options.heartbeat_interval)
                 # (its own context: one ZAP handler per context, and the shard's runs here)
                 coordinator = _dialable(self.coordinator.collect_endpoint)
-            self._shard = WeightPublisher(endpoint, context=self._ctx, **keywords)
-            self.endpoint = advertise or _dialable(self._shard.endpoint)
+            self._shard = WeightPublisher(endpoint, context=self._ctx, options=shard_options)
+            self.endpoint = sharding.advertise or _dialable(self._shard.endpoint)
             self._dealer = self._ctx.socket(zmq.DEALER)
             configure_socket(self._dealer, heartbeat_interval=1.0)
-            secret_key_file = keywords.get("curve_secret_key_file")
+            secret_key_file = options.curve_secret_key_file
             if secret_key_file is not None:  # a rank is a holder of the trainer's key pair
                 public, secret = load_key_file(secret_key_file, need_secret=True)
                 CurveIdentity(public, public, secret or b"").client_hook()(self._dealer,
@@ -183,10 +199,7 @@ class ShardedPublisher:
         rank = _from_env("RANK") if rank is None else rank
         world_size = _from_env("WORLD_SIZE") if world_size is None else world_size
         return cls(config.endpoint, rank=rank, world_size=world_size,
-                   coordinator=sharding.coordinator,
-                   announce_endpoint=sharding.announce_endpoint if rank == 0 else None,
-                   shard_timeout=sharding.shard_timeout, advertise=sharding.advertise,
-                   **config.keywords())
+                   options=config.options(), sharding=sharding.options(rank))
 
     @property
     def latest_version(self) -> int:
@@ -280,10 +293,6 @@ class ShardedPublisher:
                             self.rank, number)
 
 
-def _path(value: object) -> str | None:
-    return None if value is None else str(value)
-
-
 def _from_env(name: str) -> int:
     value = os.environ.get(name)
     if value is None or not value.isdigit():
@@ -295,6 +304,6 @@ def _from_env(name: str) -> int:
 def _dialable(bound: str) -> str:
     """A bound address as others dial it: a wildcard host becomes this host's name."""
     endpoint = parse_endpoint(bound)
-    if endpoint.scheme == "tcp" and endpoint.host in _WILDCARDS:
+    if is_wildcard(endpoint):
         return f"tcp://{socket.gethostname()}:{endpoint.port}"
     return bound

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
-from publisher.sources.streamed_sources import StreamedPairs, copy_streamed
+from publisher.sources.streamed_copy import copy_streamed
+from publisher.sources.streamed_plan import StreamedPairs
 from publisher.store.snapshot import (
     ChunkHasher,
     Snapshot,

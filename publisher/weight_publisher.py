@@ -25,26 +25,29 @@ from typing import Unpack
 
 import zmq
 
+from publisher.adapters import AdapterBook, AdapterSpec
 from publisher.collective.collective_sender import CollectiveOptions, CollectivePublisher
 from publisher.deltas.delta_encoder import DeltaPublisher
 from publisher.publisher_config import PublisherConfig, load_publisher_config
 from publisher.publisher_metrics import MetricsServer, PublisherCollector, PublisherFigures
 from publisher.publisher_options import PublisherKeywords, PublisherOptions
+from publisher.serving.front import ServingFront
 from publisher.serving.relayed import RelayedVersion, relay_upstream
 from publisher.serving.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
-from publisher.serving.server import ServerOptions, ServingThread, StatusExtras
-from publisher.sources.streamed_sources import PublishSource, plan_version
+from publisher.serving.server import StatusExtras
+from publisher.sources.streamed_copy import plan_version
+from publisher.sources.streamed_plan import PublishSource
 from publisher.store.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
 from publisher.store.snapshot import Snapshot
 from publisher.store.version_store import PublishedVersion, VersionStore
 from publisher.version_preparer import VersionPreparer
 from weightpub_wire import protocol as wire
-from weightpub_wire.allow_list import AllowList, start_authenticator
+from weightpub_wire.adapters import AdapterInfo
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.collective_layout import GroupStatus
-from weightpub_wire.endpoints import Endpoint, parse_endpoint, pub_bind_address
+from weightpub_wire.endpoints import Endpoint
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
-from weightpub_wire.security import check_bind_allowed, curve_server_hook, is_local
+from weightpub_wire.security import is_local
 
 __all__ = ["WeightPublisher"]
 
@@ -89,8 +92,9 @@ class WeightPublisher:
     version into for subscribers started with ``peer_share=True`` (``publisher.serving.tracker``):
     the trainer sends each chunk once, to the stripe's root, and the subscribers pass it on.
 
-    These keywords build one ``PublisherOptions`` (``publisher.publisher_options``),
-    checked before anything starts; ``options=`` passes one whole instead (the YAML
+    These keywords build one ``PublisherOptions`` (``publisher.publisher_options``: each
+    option declared there once, with its bound, default and unit), checked before
+    anything starts; ``options=`` passes one whole instead (the YAML
     path does). ``socket_hooks`` and ``context`` are not options: they are objects
     of this process.
     """
@@ -109,10 +113,11 @@ class WeightPublisher:
         elif keywords:
             raise ConfigError(f"WeightPublisher: {', '.join(sorted(keywords))} given with "
                               "options= (put them in the options)")
-        router = parse_endpoint(endpoint)
-        curve = options.curve_secret_key_file is not None
-        check_bind_allowed(router, curve=curve, insecure=options.insecure,
-                           allowed_clients_dir=options.curve_allowed_clients_dir)
+        # checks the endpoint, the key file and the allow-list before anything is opened
+        self._front = ServingFront(endpoint,
+                                   curve_secret_key_file=options.curve_secret_key_file,
+                                   curve_allowed_clients_dir=options.curve_allowed_clients_dir,
+                                   insecure=options.insecure, socket_hooks=socket_hooks or ())
         self.options = options
         self.model_id = options.model_id
         #: the chunk size set by the user, or None: each version's follows its size
@@ -131,47 +136,35 @@ class WeightPublisher:
                                   retiring=self._store.retiring, scratch=self._scratch_bytes,
                                   drop_idle_scratch=self._drop_idle_scratch)
         self._deltas = DeltaPublisher(options.delta_anchor_every)
-        hooks = list(socket_hooks or [])
-        allow_list = None
-        if options.curve_secret_key_file is not None:
-            # validates before any socket
-            hooks.append(curve_server_hook(options.curve_secret_key_file))
-            if options.curve_allowed_clients_dir is not None:
-                allow_list = AllowList(options.curve_allowed_clients_dir)
-        self._collective = None if options.collective is None else \
-            self._start_collective(options.collective, router)
-        self._own_context = context is None
-        self._ctx = context or zmq.Context()
-        # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
-        # request its client's key (User-Id), which reports are filed under
-        self._authenticator = start_authenticator(self._ctx, allow_list) if curve else None
-        self._server = ServingThread(
-            self._ctx, self._store,
-            ServerOptions(router_bind=str(router), pub_bind=pub_bind_address(router),
-                          heartbeat_interval=options.heartbeat_interval,
-                          limits=options.limits, curve=curve, allow_list=allow_list),
-            publisher_id=self.publisher_id, started_at=self.started_at,
-            configure=hooks, deltas=self._deltas, collective=self._collective,
-            status_extras=self._status_extras, budget_room=self._budget_room,
-        )
+        collective = options.collective_options
+        self._collective = None if collective is None else \
+            self._start_collective(collective, self._front.router)
         try:
-            self._server.start_and_wait()
+            # with CURVE a ZAP handler always runs: it enforces the allow-list and gives every
+            # request its client's key (User-Id), which reports are filed under
+            self._server = self._front.start(
+                self._store, publisher_id=self.publisher_id, started_at=self.started_at,
+                heartbeat_interval=options.heartbeat_interval, limits=options.server_limits,
+                context=context, deltas=self._deltas, collective=self._collective,
+                status_extras=self._status_extras, budget_room=self._budget_room)
         except BaseException:
             self._deltas.close()
             if self._collective is not None:
                 self._collective.close()
-            if self._authenticator is not None:
-                self._authenticator.stop()
-            if self._own_context:
-                self._ctx.term()
             raise
         self._announced = threading.Condition()
         self._announced_version = 0
         self._last_snapshot: tuple[int, Snapshot] | None = None  # the newest publish()'s
+        #: the last version a failed publish withdrew, and why (``status``, issue 28.7)
+        self.withdrawn: tuple[int, str] | None = None
         self._publish_lock = threading.Lock()
         self._closed = False
         # copies and hashes each snapshot; its thread calls _announce with the checksums
         self._preparer = VersionPreparer(self._announce)
+        #: LoRA adapters served (``publish(..., adapter=)``); None until the first, and
+        #: a publisher serves either adapters or model weights (one version stream)
+        self._adapters: AdapterBook | None = None
+        self._adapters_of: dict[int, tuple[AdapterInfo, ...]] = {}  # until announced
         self._versions_published = 0
         self.metrics: MetricsServer | None = None
         if options.metrics_port is not None:
@@ -209,21 +202,28 @@ class WeightPublisher:
     @property
     def endpoint(self) -> str:
         """The bound ROUTER address (with the real port when bound to port 0)."""
-        return self._server.router_endpoint
+        return self._front.endpoint
 
     @property
     def latest_version(self) -> int:
         """The newest version announced to subscribers (0 before the first)."""
         return self._announced_version
 
-    def publish(self, weights: PublishSource, *, version: int | None = None) -> int:
+    def publish(self, weights: PublishSource, *, version: int | None = None,
+                adapter: AdapterSpec | None = None) -> int:
         """Snapshot ``weights`` and return its version once the caller may modify them.
+
+        ``adapter``: ``weights`` are a LoRA adapter (a PEFT model or its PEFT-named A/B
+        tensors; ``publisher.adapters``) published under ``adapter.name``; the version
+        holds every adapter published so far, each its newest tensors, and replicas serve
+        them by name or merge them (``subscriber_ext.vllm_ext.lora``). A publisher serves
+        either adapters or model weights, never both (``ConfigError``).
 
         Accepts a ``torch.nn.Module``, a mapping name -> tensor, or an iterable of
         (name, tensor); CPU or CUDA tensors; or a vLLM ``WeightSource`` (``ModuleSource``).
         Sharded weights (DTensors) and ``WeightSource``s are gathered, copied and dropped
         one layer group at a time; every other rank calls ``gather_full_tensors`` meanwhile
-        (``publisher.sources.streamed_sources``).
+        (``publisher.sources.streamed_copy``).
         A snapshot that cannot fit ``host_budget_bytes`` beside the versions held raises
         ``StagingBudgetError`` (naming the budget and the bytes) before it is allocated;
         the versions published before stay served.
@@ -233,6 +233,7 @@ class WeightPublisher:
             if version is not None and version < self._next_version:
                 raise ValueError(f"version {version} is not newer than {self._next_version - 1}")
             number = self._next_version if version is None else version
+            weights = self._adapter_version(number, weights, adapter)
             # reply scratch kept idle since the last version would sit beside this snapshot
             # (up to the subscribers' windows); the next version's replies make it anew
             self._drop_idle_scratch()
@@ -246,16 +247,43 @@ class WeightPublisher:
             try:
                 self._preparer.copy_and_hash(number, snapshot, pairs,
                                              self.options.chunk_size_for(snapshot.total_bytes))
-            except BaseException:
+            except BaseException as exc:
                 snapshot.failed = True  # subscribers get "version unavailable"
-                dropped = self._store.drop_lent(snapshot.buffer)
-                if dropped:
-                    log.warning("publish of version %d failed midway over version %s's "
-                                "buffer: that version is withdrawn too", number, dropped)
-                if not self._store.discard(number):
+                kept, dropped = self._store.drop_lent(snapshot.buffer)
+                if dropped:  # keep_versions buffers: the one it lent is half overwritten
+                    self.withdrawn = (dropped[-1], (
+                        f"publish of version {number} failed midway ({type(exc).__name__}: "
+                        f"{exc}) over its buffer (keep_versions={self._store.keep}: the "
+                        "snapshot overwrites the oldest version held)")[:4096])
+                    log.warning("version %s withdrawn: %s", dropped, self.withdrawn[1])
+                if kept:  # no byte was copied, so nothing of it was announced either:
+                    log.warning("publish of version %d failed before it overwrote version "
+                                "%s, which stays served", number, kept)
+                elif not self._store.discard(number):  # the buffer is the kept one's
                     self._store.give_back(snapshot.buffer)
                 raise
         return number
+
+    def _adapter_version(self, number: int, weights: PublishSource,
+                         adapter: AdapterSpec | None) -> PublishSource:
+        """An adapter publish: the version's tensors (every adapter's); remembers the
+        adapters for the manifest. Refuses mixing adapters and model weights."""
+        if adapter is None:
+            if self._adapters is not None:
+                raise ConfigError("publish: this publisher serves LoRA adapters "
+                                  f"({self._adapters.names}); publish model weights from "
+                                  "another publisher, or pass adapter=")
+            return weights
+        if self._adapters is None:
+            if self._last_snapshot is not None:
+                raise ConfigError("publish: this publisher serves model weights; publish "
+                                  "adapters from another publisher")
+            self._adapters = AdapterBook()
+        tensors, infos = self._adapters.version(adapter, weights)
+        self._adapters_of[number] = infos
+        while len(self._adapters_of) > 64:  # bounded, whatever never gets announced
+            self._adapters_of.pop(next(iter(self._adapters_of)))
+        return tensors
 
     def _reuse_oldest(self, wait_s: float = 10.0) -> None:
         """With ``keep_versions`` held, hand the oldest one's buffer to the next snapshot.
@@ -375,7 +403,9 @@ class WeightPublisher:
         return StatusExtras(memory=wire.HostMemory(
             budget_bytes=self._budget.budget_bytes, held_bytes=self._pool.held_bytes,
             keep_versions=self._store.keep,
-            send_queued_bytes=0 if peers is None else peers.scratch_bytes))
+            send_queued_bytes=0 if peers is None else peers.scratch_bytes,
+            withdrawn_version=0 if self.withdrawn is None else self.withdrawn[0],
+            withdrawn_reason="" if self.withdrawn is None else self.withdrawn[1]))
 
     def collective_status(self) -> GroupStatus | None:
         """The collective path's group (backend, epoch, members, rounds), or None."""
@@ -403,7 +433,7 @@ class WeightPublisher:
         that reaches the endpoint can satisfy it with reports under invented ids (logged
         as a warning at first use). Returns the reports that count.
         """
-        if not self._server.options.curve and not getattr(self, "_quorum_warned", False):
+        if not self._front.curve and not getattr(self, "_quorum_warned", False):
             self._quorum_warned = True
             log.warning(UNAUTHENTICATED_QUORUM)
         deadline = time.monotonic() + timeout
@@ -441,15 +471,10 @@ class WeightPublisher:
         self._deltas.close()
         if self._collective is not None:
             self._collective.close()  # bounded by collective_timeout
-        self._server.send_command(b"close")
-        self._server.join(timeout=10)
+        self._front.close()  # the serving thread, the ZAP handler, our own context
         self._store.clear()
-        if self._authenticator is not None:
-            self._authenticator.stop()
         with self._announced:
             self._announced.notify_all()
-        if self._own_context:
-            self._ctx.term()
 
     def __enter__(self) -> WeightPublisher:
         return self
@@ -476,6 +501,7 @@ class WeightPublisher:
             total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
+            adapters=self._adapters_of.pop(number, None),
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)
@@ -485,7 +511,7 @@ class WeightPublisher:
 
     def _announced_now(self, published: PublishedVersion) -> None:
         number = published.manifest.version
-        self._server.send_command(b"announce")
+        self._front.announce()
         if self._collective is not None:
             self._collective.announced(published)  # its own thread broadcasts it
         with self._announced:

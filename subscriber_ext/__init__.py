@@ -23,6 +23,7 @@ from subscriber_ext.transport.staging.assembly import StagedVersion
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.transport.subscriber_config import SubscriberConfig
 from subscriber_ext.vllm_ext.llm import WORKER_EXTENSION, wait_until_applied
+from subscriber_ext.vllm_ext.lora.requests import adapter_request
 
 __all__ = [
     "WORKER_EXTENSION",
@@ -32,6 +33,7 @@ __all__ = [
     "SyncOptions",
     "VersionRange",
     "WeightSubscriber",
+    "adapter_request",
     "keep_fresh",
     "request_version_range",
     "version_range",

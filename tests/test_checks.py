@@ -58,7 +58,7 @@ def test_a_missing_internal_is_named_and_the_override_warns(
     with pytest.raises(ConfigError) as info:
         vllm_compat.check_vllm()
     text = str(info.value)
-    assert "supports vLLM >=0.32,<0.33" in text
+    assert "supports vLLM >=0.32,<0.34" in text
     assert "EngineCore.no_such_method is missing" in text
     assert "EngineCore.step takes ('self',), expected ('self', 'extra')" in text
     assert vllm_compat.ALLOW_ENV in text

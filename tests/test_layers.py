@@ -8,6 +8,7 @@ reach a layer above, so it cannot hide a cycle either.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ LAYERS: list[tuple[str, float]] = [
     ("subscriber_ext.vllm_ext.vllm_compat", 3.0),
     ("subscriber_ext.vllm_ext.apply", 3.0),
     ("subscriber_ext.vllm_ext.seed", 3.0),
+    ("subscriber_ext.vllm_ext.lora", 3.05),  # LoRA adapter versions: served or merged
     ("subscriber_ext.vllm_ext.commit", 3.1),
     ("subscriber_ext.vllm_ext", 3.2),  # worker_extension, worker_state, seed_rpcs, backend, llm
     ("subscriber_ext", 4),  # the package's front, staleness, the worker_extension import path
@@ -194,3 +196,54 @@ def test_the_publisher_is_in_sub_packages() -> None:
     assert len(flat) <= 10, flat
     assert {p.name for p in (REPO / "publisher").iterdir() if (p / "__init__.py").is_file()} >= {
         "store", "sources", "deltas", "collective", "serving", "sharding"}
+
+
+#: every Python file of the repository's own code (tests and benchmarks too)
+ALL_SOURCES = sorted(p for top in (*PACKAGES, "tests", "benchmarks")
+                     for p in (REPO / top).rglob("*.py"))
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def test_dtypes_are_looked_up_only_through_the_allow_list() -> None:
+    """``getattr(torch, name)`` reaches any attribute of torch: only ``weightpub_wire.dtypes``
+    builds its allow-list that way; everything else calls ``parse_dtype``/``dtype_from_name``."""
+    found = []
+    for path in ALL_SOURCES:
+        if "getattr" not in path.read_text():
+            continue  # parse only the files that could hold one
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id == "getattr" and node.args and \
+                    isinstance(node.args[0], ast.Name) and node.args[0].id == "torch":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == ["weightpub_wire/dtypes.py:17"], found
+
+
+def test_wildcard_hosts_are_declared_once() -> None:
+    """Which hosts nobody can dial is ``weightpub_wire.endpoints.WILDCARD_HOSTS``, nowhere else."""
+    found = []
+    for path in ALL_SOURCES:
+        if path == Path(__file__).resolve() or "0.0.0.0" not in path.read_text():
+            continue  # the pattern below; files that cannot hold one
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Set | ast.Tuple | ast.List) and {"0.0.0.0", "::"} <= {
+                    e.value for e in node.elts if isinstance(e, ast.Constant)}:
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert found == ["weightpub_wire/endpoints.py:21"], found
+
+
+def test_the_serving_front_is_built_in_one_place() -> None:
+    """``WeightPublisher`` and ``ShardCoordinator`` compose ``publisher.serving.front``: the
+    bind rule, the CURVE hook, the ZAP handler and the serving thread are made there only."""
+    makers = {"ServingThread", "start_authenticator", "check_bind_allowed", "curve_server_hook"}
+    found = set()
+    for path in (REPO / "publisher").rglob("*.py"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in makers:
+                found.add((str(path.relative_to(REPO)), node.func.id))
+    assert found == {("publisher/serving/front.py", name) for name in makers}, found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +113,28 @@ def test_update_info_is_checked_before_any_wait() -> None:
             WeightpubUpdateInfo(**bad)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="options"):
         WeightpubInitInfo(endpoint="tcp://127.0.0.1:1", options=[])  # type: ignore[arg-type]
+
+
+def test_the_vllm_backend_checks_init_info_options_by_their_declaration(tmp_path: Path,
+                                                                        monkeypatch) -> None:
+    """vLLM builds ``WeightpubInitInfo`` from the request's JSON in every worker: a bad
+    option, or a code name, fails there, named, before anything is subscribed."""
+    from subscriber_ext.vllm_ext import weight_transfer_backend as backend
+
+    marker = tmp_path / "imported"
+    (tmp_path / "weightpub_probe_module2.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    endpoint = "tcp://127.0.0.1:5999"
+    with pytest.raises(ConfigError, match="subscriber_cls: Python only"):
+        backend.WeightpubInitInfo(endpoint=endpoint,
+                                  options={"subscriber_cls": "weightpub_probe_module2:x"})
+    assert not marker.exists()
+    with pytest.raises(ConfigError, match=r"init_info.options: chunks_per_request: Input "):
+        backend.WeightpubInitInfo(endpoint=endpoint, options={"chunks_per_request": 0})
+    with pytest.raises(ConfigError, match=r"init_info.options: request_timeout: Input "):
+        backend.WeightpubInitInfo(endpoint=endpoint, options={"request_timeout": -1})
+    with pytest.raises(ConfigError, match="unknown option"):
+        backend.WeightpubInitInfo(endpoint=endpoint, options={"request_timout": 1.0})
+    assert backend.WeightpubInitInfo(endpoint=endpoint, options={"keep": 3}).options == \
+        {"keep": 3}

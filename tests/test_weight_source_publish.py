@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.weight_transfer.base import ModuleSource, layerwise_groups
 
 from publisher import WeightPublisher, gather_full_tensors
-from publisher.sources.streamed_sources import layer_groups
+from publisher.sources.layer_grouping import layer_groups
 from subscriber_ext import WeightSubscriber
 from weightpub_wire.errors import ConfigError, StagingBudgetError
 
@@ -227,3 +227,68 @@ def test_a_sharded_rank_owning_nothing_still_walks_every_group() -> None:
             staged.release()
     assert [s.yielded for s in sources] == [["weight"], ["weight"]]
     assert [s.live for s in sources] == [0, 0]
+
+
+class _LyingAt(ModuleSource):
+    """A source whose tensor ``name`` comes in another dtype than its metadata says: the
+    publish fails at that tensor's group (as a rank whose gather dies there)."""
+
+    def __init__(self, module: torch.nn.Module, name: str) -> None:
+        super().__init__(module)
+        self.name = name
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in super().__iter__():
+            yield name, tensor.double() if name == self.name else tensor
+
+
+@pytest.mark.timeout(60)
+def test_a_publish_failing_before_it_overwrites_leaves_the_previous_version_served() -> None:
+    """keep_versions=1 (issue 28.7): a publish that fails at its first group has copied
+    nothing over version 1's buffer, so version 1 stays listed and whole: a late joiner
+    gets it bit-exact, and status names no withdrawn version (until then the failure
+    withdrew version 1 whatever it had overwritten)."""
+    from weightpub.status import fetch_status
+
+    model = _model()
+    want = {name: t.detach().clone() for name, t in model.named_parameters()}
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        assert pub.publish(ModuleSource(model)) == 1
+        pub.wait_announced(1)
+        with pytest.raises(ConfigError, match="embed.weight"):
+            pub.publish(_LyingAt(model, "embed.weight"))
+        assert pub.manifest(1).version == 1  # still held
+        with WeightSubscriber(pub.endpoint) as sub:
+            staged = sub.wait_for_version(1, timeout=30)
+            for name, tensor in staged.tensors.items():
+                assert torch.equal(tensor, want[name]), name
+            staged.release()
+            memory = fetch_status(pub.endpoint).memory
+            assert memory is not None and memory.withdrawn_version == 0
+            assert pub.publish(ModuleSource(model)) == 3  # the buffer is lent again, reused
+            assert sub.wait_for_version(3, timeout=30).version == 3
+            with pytest.raises(Exception, match="not held"):
+                pub.manifest(1)
+
+
+@pytest.mark.timeout(60)
+def test_status_names_the_version_a_failed_publish_withdrew_and_why() -> None:
+    """keep_versions=1: a publish failing at its last group has overwritten most of
+    version 1, which is withdrawn (one buffer: nothing left to serve it from); the
+    status reply and ``weightpub status`` say which version and why."""
+    from weightpub.fleet_view import memory_line
+    from weightpub.status import fetch_status
+
+    model = _model()
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        pub.publish(ModuleSource(model))
+        pub.wait_announced(1)
+        with pytest.raises(ConfigError, match="head.weight"):
+            pub.publish(_LyingAt(model, "head.weight"))
+        memory = fetch_status(pub.endpoint).memory
+        assert memory is not None and memory.withdrawn_version == 1
+        assert "publish of version 2 failed midway" in memory.withdrawn_reason
+        assert "head.weight" in memory.withdrawn_reason
+        assert "keep_versions=1" in memory.withdrawn_reason
+        line = memory_line(memory)
+        assert line is not None and "version 1 withdrawn: publish of version 2" in line.plain

@@ -1,4 +1,4 @@
-"""``weightpub`` command line: demo, status, config checks, relays, replicas, benchmarks."""
+"""``weightpub`` command line: demo, status, config checks, options, relays, replicas, bench."""
 
 from __future__ import annotations
 
@@ -74,6 +74,13 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
     config = load_config(args.path)
     print(f"{args.path}: ok ({type(config).__name__})")
+    return 0
+
+
+def _cmd_options(args: argparse.Namespace) -> int:
+    from weightpub.options_doc import render
+
+    sys.stdout.write(render())
     return 0
 
 
@@ -182,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check-config", help="validate a YAML config file")
     check.add_argument("path")
     check.set_defaults(func=_cmd_check_config)
+
+    options = sub.add_parser("options", help="every option as declared (docs/options.md)")
+    options.set_defaults(func=_cmd_options)
 
     relay = sub.add_parser("relay", help="re-publish an upstream publisher locally")
     relay.add_argument("config")

@@ -8,13 +8,15 @@ application starts, are defined here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import BaseModel, Field
 
 from publisher.publisher_config import PublisherConfig
 from subscriber_ext.transport.subscriber_config import SubscriberConfig
+from subscriber_ext.vllm_ext.apply.applier import ApplyMode
+from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.config_file import StrictConfig, load_yaml_as, load_yaml_section
+from weightpub_wire.option_set import declared
 
 __all__ = [
     "KINDS",
@@ -34,12 +36,10 @@ class ReplicaConfig(StrictConfig):
     model: str
     subscriber: SubscriberConfig
     tensor_parallel_size: int = Field(1, ge=1, le=64)
-    apply_mode: Literal["auto", "in_place", "reload"] = "auto"
-    # the ranks on one node share one subscription and staged copy (None: when TP x PP > 1)
-    node_staging: bool | None = None
-    # bytes of prepared (kernel-format) shadows per rank; None: the replica's default (0:
-    # none, each commit writes the staged bytes into the live weights)
-    prepare_budget_bytes: int | None = Field(None, ge=0)
+    # the worker extension's options, as WorkerOptions declares them (type, bound, default)
+    apply_mode: ApplyMode = declared(WorkerOptions, "apply_mode")
+    node_staging: bool | None = declared(WorkerOptions, "node_staging")
+    prepare_budget_bytes: int | None = declared(WorkerOptions, "prepare_budget_bytes")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_model_len: int | None = Field(None, ge=16)
     host: str = "127.0.0.1"

@@ -55,10 +55,14 @@ def memory_line(memory: wire.HostMemory | None) -> Text | None:
     if memory is None:
         return None
     mib = 1 << 20
-    return Text(f"host memory {memory.held_bytes / mib:.1f} MiB held of a "
+    line = Text(f"host memory {memory.held_bytes / mib:.1f} MiB held of a "
                 f"{memory.budget_bytes / mib:.1f} MiB budget (keep_versions "
                 f"{memory.keep_versions}), {memory.send_queued_bytes / mib:.1f} MiB of reply "
                 f"scratch")
+    if memory.withdrawn_version:
+        line.append(f"; version {memory.withdrawn_version} withdrawn: ", style="yellow")
+        line.append_text(printable(memory.withdrawn_reason, 300, style="yellow"))
+    return line
 
 
 def shard_line(group: wire.ShardGroup | None) -> Text | None:

@@ -40,6 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from publisher import WeightPublisher, gather_full_tensors
+from publisher.sources.vllm_sources import as_grouped
 from subscriber_ext.vllm_ext.commit.vllm_plugin import BACKEND, ensure_backends
 from weightpub_wire.errors import ConfigError
 
@@ -112,6 +113,7 @@ class WeightpubTrainerEngine(TrainerWeightTransferEngine[WeightpubTrainerInitInf
                  source: WeightSource | None = None, is_sender: bool = True,
                  info: WeightpubTrainerInitInfo) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
+        self.rank = info.rank  # vLLM 0.33's base takes it as a keyword, 0.32's not at all
         self.info = info
         self.publisher: WeightPublisher | None = None
         self.last_version = 0
@@ -160,7 +162,7 @@ class WeightpubTrainerEngine(TrainerWeightTransferEngine[WeightpubTrainerInitInf
         pub = self.publisher
         assert pub is not None
         version = pub.publish(source)  # gathered, copied and dropped group by group
-        count = len(source.metadata())
+        count = len(as_grouped(source).metadata())
         pub.wait_announced(version, timeout=self.info.timeout)
         self.last_version = version
         if self.info.wait_replicas:

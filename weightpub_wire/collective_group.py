@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.errors import TransportError
 
 __all__ = ["CollectiveGroup", "GroupError", "Rendezvous", "arrived_ranks", "connect_store",
@@ -207,12 +208,12 @@ class CollectiveGroup:
         from torch.distributed import PrefixStore
 
         self.backend = backend
+        self.spec = spec = collective_backend(backend, error=GroupError)
         self.epoch = epoch
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
-        self.device = torch.device("cpu") if backend == "gloo" else (
-            device or torch.device("cuda", torch.cuda.current_device()))
+        self.device = (device or spec.device()) if spec.needs_cuda else spec.device()
         self._store = PrefixStore(prefix, store)
         self._closed = False
         self._broken: str | None = None
@@ -220,17 +221,17 @@ class CollectiveGroup:
         self._ctl: Any = None
         try:
             self._store.set(f"arrived/{rank}", "1")  # who made it, if the rendezvous fails
-            if backend == "gloo":
+            if not spec.has_group:
+                raise GroupError(f"collective backend {backend!r} has no group")
+            if not spec.device_group:  # gloo: one group carries buckets and control
                 self._pg = self._ctl = self._gloo(self._store, local_host)
-            elif backend == "nccl":
+            else:
                 if not torch.cuda.is_available():
-                    raise GroupError("nccl: this process has no CUDA device")
+                    raise GroupError(f"{backend}: this process has no CUDA device")
                 # gloo's full mesh forms first: every rank has arrived (bounded) before
                 # any of them enters ncclCommInitRank, which no deadline can interrupt
                 self._ctl = self._gloo(PrefixStore("control", self._store), local_host)
                 self._pg = self._nccl()
-            else:
-                raise GroupError(f"collective backend {backend!r} has no group")
         except GroupError:
             self._drop_control()
             raise
@@ -334,7 +335,7 @@ class CollectiveGroup:
                              f"failed: {self._broken}") from exc
 
     def _wait(self, work: Any, what: str, pg: Any) -> None:
-        if self.backend == "gloo":
+        if not self.spec.device_group:
             self._wait_gloo(work, what)
             return
         try:
@@ -365,7 +366,7 @@ class CollectiveGroup:
         self._closed = True
         pg, self._pg = getattr(self, "_pg", None), None
         ctl, self._ctl = self._ctl, None
-        if pg is not None and self.backend == "nccl":
+        if pg is not None and self.spec.device_group:
             _abort(pg)
         with contextlib.suppress(Exception):
             self._store.delete_key(f"arrived/{self.rank}")

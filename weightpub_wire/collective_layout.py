@@ -35,6 +35,9 @@ import msgspec
 import torch
 from msgspec import Meta
 
+from weightpub_wire.collective_backends import collective_backend, known_backends
+from weightpub_wire.errors import ConfigError
+
 __all__ = [
     "BACKENDS",
     "DATA_PATHS",
@@ -57,10 +60,10 @@ __all__ = [
     "publisher_tag",
 ]
 
-#: collective backends a publisher may announce
-BACKENDS = ("gloo", "nccl", "cuda_ipc")
+#: collective backends a publisher may announce (``collective_backends.py``: what each needs)
+BACKENDS = known_backends()
 #: how the bytes of a version reached a node (``Report.data_path``, ``weight_version()``)
-DATA_PATHS = ("zmq", "gloo", "nccl", "cuda_ipc")
+DATA_PATHS = ("zmq", *BACKENDS)
 MAX_MEMBERS = 256  # subscribers (nodes) in one group
 #: why a version a node held back for the collective path came over ZeroMQ frames instead
 #: (``CollectiveMember``: status, the replica's metric label, polls, ``weightpub status``)
@@ -114,10 +117,11 @@ class CollectiveAnnounce(msgspec.Struct, frozen=True, kw_only=True):
     device_uuid: Label = ""
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: unknown collective backend {self.backend!r} "
-                             f"(known: {', '.join(BACKENDS)})")
-        if self.backend != "cuda_ipc" and not self.store_port:
+        try:
+            backend = collective_backend(self.backend)
+        except ConfigError as exc:
+            raise ValueError(f"backend: {exc}") from None
+        if backend.has_group and not self.store_port:
             raise ValueError(f"store_port: {self.backend} needs a rendezvous port")
         if self.keepalive >= self.timeout:
             raise ValueError(f"keepalive: {self.keepalive}s must be shorter than the "

@@ -1,7 +1,8 @@
 """YAML config files validated by pydantic models; every failure names the file and the key.
 
 Each side owns the schema of its options (``publisher.publisher_config``,
-``subscriber_ext.transport.subscriber_config``, the application's replica/relay files);
+``subscriber_ext.transport.subscriber_config``, the application's replica/relay files),
+each option declared once in an ``OptionSet`` (``weightpub_wire/option_set.py``);
 this module only reads a file and turns validation errors into ``ConfigError``
 such as ``configs/replica.yaml: replica.subscriber.window_mib: Input should be
 greater than 0``.
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError
+from weightpub_wire.option_set import describe_errors
 
 __all__ = [
     "StrictConfig", "check_endpoint", "load_yaml_as", "load_yaml_section", "validate_section",
@@ -28,9 +30,10 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class StrictConfig(BaseModel):
-    """Unknown keys are errors; values are frozen once loaded."""
+    """Unknown keys are errors, ``"5"`` is not a number (as for every ``OptionSet``); values
+    are frozen once loaded."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 def check_endpoint(value: str) -> str:
@@ -44,11 +47,7 @@ def validate_section(model: type[M], body: Any, where: str) -> M:
     try:
         return model.model_validate(body or {})
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{where}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ConfigError(problems) from exc
+        raise ConfigError(describe_errors(exc, where)) from exc
 
 
 def _read(path: Path, keys: list[str], kind: str | None) -> tuple[str, Any]:

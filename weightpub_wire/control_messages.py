@@ -14,8 +14,8 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.collective_layout import (
-    BACKENDS,
     DATA_PATHS,
     MAX_FALLBACK_CAUSES,
     MAX_MEMBERS,
@@ -24,6 +24,7 @@ from weightpub_wire.collective_layout import (
     IpcHandle,
     Label,
 )
+from weightpub_wire.errors import ConfigError
 from weightpub_wire.manifest import Manifest
 from weightpub_wire.message_base import (
     MAX_CHUNKS,
@@ -145,6 +146,10 @@ class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
     held_bytes: U64 = 0  # snapshot buffers: about ``keep_versions`` versions
     keep_versions: U63 = 0
     send_queued_bytes: U64 = 0  # reply scratch: frames ZeroMQ holds, idle send buffers
+    #: the last version a failed publish withdrew (0: none) and why (its buffer was the
+    #: one the failed copy overwrote: ``keep_versions``)
+    withdrawn_version: U63 = 0
+    withdrawn_reason: ErrorText = ""
 
 
 class PendingShards(msgspec.Struct, frozen=True):
@@ -209,8 +214,10 @@ class CollectivePoll(_Message, tag="coll_poll", kw_only=True, frozen=True):
         _Message.__post_init__(self)
         if self.state not in POLL_STATES:
             raise ValueError(f"state: unknown state {self.state!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend: unknown backend {self.backend!r}")
+        try:
+            collective_backend(self.backend)
+        except ConfigError as exc:
+            raise ValueError(f"backend: {exc}") from None
 
 
 class CollectiveReply(_FromPublisher, tag="coll_rep", kw_only=True, frozen=True):

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 
 from weightpub_wire.errors import ConfigError, ProtocolError
 
-__all__ = ["Endpoint", "parse_endpoint", "pub_bind_address", "resolve_pub_endpoint"]
+__all__ = ["WILDCARD_HOSTS", "Endpoint", "is_wildcard", "parse_endpoint", "pub_bind_address",
+           "resolve_pub_endpoint"]
 
 _SCHEMES = ("tcp", "ipc", "inproc")
+#: hosts that bind every interface: nobody can dial them
+WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", ""})
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,11 @@ def parse_endpoint(text: str, *, error: type[Exception] = ConfigError) -> Endpoi
     if not 0 <= port <= 65535:
         raise error(f"endpoint: port {port} is outside 0..65535")
     return Endpoint("tcp", host.strip("[]") or "*", port)
+
+
+def is_wildcard(endpoint: Endpoint) -> bool:
+    """A tcp endpoint bound on every interface: others must be given another host to dial."""
+    return endpoint.scheme == "tcp" and endpoint.host in WILDCARD_HOSTS
 
 
 def pub_bind_address(router: Endpoint) -> str:

@@ -15,6 +15,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from weightpub_wire.adapters import MAX_ADAPTERS, AdapterInfo, check_adapters
 from weightpub_wire.collective_layout import CollectiveAnnounce
 from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
 from weightpub_wire.errors import ProtocolError
@@ -125,14 +126,20 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     collective: CollectiveAnnounce | None = None  # also served by a group broadcast
     deltas_follow: bool = False
     #: the version is the union of trainer ranks' shards, each serving its chunk range
-    #: (``ShardSource``, in chunk order, covering every chunk), its deltas too (each rank
-    #: against its own range of the base: ``publisher.sharding.shard_deltas``); None: this ROUTER
-    #: serves all
+    #: (``ShardSource``, in chunk order, covering every chunk once, one endpoint and rank
+    #: each), its deltas too (each rank against its own range of the base:
+    #: ``publisher.sharding.shard_deltas``); None: this ROUTER serves all
     shards: Annotated[tuple[ShardSource, ...], Meta(min_length=1, max_length=MAX_SHARDS)] \
+        | None = None
+    #: the version is LoRA adapters (``weightpub_wire.adapters``), not model weights: every
+    #: tensor is ``"<adapter>/<PEFT name>"`` of one of them; None: model weights
+    adapters: Annotated[tuple[AdapterInfo, ...], Meta(min_length=1, max_length=MAX_ADAPTERS)] \
         | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
+        if self.adapters is not None:
+            check_adapters(self.adapters, [t.name for t in self.tensors])
         if self.shards is not None:
             self._check_shards(self.shards)
         if self.collective is not None and self.collective.bucket_bytes % self.chunk_size:
@@ -167,7 +174,17 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
         if self.collective is not None:
             raise ValueError("shards: a sharded version offers no collective path")
         next_chunk = 0
+        seen: dict[str, int] = {}
+        ranks: set[int] = set()
         for index, shard in enumerate(shards):
+            # links are per endpoint: two shards at one address would leave a range unasked
+            other = seen.setdefault(shard.endpoint, index)
+            if other != index:
+                raise ValueError(f"shards[{index}].endpoint: {shard.endpoint!r} is also "
+                                 f"shards[{other}]'s (each rank serves from its own address)")
+            if shard.rank in ranks:
+                raise ValueError(f"shards[{index}].rank: rank {shard.rank} serves two ranges")
+            ranks.add(shard.rank)
             if shard.first_chunk != next_chunk:
                 raise ValueError(f"shards[{index}].first_chunk: {shard.first_chunk}, expected "
                                  f"{next_chunk} (shards cover the chunks in order)")

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass, field
 
 from weightpub_wire import protocol as wire
+from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.collective_layout import MAX_FALLBACK_CAUSES, MAX_MEMBERS, GroupStatus
 
 __all__ = ["MemberLimits", "MemberTable", "Plan"]
@@ -76,6 +77,7 @@ class MemberTable:
 
     def __init__(self, backend: str, limits: MemberLimits, *, device_uuid: str = "") -> None:
         self.backend = backend
+        self.spec = collective_backend(backend)
         self.limits = limits
         self.device_uuid = device_uuid
         self._rows: dict[tuple[str, str], _Row] = {}
@@ -100,8 +102,8 @@ class MemberTable:
         if poll.backend != self.backend:
             return reply("refused", reason=f"this publisher serves {self.backend}, not "
                                            f"{poll.backend}")
-        if self.backend == "cuda_ipc" and poll.device_uuid != self.device_uuid:
-            return reply("refused", reason="cuda_ipc needs the publisher's GPU "
+        if self.spec.same_gpu and poll.device_uuid != self.device_uuid:
+            return reply("refused", reason=f"{self.backend} needs the publisher's GPU "
                                            f"({self.device_uuid or 'none'}); this subscriber "
                                            f"runs on {poll.device_uuid or 'no GPU'}")
         key = (client, poll.subscriber_id)
@@ -123,7 +125,7 @@ class MemberTable:
             if poll.state == "leaving":
                 del self._rows[key]
                 return reply("idle")
-            if self.backend == "cuda_ipc":
+            if not self.spec.has_group:  # no epochs: the newest IPC handle, to every member
                 return reply("active", ipc=self.newest_ipc)
             plan = self.plan
             if plan is None or key not in plan.ranks:
@@ -219,7 +221,8 @@ class MemberTable:
         return tuple(key[1] for key in keys)
 
     def ipc_done(self, version: int, now: float) -> bool:
-        """cuda_ipc: whether every live member has copied ``version`` (or a newer one)."""
+        """No group (cuda_ipc): whether every live member has copied ``version`` (or a
+        newer one)."""
         with self._lock:
             live = [r for r in self._rows.values()
                     if now - r.last_poll <= self.limits.member_ttl]
@@ -231,7 +234,7 @@ class MemberTable:
             members = () if plan is None else plan.members
             waiting = tuple(k for k in self._eligible_locked(now)
                             if plan is None or k not in plan.ranks)
-            if self.backend == "cuda_ipc":
+            if not self.spec.has_group:  # no group: every live member
                 members = tuple(k for k, r in self._rows.items()
                                 if now - r.last_poll <= self.limits.member_ttl)
                 state = "active" if members else "idle"

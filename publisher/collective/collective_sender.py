@@ -35,6 +35,7 @@ from publisher.collective.collective_members import MemberLimits, MemberTable
 from publisher.store.chunk_sizing import LARGEST as LARGEST_CHUNK
 from publisher.store.version_store import PublishedVersion
 from weightpub_wire import protocol as wire
+from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.collective_group import (
     CollectiveGroup,
     GroupError,
@@ -42,7 +43,6 @@ from weightpub_wire.collective_group import (
     arrived_ranks,
 )
 from weightpub_wire.collective_layout import (
-    BACKENDS,
     KIND_CLOSE,
     KIND_DATA,
     KIND_KEEPALIVE,
@@ -54,6 +54,7 @@ from weightpub_wire.collective_layout import (
     publisher_tag,
 )
 from weightpub_wire.cuda_ipc import device_uuid
+from weightpub_wire.endpoints import WILDCARD_HOSTS
 from weightpub_wire.errors import ConfigError
 
 __all__ = ["CollectiveOptions", "CollectivePublisher"]
@@ -79,9 +80,10 @@ def check_options(options: CollectiveOptions, chunk_size: int | None) -> None:
     ``chunk_size`` None: chosen per version (``publisher.store.chunk_sizing``), a power of
     two up to ``LARGEST_CHUNK``, so a bucket must be a multiple of that.
     """
-    if options.backend not in BACKENDS:
-        raise ConfigError(f"collective: unknown backend {options.backend!r} (known: "
-                          f"{', '.join(BACKENDS)}, or None)")
+    try:
+        backend = collective_backend(options.backend)
+    except ConfigError as exc:
+        raise ConfigError(f"collective: {exc}; None: no collective path") from None
     chunk = LARGEST_CHUNK if chunk_size is None else chunk_size
     if not chunk <= options.bucket_bytes <= MAX_BUCKET_BYTES or options.bucket_bytes % chunk:
         what = f"chunk_size {chunk_size}" if chunk_size is not None else \
@@ -91,7 +93,7 @@ def check_options(options: CollectiveOptions, chunk_size: int | None) -> None:
     if not 0 < options.keepalive < options.timeout <= 3600:
         raise ConfigError(f"collective_timeout: {options.timeout}s must be in (keepalive "
                           f"{options.keepalive}s, 3600]")
-    if options.backend in ("nccl", "cuda_ipc") and not torch.cuda.is_available():
+    if backend.needs_cuda and not torch.cuda.is_available():
         raise ConfigError(f"collective: {options.backend!r} needs a CUDA device in the "
                           "trainer process (use 'gloo' on CPUs)")
 
@@ -104,15 +106,13 @@ class CollectivePublisher:
         check_options(options, chunk_size)
         self.options = options
         self.backend = options.backend
+        self.spec = spec = collective_backend(options.backend)
         self.publisher_id = publisher_id
         self.started_at = started_at
         self._tag = publisher_tag(publisher_id)
-        self._device = torch.device(options.device) if options.device else (
-            torch.device("cuda", torch.cuda.current_device())
-            if options.backend != "gloo" else torch.device("cpu"))
+        self._device = spec.device(options.device)
         self.table = MemberTable(self.backend, options.members,
-                                 device_uuid=device_uuid(self._device)
-                                 if self.backend == "cuda_ipc" else "")
+                                 device_uuid=device_uuid(self._device) if spec.same_gpu else "")
         self._cond = threading.Condition()
         self._newest: PublishedVersion | None = None
         self._closed = False
@@ -126,7 +126,7 @@ class CollectivePublisher:
         self.last_error: str | None = None
         self._rendezvous: Rendezvous | None = None
         self._ipc: IpcExporter | None = None
-        if self.backend == "cuda_ipc":
+        if not spec.has_group:  # no group: the version is shared by IPC handle (same GPU)
             self._ipc = IpcExporter(self.table, self._device, options.timeout)
         else:
             self._rendezvous = Rendezvous(options.host or "127.0.0.1", options.port,
@@ -264,7 +264,7 @@ class CollectivePublisher:
 
     def _local_host(self) -> str | None:
         host = self.options.host
-        return None if host in ("0.0.0.0", "::", "*", "") else host
+        return None if host in WILDCARD_HOSTS else host
 
     def _header(self, header: RoundHeader) -> None:
         assert self._group is not None

@@ -13,7 +13,9 @@ bytes ZeroMQ holds for an incomplete message (or protocol chatter: heartbeats,
 a few bytes a second). A connection holding more than ``max_held_bytes`` is
 cut (``shutdown``; ZeroMQ then frees what it held and a well-behaved peer
 reconnects). The same rule bounds subscriber connections to the PUB socket,
-where legitimate peers send nothing but a subscription and heartbeats.
+where legitimate peers send nothing but a subscription and heartbeats, and a
+shard coordinator's collect socket, where ``max_total_held_bytes`` also bounds
+the sum over its connections (the largest holder is cut first).
 
 Linux only (``TCP_INFO``); elsewhere only the connection count is bounded.
 """
@@ -48,6 +50,7 @@ class GuardLimits:
     max_held_bytes: int = 4 << 20  # per connection, received but not delivered
     max_connections: int = 1024  # per socket (ROUTER, PUB)
     check_interval: float = 0.01  # stretched so checks cost at most ~2% of a core
+    max_total_held_bytes: int | None = None  # over every connection; None: per connection only
 
 
 @dataclass(slots=True)
@@ -187,7 +190,7 @@ class ConnectionGuard:
         if fd is None:
             return
         conn = self._conns.get(fd)
-        if conn is not None and conn.family and conn.kind == "router":
+        if conn is not None and conn.family:
             received = _bytes_received(fd, conn.family)
             if received is not None:
                 conn.baseline = received
@@ -198,6 +201,7 @@ class ConnectionGuard:
         if now < self._next_check:
             return
         started = time.perf_counter()
+        holding: list[tuple[int, int, _Connection]] = []
         for fd, conn in list(self._conns.items()):
             if not conn.family:
                 continue
@@ -208,6 +212,17 @@ class ConnectionGuard:
             if held > self.limits.max_held_bytes:
                 self._cut(fd, conn, f"{held} bytes received but no complete message "
                                     f"(max_held_bytes {self.limits.max_held_bytes})")
+            elif held > 0:
+                holding.append((held, fd, conn))
+        total_bound = self.limits.max_total_held_bytes
+        if total_bound is not None:
+            total = sum(held for held, _, _ in holding)
+            for held, fd, conn in sorted(holding, key=lambda h: -h[0]):
+                if total <= total_bound:
+                    break
+                self._cut(fd, conn, f"{held} bytes received but not delivered, {total} over "
+                                    f"every connection (max_total_held_bytes {total_bound})")
+                total -= held
         # many connections: check less often, so the guard never costs more than ~2%
         spent = time.perf_counter() - started
         self._next_check = now + max(self.limits.check_interval, 50 * spent)

@@ -45,7 +45,7 @@ import logging
 from dataclasses import dataclass
 from itertools import count
 
-from weightpub_wire.endpoints import Endpoint, parse_endpoint
+from weightpub_wire.endpoints import Endpoint, is_wildcard, parse_endpoint
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.peer_protocol import (
     MAX_ADMITTED_KEYS,
@@ -60,7 +60,6 @@ from weightpub_wire.ratelog import RateLimitedLog
 __all__ = ["Plan", "Tracker", "TrackerLimits"]
 
 log = logging.getLogger("weightpub.publisher")
-_WILDCARDS = {"*", "0.0.0.0", "::", ""}
 #: up to this many members, each member admits every member's key (a member that joins or
 #: falls back never waits for its new source to learn its key); above, only the members
 #: below it in its trees (``chain`` levels: those that may ask it)
@@ -283,7 +282,7 @@ def advertised_endpoint(endpoint: str, peer_address: str | None) -> str:
         return str(parsed)
     if not parsed.port:
         raise ProtocolError(f"peer_hello.endpoint: {endpoint!r} has no port")
-    if parsed.host in _WILDCARDS:
+    if is_wildcard(parsed):
         if not peer_address:
             raise ProtocolError(f"peer_hello.endpoint: {endpoint!r} binds a wildcard and the "
                                 "connection has no peer address to put in its place")

@@ -67,7 +67,7 @@ def checked_pair(pair: Any) -> tuple[str, torch.Tensor]:
 def _materialize(tensor: torch.Tensor) -> torch.Tensor:
     """Gather FSDP/TP DTensors into full tensors; drop autograd.
 
-    ``publish()`` sends sharded weights through ``publisher/sources/streamed_sources.py``
+    ``publish()`` sends sharded weights through ``publisher/sources/streamed_copy.py``
     (one layer group at a time); this whole-tensor gather serves direct callers.
     """
     full_tensor = getattr(tensor, "full_tensor", None)

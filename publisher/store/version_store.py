@@ -10,7 +10,10 @@ overwritten gets ``version_unavailable``: its subscriber moves to the new versio
 as conflation does. A reader that copies a whole version out over a long time (a
 collective round, a relay still writing its chunks in) ``pin``s it instead: a pinned
 version's buffer is not lent, and the next snapshot takes a buffer of its own (within
-``host_budget_bytes``) until it is unpinned.
+``host_budget_bytes``) until it is unpinned. A snapshot that fails (``drop_lent``)
+hands the buffer back to the version that lent it if it overwrote none of its bytes;
+otherwise that version is withdrawn: with one buffer per version there is nothing
+left to serve it from (``keep_versions=2`` keeps the newest through a failed publish).
 """
 
 from __future__ import annotations
@@ -162,17 +165,29 @@ class VersionStore:
             self._recycle_locked()
         return old is not None
 
-    def drop_lent(self, buffer: torch.Tensor) -> list[int]:
-        """A snapshot copy into ``buffer`` failed midway: the version that lent it is no
-        longer whole, so stop listing it (its subscribers get ``version_unavailable`` and
-        wait for the next version instead of fetching chunks that are gone).
-        Returns the versions dropped."""
+    def drop_lent(self, buffer: torch.Tensor) -> tuple[list[int], list[int]]:
+        """A snapshot copy into ``buffer`` failed: settle the version that lent it.
+
+        Kept when the failed copy overwrote none of its bytes (every region still holds
+        it, ``BufferClaims``): the buffer is its own again and it is served on. Otherwise
+        it is no longer whole and is withdrawn (its subscribers get ``version_unavailable``
+        and wait for the next version instead of fetching chunks that are gone): with one
+        buffer per version held there is nothing to serve it from. Returns (kept,
+        withdrawn) version numbers."""
+        kept: list[int] = []
+        dropped: list[int] = []
         with self._lock:
-            dropped = [number for number, held in self._versions.items()
-                       if held.lent and held.buffer.data_ptr() == buffer.data_ptr()]
-            for number in dropped:
-                del self._versions[number]
-        return dropped
+            for number, held in list(self._versions.items()):
+                if not held.lent or held.buffer.data_ptr() != buffer.data_ptr():
+                    continue
+                claims = held.claims
+                if claims is not None and claims.holds(0, held.manifest.total_bytes, number):
+                    held.lent = False
+                    kept.append(number)
+                else:
+                    del self._versions[number]
+                    dropped.append(number)
+        return kept, dropped
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """A snapshot that failed before it was announced: its buffer goes back to the pool

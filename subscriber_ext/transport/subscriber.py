@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import zmq
 
@@ -25,7 +25,7 @@ from subscriber_ext.transport.staging.assembly import StagedVersion
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.memory_budget import derive_staging_budget
 from subscriber_ext.transport.staging.progress import PartialVersion, ProgressFeed
-from subscriber_ext.transport.subscriber_options import SubscriberOptions
+from subscriber_ext.transport.subscriber_options import SubscriberKeywords, SubscriberOptions
 from weightpub_wire.buffers import Allocator, BufferPool
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import (
@@ -47,11 +47,13 @@ class WeightSubscriber:
 
     The background thread starts at construction. Every blocking call takes a
     timeout and raises ``WeightPubTimeout`` when it runs out. The option keywords
-    build one ``SubscriberOptions`` (``transport/subscriber_options.py``), checked
-    before anything starts; ``options=`` passes one whole instead (or the
-    ``SyncOptions`` the keywords override). They override ``SyncOptions`` fields
-    (``window_bytes``, ``request_timeout``, ...), plus ``max_version_bytes`` (refuse
-    larger manifests before allocating) and ``subscriber_id`` (in every report).
+    (typed by ``SubscriberKeywords``) build one ``SubscriberOptions``
+    (``transport/subscriber_options.py``, where each is declared once with its bound,
+    default and unit; ``docs/options.md``), checked before anything starts; ``options=``
+    passes one whole instead (or the ``SyncOptions`` the keywords override). They
+    override ``SyncOptions`` fields (``window_bytes``, ``request_timeout``, ...), plus
+    ``max_version_bytes`` (refuse larger manifests before allocating) and
+    ``subscriber_id`` (in every report).
     ``curve_server_key_file`` (the publisher's public key) turns on CurveZMQ.
 
     ``staging_budget_bytes`` bounds the host memory of all staged versions alive
@@ -92,7 +94,7 @@ class WeightSubscriber:
         context: zmq.Context | None = None,
         allocator: Allocator | None = None,
         chunk_listener: ChunkListener | None = None,
-        **keywords: Any,
+        **keywords: Unpack[SubscriberKeywords],
     ) -> None:
         router = parse_endpoint(endpoint)
         opts = self.build_options(options, **keywords)
@@ -146,7 +148,7 @@ class WeightSubscriber:
 
     @staticmethod
     def build_options(options: SubscriberOptions | SyncOptions | None = None,
-                      **keywords: Any) -> SubscriberOptions:
+                      **keywords: Unpack[SubscriberKeywords]) -> SubscriberOptions:
         """The constructor's options as one object, checked (``ConfigError``), nothing started.
 
         ``options`` is a whole ``SubscriberOptions`` (then no keywords), or the
@@ -157,7 +159,9 @@ class WeightSubscriber:
                 raise ConfigError(f"WeightSubscriber: {', '.join(sorted(keywords))} given "
                                   "with options=SubscriberOptions (put them in the options)")
             return options
-        return SubscriberOptions.from_keywords(sync=options, **keywords)
+        if options is not None:
+            return SubscriberOptions.from_keywords(**{**keywords, "sync": options})
+        return SubscriberOptions.from_keywords(**keywords)
 
     # -- public API ----------------------------------------------------------------------------
     def latest(self) -> StagedVersion | None:
@@ -334,10 +338,7 @@ class WeightSubscriber:
             if not client.sub.poll(0):
                 break
             client.on_sub()
-        if client.peering is not None:
-            client.peering.on_events(events, time.monotonic())
-        if client.shards.links:
-            client.shards.on_events(events, time.monotonic())
+        client.on_events(events, time.monotonic())
 
     def _run(self) -> None:
         client = self._client
@@ -346,9 +347,7 @@ class WeightSubscriber:
         poller.register(client.sub, zmq.POLLIN)
         poller.register(self._wake, zmq.POLLIN)
         poller.register(client.monitor, zmq.POLLIN)
-        if client.peering is not None:
-            client.peering.register(poller)
-        client.shards.register(poller)
+        client.register(poller)
         try:
             while not self._closed:
                 try:

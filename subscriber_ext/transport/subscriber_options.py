@@ -1,125 +1,137 @@
-"""``SubscriberOptions``: everything a ``WeightSubscriber`` is configured with, checked once.
+"""``SubscriberOptions``: every option of a ``WeightSubscriber``, declared once, checked once.
 
-Why one object: the subscriber takes flat keywords (``window_bytes=``,
-``peer_share=``, ``max_version_bytes=``, ...), which land in nested typed
-options (``SyncOptions``, ``PeerOptions``, ``wire.Limits``). They are turned
-into this object once, by ``SubscriberOptions.from_keywords`` (``ConfigError``
-naming the keyword), and the object is passed whole: the worker extension builds
-it on every rank before anything starts (so a bad option fails the same way
-everywhere) and hands it to the node's owner; the subscriber module keeps only
-the thread and its API.
+Why one flat object: the subscriber's keywords (``window_bytes=``, ``peer_share=``,
+``max_version_bytes=``, ...), its ``subscriber:`` YAML section
+(``subscriber_config.py``, the same model with ``endpoint`` beside it) and vLLM's
+``init_info`` (through ``WorkerOptions``, which extends this class) all give the same
+names, so they are one ``OptionSet``: ``SyncSettings`` (how chunks are fetched) +
+``PeerSettings`` (peer sharing) + the fields below. Each is declared once, with its
+bound, default, unit and doc; ``sync`` is the ``SyncOptions`` the client runs with,
+built from them once. The worker extension builds this on every rank before
+anything starts, so a bad option fails the same way everywhere.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self, TypedDict
 
 import msgspec
+from pydantic import Field, InstanceOf, PrivateAttr, field_validator, model_validator
 
-from subscriber_ext.transport.client.sync_client import SyncOptions
-from subscriber_ext.transport.peers.peer_options import PeerOptions
+from subscriber_ext.transport.client.sync_options import SyncOptions, SyncSettings
+from subscriber_ext.transport.peers.peer_options import PeerSettings
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ConfigError
+from weightpub_wire.option_set import unit
 
-__all__ = ["SubscriberOptions"]
+__all__ = ["SubscriberKeywords", "SubscriberOptions"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SubscriberOptions:
-    """A subscriber's options (see ``WeightSubscriber`` for what each one does).
+class SubscriberOptions(SyncSettings, PeerSettings):
+    """A subscriber's options (``WeightSubscriber``'s docstring says what each one does)."""
 
-    ``subscriber_id`` None: a fresh one per subscriber (host, pid, random).
-    ``staging_budget_bytes`` None: half of the memory available at start.
-    """
+    option_owner = "WeightSubscriber"
 
-    sync: SyncOptions = field(default_factory=SyncOptions)
-    subscriber_id: str | None = None
-    curve_server_key_file: str | None = None  # the publisher's public key: CurveZMQ on
-    curve_secret_key_file: str | None = None  # this client's key pair (allow-listing)
-    staging_budget_bytes: int | None = None
+    subscriber_id: str | None = Field(
+        None, description="the name in every report (default: host, pid and a random tag)")
+    curve_server_key_file: str | None = Field(
+        None, description="the publisher's public key: turns on CurveZMQ")
+    curve_secret_key_file: str | None = Field(
+        None, description="this client's key pair (the publisher's allow-list)")
+    staging_budget_bytes: int | None = Field(
+        None, ge=1, json_schema_extra=unit("bytes"),
+        description="host memory for staged versions, all alive at once (default: half of "
+                    "what is available at start)")
+    max_version_bytes: int | None = Field(
+        None, ge=1, json_schema_extra=unit("bytes", yaml="max_version_gib"),
+        description="refuse larger manifests before allocating (default: this machine's "
+                    "memory)")
+    limits: InstanceOf[wire.Limits] | None = Field(
+        None, json_schema_extra=unit("", python_only=True),
+        description="receiver bounds (default: weightpub_wire Limits); max_version_bytes "
+                    "replaces its max_total_bytes")
+    _sync: SyncOptions = PrivateAttr()
 
-    def __post_init__(self) -> None:
-        budget = self.staging_budget_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget <= 0):
-            raise ConfigError(f"staging_budget_bytes: {budget!r} is not a positive number "
-                              "of bytes")
+    @field_validator("subscriber_id")
+    @classmethod
+    def _wire_name(cls, value: str | None) -> str | None:
+        if value is not None:  # the id travels in every report: refuse what the publisher would
+            try:
+                msgspec.convert(value, wire.Name)
+            except msgspec.ValidationError as exc:
+                raise ValueError(str(exc)) from exc
+        return value
+
+    @model_validator(mode="after")
+    def _client_key_needs_server_key(self) -> Self:
         if self.curve_secret_key_file is not None and self.curve_server_key_file is None:
-            raise ConfigError(
+            raise ValueError(
                 "curve_secret_key_file: given without curve_server_key_file (the publisher's "
                 "public key); CURVE needs both, and this client key would be ignored")
-        if self.subscriber_id is not None:
-            try:  # the id travels in every report: refuse here what the publisher would
-                msgspec.convert(self.subscriber_id, wire.Name)
-            except msgspec.ValidationError as exc:
-                raise ConfigError(f"subscriber_id: {exc}") from exc
+        return self
+
+    def model_post_init(self, context: Any, /) -> None:
+        limits = self.limits if self.limits is not None else wire.Limits()
+        if self.max_version_bytes is not None:
+            limits = dataclasses.replace(limits, max_total_bytes=self.max_version_bytes)
+        self._sync = SyncOptions(**self.given(SyncSettings.model_fields), limits=limits,
+                                 peers=self.peer_options())
+
+    @property
+    def sync(self) -> SyncOptions:
+        """What ``SyncClient`` runs with (built once from these options)."""
+        return self._sync
 
     @classmethod
-    def from_keywords(
-        cls,
-        *,
-        sync: SyncOptions | None = None,
-        subscriber_id: str | None = None,
-        curve_server_key_file: str | None = None,
-        curve_secret_key_file: str | None = None,
-        staging_budget_bytes: int | None = None,
-        max_version_bytes: int | None = None,
-        peer_share: bool = False,
-        peer_bind: str | None = None,
-        insecure: bool | None = None,
-        upload_mbit: float | None = None,
-        upload_cpu_share: float | None = None,
-        **sync_fields: Any,
-    ) -> SubscriberOptions:
-        """The options of ``WeightSubscriber(endpoint, **keywords)``.
+    def from_keywords(cls, **keywords: Any) -> Self:
+        """``WeightSubscriber``'s keywords; ``sync`` (a ``SyncOptions``) is a base they
+        override."""
+        base = keywords.pop("sync", None)
+        if base is not None:
+            if not isinstance(base, SyncOptions):
+                raise ConfigError(f"sync: {base!r} is not a SyncOptions")
+            inherited: dict[str, Any] = base.given(SyncSettings.model_fields)
+            inherited["limits"] = base.limits
+            if base.peers is not None:
+                peers = base.peers
+                inherited.update(peer_share=True, peer_bind=peers.bind, insecure=peers.insecure,
+                                 upload_mbit=None if peers.upload_bytes_per_s is None
+                                 else peers.upload_bytes_per_s * 8 / 1e6)
+                if peers.upload_cpu_share is not None:
+                    inherited["upload_cpu_share"] = peers.upload_cpu_share
+            keywords = {**inherited, **keywords}
+        return super().from_keywords(**keywords)
 
-        ``sync`` is the base the ``SyncOptions`` field keywords (``window_bytes``, ...)
-        override; ``max_version_bytes`` bounds ``limits.max_total_bytes``; the peer
-        keywords make ``sync.peers`` (only with ``peer_share=True``).
-        """
-        known = set(SyncOptions.__dataclass_fields__)
-        unknown = set(sync_fields) - known - {"peers"}
-        if unknown:
-            own = [p for p in inspect.signature(cls.from_keywords).parameters
-                   if p != "sync_fields"]
-            raise ConfigError(f"WeightSubscriber: unknown option(s) {sorted(unknown)} "
-                              f"(known: {sorted(known | set(own))})")
-        peers = _peer_options(peer_share, bind=peer_bind, insecure=insecure,
-                              upload_mbit=upload_mbit, upload_cpu_share=upload_cpu_share)
-        if peers is not None:
-            sync_fields["peers"] = peers
-        base = sync or SyncOptions()
-        if max_version_bytes is not None:
-            limits = sync_fields.get("limits", base.limits)
-            sync_fields["limits"] = dataclasses.replace(
-                limits, max_total_bytes=int(max_version_bytes))
-        return cls(sync=dataclasses.replace(base, **sync_fields) if sync_fields else base,
-                   subscriber_id=subscriber_id, curve_server_key_file=curve_server_key_file,
-                   curve_secret_key_file=curve_secret_key_file,
-                   staging_budget_bytes=staging_budget_bytes)
+    def subscriber_kwargs(self) -> dict[str, Any]:
+        """The options as keywords a file or the network may carry (JSON-able: no
+        Python-only ones), those that differ from their default."""
+        declared = SubscriberOptions.declared_options()
+        return {name: getattr(self, name) for name, info in declared.items()
+                if getattr(self, name) != info.default}
 
 
-def _peer_options(share: object, *, bind: str | None, insecure: bool | None,
-                  upload_mbit: float | None,
-                  upload_cpu_share: float | None) -> PeerOptions | None:
-    """``PeerOptions`` from the peer keywords (None: peer sharing is off)."""
-    if not isinstance(share, bool):
-        raise ConfigError(f"peer_share: {share!r} is not true or false")
-    if not share:
-        given = {"peer_bind": bind, "insecure": insecure, "upload_mbit": upload_mbit,
-                 "upload_cpu_share": upload_cpu_share}
-        named = sorted(k for k, v in given.items() if v is not None)
-        if named:
-            raise ConfigError(f"{', '.join(named)}: only with peer_share=True")
-        return None
-    if upload_mbit is not None and (isinstance(upload_mbit, bool) or
-                                    not isinstance(upload_mbit, int | float)
-                                    or upload_mbit <= 0):
-        raise ConfigError(f"upload_mbit: {upload_mbit!r} is not a positive number of Mbit/s")
-    return PeerOptions(
-        bind=bind, insecure=bool(insecure),
-        upload_bytes_per_s=None if upload_mbit is None else upload_mbit * 1e6 / 8,
-        upload_cpu_share=0.25 if upload_cpu_share is None else upload_cpu_share)
+class SubscriberKeywords(TypedDict, total=False):
+    """``WeightSubscriber``'s option keywords, for type checkers; a test holds it equal to
+    ``SubscriberOptions``' declaration (plus ``sync``, a ``SyncOptions`` base)."""
+
+    request_timeout: float
+    window_bytes: int
+    chunks_per_request: int
+    max_chunk_retries: int
+    switch_below_fraction: float
+    report_interval: float
+    collective: bool
+    collective_device: str | None
+    peer_share: bool
+    peer_bind: str | None
+    insecure: bool
+    upload_mbit: float | None
+    upload_cpu_share: float
+    subscriber_id: str | None
+    curve_server_key_file: str | None
+    curve_secret_key_file: str | None
+    staging_budget_bytes: int | None
+    max_version_bytes: int | None
+    limits: wire.Limits | None
+    sync: SyncOptions | None

@@ -26,7 +26,7 @@ __all__ = ["ALLOW_ENV", "INTERNALS", "SUPPORTED_VLLM", "Internal", "check_vllm",
 logger = logging.getLogger("weightpub.vllm")
 
 #: Inclusive lower, exclusive upper (major, minor) of the vLLM releases we support.
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 ALLOW_ENV = "WEIGHTPUB_ALLOW_UNTESTED_VLLM"
 
 
@@ -110,6 +110,23 @@ INTERNALS: tuple[Internal, ...] = (
              "node staging: the engine's rendezvous address names the replica's node channel"),
     Internal("vllm.distributed.utils", "stateless_init_torch_distributed_process_group", None,
              "the seed API's gloo group"),
+    # LoRA adapters as versions (``vllm_ext/lora/``, issue 32)
+    Internal("vllm.lora.worker_manager", "WorkerLoRAManager._load_adapter",
+             ("self", "lora_request"), "served adapters: built from memory, by name"),
+    Internal("vllm.lora.worker_manager", "WorkerLoRAManager.add_adapter",
+             ("self", "adapter_request"), "reload a committed adapter under its ids"),
+    Internal("vllm.lora.worker_manager", "WorkerLoRAManager.list_adapters", ("self",),
+             "which adapter ids are loaded"),
+    Internal("vllm.lora.lora_model", "LoRAModel.from_lora_tensors",
+             ("lora_model_id", "tensors", "peft_helper", "device", "dtype"),
+             "an adapter from tensors held in memory, no files"),
+    Internal("vllm.lora.peft_helper", "PEFTHelper.from_dict", ("config_dict",),
+             "an adapter's config from the manifest's AdapterInfo"),
+    Internal("vllm.lora.peft_helper", "PEFTHelper.validate_legal", ("self", "lora_config"),
+             "the engine's LoRA limits (rank, modules) checked before loading"),
+    Internal("vllm.lora.utils", "parse_fine_tuned_lora_name", ("name", "weights_mapper"),
+             "each adapter tensor's module, as vLLM reads a directory"),
+    Internal("vllm.lora.request", "LoRARequest", None, "requests by adapter name and id"),
 )
 
 

@@ -9,8 +9,9 @@ extension's (``start_weight_subscriber``); nothing is received *through* vLLM's
 RPCs. What the framework's calls mean here:
 
 * ``init_weight_transfer_engine({"endpoint": ..., "options": {...}})``: subscribe
-  every rank (options as ``start_weight_subscriber``'s). Without it, the
-  ``--additional-config '{"weightpub": {"endpoint": ...}}'`` entry has already
+  every rank (options as ``start_weight_subscriber``'s, each checked by its declaration
+  in ``WorkerOptions``; the Python-only ones, ``subscriber_cls`` among them, refused).
+  Without it, the ``--additional-config '{"weightpub": {"endpoint": ...}}'`` entry has already
   subscribed the replica at start.
 * ``start_weight_update`` / ``finish_weight_update``: nothing to do. weightpub
   commits between two steps with requests running (the engine invalidates the
@@ -46,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from subscriber_ext.vllm_ext.commit.update_waits import BLOCKING_WAIT_S, MAX_TIMEOUT_S
 from subscriber_ext.vllm_ext.commit.vllm_plugin import BACKEND
+from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.errors import ConfigError, WeightPubTimeout
 
 __all__ = ["WeightpubInitInfo", "WeightpubUpdateInfo", "WeightpubWeightTransferEngine"]
@@ -67,6 +69,9 @@ class WeightpubInitInfo(WeightTransferInitInfo):
             raise ConfigError("weightpub init_info.endpoint: expected a string")
         if not isinstance(self.options, dict):
             raise ConfigError("weightpub init_info.options: expected a mapping")
+        # every option checked by its declaration now; Python-only ones (subscriber_cls,
+        # which names code to import) are refused before anything is imported
+        WorkerOptions.from_wire(self.options, "weightpub init_info.options")
 
 
 @dataclass
@@ -132,7 +137,9 @@ class WeightpubWeightTransferEngine(WeightTransferEngine[WeightpubInitInfo,
                 f"weight transfer backend {BACKEND!r}: no endpoint; pass init_info "
                 '{"endpoint": "tcp://host:port"} or --additional-config '
                 '\'{"weightpub": {"endpoint": "tcp://host:port"}}\'')
-        worker.start_weight_subscriber(endpoint, **{**base, **init_info.options})
+        options = {**base, **init_info.options}
+        WorkerOptions.from_wire(options, "weightpub init_info.options")  # (with the file's)
+        worker.start_weight_subscriber(endpoint, **options)
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: versions are staged and prepared while the engine serves."""

@@ -23,18 +23,16 @@ executor reads every rank's reply and the next RPC gets its own.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Unpack
 
 from subscriber_ext.transport.node.node_join import join_node_staging
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.transport.subscriber_options import SubscriberOptions
-from subscriber_ext.vllm_ext.apply.heap_trim import set_mmap_threshold
 from subscriber_ext.vllm_ext.apply.prepare import PreparedVersion
 from subscriber_ext.vllm_ext.apply.prepare_budget import PrepareBudget
 from subscriber_ext.vllm_ext.apply.progressive import VersionPrep
@@ -42,21 +40,26 @@ from subscriber_ext.vllm_ext.commit.coordinator import CommitCoordinator, Staged
 from subscriber_ext.vllm_ext.commit.shared_slots import ENV, SlotTable, SlotWriter
 from subscriber_ext.vllm_ext.commit.strategies import CommitStrategy, EngineDriven, RankAgreement
 from subscriber_ext.vllm_ext.commit.vllm_patches import wrap_execute_model
+from subscriber_ext.vllm_ext.lora.adapter_versions import adapter_version
+from subscriber_ext.vllm_ext.lora.merged import AdapterMerger
+from subscriber_ext.vllm_ext.lora.served import AdapterServer, lora_manager_of
 from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.seed_rpcs import SeedRpcs
+from subscriber_ext.vllm_ext.slice_rpcs import SliceRpcs
 from subscriber_ext.vllm_ext.vllm_compat import check_vllm
-from subscriber_ext.vllm_ext.worker_options import WorkerOptions
+from subscriber_ext.vllm_ext.worker_options import WorkerKeywords, WorkerOptions
 from subscriber_ext.vllm_ext.worker_state import VersionSource
 from subscriber_ext.vllm_ext.worker_status import WorkerStatus
 from weightpub_wire.endpoints import parse_endpoint
-from weightpub_wire.errors import ConfigError
+from weightpub_wire.errors import ApplyError, ConfigError
+from weightpub_wire.heap_trim import set_mmap_threshold
 
 __all__ = ["BatchWeightSyncWorkerExtension"]
 
 logger = logging.getLogger("weightpub.worker")
 
 
-class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
+class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
     """Worker extension adding subscription, step-boundary commit and the seed API."""
 
     # ------------------------------------------------------------ internals
@@ -83,8 +86,39 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
                 prepare_policy="always" if settings.prepare else "auto",
                 start_progressive=self._wp_start_progressive if early else None,
                 trim_heap=settings.trim_heap,
+                apply_adapters=self._wp_apply_adapters,
             )
         return st.coordinator
+
+    def _wp_apply_adapters(self, staged: StagedLike) -> None:
+        """Commit (every rank, one step): a version of LoRA adapters, served by name or
+        merged into the base weights (``lora/``; ``lora_mode``)."""
+        adapters = adapter_version(staged)
+        assert adapters, "the coordinator sends adapter versions only"
+        st = self._wp()
+        mode = st.options.lora_mode
+        manager = lora_manager_of(self.model_runner)
+        if mode == "auto":
+            mode = "serve" if manager is not None else "merge"
+        if mode == "serve":
+            if manager is None:
+                raise ApplyError("lora_mode 'serve': this engine was started without "
+                                 "enable_lora; start it with LoRA or use lora_mode 'merge'")
+            if st.adapter_server is None:
+                st.adapter_server = AdapterServer(manager)
+            st.adapter_server.apply(adapters)
+            st.adapter_mode = "serve"
+            return
+        applier = self._wp_applier()  # a new one when apply_mode changed
+        merger = st.adapter_merger
+        if merger is None or merger.adapter != st.options.merge_adapter \
+                or merger.applier is not applier:
+            st.adapter_merger = AdapterMerger(applier,
+                                              self.vllm_config.model_config.model,
+                                              st.options.merge_adapter)
+        assert st.adapter_merger is not None
+        st.adapter_merger.apply(adapters)
+        st.adapter_mode = "merge"
 
     def _wp_configure(self, options: WorkerOptions) -> None:
         """Take ``options``; an applier or coordinator built with other settings goes."""
@@ -196,6 +230,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         if not isinstance(cfg, dict) or not isinstance(cfg.get("endpoint"), str):
             raise ConfigError("additional_config.weightpub.endpoint: expected a string")
         options = {k: v for k, v in cfg.items() if k != "endpoint"}
+        # from a file or the command line: checked like init_info (no Python-only option)
+        WorkerOptions.from_wire(options, "additional_config.weightpub")
         self.start_weight_subscriber(cfg["endpoint"], **options)
 
     def _wp_source_class(self, qualname: str) -> Any:
@@ -207,7 +243,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
 
     # --------------------------------------------------------- subscription
     @all_ranks_reply
-    def start_weight_subscriber(self, endpoint: str, **options: Any) -> dict[str, Any]:
+    def start_weight_subscriber(self, endpoint: str,
+                                **options: Unpack[WorkerKeywords]) -> dict[str, Any]:
         """Subscribe this rank to ``endpoint``; idempotent for the same endpoint.
 
         Extension options: ``apply_mode`` (auto|in_place|reload), ``keep`` (staged
@@ -228,7 +265,9 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
         peak, page faults on fresh large blocks; docs/benchmarks.md),
         ``subscriber_cls``
         ("module:Class" of a ``VersionSource``, default ``WeightSubscriber``; called
-        as ``cls(endpoint, on_version=..., options=SubscriberOptions)``),
+        as ``cls(endpoint, on_version=..., options=SubscriberOptions)``; Python only:
+        refused from ``init_info`` and ``--additional-config``, so nothing is imported by
+        a name that came over the network),
         ``prepare_while_arriving`` (default True: with ``prepare`` on, each layer is
         prepared as soon as its bytes are verified, while later layers are still on
         the wire, busy engine or idle; the commit then only swaps),
@@ -294,13 +333,12 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, WorkerStatus):
     def _wp_subscriber_options(self, options: SubscriberOptions) -> SubscriberOptions:
         """This rank's defaults: an id naming host, process and rank; the rank's GPU for a
         collective path."""
-        sync = options.sync
-        if sync.collective and sync.collective_device is None and \
+        changes: dict[str, Any] = {"subscriber_id": options.subscriber_id or
+                                   f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}"}
+        if options.collective and options.collective_device is None and \
                 getattr(self.device, "type", "") == "cuda":
-            sync = dataclasses.replace(sync, collective_device=str(self.device))
-        return dataclasses.replace(
-            options, sync=sync, subscriber_id=options.subscriber_id or
-            f"{socket.gethostname()}-{os.getpid()}-rank{self.rank}")
+            changes["collective_device"] = str(self.device)
+        return options.replace(**changes)
 
     def _wp_node_key(self, endpoint: str) -> str | None:
         """What every local rank of this replica (and no other replica) shares: vLLM's

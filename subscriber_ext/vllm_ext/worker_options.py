@@ -1,25 +1,34 @@
-"""``WorkerOptions``: one rank's ``start_weight_subscriber`` options, as one checked object.
+"""``WorkerOptions``: one rank's ``start_weight_subscriber`` options, declared once, checked once.
 
 Why: ``start_weight_subscriber(endpoint, **options)`` (and the
-``additional_config.weightpub`` YAML section that reaches it) mixes the
-extension's own options (how and when to commit) with the subscriber's
-(``SubscriberOptions``: transport, staging, peers). ``from_keywords`` splits them
-by this class's fields, checks both (``ConfigError`` naming the keyword, the
-same on every rank, before anything starts), and the result is passed whole.
+``additional_config.weightpub`` section and vLLM's ``init_info`` that reach it) takes
+the extension's own options (how and when to commit) beside the subscriber's, under
+the same flat names. So ``WorkerOptions`` *is* ``SubscriberOptions`` plus the fields
+below, one ``OptionSet``: each option is declared once, with its bound, default, unit
+and doc, and checked the same (``ConfigError`` naming it) from every door, on every
+rank, before anything starts.
+
+What arrives from outside the process (``init_info``, ``--additional-config``) goes
+through ``from_wire``: the Python-only options are refused there, ``subscriber_cls``
+first, so no module is ever imported by a name that came over the network.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Literal, Self, get_args
 
-from subscriber_ext.transport.subscriber_options import SubscriberOptions
-from subscriber_ext.vllm_ext.apply.applier import APPLY_MODES
-from weightpub_wire.errors import ConfigError
+from pydantic import Field, model_validator
 
-__all__ = ["DEFAULT_SOURCE", "CommitSettings", "WorkerOptions"]
+from subscriber_ext.transport.subscriber_options import SubscriberKeywords, SubscriberOptions
+from subscriber_ext.vllm_ext.apply.applier import ApplyMode
+from weightpub_wire.option_set import MiB, unit
+
+__all__ = ["DEFAULT_SOURCE", "CommitSettings", "WorkerKeywords", "WorkerOptions"]
 
 DEFAULT_SOURCE = "subscriber_ext.transport.subscriber:WeightSubscriber"
+LoraMode = Literal["auto", "serve", "merge"]
+LORA_MODES: tuple[str, ...] = get_args(LoraMode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,66 +44,61 @@ class CommitSettings:
     trim_heap: bool = True
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class WorkerOptions:
+class WorkerOptions(SubscriberOptions):
     """What ``start_weight_subscriber`` was asked for (its docstring says what each does)."""
 
-    apply_mode: str = "auto"
-    keep: int = 2
-    prepare: bool | None = None  # None: prepare while the engine is busy, in reload mode
-    prepare_while_arriving: bool = True
-    #: bytes of prepared shadows per rank; None: 0 (none: the commit writes the staged
-    #: bytes into the live weights), or unbounded with ``prepare=True``
-    prepare_budget_bytes: int | None = None
-    #: after each commit, give the heap memory it freed back to the OS (glibc malloc_trim)
-    trim_heap: bool = True
-    #: fix glibc's mmap threshold in this worker (None: glibc's dynamic default)
-    mmap_threshold_bytes: int | None = None
-    record_requests: bool = True
-    request_log_size: int = 65536
-    subscriber_cls: str = DEFAULT_SOURCE  # "module:Class" of a ``VersionSource``
-    node_staging: bool | None = None  # None: on when the replica has more than one rank
-    subscriber: SubscriberOptions = field(default_factory=SubscriberOptions)
+    option_owner = "start_weight_subscriber"
 
-    def __post_init__(self) -> None:
-        if self.apply_mode not in APPLY_MODES:
-            raise ConfigError(f"apply_mode: expected one of {APPLY_MODES}, "
-                              f"got {self.apply_mode!r}")
-        for name in ("keep", "request_log_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}: {value!r} is not a positive integer")
-        for name in ("prepare_while_arriving", "record_requests", "trim_heap"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}: {getattr(self, name)!r} is not true or false")
-        for name in ("prepare", "node_staging"):
-            if getattr(self, name) not in (None, True, False):
-                raise ConfigError(f"{name}: {getattr(self, name)!r} is not true, false or "
-                                  "None (the default)")
-        budget = self.prepare_budget_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget < 0):
-            raise ConfigError(f"prepare_budget_bytes: {budget!r} is not a number of bytes "
-                              "(0 or more) or None")
-        threshold = self.mmap_threshold_bytes
-        if threshold is not None and (isinstance(threshold, bool)
-                                      or not isinstance(threshold, int)
-                                      or not 0 < threshold <= 32 << 20):
-            raise ConfigError(f"mmap_threshold_bytes: {threshold!r} is not a number of bytes "
-                              "in 1..32 MiB or None")
-        if self.prepare is True and budget == 0:
-            raise ConfigError("prepare_budget_bytes: 0 leaves nothing to prepare with "
-                              "prepare=True; raise it or leave it unset (unbounded)")
-        if not isinstance(self.subscriber_cls, str) or ":" not in self.subscriber_cls:
-            raise ConfigError(f"subscriber_cls: {self.subscriber_cls!r} is not "
-                              "'module:Class'")
+    apply_mode: ApplyMode = Field(
+        "auto", description="how tensors reach vLLM's parameters: in_place, reload, or auto "
+                            "(chosen per model and backend)")
+    keep: int = Field(2, ge=1, json_schema_extra=unit("versions"),
+                      description="staged versions held per rank")
+    prepare: bool | None = Field(
+        None, description="build kernel-format weights off the step path and only copy them "
+                          "in at commit (None: in reload mode while the engine is busy)")
+    prepare_while_arriving: bool = Field(
+        True, description="with prepare on, prepare each layer as soon as its bytes verify")
+    prepare_budget_bytes: int | None = Field(
+        None, ge=0, json_schema_extra=unit("bytes"),
+        description="prepared shadows per rank (None: 0, none, or unbounded with "
+                    "prepare=True)")
+    trim_heap: bool = Field(
+        True, description="after each commit, give the heap memory it freed back to the OS "
+                          "(glibc malloc_trim)")
+    mmap_threshold_bytes: int | None = Field(
+        None, gt=0, le=32 * MiB, json_schema_extra=unit("bytes"),
+        description="fix glibc's mmap threshold in this worker (None: glibc's dynamic "
+                    "default)")
+    record_requests: bool = Field(
+        True, description="record which version each request was served with")
+    request_log_size: int = Field(65536, ge=1, json_schema_extra=unit("requests"),
+                                  description="requests remembered for that record")
+    subscriber_cls: str = Field(
+        DEFAULT_SOURCE, pattern=r"^[\w.]+:\w+$", json_schema_extra=unit("", python_only=True),
+        description="'module:Class' of a VersionSource (a test stand-in); imported, so only "
+                    "from Python, never from init_info or a file")
+    node_staging: bool | None = Field(
+        None, description="the ranks on one node share one subscription and staged copy "
+                          "(None: when the replica has more than one rank)")
+    lora_mode: LoraMode = Field(
+        "auto", description="LoRA adapter versions: serve them by name (an engine with "
+                            "enable_lora), merge one into the base weights, or auto (serve "
+                            "when the engine has LoRA enabled, else merge)")
+    merge_adapter: str | None = Field(
+        None, min_length=1, description="the adapter merged when a version holds several")
 
-    @classmethod
-    def from_keywords(cls, **keywords: Any) -> WorkerOptions:
-        """Split ``start_weight_subscriber``'s keywords: ours, and the subscriber's."""
-        own = {name: keywords.pop(name) for name in list(keywords)
-               if name in cls.__dataclass_fields__ and name != "subscriber"}
-        return cls(**own, subscriber=SubscriberOptions.from_keywords(**keywords))
+    @model_validator(mode="after")
+    def _budget_for_prepare(self) -> Self:
+        if self.prepare is True and self.prepare_budget_bytes == 0:
+            raise ValueError("prepare_budget_bytes: 0 leaves nothing to prepare with "
+                             "prepare=True; raise it or leave it unset (unbounded)")
+        return self
+
+    @property
+    def subscriber(self) -> SubscriberOptions:
+        """The subscriber's share of these options."""
+        return SubscriberOptions(**self.given(SubscriberOptions.model_fields))
 
     @property
     def commit(self) -> CommitSettings:
@@ -103,3 +107,22 @@ class WorkerOptions:
             budget = None if self.prepare is True else 0
         return CommitSettings(self.apply_mode, self.keep, self.prepare,
                               self.prepare_while_arriving, budget, self.trim_heap)
+
+
+class WorkerKeywords(SubscriberKeywords, total=False):
+    """``start_weight_subscriber``'s option keywords, for type checkers; a test holds it
+    equal to ``WorkerOptions``' declaration."""
+
+    apply_mode: ApplyMode
+    keep: int
+    prepare: bool | None
+    prepare_while_arriving: bool
+    prepare_budget_bytes: int | None
+    trim_heap: bool
+    mmap_threshold_bytes: int | None
+    record_requests: bool
+    request_log_size: int
+    subscriber_cls: str
+    node_staging: bool | None
+    lora_mode: LoraMode
+    merge_adapter: str | None

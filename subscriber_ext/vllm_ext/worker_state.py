@@ -19,6 +19,8 @@ from subscriber_ext.vllm_ext.apply.applier import WeightApplier
 from subscriber_ext.vllm_ext.apply.names import Target
 from subscriber_ext.vllm_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.vllm_ext.commit.shared_slots import SlotTable
+from subscriber_ext.vllm_ext.lora.merged import AdapterMerger
+from subscriber_ext.vllm_ext.lora.served import AdapterServer
 from subscriber_ext.vllm_ext.seed.communicator import WeightCommunicator
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.errors import WeightPubError
@@ -68,6 +70,11 @@ class WorkerState:
         self.slot_index = 0
         self.metrics = RankMetrics()
         self.status_writer: threading.Thread | None = None
+        #: LoRA adapter versions: served by name (kept for the worker's life: it wraps the
+        #: LoRA manager's loader) or merged (rebuilt with the options)
+        self.adapter_server: AdapterServer | None = None
+        self.adapter_merger: AdapterMerger | None = None
+        self.adapter_mode: str | None = None  # how the last adapter version was applied
 
     def record_step(self, scheduler_output: Any, version: int | None) -> None:
         """Remember, per request id, the first and last version its steps ran with."""

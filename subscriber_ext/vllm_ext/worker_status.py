@@ -105,8 +105,12 @@ class WorkerStatus(StateAccess):
             "prepare": coord.prepare_status() if coord else None,
             # bytes prepared shadows may hold and hold now (``apply/prepare_budget.py``)
             "prepare_budget": applier.prepare_budget.status() if applier else None,
-            # glibc heap memory given back after commits (``apply/heap_trim.py``)
+            # glibc heap memory given back after commits (``weightpub_wire/heap_trim.py``)
             "heap_trim": coord.heap_trim.status() if coord else None,
+            # LoRA adapter versions served by name or merged (``lora/``), None: none yet
+            "lora": st.adapter_server.status() if st.adapter_mode == "serve"
+            and st.adapter_server is not None else st.adapter_merger.status()
+            if st.adapter_mode == "merge" and st.adapter_merger is not None else None,
             "step": coord.step if coord else 0,
             "step_check_s": st.step_check_s,
             "driven": coord.driven if coord else st.slots is not None,

@@ -181,7 +181,7 @@ def pace_replies(client: Any, seconds: float) -> None:
 
     The sleep comes before a message is read, never between its frames, so a test
     slows the transfer without holding a multipart reply half read (the libzmq abort
-    on a half-read reply came from ``IMMEDIATE``, see ``client_sockets.py``).
+    on a half-read reply came from ``IMMEDIATE``, see ``weightpub_wire/monitored_dealer.py``).
     """
     receive = client.on_dealer
 

@@ -123,10 +123,12 @@ def fsdp_extra_tensors() -> dict[str, Any]:
     """``FSDP_EXTRAS`` as whole tensors, the same in every process."""
     import torch
 
+    from weightpub_wire.dtypes import dtype_from_name
+
     out: dict[str, Any] = {}
     for index, (name, (shape, dtype, _)) in enumerate(FSDP_EXTRAS.items()):
         values = torch.arange(1, 1 + torch.Size(shape).numel()) * (index + 3)
-        out[name] = values.reshape(shape).to(getattr(torch, dtype))
+        out[name] = values.reshape(shape).to(dtype_from_name(dtype))
     return out
 
 
@@ -190,10 +192,10 @@ def _count_gathers() -> dict[str, int]:
     """Counts of this rank's ``full_tensor()`` gathers and owner-gather sends/receives."""
     import torch.distributed as dist
 
-    from publisher.sources import streamed_sources
+    from publisher.sources import owner_gather
 
     counts: dict[str, int] = {}
-    full, send, irecv = streamed_sources._full, dist.send, dist.irecv
+    full, send, irecv = owner_gather.full, dist.send, dist.irecv
 
     def counted(key: str, size: int = 0) -> None:
         counts[key] = counts.get(key, 0) + 1
@@ -212,19 +214,19 @@ def _count_gathers() -> dict[str, int]:
         counted("received", tensor.numel() * tensor.element_size())
         return irecv(tensor, *args, **kwargs)
 
-    streamed_sources._full = counting_full
+    owner_gather.full = counting_full
     dist.send, dist.irecv = counting_send, counting_irecv
     return counts
 
 
 def _die_after_gathers(count: int) -> None:
     """A real kill -9 of this rank between two gathers: after ``count`` more of them
-    (``_take``: one tensor's collective, whichever path it goes)."""
+    (``owner_gather.take``: one tensor's collective, whichever path it goes)."""
     import signal
 
-    from publisher.sources import streamed_sources
+    from publisher.sources import owner_gather
 
-    take, gathers = streamed_sources._take, [0]
+    take, gathers = owner_gather.take, [0]
 
     def dying(tensor: Any, owner: int, meshes: Any) -> Any:
         gathers[0] += 1
@@ -232,4 +234,4 @@ def _die_after_gathers(count: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return take(tensor, owner, meshes)
 
-    streamed_sources._take = dying
+    owner_gather.take = dying

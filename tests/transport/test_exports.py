@@ -22,6 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 
 PUBLISHER_ALL = [
     "PROTOCOL_VERSION",
+    "AdapterSpec",
     "ApplyError",
     "ChecksumError",
     "ClosedError",
@@ -45,7 +46,8 @@ PUBLISHER_ALL = [
 
 SUBSCRIBER_ALL = ["WORKER_EXTENSION", "BatchWeightSyncWorkerExtension", "StagedVersion",
                   "SubscriberConfig", "SyncOptions", "VersionRange", "WeightSubscriber",
-                  "keep_fresh", "request_version_range", "version_range", "wait_until_applied"]
+                  "adapter_request", "keep_fresh", "request_version_range", "version_range",
+                  "wait_until_applied"]
 
 WIRE_ALL = ["PROTOCOL_VERSION", "ApplyError", "ChecksumError", "ClosedError", "ConfigError",
             "Manifest", "ProtocolError", "Report", "StagingBudgetError", "TensorEntry",

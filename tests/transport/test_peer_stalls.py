@@ -76,7 +76,7 @@ def test_backoff_doubles_per_stall_in_a_row_up_to_a_bound_and_ends_at_a_chunk() 
     sources = Sources(None, lambda key: [], window=4, timeout=5.0,  # type: ignore[arg-type]
                       max_message_bytes=1 << 20, on_open=lambda link: None,
                       on_close=lambda link: None)
-    link = PeerLink("tcp://127.0.0.1:1", "", None, None)  # type: ignore[arg-type]
+    link = PeerLink("tcp://127.0.0.1:1", "", None)  # type: ignore[arg-type]
     bans = []
     for version in range(1, 10):
         sources.fail(link, ("p", version), "timeout", "stalled", 100.0)

@@ -314,8 +314,8 @@ def test_the_coordinator_announces_only_complete_newer_versions() -> None:
         assert manifest is not None and manifest.checksums == (0, 1)
         assert [(t.name, t.offset) for t in manifest.tensors] == [("t0", 0), ("t1", CHUNK)]
         assert manifest.shard_of(1).endpoint == "tcp://127.0.0.1:9001"
-        coord.submitted(_submit(0, 1), now)  # older than announced
-        assert coord.refused_submits == 1
+        coord.submitted(_submit(0, 2), now)  # the announced one again
+        assert coord.refused_submits == 1 and "already announced" in coord.last_error
         coord.submitted(_submit(0, 3), now)
         coord.submitted(_submit(1, 3, chunk=2 * CHUNK), now)  # chunk sizes differ
         assert coord.latest_version == 2 and coord.dropped_versions == 1
@@ -332,7 +332,7 @@ def test_a_sharded_manifest_must_cover_its_chunks_in_order() -> None:
         return wire.Manifest(
             publisher_id="c", started_at=1.0, version=1, created_at=1.0, chunk_size=CHUNK,
             total_bytes=3 * CHUNK, tensors=(), checksums=(1, 2, 3),
-            shards=tuple(wire.ShardSource(rank=i, endpoint="tcp://h:1", publisher_id="r",
+            shards=tuple(wire.ShardSource(rank=i, endpoint=f"tcp://h:{i + 1}", publisher_id="r",
                                           first_chunk=f, num_chunks=n)
                          for i, (f, n) in enumerate(firsts)))
 

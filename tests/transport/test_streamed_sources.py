@@ -13,7 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from publisher.sources.streamed_sources import gather_full_tensors, layer_groups, owner_ranks
+from publisher.sources.layer_grouping import layer_groups
+from publisher.sources.shard_owners import owner_ranks
+from publisher.sources.streamed_copy import gather_full_tensors
 from weightpub.bench.fsdp_streaming import ModelShape, run_streaming
 
 

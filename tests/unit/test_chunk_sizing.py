@@ -72,7 +72,8 @@ def test_options_default_to_adaptive_and_keep_an_explicit_size() -> None:
 
 def test_yaml_chunk_mib_zero_is_adaptive_and_the_default() -> None:
     default = PublisherConfig(endpoint="tcp://127.0.0.1:1")
-    assert default.chunk_mib == 0 and default.options().chunk_size is None
+    assert default.chunk_size is None and default.options().chunk_size is None
+    assert PublisherConfig(endpoint="tcp://127.0.0.1:1", chunk_mib=0).chunk_size is None
     assert PublisherConfig(endpoint="tcp://127.0.0.1:1", chunk_mib=1).options()\
         .chunk_size == 1 * MiB
 
@@ -85,6 +86,8 @@ def test_collective_buckets_must_hold_whole_chunks_of_any_adaptive_size() -> Non
     # an explicit chunk keeps its own rule
     PublisherOptions.from_keywords(collective="gloo", chunk_size=1 * MiB,
                                    collective_bucket_bytes=2 * MiB)
-    with pytest.raises(ValueError, match="chunk_mib 0: chunks chosen per version"):
-        PublisherConfig(endpoint="tcp://127.0.0.1:1", collective_bucket_mib=6)
-    PublisherConfig(endpoint="tcp://127.0.0.1:1", collective_bucket_mib=6, chunk_mib=2)
+    with pytest.raises(ValueError, match="largest chunk chosen per version"):
+        PublisherConfig(endpoint="tcp://127.0.0.1:1", collective="gloo",
+                        collective_bucket_mib=6)
+    PublisherConfig(endpoint="tcp://127.0.0.1:1", collective="gloo", collective_bucket_mib=6,
+                    chunk_mib=2)

@@ -47,7 +47,7 @@ def test_the_heap_trimmer_runs_off_the_calling_thread_and_counts() -> None:
     (glibc's ``malloc_trim``) and is counted; a disabled trimmer starts nothing."""
     import time
 
-    from subscriber_ext.vllm_ext.apply.heap_trim import HeapTrimmer
+    from weightpub_wire.heap_trim import HeapTrimmer
 
     trimmer = HeapTrimmer()
     try:
@@ -73,7 +73,7 @@ def test_a_fixed_mmap_threshold_gives_large_blocks_back_at_once() -> None:
     import sys
 
     code = (
-        "from subscriber_ext.vllm_ext.apply.heap_trim import set_mmap_threshold, _rss\n"
+        "from weightpub_wire.heap_trim import set_mmap_threshold, resident_bytes as _rss\n"
         "assert set_mmap_threshold(1 << 20)\n"
         "before = _rss()\n"
         "blocks = [bytearray(8 << 20) for _ in range(8)]\n"

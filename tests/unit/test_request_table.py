@@ -1,8 +1,9 @@
 """The request table, the version back-off and the fetch credit alone.
 
 ``RequestTable`` and ``VersionBackoff`` are fed times by the test (no sleeping);
-``FetchCredit`` runs over a real ``Assembly`` (a 16 KiB buffer) with a ``send``
-that records each request, and a ``give_up`` that records each abandoned version.
+``FetchCredit`` runs over a real ``Assembly`` (a 16 KiB buffer) with the publisher as
+its one chunk source (a ``send`` that records each request), and a ``give_up`` that
+records each abandoned version.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from collections.abc import Iterator
 import pytest
 
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
+from subscriber_ext.transport.client.publisher_source import PublisherSource
+from subscriber_ext.transport.client.source_choice import SourceChoice
 from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.chunk_source import SourceSink
 from subscriber_ext.transport.staging.request_table import (
     QUEUED_TIMEOUT_FACTOR,
     RequestTable,
@@ -144,6 +148,10 @@ def test_the_back_off_is_per_version_and_forgotten_once_staged() -> None:
 
 
 # -- FetchCredit ----------------------------------------------------------------------------------
+def _unused(*args: object) -> None:
+    raise AssertionError("no replies in these tests")
+
+
 class Credit:
     """A ``FetchCredit`` over one real target, recording what it sends and gives up."""
 
@@ -155,11 +163,13 @@ class Credit:
         self.given_up: list[WeightPubError] = []
         self.connected = True
         self.requests = RequestTable()
-        self.credit = FetchCredit(self.requests, None, target=lambda: self.target,
-                                  send=self._send, give_up=self.given_up.append,
-                                  window_bytes=window_chunks * CHUNK,
-                                  chunks_per_request=per_request, request_timeout=5.0,
-                                  max_chunk_retries=retries)
+        publisher = PublisherSource(self.requests, self._send, chunks_per_request=per_request,
+                                    request_timeout=5.0)
+        sink = SourceSink(self.requests, chunk=_unused, error=_unused, bad=_unused,
+                          discard_rest=_unused)
+        self.credit = FetchCredit(self.requests, SourceChoice([], publisher, sink),
+                                  target=lambda: self.target, give_up=self.given_up.append,
+                                  window_bytes=window_chunks * CHUNK, max_chunk_retries=retries)
 
     def _send(self, message: wire.Message) -> bool:
         if not self.connected:

@@ -41,9 +41,11 @@ def _remove_vllm_shared_memory_left_behind() -> Iterator[None]:
 #: is shut down after the last test that uses it.
 SHARED_ENGINES: dict[str, tuple[str, int, tuple[str, ...]]] = {
     # the first needs it fresh (outputs of the checkpoint's weights)
-    "qwen2_tp1_engine": ("qwen2", 1, ("test_tp1_qwen2.py", "test_transport_e2e.py")),
+    "qwen2_tp1_engine": ("qwen2", 1, ("test_tp1_qwen2.py", "test_transport_e2e.py",
+                                      "test_lora_merge.py")),
     # the last kills it
-    "qwen2_tp2_engine": ("qwen2", 2, ("test_collective_tp2.py", "test_node_staging.py")),
+    "qwen2_tp2_engine": ("qwen2", 2, ("test_collective_tp2.py", "test_slice_plans.py",
+                                      "test_node_staging.py")),
 }
 _engines: dict[str, Any] = {}
 _last_user: dict[str, str] = {}

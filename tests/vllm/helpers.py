@@ -179,14 +179,13 @@ def make_llm(model_dir: Path, tp: int = 1, *, engine_driver: bool = True, **extr
             os.environ.pop("WEIGHTPUB_ENGINE_DRIVER", None)
     return LLM(
         model=str(model_dir),
-        dtype="float32",
         skip_tokenizer_init=True,
         enforce_eager=True,
         tensor_parallel_size=tp,
         max_num_seqs=16,
         worker_extension_cls=EXT,
         gpu_memory_utilization=0.2,
-        **{"max_model_len": 256, **extra},
+        **{"dtype": "float32", "max_model_len": 256, **extra},
     )
 
 

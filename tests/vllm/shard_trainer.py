@@ -20,7 +20,7 @@ def shard_trainer_main(rank: int, world: int, coordinator: str, commands: Any,
     from safetensors.torch import load_file
 
     from publisher.sharded_publisher import ShardedPublisher
-    from publisher.sources.streamed_sources import owner_ranks
+    from publisher.sources.shard_owners import owner_ranks
 
     def start() -> ShardedPublisher:
         pub = ShardedPublisher("tcp://127.0.0.1:0", rank=rank, world_size=world,

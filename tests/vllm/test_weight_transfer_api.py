@@ -270,6 +270,25 @@ def test_in_flight_requests_complete_across_a_commit_with_their_version_spans(ri
     rig.last_weights = weights
 
 
+def test_init_info_options_are_checked_and_never_name_code_to_import(rig) -> None:
+    """``init_weight_transfer_engine`` is reachable by any client of the server: each option
+    is checked by its declaration in every worker (the same error as the keyword), and
+    ``subscriber_cls``, which names code to import, is refused before any import. The
+    replica keeps following its publisher."""
+    endpoint = rig.trainer.replica_endpoint
+    before = rig.llm.get_weight_version()
+    for options, error in (
+            ({"subscriber_cls": "os:system"}, "subscriber_cls: Python only"),
+            ({"chunks_per_request": 0}, "chunks_per_request: Input should be greater than"),
+            ({"request_timeout": -1}, "request_timeout: Input should be greater than 0"),
+            ({"window_mib": 8}, "unknown option")):
+        with pytest.raises(Exception, match=error):
+            rig.llm.init_weight_transfer_engine(
+                {"init_info": {"endpoint": endpoint, "options": options}})
+    assert rig.llm.get_weight_version() == before
+    assert _labels(rig.llm) == [before]  # still generating, on the version it ran
+
+
 def _within(seconds: float, what: str, call):
     """``call()``'s result, run on a thread of its own: a wedged engine fails the test
     (naming ``what``) instead of hanging it."""

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weightpub_wire.collective_group import scoped_environment
+from weightpub_wire.dtypes import parse_dtype
+from weightpub_wire.errors import ConfigError
 
 if TYPE_CHECKING:
     from publisher.sharded_publisher import ShardedPublisher
@@ -55,9 +57,7 @@ class ModelShape:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        dtype = getattr(torch, self.dtype)
-        assert isinstance(dtype, torch.dtype), self.dtype
-        return dtype
+        return parse_dtype(self.dtype, field="ModelShape.dtype", error=ConfigError)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """Per-rank memory while publishing an FSDP2 model: two gloo ranks on CPU, one subscriber.
 
 Why: ``publish()`` gathers sharded (DTensor) weights one layer group at a time
-(``publisher/sources/streamed_sources.py``) so that no rank materializes the whole
+(``publisher/sources/streamed_copy.py``) so that no rank materializes the whole
 model. This harness shows it from outside the code under test: each rank
 process reads its own peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs`` just before the publish) beyond the resident set at
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from publisher.sharding.shard_coordinator import SHARD_PAD
-from publisher.sources.streamed_sources import layer_groups
+from publisher.sources.layer_grouping import layer_groups
 from weightpub.bench.fsdp_ranks import (
     FsdpRanks,
     ModelShape,

@@ -1,11 +1,12 @@
-"""One chunk reply, from the publisher or a peer: receive it into place, verify, route on.
+"""One chunk reply, from any ``ChunkSource``: receive it into place, verify, route on.
 
 Split from ``sync_client.py``: the one-frame ``chunk`` reply
 (``weightpub_wire.chunk_frame``) is the data path's hot spot and has the most
 outcomes (stale, duplicate, malformed, checksum mismatch, a delta that does not
 decode, verified), each with its own consequence for the request table, the
-peer that sent it and the target. The frame is taken as ZeroMQ delivered it
-(``recv(copy=False)``) and its payload copied once, into the target's buffer.
+source that sent it (``arrived`` / ``refused``) and the target. The frame is
+taken as ZeroMQ delivered it (``recv(copy=False)``) and its payload copied once,
+into the target's buffer.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import zmq
 
 from subscriber_ext.transport.client.client_report import ClientReport
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
-from subscriber_ext.transport.peers.chunk_sources import PeerLink
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener, final_bytes
+from subscriber_ext.transport.staging.chunk_source import ChunkSource
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
 from weightpub_wire import chunk_frame
 from weightpub_wire.errors import (
@@ -58,9 +59,9 @@ def parse_chunk(frame: zmq.Frame, more: int) -> chunk_frame.ChunkHeader:
 
 
 class ChunkReceiver:
-    """Chunk frames into the target: the table, the peer that sent each, the bytes counted."""
+    """Chunk frames into the target: the table, the source that sent each, the bytes counted."""
 
-    def __init__(self, dealer: zmq.Socket, credit: FetchCredit, report: ClientReport,
+    def __init__(self, credit: FetchCredit, report: ClientReport,
                  deltas: DeltaState, listeners: list[ChunkListener], *,
                  target: Callable[[], Assembly | None],
                  complete: Callable[[Assembly], None],
@@ -69,7 +70,6 @@ class ChunkReceiver:
         in; ``delta_failed(target, why)``: fetch that version in full instead."""
         self.received_bytes = 0  # data-path bytes accepted into staging
         self.checksum_failures = 0
-        self._dealer = dealer
         self._credit = credit
         self._requests = credit.requests
         self._report = report
@@ -79,19 +79,15 @@ class ChunkReceiver:
         self._complete = complete
         self._delta_failed = delta_failed
 
-    def receive(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
-                sock: zmq.Socket) -> None:
-        """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``)."""
+    def receive(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame, source: ChunkSource,
+                via: object) -> None:
+        """Handle one parsed chunk frame (its payload at ``chunk_frame.HEADER_BYTES``) that
+        ``source`` delivered through ``via`` (what it tracked the request under)."""
         target = self._target()
         table = self._requests
         request = table.get(header.req)
-        source = None if request is None else request.source
-        # a peer's chunk (a trainer rank's, through shard_links, is as the publisher's)
-        peer = source if isinstance(source, PeerLink) else None
-        peering = self._credit.peering
         if not (
-            target is not None and request is not None
-            and sock is (self._dealer if source is None else source.sock)
+            target is not None and request is not None and request.source is via
             and header.version == target.fetch_version and header.chunk in request.chunks
             and target.accepts(header.chunk, header.size)
         ):
@@ -111,14 +107,12 @@ class ChunkReceiver:
                                    target.error or ChecksumError("delta chunk refused"))
                 return
             why = f"chunk {header.chunk} of version {header.version}: checksum mismatch"
-            if peer is not None and peering is not None:
-                peering.chunk_failed(peer, "checksum", why, time.monotonic())
-                return
+            if source.refused(via, header.chunk, why, time.monotonic()):
+                return  # the source dealt with it (a peer: banned, its chunks go elsewhere)
             self._report.bad(ChecksumError(f"{why}, refetching"))
             self._credit.count_retry(header.chunk, "failed its checksum", ChecksumError)
             return
-        if peer is not None and peering is not None:
-            peering.arrived(peer, size, time.monotonic())
+        source.arrived(via, size, time.monotonic())
         if final and self._listeners:
             start, span = target.manifest.chunk_span(header.chunk)
             data = target.view[start: start + span]

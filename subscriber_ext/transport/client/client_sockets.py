@@ -1,9 +1,10 @@
 """A ``SyncClient``'s two sockets to its publisher, and what their handshakes say.
 
-Split from ``sync_client.py``: socket hygiene is a list of options each with a
-reason (frame-size caps before anything is read, no queueing to a peer that is
-not connected, a handshake given up after ``request_timeout``), and a refused
-CURVE handshake must become ``last_error`` at once rather than a silent stall.
+Split from ``sync_client.py``: the DEALER comes from the one factory every chunk
+client uses (``weightpub_wire/monitored_dealer.py``: frame-size caps before
+anything is read, the CURVE hooks, a handshake given up after ``request_timeout``,
+its monitor), and a refused CURVE handshake must become ``last_error`` at once
+rather than a silent stall.
 The sockets also notice a DEALER that stopped answering (``reply_watch.py``)
 and dial it anew.
 """
@@ -16,11 +17,13 @@ from typing import Any
 
 import zmq
 
+from subscriber_ext.transport.client.chunk_replies import discard_rest, parse_chunk
 from subscriber_ext.transport.client.client_report import ClientReport
 from subscriber_ext.transport.client.reply_watch import SILENT_TIMEOUTS, ReplyWatch
+from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import TransportError
-from weightpub_wire.monitor import describe_handshake_failure, open_monitor, read_events
+from weightpub_wire.monitored_dealer import MonitoredDealer, chunk_reply_bytes
 from weightpub_wire.sockets import configure_socket, connect
 
 __all__ = ["ClientSockets"]
@@ -38,12 +41,11 @@ class ClientSockets:
         self.replies = ReplyWatch()  # a DEALER that stopped answering
         self.handshake_failures = 0
         self._report = report
-        self.dealer, self.sub, self.monitor = _open(ctx, endpoint, request_timeout, limits,
-                                                    hooks)
+        self._dealer, self.sub = _open(ctx, endpoint, request_timeout, limits, hooks)
+        self.dealer, self.monitor = self._dealer.sock, self._dealer.monitor
 
     def close(self) -> None:
-        self.monitor.close(linger=0)
-        self.dealer.close(linger=0)
+        self._dealer.close()
         self.sub.close(linger=0)
 
     def send(self, message: Any) -> bool:
@@ -55,6 +57,21 @@ class ClientSockets:
         except zmq.Again:  # no pipe (ended by a protocol error) or full: retried later
             self.replies.sent(time.monotonic(), queued=False)
             return False
+
+    def read_reply(self, limits: wire.Limits, expect: tuple[type, ...]
+                   ) -> tuple[chunk_frame.ChunkHeader, zmq.Frame] | wire.Message:
+        """The next reply on the DEALER: (header, frame) of a one-frame chunk, or a control
+        message of ``expect``; ``ProtocolError`` (the rest of it dropped) otherwise."""
+        first = self.dealer.recv(copy=False)
+        more = int(self.dealer.getsockopt(zmq.RCVMORE))
+        self.replies.heard(time.monotonic())
+        try:
+            if chunk_frame.is_chunk(first.buffer):
+                return parse_chunk(first, more), first
+            message = wire.decode(first.buffer, limits=limits, expect=expect)
+        finally:
+            discard_rest(self.dealer, more)
+        return message
 
     def heard(self, now: float) -> None:
         """A frame came back on the DEALER."""
@@ -72,16 +89,24 @@ class ClientSockets:
     def on_handshake_events(self) -> None:
         """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
         report = self._report
-        for event in read_events(self.monitor):
-            if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+        for why in self._dealer.handshakes():
+            if why is None:
                 if isinstance(report.error, TransportError):
                     report.resolved(report.error)  # the refusal is over (the key was allowed)
-                continue
-            why = describe_handshake_failure(event, client=True)
-            if why is not None:
+            else:
                 self.handshake_failures += 1
                 report.problem(TransportError(why))
                 report.warn.warning("handshake", why)
+
+    def link_handshake(self, error: TransportError, refused: bool) -> None:
+        """Another DEALER of this client (a trainer rank's) was refused its handshake
+        (``refused``), or took it after all: reported as this DEALER's would be."""
+        if refused:
+            self.handshake_failures += 1
+            self._report.problem(error)
+            self._report.warn.warning("handshake", str(error))
+        else:
+            self._report.resolved(error)
 
     def watch_replies(self, now: float, *, asking: bool) -> None:
         """Dial the ROUTER anew when the client has waited ``SILENT_TIMEOUTS`` request
@@ -97,7 +122,7 @@ class ClientSockets:
         self._report.warn.warning(
             "redial", f"no reply from {self.endpoint} for {SILENT_TIMEOUTS * timeout:.0f}s "
                       "while waiting for one; dialling again")
-        _redial(self.dealer, self.endpoint)
+        self._dealer.redial()
 
     def redial_sub(self) -> None:
         """Dial the PUB endpoint anew (after the publisher went silent on it)."""
@@ -106,33 +131,21 @@ class ClientSockets:
 
 
 def _open(ctx: zmq.Context, endpoint: str, request_timeout: float, limits: wire.Limits,
-          hooks: list[Callable[..., None]]) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
-    """(DEALER connected to ``endpoint``, SUB not yet connected, the DEALER's monitor)."""
-    dealer = ctx.socket(zmq.DEALER)
+          hooks: list[Callable[..., None]]) -> tuple[MonitoredDealer, zmq.Socket]:
+    """(the DEALER connected to ``endpoint`` with its monitor, the SUB not yet connected)."""
     sub = ctx.socket(zmq.SUB)
-    for sock in (dealer, sub):
-        configure_socket(sock, heartbeat_interval=1.0)
-        for hook in hooks:
-            hook(sock, server=False)
-    # no IMMEDIATE: with it, libzmq 4.3.5 ends a dropped connection's pipe at once, with
-    # the rest of a chunk reply whose header frame was already read, and then aborts
-    # the process on the next frame (zmq_recv; seen in the kill matrix, about 1 run
-    # in 4). Requests sent while disconnected wait in the pipe (bounded by SNDHWM);
-    # a new publisher instance refuses the stale ones and they are asked again.
-    dealer.setsockopt(zmq.RCVHWM, 0)
-    # a refused or silent handshake is given up (and reported) after request_timeout
-    dealer.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(request_timeout * 1000)))
-    # no frame larger than a chunk (or a control message) is ever accepted off the wire
-    dealer.setsockopt(zmq.MAXMSGSIZE, max(wire.MAX_CHUNK_SIZE + wire.CHUNK_HEADER_BYTES,
-                                          limits.max_control_bytes))
+    configure_socket(sub, heartbeat_interval=1.0)
+    for hook in hooks:
+        hook(sub, server=False)
     sub.setsockopt(zmq.MAXMSGSIZE, limits.max_control_bytes)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    monitor = open_monitor(dealer, zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                           | zmq.EVENT_HANDSHAKE_SUCCEEDED)
-    connect(dealer, endpoint)
-    return dealer, sub, monitor
+    try:  # options, CURVE, monitor: one factory for every chunk client (monitored_dealer.py)
+        dealer = MonitoredDealer(ctx, endpoint, hooks=hooks, handshake_timeout=request_timeout,
+                                 max_message_bytes=chunk_reply_bytes(limits.max_control_bytes))
+    except BaseException:
+        sub.close(linger=0)
+        raise
+    return dealer, sub
 
 
 def _redial(sock: zmq.Socket, endpoint: str) -> None:

@@ -23,65 +23,50 @@ allocated: start, wait for held buffers, or refuse with ``StagingBudgetError``).
 With a collective member (``collective_member.py``) attached, a version the
 publisher will broadcast to this node's group is not fetched here unless that
 round fails; the member hands the assembled version back through ``deliver``.
-With ``SyncOptions.peers`` (``peer_share=True``) a ``Peering`` (``peering.py``)
-serves verified chunks to other subscribers and routes each chunk to a peer or
-to the publisher; a failing peer only moves its chunks to the next source.
-``ChunkListener``s (``chunk_listener.py``) hear each version start, chunk verify
-and end: the one observer mechanism (the peer server, a ``ProgressFeed``, a relay).
+Chunks are asked of ``ChunkSource``s only (``staging/chunk_source.py``), picked
+once per version (``source_choice.py``): ``pickers``, the trainer ranks of a sharded
+manifest (``shard_links.py``), then the publisher (``publisher_source.py``); with
+``peer_share=True`` a ``Peering`` (``peering.py``) is asked first and serves
+verified chunks to other subscribers. ``ChunkListener``s (``chunk_listener.py``)
+hear each version start, chunk verify and end (the peer server, a relay, ...).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
-from subscriber_ext.transport.client.chunk_replies import (
-    ChunkReceiver,
-    discard_rest,
-    parse_chunk,
-    within,
-)
+from subscriber_ext.transport.client.chunk_replies import ChunkReceiver, discard_rest, within
 from subscriber_ext.transport.client.client_report import ClientReport
 from subscriber_ext.transport.client.client_sockets import ClientSockets
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
 from subscriber_ext.transport.client.instance_following import InstanceFollower
+from subscriber_ext.transport.client.publisher_source import PublisherSource
 from subscriber_ext.transport.client.shard_links import ShardLinks
+from subscriber_ext.transport.client.source_choice import SourceChoice
+from subscriber_ext.transport.client.sync_options import SyncOptions
 from subscriber_ext.transport.client.version_choice import VersionChoice
-from subscriber_ext.transport.peers.peering import Peering, PeerOptions
+from subscriber_ext.transport.peers.peering import Peering
 from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
 from subscriber_ext.transport.staging.budget_gate import BudgetGate
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
+from subscriber_ext.transport.staging.chunk_source import ChunkSource, SourcePicker, SourceSink
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
 from subscriber_ext.transport.staging.request_table import RequestTable, VersionBackoff
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
-from weightpub_wire.errors import ProtocolError, TransportError, VersionUnavailable, WeightPubError
+from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubError
 from weightpub_wire.peer_protocol import PEER_REPLIES, PeerPlan
 from weightpub_wire.security import CurveIdentity
 
 __all__ = ["SyncClient", "SyncOptions"]
 
 log = logging.getLogger("weightpub.subscriber")
-
-
-@dataclass(frozen=True, slots=True)
-class SyncOptions:
-    request_timeout: float = 5.0
-    window_bytes: int = 64 << 20
-    chunks_per_request: int = 4
-    max_chunk_retries: int = 5
-    switch_below_fraction: float = 0.5
-    report_interval: float = 2.0
-    limits: wire.Limits = field(default_factory=wire.Limits)
-    collective: bool = False  # join the publisher's collective path if it announces one
-    collective_device: str | None = None  # nccl / cuda_ipc: this node's GPU ("cuda:0")
-    peers: PeerOptions | None = None  # peer sharing (``peer_share=True``), peering.py
 
 
 class SyncClient:
@@ -91,7 +76,9 @@ class SyncClient:
                  on_complete: Callable[[StagedVersion], None],
                  socket_hooks: list[Callable[..., None]] | None = None,
                  pool: BufferPool | None = None, curve: CurveIdentity | None = None,
-                 listeners: list[ChunkListener] | None = None) -> None:
+                 listeners: list[ChunkListener] | None = None,
+                 pickers: Sequence[SourcePicker] = ()) -> None:
+        """``pickers``: chunk sources of other kinds, asked first (chunk_source.py)."""
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id
         self.options = options
@@ -123,25 +110,26 @@ class SyncClient:
                 raise
             self.listeners.append(self.peering)
         self.listeners += listeners or []
-        # a sharded version's chunks come from the trainer ranks (shard_links.py)
-        self.shards = ShardLinks(ctx, self.requests, limits=options.limits,
+        # where chunks come from: picked once per version (source_choice.py)
+        self.sink = SourceSink(self.requests, chunk=lambda h, f, s, v: self.on_chunk(h, f, s, v),
+                               error=lambda reply: self._on_error(reply),
+                               bad=lambda exc: self.report.bad(exc),
+                               discard_rest=self.discard_rest,
+                               give_up=lambda why: self._fail_target(why))
+        self.publisher_source = PublisherSource(
+            self.requests, self.send, chunks_per_request=options.chunks_per_request,
+            request_timeout=options.request_timeout)
+        self.shards = ShardLinks(ctx, limits=options.limits, hooks=socket_hooks or [],
                                  chunks_per_request=options.chunks_per_request,
                                  request_timeout=options.request_timeout,
-                                 on_chunk=lambda h, f, s: self.on_chunk(h, f, s),
-                                 on_error=self._on_error,
-                                 on_bad=lambda exc: self.report.bad(exc),
-                                 discard_rest=self.discard_rest,
-                                 on_handshake=self._on_shard_handshake,
-                                 hooks=socket_hooks)
-        self.credit = FetchCredit(self.requests, self.peering, target=lambda: self.target,
-                                  send=self.send, give_up=self._fail_target,
-                                  window_bytes=options.window_bytes,
-                                  chunks_per_request=options.chunks_per_request,
-                                  request_timeout=options.request_timeout,
-                                  max_chunk_retries=options.max_chunk_retries,
-                                  shards=self.shards)
-        self.receiver = ChunkReceiver(self.sockets.dealer, self.credit, self.report,
-                                      self.deltas, self.listeners, target=lambda: self.target,
+                                 on_handshake=self.sockets.link_handshake)
+        self.sources = SourceChoice([*pickers, self.shards], self.publisher_source, self.sink,
+                                    firsts=[self.peering] if self.peering is not None else [])
+        self.credit = FetchCredit(self.requests, self.sources, target=lambda: self.target,
+                                  give_up=self._fail_target, window_bytes=options.window_bytes,
+                                  max_chunk_retries=options.max_chunk_retries)
+        self.receiver = ChunkReceiver(self.credit, self.report, self.deltas, self.listeners,
+                                      target=lambda: self.target,
                                       complete=self.complete_target,
                                       delta_failed=self._delta_failed)
 
@@ -181,26 +169,23 @@ class SyncClient:
     def close(self) -> None:
         if self.peering is not None:
             self.peering.close()
-        if getattr(self, "shards", None) is not None:
-            self.shards.close()
+        if getattr(self, "sources", None) is not None:
+            self.sources.close()
         if self.target is not None:
             self.target.abandon()
             self.target = None
         self.deltas.drop_base()
         self.sockets.close()
 
+    def register(self, poller: zmq.Poller) -> None:  # the sources' own sockets
+        self.sources.register(poller)
+
+    def on_events(self, events: dict[Any, int], now: float) -> None:  # replies, handshakes
+        self.sources.on_events(events, now)
+
     def on_monitor(self) -> None:
         """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
         self.sockets.on_handshake_events()
-
-    def _on_shard_handshake(self, error: TransportError, refused: bool) -> None:
-        """A trainer rank refused this client's handshake (or took it after all)."""
-        if refused:
-            self.sockets.handshake_failures += 1
-            self.report.problem(error)
-            self.report.warn.warning("handshake", str(error))
-        else:
-            self.report.resolved(error)
 
     # -- time-driven work ----------------------------------------------------------------------
     def tick(self, now: float) -> float:
@@ -209,7 +194,7 @@ class SyncClient:
         self.sockets.watch_replies(now, asking=self.requests.in_flight() > 0
                                    or self.follower.state != "ACTIVE")
         self.credit.expire(now)
-        wait = 0.1 if self.peering is None else min(0.1, self.peering.tick(now))
+        wait = min([0.1, *(source.tick(now) for source in self.sources.live())])
         self.credit.top_up(now)
         if self.collective is not None:
             self.collective.tick(self, now)
@@ -350,25 +335,16 @@ class SyncClient:
             self.consider(message)
 
     def on_dealer(self) -> None:
-        dealer = self.sockets.dealer
-        first = dealer.recv(copy=False)
-        more = int(dealer.getsockopt(zmq.RCVMORE))
-        self.sockets.heard(time.monotonic())
-        try:
-            if chunk_frame.is_chunk(first.buffer):  # one frame: header and payload
-                header = parse_chunk(first, more)
-                self.follower.heard(time.monotonic())
-                self.on_chunk(header, first)
-                return
-            message = wire.decode(first.buffer, limits=self.options.limits,
-                                  expect=(wire.LatestReply, wire.ErrorReply,
-                                          wire.CollectiveReply, *PEER_REPLIES))
+        try:  # a chunk (one frame: header and payload) or a control reply
+            message = self.sockets.read_reply(self.options.limits, expect=(
+                wire.LatestReply, wire.ErrorReply, wire.CollectiveReply, *PEER_REPLIES))
         except ProtocolError as exc:
-            self.discard_rest(more)
             self.report.bad(within("bad reply", exc))
             return
         self.follower.heard(time.monotonic())
-        self.discard_rest(more)
+        if isinstance(message, tuple):
+            self.on_chunk(*message)
+            return
         if isinstance(message, (PeerPlan, wire.ErrorReply)) and self.peering is not None \
                 and self.peering.owns(message):
             self.peering.on_reply(message)
@@ -405,6 +381,7 @@ class SyncClient:
             self._fail_target(kind(f"publisher: {error.message}"))
 
     def on_chunk(self, header: chunk_frame.ChunkHeader, frame: zmq.Frame,
-                 sock: zmq.Socket | None = None) -> None:
-        """A chunk frame (chunk_replies.py); tests wrap this attribute to pace or drop."""
-        self.receiver.receive(header, frame, self.sockets.dealer if sock is None else sock)
+                 source: ChunkSource | None = None, via: Any = None) -> None:
+        """A chunk frame ``source`` (None: the publisher) delivered through ``via``
+        (chunk_replies.py); tests wrap this attribute to pace or drop."""
+        self.receiver.receive(header, frame, source or self.publisher_source, via)

@@ -52,6 +52,7 @@ from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.progress import ProgressFeed
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
+from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.collective_layout import MAX_FALLBACK_CAUSES, CollectiveAnnounce
 from weightpub_wire.cuda_ipc import device_uuid
 from weightpub_wire.endpoints import parse_endpoint
@@ -161,7 +162,7 @@ class CollectiveMember:
         if not self.receiver.ready_for_rounds():
             return False
         info = self.announced
-        return info is not None and (info.backend == "cuda_ipc" or (
+        return info is not None and (not collective_backend(info.backend).has_group or (
             self.receiver.publisher_id == self.instance
             and self.receiver.epoch > self._ended_epoch))
 
@@ -172,10 +173,11 @@ class CollectiveMember:
         info = self.announced
         if info is None:
             return "not announced"
-        if info.backend in ("nccl", "cuda_ipc") and self.device.type != "cuda":
+        backend = collective_backend(info.backend)  # known: the announce was checked
+        if backend.needs_cuda and self.device.type != "cuda":
             return f"{info.backend} needs a CUDA device; this subscriber runs on the CPU"
-        if info.backend == "cuda_ipc" and device_uuid(self.device) != info.device_uuid:
-            return "cuda_ipc needs the publisher's GPU (a different one here)"
+        if backend.same_gpu and device_uuid(self.device) != info.device_uuid:
+            return f"{info.backend} needs the publisher's GPU (a different one here)"
         return ""
 
     # -- the subscriber thread -------------------------------------------------------------
@@ -195,7 +197,7 @@ class CollectiveMember:
             return False
         assert self.announced is not None
         wait = self.announced.timeout
-        if self.announced.backend == "cuda_ipc":  # no group round: the handle comes by poll
+        if not collective_backend(self.announced.backend).has_group:  # the handle comes by poll
             wait = min(wait, 10.0)
         elif not self.in_group():  # asked to join: the next epoch's first round brings it
             wait += JOIN_GRACE_S
@@ -266,7 +268,7 @@ class CollectiveMember:
             self.announce(None)
             return
         info = self.announced
-        if info.backend == "cuda_ipc":
+        if not collective_backend(info.backend).has_group:  # no rounds: an IPC handle
             handle = reply.ipc
             if handle is not None and handle.version > max(client.current_version,
                                                            self.ipc_done) \

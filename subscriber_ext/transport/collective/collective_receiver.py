@@ -37,6 +37,7 @@ import torch
 
 from subscriber_ext.transport.staging.assembly import Assembly
 from weightpub_wire import protocol as wire
+from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.collective_group import (
     CollectiveGroup,
     GroupError,
@@ -158,7 +159,7 @@ class CollectiveReceiver(threading.Thread):
     def ready_for_rounds(self) -> bool:
         """Whether versions should wait for this path (a group member, or cuda_ipc)."""
         info = self.member.announced
-        if info is not None and info.backend == "cuda_ipc":
+        if info is not None and not collective_backend(info.backend).has_group:
             return not self._stopping.is_set()
         return self.state == "member"
 
@@ -332,7 +333,7 @@ class CollectiveReceiver(threading.Thread):
     def _copy(self, job: IpcJob) -> None:
         version = job.handle.version
         self.receiving = version
-        assembly = self._begin(version, None, "cuda_ipc")
+        assembly = self._begin(version, None, job.announce.backend)
         if assembly is None:
             return
         ok, why, cause = False, "a chunk failed its checksum", "checksum"

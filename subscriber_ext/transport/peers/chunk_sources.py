@@ -39,29 +39,24 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from weightpub_wire.endpoints import parse_endpoint
+from weightpub_wire.endpoints import is_wildcard, parse_endpoint
 from weightpub_wire.errors import ProtocolError
-from weightpub_wire.monitor import open_monitor, read_events
+from weightpub_wire.monitored_dealer import LINK_EVENTS, MonitoredDealer
 from weightpub_wire.peer_protocol import PeerPlan, PeerSource
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.security import SocketHook
-from weightpub_wire.sockets import configure_socket, connect
 
 __all__ = ["PeerLink", "Sources", "VersionKey"]
 
 log = logging.getLogger("weightpub.peers")
 
 VersionKey = tuple[str, int]  # (publisher_id, version)
-_WILDCARDS = {"*", "0.0.0.0", "::", ""}
 REDIAL_AFTER = 0.25  # seconds after a refused handshake
 STALL_FLOOR_S = 1.0  # a peer's first chunk may wait for its own source (cut-through)
 STALL_MIN_BYTES_PER_S = 8 << 20  # then one chunk per this rate, or the peer is skipped
 BACKOFF_S = 10.0  # a peer that stalled is skipped this long, doubled per stall in a row
 BACKOFF_MAX_S = 300.0
 MAX_SHUNNED = 1024  # backoffs and bans kept for peers no longer in the plan
-_EVENTS = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-           | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
 @dataclass(eq=False, slots=True)
@@ -70,8 +65,7 @@ class PeerLink:
 
     endpoint: str
     key: str
-    sock: zmq.Socket
-    monitor: zmq.Socket
+    dealer: MonitoredDealer  # its socket and monitor (monitored_dealer.py)
     last_progress: float = 0.0  # a chunk arrived, or the first request went out
     blocked_since: float | None = None  # sends refused (not connected yet)
     down: bool = False  # disconnected, and not connected again since
@@ -79,6 +73,14 @@ class PeerLink:
     failed: set[VersionKey] = field(default_factory=set)
     banned_until: float = 0.0
     stalls: int = 0  # stalls in a row (backoff); 0 again at its next chunk
+
+    @property
+    def sock(self) -> zmq.Socket:
+        return self.dealer.sock
+
+    @property
+    def monitor(self) -> zmq.Socket:
+        return self.dealer.monitor
 
     def usable(self, key: VersionKey, now: float) -> bool:
         return not self.down and key not in self.failed and now >= self.banned_until
@@ -138,7 +140,7 @@ class Sources:
             return wanted[source.endpoint]
         try:
             endpoint = parse_endpoint(source.endpoint, error=ProtocolError)
-            if endpoint.scheme == "tcp" and (endpoint.host in _WILDCARDS or not endpoint.port):
+            if is_wildcard(endpoint) or (endpoint.scheme == "tcp" and not endpoint.port):
                 raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} is not reachable")
             if curve != bool(source.key):
                 raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} "
@@ -152,25 +154,19 @@ class Sources:
         if old is not None and old.key == source.key:
             wanted[source.endpoint] = old
             return old
-        sock, monitor = self._connect(source.endpoint, source.key)
-        link = PeerLink(source.endpoint, source.key, sock, monitor)
+        link = PeerLink(source.endpoint, source.key, self._connect(source.endpoint, source.key))
         link.stalls, link.banned_until = self._shunned.pop(source.endpoint, (0, 0.0))
         wanted[source.endpoint] = link
         self.on_open(link)
         return link
 
-    def _connect(self, endpoint: str, key: str) -> tuple[zmq.Socket, zmq.Socket]:
-        sock = self.ctx.socket(zmq.DEALER)
-        configure_socket(sock, heartbeat_interval=1.0)
-        for hook in self.hooks_for(key):
-            hook(sock, server=False)
-        # no IMMEDIATE: libzmq aborts on a half-read reply when it drops the pipe at
-        # once (client_sockets.py); a dead peer is found by its silence instead
-        sock.setsockopt(zmq.HANDSHAKE_IVL, max(1000, int(self.timeout * 1000)))
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        monitor = open_monitor(sock, _EVENTS)
-        connect(sock, endpoint)
-        return sock, monitor
+    def _connect(self, endpoint: str, key: str) -> MonitoredDealer:
+        # the receive queue keeps ZeroMQ's default bound (a peer is asked a few chunks at
+        # a time); the monitor also reports disconnects: a dead peer is skipped at once
+        return MonitoredDealer(self.ctx, endpoint, hooks=self.hooks_for(key),
+                               handshake_timeout=self.timeout,
+                               max_message_bytes=self.max_message_bytes,
+                               unbounded_receive=False, events=LINK_EVENTS)
 
     def redial(self, now: float) -> None:
         """Dial again the peers that refused our handshake a moment ago: ZeroMQ gives up on a
@@ -178,9 +174,8 @@ class Sources:
         for link in self.links.values():
             if link.refused_at is not None and now - link.refused_at >= REDIAL_AFTER:
                 self.on_close(link)
-                link.monitor.close(linger=0)
-                link.sock.close(linger=0)
-                link.sock, link.monitor = self._connect(link.endpoint, link.key)
+                link.dealer.close()
+                link.dealer = self._connect(link.endpoint, link.key)
                 link.refused_at = None
                 self.on_open(link)
 
@@ -190,8 +185,7 @@ class Sources:
             while len(self._shunned) > MAX_SHUNNED:  # backed off (or banned)
                 del self._shunned[next(iter(self._shunned))]
         self.on_close(link)
-        link.monitor.close(linger=0)
-        link.sock.close(linger=0)
+        link.dealer.close()
 
     def close(self) -> None:
         for link in self.links.values():
@@ -272,7 +266,7 @@ class Sources:
         connection attempt was refused). A link that is down is skipped (a dead peer costs
         the next version nothing) until it connects again."""
         lost = False
-        for event in read_events(link.monitor):
+        for event in link.dealer.events():
             if event.event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 link.down, link.blocked_since = False, None
             elif event.event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CONNECT_RETRIED):

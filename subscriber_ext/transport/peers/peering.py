@@ -9,7 +9,10 @@ A ``SyncClient`` started with ``peer_share=True`` owns one ``Peering``:
   new version starts, and follows the plan it gets back (``sources.py``): each
   stripe from its chain of peers, then from the publisher;
 - it is the client's first ``ChunkListener``: a chunk that verifies wakes the
-  requests that wait for it (cut-through).
+  requests that wait for it (cut-through);
+- it is a first ``ChunkSource`` (``staging/chunk_source.py``): each serving
+  source's next chunks (the publisher's, or a trainer rank's) are offered to it
+  first (``ask``), and it takes those its plan has a usable peer for.
 
 Peers are found through the publisher only (the one endpoint a replica is
 given). With CURVE the peer ROUTER is a CURVE server with this subscriber's own
@@ -24,7 +27,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -35,6 +39,7 @@ from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer
 from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import final_bytes
+from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
@@ -51,8 +56,10 @@ log = logging.getLogger("weightpub.peers")
 _THREAD_PREFIXES = itertools.count(7100)  # names this Peering's ZeroMQ I/O thread
 
 
-class Peering:
+class Peering(ChunkSource):
     """One subscriber's peer sharing; every method runs on the subscriber's thread."""
+
+    first: ClassVar[bool] = True
 
     def __init__(self, client: PeerClient, options: PeerOptions,
                  curve: CurveIdentity | None) -> None:
@@ -145,18 +152,25 @@ class Peering:
             self.poller.unregister(link.sock)
             self.poller.unregister(link.monitor)
 
+    @property
+    def label(self) -> str:
+        return "peers"
+
     def tick(self, now: float) -> float:
-        """Hello when due, give up on silent peers, serve; seconds until due again."""
-        client = self.client
+        """Hello when due, dial refused peers again, serve; seconds until due again."""
         if now >= self._next_hello:
             self._hello(now)
         self.sources.redial(now)
+        return self.server.pump(now)
+
+    def expire(self, now: float, retry: Retry) -> bool:
+        """Give up on silent peers: their chunks go to the next source, no try counted."""
         key = self._key()
-        in_flight = client.requests.peer_in_flight()
+        in_flight = self.client.requests.peer_in_flight()
         for link in self.sources.expired(in_flight, now):
             self._fail(link, key, "timeout",
                        f"no progress for {self.sources.stall_timeout:.2f}s", now)
-        return self.server.pump(now)
+        return False
 
     def _hello(self, now: float) -> None:
         client = self.client
@@ -194,7 +208,7 @@ class Peering:
         read_replies(link.sock, self.client.options.limits, most=64,
                      discard_rest=self.client.discard_rest,
                      on_chunk=lambda header, frame: self.client.on_chunk(header, frame,
-                                                                         link.sock),
+                                                                         self, link),
                      on_error=error, on_bad=bad)
 
     def _key(self) -> VersionKey | None:
@@ -207,9 +221,15 @@ class Peering:
         self.sources.fail(link, key, kind, why, now, ban=ban)
         self.client.requests.drop(link)
 
-    # -- the client's hooks --------------------------------------------------------------------
-    def route(self, target: Assembly, todo: list[int], now: float) -> list[int]:
-        """Ask peers for what they serve in the plan; return the chunks for the publisher."""
+    # -- ChunkSource: asked first ---------------------------------------------------------------
+    def ahead(self) -> int:
+        """Chunks beyond a serving source's credit worth offering: every peer's window."""
+        return self.sources.window * max(1, len(self.sources.links))
+
+    def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
+        """Ask peers for what they serve in the plan; return the chunks for the serving
+        source (the publisher, or a trainer rank)."""
+        todo = list(chunks)
         plan = self.plan
         if self.disabled is not None or isinstance(target, DeltaAssembly):
             return todo  # deltas come from the publisher only
@@ -264,15 +284,19 @@ class Peering:
                      message.slot, message.stripes, len(self.sources.links))
         self.plan = message
 
-    def arrived(self, link: PeerLink, size: int, now: float) -> None:
-        self.sources.arrived(link, now)
-        self.bytes_from_peers += size
-        self.chunks_from_peers += 1
+    def arrived(self, via: Any, size: int, now: float) -> None:
+        if isinstance(via, PeerLink):
+            self.sources.arrived(via, now)
+            self.bytes_from_peers += size
+            self.chunks_from_peers += 1
 
-    def chunk_failed(self, link: PeerLink, kind: str, why: str, now: float) -> None:
-        """A chunk from ``link`` failed its checksum: never that peer
-        again for a while; its chunks go to the next source."""
-        self._fail(link, self._key(), kind, why, now, ban=True)
+    def refused(self, via: Any, chunk: int, why: str, now: float) -> bool:
+        """A chunk from ``via`` failed its checksum: never that peer again for a while;
+        its chunks go to the next source (no try counted)."""
+        if not isinstance(via, PeerLink):
+            return False
+        self._fail(via, self._key(), "checksum", why, now, ban=True)
+        return True
 
     # -- ChunkListener: something became servable ---------------------------------------------
     def target_started(self, manifest: wire.Manifest) -> None:

@@ -186,18 +186,18 @@ class Assembly:
 class SharedView:
     """One local rank's hold on a version staged once per node (``node_staging.py``).
 
-    Same surface as ``StagedVersion`` for a consumer (``version``, ``publisher_id``,
-    ``tensors``, ``total_bytes``, ``release``); the buffer behind ``tensors`` is
+    Same surface as ``StagedVersion`` for a consumer (``manifest``, ``version``,
+    ``publisher_id``, ``tensors``, ``total_bytes``, ``release``); the buffer behind ``tensors`` is
     shared with the node's other ranks and reused only after every rank released it.
     """
 
-    __slots__ = ("_on_release", "attempt", "data_path", "fetch_seconds", "publisher_id",
-                 "tensors",
-                 "total_bytes", "version")
+    __slots__ = ("_on_release", "attempt", "data_path", "fetch_seconds", "manifest",
+                 "publisher_id", "tensors", "total_bytes", "version")
 
     def __init__(self, manifest: Manifest, tensors: dict[str, torch.Tensor],
                  on_release: Callable[[], None], fetch_seconds: float | None = None,
                  data_path: str = "zmq", attempt: int = 0) -> None:
+        self.manifest = manifest  # e.g. ``adapters``: a version of LoRA adapters
         self.version = manifest.version
         self.data_path = data_path  # how the node received it
         self.attempt = attempt  # the node owner's reception (matches its partials)

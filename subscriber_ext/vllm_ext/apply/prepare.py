@@ -245,8 +245,13 @@ class Shadow:
         mod.__dict__["_non_persistent_buffers_set"] = set(live._non_persistent_buffers_set)
         self.module = mod
 
-    def fresh_params(self, shared: dict[str, torch.Tensor]) -> None:
-        """Replace every parameter by a new tensor; ``shared`` ones by the given objects."""
+    def fresh_params(self, shared: dict[str, torch.Tensor], *,
+                     device: torch.device | None = None) -> None:
+        """Replace every parameter by a new tensor; ``shared`` ones by the given objects.
+
+        ``device`` (default: where vLLM's reload would restore them): ``meta`` gives
+        parameters without storage, for recording what the loaders do (``slice_plan``).
+        """
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
         from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
@@ -259,9 +264,10 @@ class Shadow:
                 continue
             meta = restore.get(attr)
             if meta is not None:
-                fresh = _fresh_like(meta, info.restore_device)
+                fresh = _fresh_like(meta, device or info.restore_device)
             elif live_param is not None and live_param.numel() > 0:
-                fresh = _clone_param(live_param)
+                fresh = _clone_param(live_param) if device is None else \
+                    _fresh_like(live_param, device)
             elif live_param is None:
                 continue
             else:

@@ -26,12 +26,12 @@ from typing import Any, Protocol
 
 import torch
 
-from subscriber_ext.vllm_ext.apply.heap_trim import HeapTrimmer
 from subscriber_ext.vllm_ext.apply.prepare import PreparedVersion
 from subscriber_ext.vllm_ext.apply.preparer import Preparer
 from subscriber_ext.vllm_ext.apply.progressive import VersionPrep
 from subscriber_ext.vllm_ext.commit.shared_slots import pid_hash
 from subscriber_ext.vllm_ext.commit.strategies import CommitStrategy
+from weightpub_wire.heap_trim import HeapTrimmer
 
 __all__ = ["CommitCoordinator", "StagedLike"]
 
@@ -51,6 +51,12 @@ class StagedLike(Protocol):
     def total_bytes(self) -> int: ...
 
     def release(self) -> None: ...
+
+
+def is_adapters(staged: Any) -> bool:
+    """A version of LoRA adapters (``Manifest.adapters``): committed by ``apply_adapters``,
+    never prepared (nothing to build off the step path: a few MB)."""
+    return bool(getattr(getattr(staged, "manifest", None), "adapters", None))
 
 
 def _release(staged: StagedLike) -> None:
@@ -80,6 +86,9 @@ class CommitCoordinator:
     the preparer build each layer while the version is still arriving (``progress``,
     from the transport); such a version is prepared busy or idle, since most of the
     work is done by the time its last byte is verified, and its commit only swaps.
+
+    ``apply_adapters`` (optional) commits a version of LoRA adapters (``is_adapters``)
+    instead of ``apply``: through the same strategy, so every rank switches at one step.
     """
 
     BUSY_WINDOW_S = 0.5
@@ -98,8 +107,10 @@ class CommitCoordinator:
         prepare_policy: str = "auto",
         start_progressive: Callable[[Any], VersionPrep | None] | None = None,
         trim_heap: bool = True,
+        apply_adapters: Callable[[StagedLike], Any] | None = None,
     ) -> None:
         self._apply = apply
+        self._apply_adapters = apply_adapters
         self.strategy = strategy
         self._keep = max(1, keep)
         self._lock = threading.Lock()
@@ -122,7 +133,7 @@ class CommitCoordinator:
         self._apply_prepared = apply_prepared
         self._preparer: Preparer | None = None
         self._offered_at: dict[int, float] = {}  # version -> when it was staged here
-        #: gives the heap memory each commit frees back to the OS (``apply/heap_trim.py``)
+        #: gives the heap memory each commit frees back to the OS (``weightpub_wire/heap_trim.py``)
         self.heap_trim = HeapTrimmer(trim_heap)
         if prepare is not None and apply_prepared is not None:
             self._preparer = Preparer(prepare, self._on_prepared, start_progressive,
@@ -137,7 +148,7 @@ class CommitCoordinator:
     def progress(self, partial: Any) -> None:
         """Transport thread: a version still arriving (``transport.progress.PartialVersion``)."""
         preparer = self._preparer
-        if preparer is None or not preparer.progressive:
+        if preparer is None or not preparer.progressive or is_adapters(partial):
             return
         with self._lock:
             if self.applied_version is not None and partial.version <= self.applied_version \
@@ -169,7 +180,8 @@ class CommitCoordinator:
                 self._offered_at[staged.version] = time.monotonic()
                 while len(self._offered_at) > 16:  # bounded, whatever never commits
                     self._offered_at.pop(next(iter(self._offered_at)))
-                if self._preparer is not None and staged.version in self._held and (
+                if self._preparer is not None and staged.version in self._held and \
+                        not is_adapters(staged) and (
                         self._busy() or self._preparer.has_progress(
                             staged.publisher_id, staged.version,
                             getattr(staged, "attempt", 0))):
@@ -257,14 +269,20 @@ class CommitCoordinator:
 
     def _commit(self, choice: int, staged: StagedLike) -> None:
         prepared = None
-        if self._preparer is not None:
+        adapters = is_adapters(staged)
+        if self._preparer is not None and not adapters:
             prepared = self._preparer.take(choice, staged.publisher_id)
             if prepared is None:
                 # idle engine (prepare="auto"), or preparation failed (logged by the preparer)
                 logger.info("weightpub: version %d not prepared; reloading at commit", choice)
         start = time.perf_counter()
         try:
-            if prepared is not None and self._apply_prepared is not None:
+            if adapters:
+                if self._apply_adapters is None:
+                    raise ValueError("a version of LoRA adapters, and this rank applies "
+                                     "none (no adapter handler)")
+                self._apply_adapters(staged)
+            elif prepared is not None and self._apply_prepared is not None:
                 self._apply_prepared(prepared, staged.tensors)
             else:
                 self._apply(staged.tensors)

@@ -1,4 +1,8 @@
-"""``HeapTrimmer``: give the heap memory a commit freed back to the OS, off the step path.
+"""``HeapTrimmer`` and ``trim_heap``: give freed heap memory back to the OS.
+
+Both sides need it: a replica after a commit (``HeapTrimmer``, off the step path), a
+shard coordinator after it dropped or announced pending submits (``trim_heap``, on
+its collecting thread), so it lives on the wire floor.
 
 Why: applying a version frees about a model's worth of tensors (vLLM's reload
 materialises each layer and its kernel copy; a prepared commit retires the old
@@ -19,11 +23,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HeapTrimmer", "set_mmap_threshold"]
+__all__ = ["HeapTrimmer", "resident_bytes", "set_mmap_threshold", "trim_heap"]
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
-logger = logging.getLogger("weightpub.apply")
+logger = logging.getLogger("weightpub.heap")
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -53,7 +57,23 @@ def set_mmap_threshold(nbytes: int) -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
 
 
-def _rss() -> int:
+def trim_heap() -> int:
+    """``malloc_trim(0)`` now, on this thread; the resident bytes it gave back (0 without glibc).
+
+    Why: glibc keeps freed blocks in its arenas (and, after a large block was freed,
+    serves blocks up to its size from them), so memory a process held for a while
+    stays resident after it is freed unless trimmed.
+    """
+    trim = _malloc_trim()
+    if trim is None:
+        return 0
+    before = resident_bytes()
+    trim(0)
+    return max(0, before - resident_bytes())
+
+
+def resident_bytes() -> int:
+    """This process's resident set (``/proc/self/statm``), 0 where unreadable."""
     try:
         with open("/proc/self/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -101,11 +121,11 @@ class HeapTrimmer:
             self._wake.clear()
             if self._closed:
                 return
-            before = _rss()
+            before = resident_bytes()
             try:
                 trim(0)
             except Exception:  # never take the worker down for a trim
                 logger.exception("weightpub: malloc_trim failed")
                 continue
             self.trims += 1
-            self.released_bytes += max(0, before - _rss())
+            self.released_bytes += max(0, before - resident_bytes())

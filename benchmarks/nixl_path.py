@@ -1,0 +1,206 @@
+"""NIXL one-sided reads vs a raw TCP socket, same run: GB/s and CPU-seconds per GB, both sides.
+
+Issue 31.5. Three paths move the same buffer between two processes, rounds
+interleaved (path order rotates each round), every process kept across rounds:
+
+* ``tcp``: ``sendall`` -> ``recv_into`` (the baseline every ratio is against);
+* ``nixl-cma``: a NIXL READ with UCX's default same-host transports (CMA:
+  ``process_vm_readv``, one copy, no network stack);
+* ``nixl-tcp``: a NIXL READ with ``UCX_TLS=tcp,self`` (READ emulated over TCP: what
+  a host without RDMA gets across hosts).
+
+The reader's destination is allocated once (its first round pays the page faults
+a fresh staging buffer does); the steady state is the median from round 3 on.
+CPU-seconds per GB are user+system time of each side's whole process (NIXL's
+progress thread included) over the bytes moved. ZeroMQ frames through weightpub
+are measured against the same raw TCP by ``weightpub bench --sections transport``.
+UCX is confined to loopback (``UCX_NET_DEVICES=lo``).
+
+    python benchmarks/nixl_path.py                 # 256 MiB and 1 GiB, 5 rounds
+    python benchmarks/nixl_path.py --mib 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+STEADY_FROM = 2
+
+
+def _cpu_self() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_of(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _holder(nbytes: int) -> None:
+    from weightpub_wire.nixl_link import NixlExporter, encode_offer
+
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    holder = NixlExporter("bench-holder")
+    offer = holder.offer([holder.register(data.ctypes.data, data.nbytes)])
+    print("OFFER", encode_offer(offer).hex(), flush=True)
+    sys.stdin.readline()
+    holder.close()
+
+
+def _nixl_reader(nbytes: int, offer_hex: str) -> None:
+    from weightpub_wire.nixl_link import NixlReader, decode_offer
+
+    offer = decode_offer(bytes.fromhex(offer_hex))
+    dest = np.empty(nbytes, dtype=np.uint8)  # fresh, untouched, as staging would be
+    reader = NixlReader("bench-reader")
+    reader.register(dest.ctypes.data, dest.nbytes)
+    print("READY", flush=True)
+    for _ in sys.stdin:
+        cpu, start = _cpu_self(), time.perf_counter()
+        reader.read(offer, [(0, 0, dest.ctypes.data, nbytes)], timeout=600)
+        print("DONE", time.perf_counter() - start, _cpu_self() - cpu, flush=True)
+    reader.close()
+
+
+def _tcp_sender(nbytes: int, port: int) -> None:
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = data.data  # the buffer itself, no copy
+        while sock.recv(1):
+            sock.sendall(view)
+
+
+def _tcp_receiver(nbytes: int, port: int) -> None:
+    listener = socket.create_server(("127.0.0.1", port))
+    print("READY", flush=True)
+    sock, _ = listener.accept()
+    dest = np.empty(nbytes, dtype=np.uint8)
+    view = dest.data
+    for _ in sys.stdin:
+        cpu, start = _cpu_self(), time.perf_counter()
+        sock.sendall(b"g")
+        got = 0
+        while got < nbytes:
+            got += sock.recv_into(view[got:], nbytes - got)
+        print("DONE", time.perf_counter() - start, _cpu_self() - cpu, flush=True)
+
+
+class _Path:
+    """One path's two processes, driven a round at a time over the reader's stdin."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        self.name = name
+        env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO)}
+        if name == "nixl-tcp":
+            env["UCX_TLS"] = "tcp,self"
+        me = [sys.executable, __file__]
+        if name == "tcp":
+            port = _free_port()
+            self.reader = _popen([*me, "--role", "tcp-recv", str(nbytes), str(port)], env)
+            _expect(self.reader, "READY")
+            self.holder = _popen([*me, "--role", "tcp-send", str(nbytes), str(port)], env)
+        else:
+            self.holder = _popen([*me, "--role", "holder", str(nbytes)], env)
+            offer = _expect(self.holder, "OFFER")[0]
+            self.reader = _popen([*me, "--role", "nixl-reader", str(nbytes), offer], env)
+            _expect(self.reader, "READY")
+        self.rounds: list[dict[str, float]] = []
+
+    def round(self, nbytes: int) -> None:
+        holder_cpu = _cpu_of(self.holder.pid)
+        assert self.reader.stdin is not None
+        self.reader.stdin.write("go\n")
+        self.reader.stdin.flush()
+        seconds, reader_cpu = (float(x) for x in _expect(self.reader, "DONE"))
+        gb = nbytes / 1e9
+        self.rounds.append({"seconds": seconds, "reader_cpu_s_per_gb": reader_cpu / gb,
+                            "holder_cpu_s_per_gb": (_cpu_of(self.holder.pid) - holder_cpu) / gb})
+
+    def steady(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.rounds[STEADY_FROM:] or self.rounds)
+
+    def close(self) -> None:
+        for proc in (self.reader, self.holder):
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def _expect(proc: subprocess.Popen[str], tag: str) -> list[str]:
+    assert proc.stdout is not None
+    for line in proc.stdout:  # NIXL logs to stdout too
+        if line.startswith(tag):
+            return line.split()[1:]
+    raise RuntimeError(f"child exited before {tag} (exit {proc.wait()})")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure(mib: int, rounds: int, names: list[str]) -> dict[str, Any]:
+    nbytes = mib << 20
+    paths = [_Path(name, nbytes) for name in names]
+    try:
+        for r in range(rounds):
+            for path in paths[r % len(paths):] + paths[:r % len(paths)]:
+                path.round(nbytes)
+        base = next(p for p in paths if p.name == "tcp").steady("seconds")
+        return {"mib": mib, **{p.name: {
+            "GBps": round(nbytes / p.steady("seconds") / 1e9, 2),
+            "vs_tcp": round(base / p.steady("seconds"), 2),
+            "reader_cpu_s_per_GB": round(p.steady("reader_cpu_s_per_gb"), 3),
+            "holder_cpu_s_per_GB": round(p.steady("holder_cpu_s_per_gb"), 3),
+            "cold_GBps": round(nbytes / p.rounds[0]["seconds"] / 1e9, 2)} for p in paths}}
+    finally:
+        for path in paths:
+            path.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--paths", nargs="+", default=["tcp", "nixl-cma", "nixl-tcp"])
+    parser.add_argument("--role", help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.role == "holder":
+        return _holder(int(rest[0]))
+    if args.role == "nixl-reader":
+        return _nixl_reader(int(rest[0]), rest[1])
+    if args.role == "tcp-send":
+        return _tcp_sender(int(rest[0]), int(rest[1]))
+    if args.role == "tcp-recv":
+        return _tcp_receiver(int(rest[0]), int(rest[1]))
+    for mib in args.mib:
+        print(measure(mib, args.rounds, args.paths), flush=True)
+
+
+if __name__ == "__main__":
+    main()

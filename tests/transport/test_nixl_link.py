@@ -1,0 +1,141 @@
+"""One-sided NIXL reads between two real processes (``weightpub_wire/nixl_link.py``).
+
+A holder process registers a buffer of known bytes and prints its offer; this
+process reads ranges of it into its own registered memory. Offers from the network
+are checked before NIXL sees them; a read outside a region or into unregistered
+memory is refused without a transfer; a holder killed -9 costs a named error
+within the timeout, never a hang. UCX is confined to loopback (``UCX_NET_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import msgspec
+import numpy as np
+import pytest
+
+from weightpub_wire.errors import ProtocolError, TransportError
+from weightpub_wire.nixl_link import (
+    NixlOffer,
+    NixlReader,
+    NixlRegion,
+    decode_offer,
+    encode_offer,
+    nixl_error,
+)
+
+pytestmark = pytest.mark.timeout(120)
+SIZE = 4 << 20
+
+HOLDER = textwrap.dedent("""
+    import sys, numpy as np
+    from weightpub_wire.nixl_link import NixlExporter, encode_offer
+    data = (np.arange({size}, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
+    holder = NixlExporter("test-holder")
+    region = holder.register(data.ctypes.data, data.nbytes)
+    print("OFFER", encode_offer(holder.offer([region])).hex(), flush=True)
+    sys.stdin.readline()
+    holder.close()
+""")
+
+
+def _expected() -> np.ndarray:
+    return (np.arange(SIZE, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
+
+
+@pytest.fixture
+def holder(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[subprocess.Popen, NixlOffer]]:
+    assert nixl_error() is None, nixl_error()  # a test dependency: installed in CI
+    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(size=SIZE)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = ""
+        while not line.startswith("OFFER "):  # NIXL logs to stdout too
+            line = proc.stdout.readline()
+            assert line, "the holder printed no offer"
+        yield proc, decode_offer(bytes.fromhex(line.split()[1]))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_ranges_are_read_one_sided_into_registered_memory(holder) -> None:
+    _, offer = holder
+    want = _expected()
+    dest = np.zeros(SIZE, dtype=np.uint8)
+    reader = NixlReader("test-reader")
+    try:
+        reader.register(dest.ctypes.data, dest.nbytes)
+        pieces = [(0, 0, dest.ctypes.data, 4096),  # the head
+                  (0, 1 << 20, dest.ctypes.data + (1 << 20), 12345),  # an odd slice
+                  (0, SIZE - 100, dest.ctypes.data + SIZE - 100, 100)]  # the tail
+        assert reader.read(offer, pieces, timeout=30) == 4096 + 12345 + 100
+        for _, offset, _, length in pieces:
+            assert np.array_equal(dest[offset:offset + length], want[offset:offset + length])
+        assert not dest[8192:(1 << 20)].any()  # nothing else was written
+        assert reader.read(offer, [(0, 0, dest.ctypes.data, SIZE)], timeout=30) == SIZE
+        assert np.array_equal(dest, want)
+    finally:
+        reader.close()
+
+
+def test_bad_offers_and_reads_are_refused_before_any_transfer(holder) -> None:
+    _, offer = holder
+    for data, match in ((b"\x93garbage", "nixl offer"),
+                        (msgspec.msgpack.encode({"agent": "", "metadata": b"x", "regions": []}),
+                         "nixl offer"),
+                        (msgspec.msgpack.encode({"agent": "a", "metadata": b"x",
+                                                 "regions": [[1, 2, 3]] * 65}), "nixl offer"),
+                        (msgspec.msgpack.encode({"agent": "a", "metadata": b"x", "regions": [],
+                                                 "mem_type": "GPU-ANY"}), "nixl offer")):
+        with pytest.raises(ProtocolError, match=match):
+            decode_offer(data)
+    dest = np.zeros(1024, dtype=np.uint8)
+    reader = NixlReader("test-reader")
+    try:
+        reader.register(dest.ctypes.data, dest.nbytes)
+        with pytest.raises(ProtocolError, match="outside region 0"):
+            reader.read(offer, [(0, SIZE - 10, dest.ctypes.data, 20)], timeout=5)
+        with pytest.raises(ProtocolError, match="no region 3"):
+            reader.read(offer, [(3, 0, dest.ctypes.data, 20)], timeout=5)
+        other = np.zeros(64, dtype=np.uint8)
+        with pytest.raises(ProtocolError, match="not registered"):
+            reader.read(offer, [(0, 0, other.ctypes.data, 64)], timeout=5)
+        lying = NixlOffer("someone-else", offer.metadata, offer.regions)
+        with pytest.raises(ProtocolError, match="metadata is"):
+            reader.read(lying, [(0, 0, dest.ctypes.data, 64)], timeout=5)
+        assert reader.read(offer, [(0, 0, dest.ctypes.data, 1024)], timeout=30) == 1024
+        assert np.array_equal(dest, _expected()[:1024])
+        assert encode_offer(decode_offer(encode_offer(offer))) == encode_offer(offer)
+        assert NixlRegion(1, 2) == NixlRegion(1, 2, 0)
+    finally:
+        reader.close()
+
+
+def test_a_holder_killed_mid_version_costs_a_named_error_not_a_hang(holder) -> None:
+    proc, offer = holder
+    dest = np.zeros(SIZE, dtype=np.uint8)
+    reader = NixlReader("test-reader")
+    try:
+        reader.register(dest.ctypes.data, dest.nbytes)
+        assert reader.read(offer, [(0, 0, dest.ctypes.data, SIZE)], timeout=30) == SIZE
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(TransportError, match="nixl"):
+            for _ in range(50):  # a transport may notice on the first read or a later one
+                reader.read(offer, [(0, 0, dest.ctypes.data, SIZE)], timeout=3)
+        assert time.monotonic() - start < 60
+    finally:
+        reader.close()

@@ -1,0 +1,257 @@
+"""One-sided reads of registered memory with NIXL (UCX: RDMA, NVLink, shared memory, TCP).
+
+Why: every frontier anchor moves weights by one-sided reads of registered memory;
+ZeroMQ over TCP spends CPU per byte on both sides. Here the side holding bytes
+(a trainer's snapshot) registers its buffers once (``NixlExporter``) and hands out a
+``NixlOffer`` over the control plane (ZeroMQ, CURVE-authenticated when keys are
+set); a reader (``NixlReader``) adds the offer's agent and READs byte ranges of a
+region straight into its own registered memory, then verifies them like any other
+bytes (the manifest's checksums): a torn read of a region being overwritten fails
+its checksum, never stages.
+
+Wire rules: NIXL's own ``get_serialized_descs`` pickles; we never do. An offer is a
+msgspec struct (agent name, the agent's metadata blob, regions as
+``(address, length, device)``), bounded before anything is built, and the reader
+builds its descriptor lists from those numbers. The metadata blob is parsed by
+NIXL's C++ (``add_remote_agent``): accept offers only from an admitted peer.
+
+The import is lazy (``nixl_cu12``, ``pip install weightpub[nixl]``); ``nixl_error``
+says why the path is off where it cannot run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Annotated, Any
+
+import msgspec
+
+from weightpub_wire.errors import ProtocolError, TransportError
+
+__all__ = ["NixlExporter", "NixlOffer", "NixlReader", "NixlRegion", "decode_offer",
+           "encode_offer", "nixl_error"]
+
+#: NIXL's Python package on CPU-only and CUDA 12 hosts (the umbrella ``nixl`` pulls CUDA wheels)
+MODULE = "nixl_cu12"
+MAX_REGIONS = 64
+MAX_METADATA = 1 << 20
+MAX_NAME = 128
+_U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit
+_POLL_S = 0.0002
+_names = itertools.count()
+logger = logging.getLogger("weightpub.nixl")
+
+
+class NixlRegion(msgspec.Struct, array_like=True, frozen=True):
+    """One registered region: where it starts in the holder's address space, its size."""
+
+    address: _U64
+    length: _U64
+    device: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
+
+
+class NixlOffer(msgspec.Struct, frozen=True):
+    """What a reader needs to READ a holder's regions: its agent and the regions."""
+
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
+    metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_METADATA)]
+    regions: Annotated[list[NixlRegion], msgspec.Meta(max_length=MAX_REGIONS)]
+    mem_type: Annotated[str, msgspec.Meta(pattern="^(DRAM|VRAM)$")] = "DRAM"
+
+
+_decoder = msgspec.msgpack.Decoder(NixlOffer)
+
+
+def encode_offer(offer: NixlOffer) -> bytes:
+    return msgspec.msgpack.encode(offer)
+
+
+def decode_offer(data: bytes) -> NixlOffer:
+    """An offer from the network, checked (sizes, counts, names) before anything is built."""
+    if len(data) > MAX_METADATA + 64 * MAX_REGIONS + 1024:
+        raise ProtocolError(f"nixl offer: {len(data)} bytes is over the bound")
+    try:
+        return _decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"nixl offer: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"nixl offer: not msgpack ({exc})") from exc
+
+
+def nixl_error() -> str | None:
+    """Why the NIXL path cannot run here, or None."""
+    try:
+        __import__(MODULE)
+    except Exception as exc:  # ImportError, or a broken native library
+        return (f"NIXL is not available ({type(exc).__name__}: {exc}); "
+                "install it with `pip install weightpub[nixl]`")
+    return None
+
+
+def _agent(prefix: str) -> Any:
+    error = nixl_error()
+    if error is not None:
+        raise TransportError(error)
+    if "UCX_NET_DEVICES" not in os.environ:
+        logger.warning("nixl: UCX_NET_DEVICES is not set, so UCX listens on every interface "
+                       "(docs/RELIABILITY.md); set it to the fabric's devices, e.g. "
+                       "UCX_NET_DEVICES=mlx5_0:1 (or lo on one host)")
+    api = __import__(f"{MODULE}._api", fromlist=["nixl_agent", "nixl_agent_config"])
+    name = f"{prefix}-{os.getpid()}-{next(_names)}"
+    config = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
+    return name, api.nixl_agent(name, config)
+
+
+class NixlExporter:
+    """Registers buffers once and offers them for one-sided reads; deregisters on close."""
+
+    def __init__(self, prefix: str = "weightpub-holder") -> None:
+        self.name, self._agent = _agent(prefix)
+        self._lock = threading.Lock()
+        self._registered: dict[tuple[int, int], Any] = {}
+
+    def register(self, address: int, length: int, *, mem_type: str = "DRAM",
+                 device: int = 0) -> NixlRegion:
+        """Register ``[address, address + length)`` (once; again is free)."""
+        key = (address, length)
+        with self._lock:
+            if key not in self._registered:
+                self._registered[key] = self._agent.register_memory(
+                    [(address, length, device, "")], mem_type)
+        return NixlRegion(address, length, device)
+
+    def forget(self, address: int, length: int) -> None:
+        """Deregister a buffer that is being freed (never read it after)."""
+        with self._lock:
+            handle = self._registered.pop((address, length), None)
+        if handle is not None:
+            self._agent.deregister_memory(handle)
+
+    def offer(self, regions: Sequence[NixlRegion], mem_type: str = "DRAM") -> NixlOffer:
+        return NixlOffer(self.name, bytes(self._agent.get_agent_metadata()), list(regions),
+                         mem_type)
+
+    @property
+    def registered_bytes(self) -> int:
+        with self._lock:
+            return sum(length for _, length in self._registered)
+
+    def close(self) -> None:
+        with self._lock:
+            handles, self._registered = list(self._registered.values()), {}
+        for handle in handles:
+            self._agent.deregister_memory(handle)
+
+
+class NixlReader:
+    """Reads byte ranges of an offer's regions into local registered memory."""
+
+    def __init__(self, prefix: str = "weightpub-reader") -> None:
+        self.name, self._agent = _agent(prefix)
+        self._local: dict[tuple[int, int], Any] = {}
+        self._remotes: dict[str, str] = {}
+
+    def register(self, address: int, length: int, *, mem_type: str = "DRAM") -> None:
+        """Register a local destination buffer once (staging is reused across versions)."""
+        if (address, length) not in self._local:
+            self._local[(address, length)] = self._agent.register_memory(
+                [(address, length, 0, "")], mem_type)
+
+    def connect(self, offer: NixlOffer) -> str:
+        """Add the offer's agent (once per agent name); returns the name NIXL knows it by."""
+        known = self._remotes.get(offer.agent)
+        if known is None:
+            try:
+                added = self._agent.add_remote_agent(offer.metadata)
+            except Exception as exc:
+                raise TransportError(f"nixl: cannot add agent {offer.agent!r}: {exc}") from exc
+            known = added.decode() if isinstance(added, bytes) else str(added)
+            if known != offer.agent:
+                self._agent.remove_remote_agent(known)
+                raise ProtocolError(f"nixl offer names agent {offer.agent!r} but its "
+                                    f"metadata is {known!r}'s")
+            self._remotes[offer.agent] = known
+        return known
+
+    def read(self, offer: NixlOffer, pieces: Iterable[tuple[int, int, int, int]],
+             *, timeout: float) -> int:
+        """READ ``(region, offset, local_address, length)`` pieces; return the bytes read.
+
+        Every piece must lie inside its region and a registered local buffer; the
+        transfer is polled until done, an error, or ``timeout`` seconds
+        (``TransportError``: the caller falls back to ZeroMQ frames).
+        """
+        remote: list[tuple[int, int, int]] = []
+        local: list[tuple[int, int, int]] = []
+        for index, offset, address, length in pieces:
+            if not 0 <= index < len(offer.regions):
+                raise ProtocolError(f"nixl read: no region {index}")
+            region = offer.regions[index]
+            if offset < 0 or length <= 0 or offset + length > region.length:
+                raise ProtocolError(f"nixl read: [{offset}, {offset + length}) is outside "
+                                    f"region {index} ({region.length} bytes)")
+            if not any(a <= address and address + length <= a + n for a, n in self._local):
+                raise ProtocolError("nixl read: destination is not registered memory")
+            remote.append((region.address + offset, length, region.device))
+            local.append((address, length, 0))
+        if not remote:
+            return 0
+        agent = self.connect(offer)
+        try:
+            self._transfer(offer, agent, local, remote, timeout)
+        except TransportError:
+            self.forget(offer.agent)  # a holder that failed once is added afresh next time
+            raise
+        return sum(length for _, length, _ in remote)
+
+    def _transfer(self, offer: NixlOffer, agent: str, local: list[tuple[int, int, int]],
+                  remote: list[tuple[int, int, int]], timeout: float) -> None:
+        """One READ, polled to the end; NIXL's own errors become ``TransportError``."""
+        try:
+            handle = self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(local, offer.mem_type),
+                self._agent.get_xfer_descs(remote, offer.mem_type), agent)
+        except Exception as exc:
+            raise TransportError(f"nixl read from {offer.agent!r}: {exc}") from exc
+        try:
+            state = self._agent.transfer(handle)
+            deadline = time.monotonic() + timeout
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise TransportError(f"nixl read from {offer.agent!r}: not done "
+                                         f"after {timeout:.1f} s")
+                time.sleep(_POLL_S)  # NIXL's progress thread moves the bytes
+                state = self._agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise TransportError(f"nixl read from {offer.agent!r} failed")
+        except TransportError:
+            raise
+        except Exception as exc:  # NIXL's own (remote disconnect, backend errors)
+            raise TransportError(f"nixl read from {offer.agent!r}: {exc}") from exc
+        finally:
+            try:
+                self._agent.release_xfer_handle(handle)
+            except Exception as exc:  # a transfer still in flight towards a dead holder
+                logger.warning("nixl: could not release a transfer from %r: %s",
+                               offer.agent, exc)
+
+    def forget(self, agent: str) -> None:
+        """Drop a holder (it restarted or was refused): its memory is never read again."""
+        known = self._remotes.pop(agent, None)
+        if known is not None:
+            try:
+                self._agent.remove_remote_agent(known)
+            except Exception as exc:  # already gone on NIXL's side
+                logger.info("nixl: removing agent %r: %s", agent, exc)
+
+    def close(self) -> None:
+        for agent in list(self._remotes):
+            self.forget(agent)
+        for handle in self._local.values():
+            self._agent.deregister_memory(handle)
+        self._local = {}
