@@ -26,8 +26,17 @@ fall back to the publisher), and a member that joined fetches from the
 publisher until the next version. Bounds: ``max_members`` (the rest get no
 plan), ``member_ttl`` (no hello for that long: gone), ``chain`` (peers listed
 per stripe before the publisher); a reply lists at most ``MAX_STRIPES`` chains
-and ``MAX_ADMITTED_KEYS`` keys. With CURVE, ``admit`` tells each member which
-keys may fetch from it: those the publisher authenticated (``ADMIT_ALL_UP_TO``).
+and ``MAX_ADMITTED_KEYS`` keys. Without CURVE a member is whoever connects, so one
+host could fill the plan with members that never serve (sybils):
+``max_members_per_address`` bounds the plaintext members per address the
+publisher sees them connect from (the IP, not the advertised endpoint, which a
+member chooses); one more gets an empty plan (the publisher serves it) until one
+leaves. The default, 4, is a host's honest share on a trusted network (replicas
+per host; plaintext peers off loopback need ``insecure``); tests and single-host
+fleets with more plaintext members on 127.0.0.1 raise it; 0 turns it off. With
+CURVE every member is an authenticated key and the key allow-list is the bound;
+``admit`` tells each member which keys may fetch from it: those the publisher
+authenticated (``ADMIT_ALL_UP_TO``).
 """
 
 from __future__ import annotations
@@ -63,8 +72,12 @@ class TrackerLimits:
     max_members: int = 4096
     member_ttl: float = 4.0  # seconds without a hello before a member is gone
     chain: int = 2  # peers listed per stripe (parent, grandparent), then the publisher
+    max_members_per_address: int = 4  # plaintext members per connecting IP; 0: no bound
 
     def __post_init__(self) -> None:
+        if self.max_members_per_address < 0:
+            raise ValueError(f"max_members_per_address: {self.max_members_per_address} is "
+                             "negative")
         if not 0 <= self.fanout <= MAX_STRIPES:
             raise ValueError(f"fanout: {self.fanout} is outside [0, {MAX_STRIPES}]")
         if not 1 <= self.chain <= MAX_CHAIN:
@@ -77,6 +90,7 @@ class _Member:
     key: str
     last_seen: float
     joined: int
+    address: str = ""  # where the publisher sees it connect from ("" with CURVE: not counted)
 
 
 class Plan:
@@ -138,6 +152,7 @@ class Tracker:
         self._next_expiry = 0.0
         self._warn = RateLimitedLog(log)
         self.refused = 0
+        self.refused_address = 0  # hellos over ``max_members_per_address`` (empty plans)
 
     @property
     def enabled(self) -> bool:
@@ -170,12 +185,27 @@ class Tracker:
             for old_id, old in list(self._members.items()):  # a member that reconnected
                 if old.endpoint == endpoint and old.key == (client_key or ""):
                     self._rename(old_id, identity)
-            member = self._members.get(identity) or _Member(endpoint, client_key or "", now,
-                                                            next(self._joined))
+            member = self._members.get(identity)
+            if member is None:
+                address = "" if client_key else (peer_address or "local")
+                if self._crowded(address):
+                    self.refused_address += 1
+                    self._warn.warning("address", f"tracker: {address} has "
+                                       f"{self.limits.max_members_per_address} plaintext "
+                                       "members already (max_members_per_address); the "
+                                       "publisher serves one more")
+                    return self._assignment(identity, hello.req)  # not in the plan: empty
+                member = _Member(endpoint, client_key or "", now, next(self._joined), address)
             self._members[identity] = member
         member.endpoint, member.key, member.last_seen = endpoint, client_key or "", now
         self._maybe_replan(min(hello.version, latest))
         return self._assignment(identity, hello.req)
+
+    def _crowded(self, address: str) -> bool:
+        bound = self.limits.max_members_per_address
+        if not address or not bound:
+            return False
+        return sum(1 for m in self._members.values() if m.address == address) >= bound
 
     # -- the plan ------------------------------------------------------------------------------
     def _expire(self, now: float) -> None:

@@ -53,6 +53,10 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(_CORE, "EngineCore.step_with_batch_queue", ("self",), "same, with a batch queue"),
     Internal(_CORE, "EngineCore.collective_rpc", ("self", "method", "timeout", "args", "kwargs"),
              "commit before our RPCs; the engine's commit RPC"),
+    Internal(_CORE, "EngineCoreProc._invoke_utility_method",
+             ("name", "get_result", "output", "enqueue_output"),
+             "a utility call that returns a Future is answered when it is done "
+             "(update_weights waits beside the step loop)"),
     Internal(_CORE, "EngineCore._attach_weight_version", ("self", "outputs"),
              "tag outputs with the weight version"),
     Internal(_CORE, "EngineCore.is_sleeping", ("self",), "no commit while asleep"),

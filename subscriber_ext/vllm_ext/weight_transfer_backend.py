@@ -18,9 +18,13 @@ RPCs. What the framework's calls mean here:
   prefix cache and tags outputs), so no ``/pause`` is needed; ``keep`` is
   harmless (frozen requests resume on the version live then, their spans show it).
 * ``update_weights({"version": v, "publisher_id": ..., "timeout": s})``: returns
-  when every rank runs version >= v (the engine core commits first, see
-  ``vllm_patches._commit_until``), or raises naming each rank's state. The
-  version label outputs carry is the engine's committed version.
+  when every rank runs version >= v, or raises naming each rank's state after
+  ``timeout`` (at most ``MAX_TIMEOUT_S``). The engine core waits beside its step
+  loop (``commit/update_waits.py``: requests and other RPCs are served meanwhile)
+  and commits; where it cannot (an in-process engine core, or no engine driver,
+  when the ranks agree here in lockstep) the wait holds the step loop at most
+  ``BLOCKING_WAIT_S`` and the error says so. The version label outputs carry is
+  the engine's committed version.
 
 Why a mixin rather than our own copy: the extension already owns the worker
 state, the hooks and the RPCs; the backend calls it (the worker reaches us
@@ -41,6 +45,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from subscriber_ext.vllm_ext.commit.update_waits import BLOCKING_WAIT_S, MAX_TIMEOUT_S
 from subscriber_ext.vllm_ext.commit.vllm_plugin import BACKEND
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.errors import ConfigError, WeightPubTimeout
@@ -82,9 +87,9 @@ class WeightpubUpdateInfo(WeightTransferUpdateInfo):
                 or self.version < 1:
             raise ConfigError(f"weightpub update_info.version: {self.version!r} is not an "
                               "integer >= 1")
-        if not 0 < float(self.timeout) <= 86400:
+        if not 0 < float(self.timeout) <= MAX_TIMEOUT_S:
             raise ConfigError(f"weightpub update_info.timeout: {self.timeout!r} is outside "
-                              "(0, 86400]")
+                              f"(0, {MAX_TIMEOUT_S:g}]")
 
 
 class WeightpubWeightTransferEngine(WeightTransferEngine[WeightpubInitInfo,
@@ -157,9 +162,14 @@ class WeightpubWeightTransferEngine(WeightTransferEngine[WeightpubInitInfo,
             raise ConfigError(f"weight transfer backend {BACKEND!r}: rank {worker.rank} "
                               "follows no publisher; call init_weight_transfer_engine "
                               '({"endpoint": ...}) first')
-        if st.slots is None:  # no engine driver: the ranks agree here, in lockstep
-            rounds = max(1, int(update_info.timeout / POLL_S))
-            for _ in range(rounds):
+        waited, held = update_info.timeout, ""
+        if st.slots is None:  # no engine driver: the ranks agree here, in lockstep, holding
+            waited = min(waited, BLOCKING_WAIT_S)  # the step loop: so only a short while
+            if waited < update_info.timeout:
+                held = (f" (without the engine driver a replica waits at most "
+                        f"{BLOCKING_WAIT_S:g}s in update_weights: wait for it to stage the "
+                        "version first, e.g. the trainer's wait_replicas)")
+            for _ in range(max(1, int(waited / POLL_S))):
                 if _reached(worker.commit_pending(), st, update_info):
                     break
                 time.sleep(POLL_S)
@@ -172,7 +182,7 @@ class WeightpubWeightTransferEngine(WeightTransferEngine[WeightpubInitInfo,
             f"(staged {status.get('staged_version')}, publisher "
             f"{status.get('publisher_id')}), not >= {update_info.version}"
             + (f" of {update_info.publisher_id}" if update_info.publisher_id else "")
-            + f" after {update_info.timeout:g}s; endpoint {status.get('endpoint')}; "
+            + f" after {waited:g}s{held}; endpoint {status.get('endpoint')}; "
             f"last error: {status.get('last_error')}")
 
     def shutdown(self) -> None:

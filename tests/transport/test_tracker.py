@@ -52,15 +52,18 @@ def test_every_member_gets_each_stripe_once_and_uploads_about_one_version(
 
 
 def hello(tracker: Tracker, who: bytes, version: int, *, latest: int, now: float,
-          port: int | None = None, key: str | None = None) -> PeerPlan:
+          port: int | None = None, key: str | None = None,
+          address: str = "10.0.0.9") -> PeerPlan:
     port = port if port is not None else 20000 + int(who.split(b"-")[1])
     message = PeerHello(req=1, publisher_id=PUB, endpoint=f"tcp://0.0.0.0:{port}",
                         version=version)
-    return tracker.hello(who, message, "10.0.0.9", key, now, latest)
+    return tracker.hello(who, message, address, key, now, latest)
 
 
 def test_members_join_and_die_between_versions() -> None:
-    tracker = Tracker(TrackerLimits(fanout=2, member_ttl=4.0), PUB, 1.0)
+    # five plaintext members on one address: more than max_members_per_address allows
+    tracker = Tracker(TrackerLimits(fanout=2, member_ttl=4.0, max_members_per_address=0),
+                      PUB, 1.0)
     members = ids(4)
     for index, who in enumerate(members):
         plan = hello(tracker, who, 0, latest=0, now=0.0)
@@ -128,3 +131,36 @@ def test_bounds_and_bad_hellos() -> None:
         wire.decode(wire.encode(PeerPlan(req=1, publisher_id=PUB, started_at=1.0, version=1,
                                          epoch=1, stripes=0)).replace(
             b"\xa7stripes\x00", b"\xa7stripes\x01"), expect=(PeerPlan,))
+
+
+def test_plaintext_members_per_address_are_bounded_curve_members_are_not() -> None:
+    """Issue 28 item 6: one host cannot fill the plan with plaintext members (sybils).
+
+    The bound counts the address the publisher sees a member connect from, not the
+    endpoint it advertises (its own choice); one member too many gets an empty plan
+    (the publisher serves it) and is let in once a member of that address is gone.
+    """
+    tracker = Tracker(TrackerLimits(fanout=4, member_ttl=4.0), PUB, 1.0)
+    assert tracker.limits.max_members_per_address == 4
+    for i in range(6):  # the same host, any advertised endpoint
+        hello(tracker, f"sybil-{i}".encode(), 0, latest=0, now=0.0, address="10.6.6.6",
+              port=30000 + i)
+    assert tracker.members() == 4 and tracker.refused_address == 2
+    extra = hello(tracker, b"sybil-5", 0, latest=0, now=0.1, address="10.6.6.6", port=30005)
+    assert extra.stripes == 0 and extra.slot == -1  # no place: the publisher serves it
+    honest = hello(tracker, b"member-1", 0, latest=0, now=0.2, address="10.0.0.1")
+    assert honest.stripes == 4 and tracker.members() == 5  # another host is not crowded out
+    keys = [zmq.curve_keypair()[0].decode() for _ in range(6)]
+    for i, key in enumerate(keys):  # authenticated members are counted by key, not address
+        hello(tracker, f"keyed-{i}".encode(), 0, latest=0, now=0.3, address="10.6.6.6",
+              port=31000 + i, key=key)
+    assert tracker.members() == 11
+    for i in range(4):  # the host's members go silent, and one more of it may join
+        if i:
+            hello(tracker, f"sybil-{i}".encode(), 0, latest=0, now=0.3, address="10.6.6.6",
+                  port=30000 + i)
+    hello(tracker, b"member-1", 0, latest=0, now=4.1, address="10.0.0.1")  # sybil-0 expired
+    assert hello(tracker, b"sybil-5", 0, latest=0, now=4.15, address="10.6.6.6",
+                 port=30005).stripes == 4
+    with pytest.raises(ValueError, match="max_members_per_address"):
+        TrackerLimits(max_members_per_address=-1)

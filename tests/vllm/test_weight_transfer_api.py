@@ -287,3 +287,108 @@ def test_init_info_options_are_checked_and_never_name_code_to_import(rig) -> Non
                 {"init_info": {"endpoint": endpoint, "options": options}})
     assert rig.llm.get_weight_version() == before
     assert _labels(rig.llm) == [before]  # still generating, on the version it ran
+
+
+def _within(seconds: float, what: str, call):
+    """``call()``'s result, run on a thread of its own: a wedged engine fails the test
+    (naming ``what``) instead of hanging it."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # re-raised on the test's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name=f"test-{what}")
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{what}: no answer within {seconds:g} s (engine wedged?)"
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]
+
+
+def test_update_weights_for_an_unpublished_version_never_stops_the_engine(rig) -> None:
+    """Issue 28 item 4: ``update_weights`` for a version nobody published yet waits beside
+    the engine's step loop (``commit/update_waits.py``): meanwhile a generate call finishes,
+    status RPCs answer and the replica keeps its version; the call returns once the
+    version is published and live. A timeout past the bound is refused at once, and a
+    short one raises the named error about when it ends."""
+    import torch
+    from vllm import SamplingParams
+
+    from subscriber_ext.staleness import parse_version_label
+
+    llm = rig.llm
+    client = llm.llm_engine.engine_core
+    send, lock = client._send_input, threading.Lock()
+
+    def send_locked(*args, **kwargs):  # two threads share the client's socket below
+        with lock:
+            return send(*args, **kwargs)
+
+    client._send_input = send_locked
+    applied = parse_version_label(llm.get_weight_version())
+    target = applied + 1
+    outcome: dict[str, object] = {}
+
+    def update() -> None:
+        try:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": target, "timeout": 600.0}})
+            outcome["returned_at"] = time.monotonic()
+            llm.finish_weight_update()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    waiter = threading.Thread(target=update, daemon=True, name="test-update-weights")
+    t0 = time.monotonic()
+    waiter.start()
+    weights = new_weights(KIND, 16)
+    try:
+        deadline = time.monotonic() + 20
+        while _within(20, "driver status", lambda: client.call_utility(
+                "weightpub_driver_status")).get("update_waits") != 1:
+            assert time.monotonic() < deadline, "update_weights never reached the engine"
+            time.sleep(0.05)
+        t1 = time.monotonic()
+        outs = _within(30, "generate", lambda: llm.generate(
+            [{"prompt_token_ids": [5, 17, 42]}, {"prompt_token_ids": [7, 8]}],
+            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False))
+        generate_s = time.monotonic() - t1
+        assert [len(o.outputs[0].token_ids) for o in outs] == [40, 40]
+        ranks = _within(10, "status RPC", lambda: llm.collective_rpc("weight_status"))
+        assert [r["applied_version"] for r in ranks] == [applied or None], ranks
+        assert waiter.is_alive() and not outcome, outcome  # still waiting: nothing published
+    finally:
+        published_at = time.monotonic()
+        with torch.no_grad():
+            rig.model.load_state_dict(weights)
+        trainer_client, rig.trainer.client = rig.trainer.client, None  # publish only: the
+        try:  # update session is the waiting thread's
+            rig.trainer.send_weights()  # publish the version the call waits for
+        finally:
+            rig.trainer.client = trainer_client
+        waiter.join(60)
+        client._send_input = send
+    assert "returned_at" in outcome, outcome
+    assert rig.trainer.last_version == target
+    assert llm.get_weight_version() == str(target)
+    assert_matches_hf(llm, KIND, weights, N)
+    rig.last_weights = weights
+    print(f"generate while waiting: {generate_s:.2f} s; update_weights waited "
+          f"{published_at - t0:.1f} s, returned {outcome['returned_at'] - published_at:.2f} s "
+          "after the publish began")
+
+    t0 = time.monotonic()  # past the bound: refused before anything waits
+    llm.start_weight_update()
+    with pytest.raises(Exception,
+                       match=r"update_info\.timeout: 1000000000\.0 is outside \(0, 86400\]"):
+        llm.update_weights({"update_info": {"version": target + 1, "timeout": 1e9}})
+    assert time.monotonic() - t0 < 10
+    t0 = time.monotonic()  # a short wait ends with the named error on time
+    llm.start_weight_update()
+    with pytest.raises(Exception, match=rf"runs version {target} .*not >= {target + 9} after 2s"):
+        llm.update_weights({"update_info": {"version": target + 9, "timeout": 2.0}})
+    assert 2.0 <= time.monotonic() - t0 < 10

@@ -10,18 +10,30 @@ whose chain is empty (this subscriber is the stripe's root, or has no plan) or
 used up goes to the publisher, under the publisher's credit as before.
 
 A peer fails for the version (its outstanding chunks are asked of the next
-source) when it answers with an error, sends a chunk that fails its checksum or
-has the wrong size (it is then also banned for ``ban_seconds``), disconnects,
-or makes no progress for ``timeout`` while chunks are outstanding or cannot be
-sent to at all. A peer that refuses the CURVE handshake (it has not learnt this
-subscriber's key from the tracker yet) is dialled again every ``REDIAL_AFTER``
-seconds until that timeout. None of this counts against ``max_chunk_retries``: a bad peer
-costs a retry from another source, never the version.
+source, and it is not asked again for that version) when it answers with an
+error, sends a chunk that fails its checksum or has the wrong size (it is then
+also banned for ``ban_seconds``), disconnects, or makes no progress for
+``stall_timeout`` while chunks are outstanding (or for ``timeout``, the
+subscriber's ``request_timeout``, while it cannot be sent to at all).
+``stall_timeout`` scales with the version's chunk size (``stall_timeout()``: about
+1 s for the default chunks; a peer slower than that is better skipped). A peer that
+stalls is also backed off for later versions: ``BACKOFF_S`` doubled per stall in
+a row, at most ``BACKOFF_MAX_S``, forgotten at its next chunk (until then, once
+its backoff is over, it is asked one chunk at a time: ``route``); kept (for
+``MAX_SHUNNED`` endpoints) when the peer leaves the plan, so leaving and joining
+again does not reset it. So a stranger that joins the plan and never serves (a
+sybil) costs one stall time now and then, not one per version.
+
+A peer that refuses the CURVE handshake (it has not learnt this subscriber's key
+from the tracker yet) is dialled again every ``REDIAL_AFTER`` seconds until that
+timeout. None of this counts against ``max_chunk_retries``: a bad peer costs a
+retry from another source, never the version.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,6 +53,11 @@ log = logging.getLogger("weightpub.peers")
 
 VersionKey = tuple[str, int]  # (publisher_id, version)
 REDIAL_AFTER = 0.25  # seconds after a refused handshake
+STALL_FLOOR_S = 1.0  # a peer's first chunk may wait for its own source (cut-through)
+STALL_MIN_BYTES_PER_S = 8 << 20  # then one chunk per this rate, or the peer is skipped
+BACKOFF_S = 10.0  # a peer that stalled is skipped this long, doubled per stall in a row
+BACKOFF_MAX_S = 300.0
+MAX_SHUNNED = 1024  # backoffs and bans kept for peers no longer in the plan
 
 
 @dataclass(eq=False, slots=True)
@@ -58,6 +75,7 @@ class PeerLink:
     banned_until: float = 0.0
     #: a header (chunk_frame.FOLLOWS) whose payload is this socket's next message
     pairing: PayloadPairing = field(default_factory=PayloadPairing)
+    stalls: int = 0  # stalls in a row (backoff); 0 again at its next chunk
 
     @property
     def sock(self) -> zmq.Socket:
@@ -86,14 +104,20 @@ class Sources:
         self.on_open = on_open
         self.on_close = on_close
         self.ban_seconds = ban_seconds
+        self.stall_timeout = stall_timeout(0, timeout)
         self.links: dict[str, PeerLink] = {}
         self.chains: list[list[PeerLink]] = []
+        self._shunned: dict[str, tuple[int, float]] = {}  # endpoint -> (stalls, banned until)
         self.failures: dict[str, int] = {}  # by kind
         self._warn = RateLimitedLog(log)
 
     @property
     def stripes(self) -> int:
         return len(self.chains)
+
+    def chunk_size(self, size: int) -> None:
+        """The version being fetched has chunks of ``size`` bytes: its stall timeout."""
+        self.stall_timeout = stall_timeout(size, self.timeout)
 
     # -- the plan ------------------------------------------------------------------------------
     def apply(self, plan: PeerPlan, curve: bool) -> list[PeerLink]:
@@ -134,6 +158,7 @@ class Sources:
             wanted[source.endpoint] = old
             return old
         link = PeerLink(source.endpoint, source.key, self._connect(source.endpoint, source.key))
+        link.stalls, link.banned_until = self._shunned.pop(source.endpoint, (0, 0.0))
         wanted[source.endpoint] = link
         self.on_open(link)
         return link
@@ -158,6 +183,10 @@ class Sources:
                 self.on_open(link)
 
     def _close(self, link: PeerLink) -> None:
+        if link.stalls or link.banned_until:  # a member that leaves the plan and comes back
+            self._shunned[link.endpoint] = (link.stalls, link.banned_until)  # is still
+            while len(self._shunned) > MAX_SHUNNED:  # backed off (or banned)
+                del self._shunned[next(iter(self._shunned))]
         self.on_close(link)
         link.dealer.close()
 
@@ -170,15 +199,19 @@ class Sources:
     def route(self, todo: list[int], key: VersionKey, in_flight: dict[PeerLink, int],
               now: float) -> tuple[dict[PeerLink, list[int]], list[int]]:
         """Split ``todo`` (ascending) into chunks to ask of each peer now and chunks for
-        the publisher; a chunk whose peer has no room waits for that peer."""
+        the publisher; a chunk whose peer has no room waits for that peer. A peer on
+        probation (it stalled, its backoff is over) is asked one chunk at a time until
+        it sends one; the rest of its stripe goes on to the next source meanwhile, so
+        probing a peer that still stalls costs one chunk's wait, not the stripe's."""
         to_peers: dict[PeerLink, list[int]] = {}
         to_publisher: list[int] = []
         stripes = self.stripes
         for chunk in todo:
             link = None
             if stripes:
-                link = next((lk for lk in self.chains[chunk % stripes] if lk.usable(key, now)),
-                            None)
+                link = next((lk for lk in self.chains[chunk % stripes] if lk.usable(key, now)
+                             and not (lk.stalls and in_flight.get(lk, 0)
+                                      + len(to_peers.get(lk, ())) >= 1)), None)
             if link is None:
                 to_publisher.append(chunk)
                 continue
@@ -199,6 +232,7 @@ class Sources:
 
     def arrived(self, link: PeerLink, now: float) -> None:
         link.last_progress = now
+        link.stalls = 0
 
     def fail(self, link: PeerLink, key: VersionKey | None, kind: str, why: str,
              now: float, *, ban: bool = False) -> None:
@@ -210,16 +244,21 @@ class Sources:
                 link.failed.discard(min(link.failed, key=lambda k: k[1]))
         if ban:
             link.banned_until = now + self.ban_seconds
+        elif kind == "timeout":  # a stall: skip it for a while after this version too
+            link.stalls += 1
+            backoff = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** min(link.stalls - 1, 16))
+            link.banned_until = max(link.banned_until, now + backoff)
         link.blocked_since = None
         self._warn.warning(kind, f"peer {link.endpoint}: {why}; asking the next source")
 
     def expired(self, in_flight: dict[PeerLink, int], now: float) -> list[PeerLink]:
-        """Links with chunks outstanding (or unsendable) and no progress for ``timeout``."""
+        """Links with chunks outstanding and no progress for ``stall_timeout``, or
+        unsendable for ``timeout``."""
         out = []
         for link in self.links.values():
             if link.down:
                 continue
-            if in_flight.get(link, 0) and now - link.last_progress > self.timeout:
+            if in_flight.get(link, 0) and now - link.last_progress > self.stall_timeout:
                 out.append(link)
             elif link.blocked_since is not None and now - link.blocked_since > self.timeout:
                 out.append(link)
@@ -247,6 +286,17 @@ class Sources:
         self.failures[kind] = self.failures.get(kind, 0) + 1
 
     def stats(self) -> dict[str, object]:
+        now = time.monotonic()
         return {"sources": sorted(self.links), "stripes": self.stripes,
-                "peer_failures": dict(self.failures)}
+                "peer_failures": dict(self.failures), "stall_timeout": self.stall_timeout,
+                "backed_off": sorted(lk.endpoint for lk in self.links.values()
+                                     if lk.stalls and lk.banned_until > now)}
 
+
+def stall_timeout(chunk_bytes: int, request_timeout: float) -> float:
+    """How long a peer may hold our outstanding chunks without sending one, for chunks of
+    ``chunk_bytes``: ``STALL_FLOOR_S`` (or a shorter ``request_timeout``) for the latency,
+    plus one chunk at ``STALL_MIN_BYTES_PER_S``. Not ``request_timeout`` alone (it was, a
+    fixed 5 s): too long for small chunks (every stalling peer cost that much per
+    version), too short for big ones over a slow link."""
+    return min(request_timeout, STALL_FLOOR_S) + chunk_bytes / STALL_MIN_BYTES_PER_S

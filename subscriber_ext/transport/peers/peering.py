@@ -168,7 +168,8 @@ class Peering(ChunkSource):
         key = self._key()
         in_flight = self.client.requests.peer_in_flight()
         for link in self.sources.expired(in_flight, now):
-            self._fail(link, key, "timeout", f"no progress for {self.sources.timeout}s", now)
+            self._fail(link, key, "timeout",
+                       f"no progress for {self.sources.stall_timeout:.2f}s", now)
         return False
 
     def _hello(self, now: float) -> None:
@@ -302,6 +303,7 @@ class Peering(ChunkSource):
         """Plans follow versions: say hello now; without a place in the plan held, the
         fetch waits up to ``plan_wait`` for the answer (a member that joined last version)."""
         now = time.monotonic()
+        self.sources.chunk_size(manifest.chunk_size)
         self._awaiting = ((manifest.publisher_id, manifest.version), now)
         self._hello(now)
         self.server.changed()

@@ -19,9 +19,9 @@ Prometheus metrics in the process that serves ``/metrics`` (``observe/``).
    with the old version. ``WEIGHTPUB_ENGINE_DRIVER=0`` leaves the engine alone
    (ranks then agree among themselves, ``strategies.RankAgreement``). With the
    ``weightpub`` weight-transfer backend: our worker extension is mixed in when
-   none is named, vLLM's ``update_weights`` RPC first waits (committing) until
-   every rank runs the version asked for, and ``set_weight_version`` cannot
-   relabel outputs away from the version actually committed.
+   none is named, vLLM's ``update_weights`` RPC waits (committing) until every
+   rank runs the version asked for, beside the step loop (``update_waits``), and
+   ``set_weight_version`` cannot relabel outputs away from the version committed.
 2. ``WorkerWrapperBase.initialize_from_config`` (worker processes): once the
    model is loaded and the KV cache sized, map the slot table and start the
    subscriber named in ``--additional-config`` (an extension gets no init hook:
@@ -47,6 +47,11 @@ from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_ext.commit.engine_driver import EngineDriver
 from subscriber_ext.vllm_ext.commit.idle_wake import WakeListener, wake_address
 from subscriber_ext.vllm_ext.commit.shared_slots import ENV, SlotTable
+from subscriber_ext.vllm_ext.commit.update_waits import (
+    BLOCKING_WAIT_S,
+    MAX_TIMEOUT_S,
+    UpdateWaits,
+)
 from subscriber_ext.vllm_ext.commit.vllm_plugin import (
     asked_here,
     ensure_backends,
@@ -109,6 +114,7 @@ def _setup(core: Any, vllm_config: Any) -> None:
     atexit.register(table.unlink)
     os.environ[ENV] = table.env_value()
     core._wp_driver = EngineDriver(table, _original_rpc)
+    core._wp_waits = UpdateWaits()
     _wrap_input_queue(core, table.path)
 
 
@@ -133,42 +139,51 @@ def _constructing_core() -> tuple[Any, Any] | None:
 
 
 def _wrap_input_queue(core: Any, table_path: str) -> None:
-    """Let an idle engine commit: a rank's slot write wakes the blocking input-queue wait.
+    """Let an idle engine commit, and serve the deferred ``update_weights`` calls while idle.
 
     ``idle_wake.WakeListener`` puts vLLM's own ``WAKEUP`` request into the queue
     when a rank advertises; the wait below commits before it blocks and whenever it
     wakes. ``WEIGHTPUB_IDLE_POLL_S`` is only a backstop (default 1 s; 0.05 s if the
-    listener could not bind, the old polling).
+    listener could not bind, the old polling; 0: no idle commits, tests). While an
+    ``update_weights`` call waits (``update_waits``) the wait is bounded so that call
+    is finished on time even when nothing else wakes the engine.
     """
     q = getattr(core, "input_queue", None)
+    if not isinstance(q, queue.Queue):
+        return
     backstop = os.environ.get("WEIGHTPUB_IDLE_POLL_S")
-    if not isinstance(q, queue.Queue) or (backstop is not None and float(backstop) <= 0):
-        return  # 0: an idle engine commits only on our RPCs (tests)
-    from vllm.v1.engine import EngineCoreRequestType
+    idle = backstop is None or float(backstop) > 0  # 0: commit only at steps and our RPCs
+    listener: WakeListener | None = None
+    if idle:
+        from vllm.v1.engine import EngineCoreRequestType
 
-    def wake() -> None:
-        q.put_nowait((EngineCoreRequestType.WAKEUP, None))
+        def wake() -> None:
+            q.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
-    try:
-        listener: WakeListener | None = WakeListener(wake_address(table_path), wake)
-    except OSError as exc:
-        logger.warning("weightpub: no idle wake-up socket (%s); polling instead", exc)
-        listener = None
-    poll_s = float(backstop) if backstop is not None else 1.0 if listener else 0.05
+        try:
+            listener = WakeListener(wake_address(table_path), wake)
+        except OSError as exc:
+            logger.warning("weightpub: no idle wake-up socket (%s); polling instead", exc)
+    poll_s = (float(backstop) if backstop is not None else 1.0 if listener else 0.05) \
+        if idle else None
     if listener is not None:
         atexit.register(listener.close)
         core._wp_waker = listener
+    waits: UpdateWaits = core._wp_waits
     get = q.get
 
     def idle_get(block: bool = True, timeout: float | None = None) -> Any:
         if not block or timeout is not None:
+            _serve_waits(core)
             return get(block, timeout)
         while True:
             if listener is not None:
                 listener.taken()  # armed before we look: a later advertisement wakes us
-            _idle_commit(core)  # also when client calls keep waking us
+            if idle:
+                _idle_commit(core)  # also when client calls keep waking us
+            _serve_waits(core)
             try:
-                return get(True, poll_s)
+                return get(True, waits.poll_s(poll_s))
             except queue.Empty:
                 continue
 
@@ -205,6 +220,7 @@ def _step(self: Any) -> Any:
     driver = _driver(self)
     if driver is not None:
         driver.maybe_commit(self)
+        _serve_waits(self)
     return _ORIGINAL["step"](self)
 
 
@@ -212,6 +228,7 @@ def _step_with_batch_queue(self: Any) -> Any:
     driver = _driver(self)
     if driver is not None:
         driver.maybe_commit(self)
+        _serve_waits(self)
     return _ORIGINAL["step_with_batch_queue"](self)
 
 
@@ -230,7 +247,7 @@ def _collective_rpc(self: Any, method: Any, timeout: float | None = None, args: 
     if driver is not None and method in DRIVER_RPCS and not _is_sleeping(self):
         driver.maybe_commit(self)
     if driver is not None and method == UPDATE_RPC and uses_backend(self.vllm_config):
-        _commit_until(self, driver, _update_info(args, kwargs))
+        return _update_weights(self, driver, timeout, args, kwargs)
     return _ORIGINAL["collective_rpc"](self, method, timeout, args, kwargs)
 
 
@@ -243,28 +260,86 @@ def _update_info(args: tuple, kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def _commit_until(core: Any, driver: EngineDriver, info: dict[str, Any]) -> None:
-    """Commit (engine-driven, on every rank at once) until version >= ``info["version"]`` runs.
+def _update_weights(core: Any, driver: EngineDriver, timeout: float | None, args: tuple,
+                    kwargs: dict[str, Any] | None) -> Any:
+    """vLLM's ``update_weights`` RPC: "every rank runs version >= ``info["version"]``".
 
-    Why here: the workers cannot wait for the engine's commit while the engine waits
-    for their RPC reply. The workers then only check what is live and name what is
-    missing (``WeightpubWeightTransferEngine.receive_weights``). The engine steps no
-    request while it waits: a trainer that waits for its replicas to have *staged*
-    the version first (``wait_replicas``) keeps this wait short.
+    The engine commits (engine-driven, on every rank at once) until that version is
+    live or the info's ``timeout`` ends, then forwards the RPC: each worker only checks
+    what is live and names what is missing (``WeightpubWeightTransferEngine``). Why the
+    wait is here: the workers cannot wait for a commit the engine would issue while it
+    waits for their reply. It never holds the step loop: in an engine-core process the
+    call returns a future the step and idle hooks finish (``update_waits``), so requests
+    and other RPCs keep being served; an in-process engine core waits at most
+    ``BLOCKING_WAIT_S``. A timeout outside (0, ``MAX_TIMEOUT_S``] is forwarded at once
+    (the workers' parser names it).
     """
+    info = _update_info(args, kwargs)
+
+    def forward(a: tuple = args, kw: dict[str, Any] | None = kwargs) -> Any:
+        return _ORIGINAL["collective_rpc"](core, UPDATE_RPC, timeout, a, kw)
+
     try:
         version = int(info.get("version", 0))
         wait_s = float(info.get("timeout", 120.0))
     except (TypeError, ValueError):
-        return  # the workers' parser names the bad field
-    deadline = time.monotonic() + max(0.0, wait_s)
+        return forward()  # the workers' parser names the bad field
+    if not 0 < wait_s <= MAX_TIMEOUT_S:
+        return forward()
+    if _defers_utilities(core):
+        return core._wp_waits.add(version, wait_s, forward)
+    held = min(wait_s, BLOCKING_WAIT_S)
+    deadline = time.monotonic() + held
     while not _is_sleeping(core):
         driver.maybe_commit(core)
-        if driver.applied is not None and driver.applied[1] >= version:
-            return
-        if time.monotonic() >= deadline:
-            return
+        if _live(driver) >= version or time.monotonic() >= deadline:
+            break
         time.sleep(0.005)
+    if held < wait_s:  # the workers' error then says how long it was
+        logger.warning("weightpub: an in-process engine core waits at most %gs in "
+                       "update_weights (asked %gs)", held, wait_s)
+        return forward(*_with_timeout(args, kwargs, held))
+    return forward()
+
+
+def _with_timeout(args: tuple, kwargs: dict[str, Any] | None,
+                  seconds: float) -> tuple[tuple, dict[str, Any] | None]:
+    """``update_weights``' arguments with every info's ``timeout`` set to ``seconds``."""
+    def fix(info: Any) -> Any:
+        if isinstance(info, list):
+            return [fix(i) for i in info]
+        return {**info, "timeout": seconds} if isinstance(info, dict) else info
+
+    if kwargs and "update_info" in kwargs:
+        return args, {**kwargs, "update_info": fix(kwargs["update_info"])}
+    return (fix(args[0]), *args[1:]) if args else args, kwargs
+
+
+def _live(driver: EngineDriver) -> int:
+    return -1 if driver.applied is None else driver.applied[1]
+
+
+def _serve_waits(core: Any) -> None:
+    """Finish the deferred ``update_weights`` calls that are due (busy-loop thread)."""
+    waits: UpdateWaits | None = core.__dict__.get("_wp_waits")
+    driver = _driver(core)
+    if driver is None or waits is None or not len(waits):
+        return
+    sleeping = _is_sleeping(core)
+    if not sleeping:
+        try:
+            driver.maybe_commit(core)
+        except Exception:
+            logger.exception("weightpub: commit for a waiting update_weights failed")
+    waits.serve(_live(driver), stop=sleeping)
+
+
+def _defers_utilities(core: Any) -> bool:
+    """Whether ``core`` runs vLLM's busy loop, which defers a utility call that returns a
+    future until it is done (``EngineCoreProc._invoke_utility_method``)."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    return isinstance(core, EngineCoreProc)
 
 
 def _set_weight_version(self: Any, weight_version: str) -> None:
@@ -290,6 +365,7 @@ def _weightpub_driver_status(self: Any) -> dict[str, Any]:
         "checks": driver.checks,
         "check_s": driver.check_s,
         "idle_wakes": getattr(getattr(self, "_wp_waker", None), "wakes", None),
+        "update_waits": len(self.__dict__.get("_wp_waits") or ()),
         "weight_version": self._weight_version,
     }
 
