@@ -21,6 +21,7 @@ from Python, YAML or JSON (all three give Python's own types).
 from __future__ import annotations
 
 import copy
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -98,6 +99,16 @@ class OptionSet(BaseModel):
     # pydantic's own ``model_validate`` (YAML, nested models) keeps its ValidationError with
     # each error's location; only a call from Python turns it into ``ConfigError`` here
     __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _paths_as_text(cls, data: Any) -> Any:
+        """A file or folder given as a ``pathlib.Path`` (any ``os.PathLike``) is its text:
+        strict checking would refuse it, and Python callers pass paths."""
+        if isinstance(data, Mapping) and any(isinstance(v, os.PathLike) for v in data.values()):
+            return {k: os.fspath(v) if isinstance(v, os.PathLike) else v
+                    for k, v in data.items()}
+        return data
 
     # -- the doors ------------------------------------------------------------------------------
     @classmethod

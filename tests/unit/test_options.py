@@ -505,3 +505,13 @@ def test_the_options_doc_is_generated_from_the_declarations() -> None:
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "options.md"
     assert doc.read_text() == render(), "run: python -m weightpub options > docs/options.md"
+
+
+def test_files_and_folders_may_be_given_as_paths(tmp_path: Path) -> None:
+    """Strict checking still takes a ``pathlib.Path`` where a file or folder is named."""
+    from publisher.publisher_options import PublisherOptions
+
+    options = PublisherOptions.from_keywords(curve_allowed_clients_dir=tmp_path)
+    assert options.curve_allowed_clients_dir == str(tmp_path)
+    with pytest.raises(ConfigError, match="curve_allowed_clients_dir"):
+        PublisherOptions.from_keywords(curve_allowed_clients_dir=5)
