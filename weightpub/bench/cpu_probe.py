@@ -55,7 +55,8 @@ class StackSampler:
         self.interval = interval
         self.samples: Counter[str] = Counter()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weightpub-bench-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="weightpub-bench-sampler",
+                                        daemon=True)
 
     def __enter__(self) -> StackSampler:
         self._thread.start()
