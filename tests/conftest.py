@@ -8,11 +8,13 @@ to ``.pytest-faults`` instead of stderr, and after a crash ``make test`` runs
 finishes (passed or failed) removes the two files. Under pytest-xdist each worker
 has its own pair (``.pytest-running-gw0``): a worker that dies leaves its pair.
 
-``make test`` runs the suite on pytest-xdist workers with ``--dist loadgroup``:
-every vLLM engine test (marker ``vllm``) is one group, so they run one after another
-on one worker (an engine is 2-4 GB; two at once would not fit beside the rest), in
-the order ``tests/vllm/conftest.py`` gives them; the other workers take the other
-modules, one module at a time (its module fixtures start once).
+``make test`` runs the suite on pytest-xdist workers (``--dist loadgroup``, whose
+scheduler this file replaces: pytest 9 ignores the ``xdist_group`` renaming of xdist 3.8).
+Every module that holds a vLLM engine test is one group, ``ENGINE_MODULES``, so they run
+one after another on one worker (an engine is 2-4 GB; two at once would not fit beside
+the rest), in the order ``tests/vllm/conftest.py`` gives them; every other module goes
+whole to one of the other workers (its module fixtures start once). A test marked
+``vllm`` outside ``ENGINE_MODULES`` stops the collection.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import faulthandler
 import os
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
@@ -30,11 +32,17 @@ RUNNING = ROOT / (".pytest-running" + (f"-{_WORKER}" if _WORKER else ""))
 FAULTS = ROOT / (".pytest-faults" + (f"-{_WORKER}" if _WORKER else ""))
 _faults: list[IO[str]] = []
 
-#: the xdist group of the engine tests
-ENGINE_GROUP = "vllm"
-#: modules without an engine that still run in the engine group: they assert that no
-#: process left an entry in /dev/shm, and an engine running beside them makes one
-BESIDE_NO_ENGINE = ("tests/transport/test_node_staging.py",)
+#: the modules (or folders) that start vLLM engines: one xdist group, one worker; with
+#: them tests/transport/test_node_staging.py, which asserts that no process left an entry
+#: in /dev/shm (an engine running beside it makes one)
+ENGINE_MODULES = ("tests/vllm/", "tests/rl/test_rl_demo.py", "tests/test_bench_cli.py",
+                  "tests/test_bench_scale.py", "tests/transport/test_node_staging.py")
+
+
+def group_of(nodeid: str) -> str:
+    """The xdist group of a test: ``engines``, or its module."""
+    module = nodeid.split("::", 1)[0]
+    return "engines" if module.startswith(ENGINE_MODULES) else module
 
 
 @pytest.hookimpl(trylast=True)
@@ -46,20 +54,31 @@ def pytest_configure(config: pytest.Config) -> None:
     faulthandler.enable(file=_faults[0], all_threads=True)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups, before -m
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test under ``tests/vllm/`` is an engine test (``make test-fast`` leaves them
-    out by the marker, a module that forgot it too). Under xdist: the engine tests in one
-    group, every other module a group of its own."""
+    out by the marker, a module that forgot it too); every engine test is in the group."""
     for item in items:
         if item.nodeid.startswith("tests/vllm/"):
             item.add_marker(pytest.mark.vllm)
-    if not _WORKER:
-        return
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        engine = item.get_closest_marker("vllm") is not None or module in BESIDE_NO_ENGINE
-        item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP if engine else module))
+        if item.get_closest_marker("vllm") and group_of(item.nodeid) != "engines":
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked vllm (it starts an engine): add its module to "
+                "ENGINE_MODULES in tests/conftest.py, so no other engine runs beside it")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the engine modules one unit of work, every other module one."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_runtest_logstart(nodeid: str, location: object) -> None:
