@@ -40,7 +40,7 @@ test: $(STAMP)
 	@# a crash of pytest or of a worker (a native abort) names the test it was running, at the end
 	$(PYTEST) || { rc=$$?; $(PY) tests/crash_report.py; exit $$rc; }
 
-# the inner loop: no vLLM engine and nothing that moves hundreds of MB (under 3 min)
+# the inner loop: no vLLM engine, no slow test (hundreds of MB, tens of seconds)
 test-fast: $(STAMP)
 	$(PYTEST) -m "not vllm and not slow and not gpu" || { rc=$$?; $(PY) tests/crash_report.py; exit $$rc; }
 

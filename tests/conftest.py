@@ -39,6 +39,22 @@ ENGINE_MODULES = ("tests/vllm/", "tests/rl/test_rl_demo.py", "tests/test_bench_c
                   "tests/test_bench_scale.py", "tests/transport/test_node_staging.py")
 
 
+#: tests without an engine that take tens of seconds on CI's 2 cores (a soak, a benchmark
+#: subprocess, multi-process trainers, fresh interpreters importing everything): marked
+#: ``slow`` here, so ``make test-fast`` leaves them out; ``make test`` runs them
+SLOW = (
+    "tests/test_bench_scale.py::test_scale_section_runs_at_a_tiny_size",
+    "tests/trainer/test_callback_fsdp.py::",
+    "tests/test_dependencies.py::test_publish_and_subscribe_with_only_runtime_dependencies",
+    "tests/transport/faults/test_soak.py::",
+    "tests/transport/faults/test_kill_matrix.py::",
+    "tests/transport/test_dtensor.py::",
+    "tests/transport/test_exports.py::",
+    "tests/transport/test_streamed_sources.py::test_fsdp2_ranks_publish",
+    "tests/test_fleet_sim.py::",
+)
+
+
 def group_of(nodeid: str) -> str:
     """The xdist group of a test: ``engines``, or its module."""
     module = nodeid.split("::", 1)[0]
@@ -57,10 +73,13 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test under ``tests/vllm/`` is an engine test (``make test-fast`` leaves them
-    out by the marker, a module that forgot it too); every engine test is in the group."""
+    out by the marker, a module that forgot it too); ``SLOW`` gets the ``slow`` marker;
+    every engine test is in the engine group."""
     for item in items:
         if item.nodeid.startswith("tests/vllm/"):
             item.add_marker(pytest.mark.vllm)
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("vllm") and group_of(item.nodeid) != "engines":
             raise pytest.UsageError(
                 f"{item.nodeid} is marked vllm (it starts an engine): add its module to "
