@@ -32,7 +32,9 @@ PACKAGES := weightpub_wire publisher subscriber_ext weightpub
 # on one worker, one after another; the other modules share the other workers (many of
 # them wait on sockets and timeouts, so three workers gain on two cores)
 WORKERS ?= 3
-PYTEST  := $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup --durations=15
+# a worker that dies (a native abort) is replaced twice at most: its test would run again
+PYTEST  := $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup \
+           --max-worker-restart=2 --durations=15
 
 test: $(STAMP)
 	$(PY) -m ruff check .
