@@ -10,11 +10,11 @@ has its own pair (``.pytest-running-gw0``): a worker that dies leaves its pair.
 
 ``make test`` runs the suite on pytest-xdist workers (``--dist loadgroup``, whose
 scheduler this file replaces: pytest 9 ignores the ``xdist_group`` renaming of xdist 3.8).
-Every module that holds a vLLM engine test is one group, ``ENGINE_MODULES``, so they run
+Every vLLM engine test is in one group, ``ENGINE_TESTS``, so they run
 one after another on one worker (an engine is 2-4 GB; two at once would not fit beside
 the rest), in the order ``tests/vllm/conftest.py`` gives them; every other module goes
 whole to one of the other workers (its module fixtures start once). A test marked
-``vllm`` outside ``ENGINE_MODULES`` stops the collection.
+``vllm`` outside ``ENGINE_TESTS`` stops the collection.
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ RUNNING = ROOT / (".pytest-running" + (f"-{_WORKER}" if _WORKER else ""))
 FAULTS = ROOT / (".pytest-faults" + (f"-{_WORKER}" if _WORKER else ""))
 _faults: list[IO[str]] = []
 
-#: the modules (or folders) that start vLLM engines: one xdist group, one worker; with
-#: them tests/transport/test_node_staging.py, which asserts that no process left an entry
-#: in /dev/shm (an engine running beside it makes one)
-ENGINE_MODULES = ("tests/vllm/", "tests/rl/test_rl_demo.py", "tests/test_bench_cli.py",
-                  "tests/test_bench_scale.py", "tests/transport/test_node_staging.py")
+#: the tests that start vLLM engines (node id prefixes: a folder, a module, a test): one
+#: xdist group, one worker; with them tests/transport/test_node_staging.py, which asserts
+#: that no process left an entry in /dev/shm (an engine running beside it makes one)
+ENGINE_TESTS = ("tests/vllm/", "tests/rl/test_rl_demo.py", "tests/test_bench_cli.py",
+                "tests/test_bench_scale.py::test_scale_section_with_a_replica",
+                "tests/transport/test_node_staging.py")
 
 
 #: tests without an engine that take tens of seconds on CI's 2 cores (a soak, a benchmark
@@ -57,8 +58,7 @@ SLOW = (
 
 def group_of(nodeid: str) -> str:
     """The xdist group of a test: ``engines``, or its module."""
-    module = nodeid.split("::", 1)[0]
-    return "engines" if module.startswith(ENGINE_MODULES) else module
+    return "engines" if nodeid.startswith(ENGINE_TESTS) else nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(trylast=True)
@@ -83,12 +83,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("vllm") and group_of(item.nodeid) != "engines":
             raise pytest.UsageError(
                 f"{item.nodeid} is marked vllm (it starts an engine): add its module to "
-                "ENGINE_MODULES in tests/conftest.py, so no other engine runs beside it")
+                "ENGINE_TESTS in tests/conftest.py, so no other engine runs beside it")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup``: the engine modules one unit of work, every other module one."""
+    """``--dist loadgroup``: the engine tests one unit of work, every other module one."""
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
