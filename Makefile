@@ -5,7 +5,7 @@ EXTRA ?= cpu
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: demo demo-rl test lint bench install clean
+.PHONY: demo demo-rl test test-fast lint bench install clean
 
 install: $(STAMP)
 
@@ -28,11 +28,23 @@ demo-rl: $(STAMP)
 # every package, lowest layer first (mypy also checks benchmarks/ and scripts/)
 PACKAGES := weightpub_wire publisher subscriber_ext weightpub
 
+# pytest-xdist workers (--dist loadgroup, tests/conftest.py): every vLLM engine test runs
+# on one worker, one after another; the other modules share the other workers (many of
+# them wait on sockets and timeouts, so three workers gain on two cores)
+WORKERS ?= 3
+# a worker that dies (a native abort) is replaced twice at most: its test would run again
+PYTEST  := $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup \
+           --max-worker-restart=2 --durations=15
+
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy $(PACKAGES) benchmarks scripts
-	@# a crash of pytest itself (a native abort) names the test it was running, at the end
-	$(PY) -m pytest -q -p no:cacheprovider || { rc=$$?; $(PY) tests/crash_report.py; exit $$rc; }
+	@# a crash of pytest or of a worker (a native abort) names the test it was running, at the end
+	$(PYTEST) || { rc=$$?; $(PY) tests/crash_report.py; exit $$rc; }
+
+# the inner loop: no vLLM engine, no slow test (hundreds of MB, tens of seconds)
+test-fast: $(STAMP)
+	$(PYTEST) -m "not vllm and not slow and not gpu" || { rc=$$?; $(PY) tests/crash_report.py; exit $$rc; }
 
 bench: $(STAMP)
 	$(PY) -m weightpub bench

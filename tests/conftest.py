@@ -1,31 +1,103 @@
-"""Session plumbing for a crash of the whole pytest process (a native library aborting).
+"""Session plumbing: a crash of the whole pytest process, and parallel workers.
 
 CI shows only the tail of the output, and faulthandler's dump of every thread plus
 the list of loaded extension modules push the test that was running out of it. So
 each test's id is written to ``.pytest-running`` as it starts, faulthandler writes
 to ``.pytest-faults`` instead of stderr, and after a crash ``make test`` runs
 ``tests/crash_report.py``, which prints both, short, at the very end. A run that
-finishes (passed or failed) removes the two files.
+finishes (passed or failed) removes the two files. Under pytest-xdist each worker
+has its own pair (``.pytest-running-gw0``): a worker that dies leaves its pair.
+
+``make test`` runs the suite on pytest-xdist workers (``--dist loadgroup``, whose
+scheduler this file replaces: pytest 9 ignores the ``xdist_group`` renaming of xdist 3.8).
+Every vLLM engine test is in one group, ``ENGINE_TESTS``, so they run
+one after another on one worker (an engine is 2-4 GB; two at once would not fit beside
+the rest), in the order ``tests/vllm/conftest.py`` gives them; every other module goes
+whole to one of the other workers (its module fixtures start once). A test marked
+``vllm`` outside ``ENGINE_TESTS`` stops the collection.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import os
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNNING = ROOT / ".pytest-running"
-FAULTS = ROOT / ".pytest-faults"
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+RUNNING = ROOT / (".pytest-running" + (f"-{_WORKER}" if _WORKER else ""))
+FAULTS = ROOT / (".pytest-faults" + (f"-{_WORKER}" if _WORKER else ""))
 _faults: list[IO[str]] = []
+
+#: the tests that start vLLM engines (node id prefixes: a folder, a module, a test): one
+#: xdist group, one worker; with them tests/transport/test_node_staging.py, which asserts
+#: that no process left an entry in /dev/shm (an engine running beside it makes one)
+ENGINE_TESTS = ("tests/vllm/", "tests/rl/test_rl_demo.py", "tests/test_bench_cli.py",
+                "tests/test_bench_scale.py::test_scale_section_with_a_replica",
+                "tests/transport/test_node_staging.py")
+
+
+#: tests without an engine that take tens of seconds on CI's 2 cores (a soak, a benchmark
+#: subprocess, multi-process trainers, fresh interpreters importing everything): marked
+#: ``slow`` here, so ``make test-fast`` leaves them out; ``make test`` runs them
+SLOW = (
+    "tests/test_bench_scale.py::test_scale_section_runs_at_a_tiny_size",
+    "tests/trainer/test_callback_fsdp.py::",
+    "tests/test_dependencies.py::test_publish_and_subscribe_with_only_runtime_dependencies",
+    "tests/transport/faults/test_soak.py::",
+    "tests/transport/faults/test_kill_matrix.py::",
+    "tests/transport/test_dtensor.py::",
+    "tests/transport/test_exports.py::",
+    "tests/transport/test_streamed_sources.py::test_fsdp2_ranks_publish",
+    "tests/test_fleet_sim.py::",
+)
+
+
+def group_of(nodeid: str) -> str:
+    """The xdist group of a test: ``engines``, or its module."""
+    return "engines" if nodeid.startswith(ENGINE_TESTS) else nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
+    if not _WORKER:  # a new session: what a worker that died last time left is stale
+        for stale in [*ROOT.glob(".pytest-running-gw*"), *ROOT.glob(".pytest-faults-gw*")]:
+            stale.unlink(missing_ok=True)
     _faults.append(FAULTS.open("w"))
     faulthandler.enable(file=_faults[0], all_threads=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under ``tests/vllm/`` is an engine test (``make test-fast`` leaves them
+    out by the marker, a module that forgot it too); ``SLOW`` gets the ``slow`` marker;
+    every engine test is in the engine group."""
+    for item in items:
+        if item.nodeid.startswith("tests/vllm/"):
+            item.add_marker(pytest.mark.vllm)
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("vllm") and group_of(item.nodeid) != "engines":
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked vllm (it starts an engine): add its module to "
+                "ENGINE_TESTS in tests/conftest.py, so no other engine runs beside it")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the engine tests one unit of work, every other module one."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 def pytest_runtest_logstart(nodeid: str, location: object) -> None:

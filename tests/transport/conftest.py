@@ -15,10 +15,12 @@ from tests.transport.procs import Child
 @pytest.fixture
 def spawn() -> Iterator[Callable[..., Child]]:
     """``spawn("publisher" | "subscriber", **args)``; every child is stopped at teardown.
-    ``forked=True``: forked from the zygote with torch imported (``zygote.py``)."""
+    Children are forked from the zygote with torch imported (``zygote.py``): an
+    interpreter start costs seconds of CPU on CI's 2 cores. ``forked=False`` for a fresh
+    interpreter, where a figure would count the pages a fork shares with the zygote."""
     children: list[Child] = []
 
-    def start(role: str, *, forked: bool = False, **args: Any) -> Child:
+    def start(role: str, *, forked: bool = True, **args: Any) -> Child:
         child = Child(role, args, forked=forked)
         children.append(child)
         return child

@@ -108,23 +108,34 @@ class ForkedProcess:
         pid = self._process.pid
         assert pid is not None
         self.pid: int = pid
+        self._code: int | None = None
+
+    def _exit_code(self) -> int | None:
+        """The exit code once the child is gone; then the process handle is closed, so its
+        sentinel descriptor does not outlive it (a soak starting hundreds counts them)."""
+        if self._code is None:
+            self._code = self._process.exitcode
+            if self._code is not None:
+                self._process.close()
+        return self._code
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self._exit_code()
 
     def poll(self) -> int | None:
-        return self._process.exitcode
+        return self._exit_code()
 
     def wait(self, timeout: float | None = None) -> int:
-        self._process.join(timeout)
-        code = self._process.exitcode
+        if self._code is None:
+            self._process.join(timeout)
+        code = self._exit_code()
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return code
 
     def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:
+        if self._exit_code() is None:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
