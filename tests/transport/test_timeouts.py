@@ -90,8 +90,11 @@ def test_close_mid_transfer_is_prompt_and_leaves_no_threads(
         pub.close()
         assert time.monotonic() - start < PROMPT
     assert leftover_threads(thread_baseline) == []
-    assert not any(t.name.startswith("weightpub") for t in threading.enumerate())
-    assert all(t.daemon for t in threading.enumerate() if t not in thread_baseline)
+    # this test's own threads (a module run earlier on the same xdist worker may have left
+    # one of its own behind by design, e.g. a callback that never returns)
+    ours = [t for t in threading.enumerate() if t not in thread_baseline]
+    assert not [t.name for t in ours if t.name.startswith("weightpub")]
+    assert all(t.daemon for t in ours)
 
 
 def test_close_returns_while_on_version_callback_is_stuck() -> None:
