@@ -118,6 +118,21 @@ def test_prepared_commit_matches_hf_tp2(qwen2_tp2, tmp_path):
     print(f"\nTP=2 tied commit blocking time per rank: prepared {swap_s}")
 
 
+def test_llama_subscriber_versions(llama, tmp_path):
+    """The plain subscriber path on a tiny Llama with tied embeddings (GQA), default
+    options: each version gives transformers' output (shares this module's engine: the
+    checkpoint's own output is checked by the first test)."""
+    llama.collective_rpc(
+        "start_weight_subscriber", args=(str(tmp_path),), kwargs={"subscriber_cls": FAKE_SUB}
+    )
+    for version, seed in ((1, 21), (2, 22)):
+        w = new_weights("llama", seed)
+        publish_to_dir(tmp_path, version, w)
+        wait_until_applied(llama, version, timeout=20)
+        assert_matches_hf(llama, "llama", w, N)
+    llama.collective_rpc("stop_weight_subscriber")
+
+
 def test_layers_are_prepared_while_the_version_arrives(llama):
     """Real publisher and subscriber behind a slow link (~1.5 s for the version): layers
     are built as their chunks are verified, the commit is a swap, and the output is
