@@ -21,6 +21,7 @@ from pydantic import Field, InstanceOf, field_validator, model_validator
 from publisher.collective.collective_sender import CollectiveOptions, check_options
 from publisher.deltas.delta_encoder import MAX_ANCHOR_EVERY
 from publisher.serving.server import ServerLimits
+from publisher.serving.tracker import TrackerLimits
 from publisher.store.chunk_sizing import chunk_size_for
 from weightpub_wire import protocol as wire
 from weightpub_wire.collective_layout import MAX_BUCKET_BYTES
@@ -69,6 +70,11 @@ class PublisherOptions(OptionSet):
         None, ge=0, le=MAX_STRIPES, json_schema_extra=unit("stripes"),
         description="peer sharing: stripes per version, 0 off (None: the limits' tracker "
                     "fanout, 4)")
+    peer_members_per_address: int | None = Field(
+        None, ge=0, le=1 << 20, json_schema_extra=unit("members"),
+        description="peer sharing without CURVE: plaintext members per connecting IP address "
+                    "(sybil bound; raise it for many replicas behind one NAT address; 0: no "
+                    "bound; None: the limits' tracker bound, 4)")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve Prometheus /metrics here (0: any port)")
     metrics_host: str = Field("127.0.0.1", description="where /metrics listens")
@@ -96,8 +102,8 @@ class PublisherOptions(OptionSet):
                     "start)")
     limits: InstanceOf[ServerLimits] | None = Field(
         None, json_schema_extra=unit("", python_only=True),
-        description="the serving thread's bounds (ServerLimits); peer_fanout overrides its "
-                    "tracker fanout")
+        description="the serving thread's bounds (ServerLimits); peer_fanout and "
+                    "peer_members_per_address override its tracker's")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Self:
@@ -125,12 +131,23 @@ class PublisherOptions(OptionSet):
 
     @property
     def server_limits(self) -> ServerLimits:
-        """The serving thread's bounds, its tracker's fanout ``peer_fanout``."""
+        """The serving thread's bounds, its tracker's ``peer_fanout`` and
+        ``peer_members_per_address``."""
         limits = self.limits or ServerLimits()
-        if self.peer_fanout is None:
+        if self.peer_fanout is None and self.peer_members_per_address is None:
             return limits
-        return dataclasses.replace(limits, tracker=dataclasses.replace(
-            limits.tracker, fanout=self.peer_fanout))
+        return dataclasses.replace(limits, tracker=self.tracker_limits(limits.tracker))
+
+    def tracker_limits(self, base: TrackerLimits | None = None) -> TrackerLimits:
+        """The peer tracker's bounds: ``base`` (default: the limits') with the peer_*
+        options that are set."""
+        tracker = base or (self.limits or ServerLimits()).tracker
+        if self.peer_fanout is not None:
+            tracker = dataclasses.replace(tracker, fanout=self.peer_fanout)
+        if self.peer_members_per_address is not None:
+            tracker = dataclasses.replace(
+                tracker, max_members_per_address=self.peer_members_per_address)
+        return tracker
 
     def chunk_size_for(self, total_bytes: int) -> int:
         """The chunk size of a version of ``total_bytes``: ``chunk_size``, or adaptive."""
@@ -184,6 +201,7 @@ class PublisherKeywords(TypedDict, total=False):
     curve_allowed_clients_dir: str | None
     insecure: bool
     peer_fanout: int | None
+    peer_members_per_address: int | None
     metrics_port: int | None
     metrics_host: str
     collective: Backend | None

@@ -159,6 +159,7 @@ class ShardedPublisher:
                     announce_endpoint, coordinator, world_size,
                     shard_timeout=sharding.shard_timeout, insecure=options.insecure,
                     model_id=options.model_id, peer_fanout=options.peer_fanout,
+                    peer_members_per_address=options.peer_members_per_address,
                     curve_secret_key_file=options.curve_secret_key_file,
                     curve_allowed_clients_dir=options.curve_allowed_clients_dir,
                     heartbeat_interval=options.heartbeat_interval)

@@ -47,6 +47,7 @@ coordinator's ZAP handler is its context's only one: give it a context of its ow
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -114,6 +115,7 @@ class ShardCoordinator:
                  insecure: bool = False, model_id: str = "",
                  max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
                  peer_fanout: int | None = None,
+                 peer_members_per_address: int | None = None,
                  curve_secret_key_file: str | None = None,
                  curve_allowed_clients_dir: str | None = None,
                  context: zmq.Context | None = None) -> None:
@@ -122,15 +124,23 @@ class ShardCoordinator:
         (and 256 MiB), what ZeroMQ holds unread at most all of it.
         ``peer_fanout``: as ``WeightPublisher``'s (default 4; 0: off): the tracker runs
         here, peer-sharing subscribers say hello here and fetch from each other what the
-        plan says, the rest from the ranks. ``curve_*``: see the module docstring."""
+        plan says, the rest from the ranks; ``peer_members_per_address``: as
+        ``WeightPublisher``'s (default 4). ``curve_*``: see the module docstring."""
         if world_size < 1:
             raise ConfigError(f"world_size: {world_size} must be >= 1")
         if shard_timeout <= 0:
             raise ConfigError(f"shard_timeout: {shard_timeout} must be > 0")
         try:
-            tracker = TrackerLimits() if peer_fanout is None else TrackerLimits(peer_fanout)
+            tracker = TrackerLimits()
+            if peer_fanout is not None:
+                tracker = dataclasses.replace(tracker, fanout=peer_fanout)
+            if peer_members_per_address is not None:
+                tracker = dataclasses.replace(
+                    tracker, max_members_per_address=peer_members_per_address)
         except ValueError as exc:
-            raise ConfigError(f"peer_{exc}") from None
+            raise ConfigError(str(exc).replace("max_members_per_address:",  # our names
+                                               "peer_members_per_address:")
+                              .replace("fanout:", "peer_fanout:", 1)) from None
         if max_pending_bytes < 1 << 20:
             raise ConfigError(f"max_pending_bytes: {max_pending_bytes} must be >= 1 MiB")
         # the subscribers' side, as a WeightPublisher's; checked before anything is opened

@@ -398,6 +398,25 @@ def test_peer_fanout_overrides_the_limits_it_is_given() -> None:
     assert PublisherOptions(limits=limits).server_limits is limits
 
 
+def test_peer_members_per_address_reaches_the_tracker_of_a_publisher_and_a_coordinator(
+) -> None:
+    """Many replicas behind one NAT address: the sybil bound is a user's setting."""
+    from publisher.sharding.shard_coordinator import ShardCoordinator
+
+    options = PublisherOptions.from_keywords(peer_members_per_address=32, peer_fanout=2)
+    assert options.server_limits.tracker.max_members_per_address == 32
+    assert options.server_limits.tracker.fanout == 2
+    coordinator = ShardCoordinator("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 1,
+                                   peer_members_per_address=0)
+    try:
+        assert coordinator._server.limits.tracker.max_members_per_address == 0
+    finally:
+        coordinator.close()
+    with pytest.raises(ConfigError, match="peer_members_per_address"):
+        ShardCoordinator("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 1,
+                         peer_members_per_address=-1)
+
+
 @pytest.mark.parametrize(("keywords", "key"), [
     ({"keep_versions": 1, "delta_anchor_every": 2}, "keep_versions"),
     ({"collective": "gloo", "collective_bucket_bytes": 3 << 20}, "collective_bucket_bytes"),
