@@ -98,7 +98,7 @@ class SliceLayout:
     def checksum(self, chunk: int, version: np.ndarray, scratch: np.ndarray) -> int:
         """xxh3-64 of the plan's bytes of ``chunk`` (``scratch``: at least a chunk)."""
         size = self.sizes[chunk]
-        return xxhash.xxh3_64_intdigest(memoryview(self.gather(chunk, version, scratch[:size])))
+        return xxhash.xxh3_64_intdigest(self.gather(chunk, version, scratch[:size]).data)
 
     def scatter(self, chunk: int, payload: np.ndarray, target: np.ndarray, *,
                 chunk_start: int | None = None) -> None:
