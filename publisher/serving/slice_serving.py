@@ -104,6 +104,7 @@ class SliceServing:
         self._max_chunks = max_chunks_per_request
         self._plans: OrderedDict[str, tuple[SlicePlan, int]] = OrderedDict()
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
+        self._refused: OrderedDict[str, None] = OrderedDict()  # its later parts: dropped
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
         self._deferred: list[tuple[bytes, int, _Entry, int]] = []
         self._per_peer: Counter[bytes] = Counter()
@@ -161,6 +162,8 @@ class SliceServing:
             if part.part == part.parts - 1:
                 self._ack(identity, part.req, part.digest, held[0])
             return
+        if part.digest in self._refused:
+            return  # one error per refused plan, not one per part
         pending = self._pending.get(part.digest)
         if pending is None or (pending.layout, pending.parts) != (part.layout, part.parts):
             pending = self._pending[part.digest] = _Pending(part.layout, part.parts)
@@ -173,6 +176,7 @@ class SliceServing:
             self._pending.popitem(last=False)  # the oldest half-registered plan goes
         if self.held_bytes > self.limits.max_plan_bytes:
             del self._pending[part.digest]
+            self._refuse(part.digest)
             self._error(identity, part.req, "bad_request",
                         f"slice_reg: plan {part.digest} is larger than this publisher holds "
                         f"({self.limits.max_plan_bytes} bytes of plans)")
@@ -184,6 +188,7 @@ class SliceServing:
             plan = _assemble(part.digest, pending)
         except ProtocolError as exc:
             log.warning("refused a slice plan: %s", exc)
+            self._refuse(part.digest)
             self._error(identity, part.req, "bad_request", str(exc))
             return
         self._plans[part.digest] = (plan, len(encode_plan(plan)))
@@ -193,6 +198,11 @@ class SliceServing:
             for key in [k for k in self._entries if k[0] == gone]:
                 del self._entries[key]
         self._ack(identity, part.req, part.digest, plan)
+
+    def _refuse(self, digest: str) -> None:
+        self._refused[digest] = None
+        while len(self._refused) > self.limits.max_plans:
+            self._refused.popitem(last=False)
 
     def _ack(self, identity: bytes, req: int, digest: str, plan: SlicePlan) -> None:
         ack = SliceAck(req=req, digest=digest, needed_bytes=plan.needed_bytes)

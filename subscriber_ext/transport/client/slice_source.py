@@ -262,10 +262,17 @@ class SliceSource(ChunkSource):
             more = int(self.sock.getsockopt(zmq.RCVMORE))
             try:
                 if self.pairing.due is not None:
-                    header = self.pairing.take(first.buffer, more)
-                    self.answered = now
-                    sink.chunk(header, first, self, self)
-                    continue
+                    if chunk_frame.is_chunk(first.buffer) and \
+                            len(first.buffer) == chunk_frame.HEADER_BYTES and not more:
+                        # a reconnect lost the payload due: say so, and read the new header
+                        lost, self.pairing.due = self.pairing.due, None
+                        sink.bad(ProtocolError(f"slice source: the payload of chunk "
+                                               f"{lost.chunk} never came (a reconnect)"))
+                    else:
+                        header = self.pairing.take(first.buffer, more)
+                        self.answered = now
+                        sink.chunk(header, first, self, self)
+                        continue
                 if chunk_frame.is_chunk(first.buffer):
                     header = chunk_frame.parse(first.buffer)
                     if more:
