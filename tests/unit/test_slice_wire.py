@@ -176,3 +176,26 @@ def test_plans_held_are_bounded_least_recently_used_first() -> None:
     assert all(isinstance(m, SliceAck) for m in replies.messages)
     whole = SlicePlan("w", [SliceRuns("t", [(0, 8, 0, 1)])])
     assert whole.digest() != plans[0].digest()
+
+
+def test_sparse_staging_counts_its_share_and_is_reused_only_for_the_same_plan() -> None:
+    from weightpub_wire.buffers import BufferPool
+    from weightpub_wire.errors import StagingBudgetError
+
+    pool = BufferPool(max_buffers=2, budget_bytes=1 << 20, pinned=False)
+    buffer = pool.take_sparse(64 << 20, 256 << 10, "plan-a")  # a 64 MiB view, 256 KiB counted
+    assert buffer.numel() == 64 << 20 and pool.held_bytes == 256 << 10
+    buffer[-1] = 7
+    address = buffer.data_ptr()
+    pool.give(buffer)
+    assert pool.held_bytes == 256 << 10  # idle, kept for the same plan
+    again = pool.take_sparse(64 << 20, 256 << 10, "plan-a")
+    assert again.data_ptr() == address and again[-1] == 7  # the plan rewrites its bytes
+    other = pool.take_sparse(64 << 20, 256 << 10, "plan-b")
+    assert other.data_ptr() != address and not other[-1]  # another plan: fresh zeros
+    with pytest.raises(StagingBudgetError, match="sparse staging"):
+        pool.take_sparse(64 << 20, 600 << 10, "plan-c")
+    pool.give(again)
+    pool.give(other)
+    assert pool.room_for(900 << 10)  # idle sparse buffers are dropped for room
+    assert pool.held_bytes <= 256 << 10
