@@ -201,7 +201,9 @@ class SliceServing:
                 self.held_bytes > self.limits.max_plan_bytes and len(self._plans) > 1:
             gone, _ = self._plans.popitem(last=False)
             for key in [k for k in self._entries if k[0] == gone]:
-                del self._entries[key]
+                for waiter, req in self._entries.pop(key).waiters:  # they register again
+                    self._error(waiter, req, "unknown_plan",
+                                f"slice plan {gone} was dropped here (too many plans)", key[1])
         self._ack(identity, part.req, part.digest, plan)
 
     def _refuse(self, digest: str) -> None:
@@ -341,9 +343,10 @@ class SliceServing:
         latest = self._store.latest()
         if latest is None or latest.manifest.version == self._seen_latest:
             return
-        number = self._seen_latest = latest.manifest.version
+        previous, number = self._seen_latest, latest.manifest.version
+        self._seen_latest = number
         for digest, asked in list(self._eager.items()):
-            if digest not in self._plans or asked < number - 2:
+            if digest not in self._plans or asked < previous:
                 del self._eager[digest]  # nobody asked for a while: no hashing ahead
                 continue
             key = (digest, number)

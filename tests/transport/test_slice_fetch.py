@@ -308,3 +308,21 @@ def test_a_sharded_trainer_serves_the_touched_chunks_whole_from_its_ranks(
     share = sub.status()["slice_plan"]
     assert share["fallbacks"] == {"sharded": 2} and share["slice_bytes"] == 0
     assert share["whole_chunk_bytes"] > 0
+
+
+def test_more_plans_than_the_publisher_holds_still_stage_right(
+        make_pub: Callable[..., WeightPublisher],
+        make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Two plans, room for one: each eviction is answered ``unknown_plan``, the subscriber
+    registers again, and one that keeps being evicted fetches whole chunks (``evicted``)."""
+    pub = make_pub(chunk_size=CHUNK, limits=ServerLimits(slices=SliceLimits(max_plans=1)))
+    subs = [make_sub(pub.endpoint, slice_plan=half_plan(rank), request_timeout=1.0)
+            for rank in (0, 1)]
+    for version in (1, 2):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        for rank, sub in enumerate(subs):
+            staged = sub.wait_for_version(version, timeout=60)
+            check_staged(staged, version, rank)
+            staged.release()
+    for sub in subs:
+        assert set(sub.status()["slice_plan"]["fallbacks"]) <= {"evicted"}
