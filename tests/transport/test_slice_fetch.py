@@ -125,6 +125,26 @@ def test_complementary_plans_receive_only_their_bytes(
     assert together <= 1.15 * version_bytes, together / version_bytes
 
 
+def test_a_late_joiner_slices_the_newest_version_and_the_status_table_says_so(
+        make_pub: Callable[..., WeightPublisher],
+        make_sub: Callable[..., WeightSubscriber]) -> None:
+    from weightpub.fleet_view import fleet_table
+
+    pub = make_pub(chunk_size=CHUNK)
+    for version in (1, 2):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+    pub.wait_announced(2, timeout=30)
+    sub = make_sub(pub.endpoint, slice_plan=half_plan(1))
+    check_staged(sub.wait_for_version(2, timeout=60), 2, 1)
+    wait_until(lambda: pub.data_stats()["bytes_sent_slices"] >= half_plan(1).needed_bytes, 10,
+               "the slices counted")
+    assert sub.latest() is not None and sub.latest().version == 2  # type: ignore[union-attr]
+    reply = wire.StatusReply(req=1, publisher_id=pub.publisher_id, started_at=1.0,
+                             latest_version=2, versions=(2,), subscribers=(),
+                             bytes_sent_slices=123, slice_plans=1)
+    assert "123 as slices of 1 plans" in str(fleet_table(reply).renderables[0])
+
+
 def test_a_corrupted_slice_is_refused_and_fetched_again(
         make_pub: Callable[..., WeightPublisher],
         make_sub: Callable[..., WeightSubscriber]) -> None:
