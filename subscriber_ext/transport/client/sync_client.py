@@ -60,7 +60,12 @@ from subscriber_ext.transport.staging.request_table import RequestTable, Version
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
-from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubError
+from weightpub_wire.errors import (
+    ProtocolError,
+    StagingBudgetError,
+    VersionUnavailable,
+    WeightPubError,
+)
 from weightpub_wire.peer_protocol import PEER_REPLIES, PeerPlan
 from weightpub_wire.security import CurveIdentity
 
@@ -267,8 +272,9 @@ class SyncClient:
         try:
             target = self.targets.assembly(manifest, self.pool) if self.targets is not None \
                 else self.deltas.assembly_for(manifest, self.pool) or Assembly(manifest, self.pool)
-        except ProtocolError as exc:  # e.g. a slice plan of another model: say so, stage nothing
-            self.report.problem(ProtocolError(f"version {manifest.version}: {exc}"))
+        except (ProtocolError, StagingBudgetError) as exc:  # e.g. a slice plan of another
+            # model: say so, stage nothing; tried again after the back-off
+            self.report.problem(type(exc)(f"version {manifest.version}: {exc}"))
             self.backoff.record(manifest.publisher_id, manifest.version, time.monotonic())
             return
         self.target = target
