@@ -88,7 +88,9 @@ def fleet_table(reply: wire.StatusReply) -> Group:
     header = Text(f"publisher {printable(reply.publisher_id, 12)}  "
                   f"latest version {reply.latest_version}"
                   f"  holding {list(reply.versions)}  sent {reply.bytes_sent_full} bytes in full,"
-                  f" {reply.bytes_sent_delta} as deltas")
+                  f" {reply.bytes_sent_delta} as deltas"
+                  + (f", {reply.bytes_sent_slices} as slices of {reply.slice_plans} plans"
+                     if reply.slice_plans or reply.bytes_sent_slices else ""))
     table = Table(expand=False)
     for column, justify in (("subscriber", "left"), ("ranks", "left"), ("staged", "right"),
                             ("applied", "right"), ("lag", "right"), ("path", "left"),
