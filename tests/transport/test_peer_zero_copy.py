@@ -143,3 +143,37 @@ def test_a_reader_that_stops_reading_is_cut_so_the_buffer_can_be_reused(
     _pump_until(server, lambda: not pool.draining(key), "the buffer drained after the cut")
     assert pool.sends_in_flight == 0 and pool.room_for(chunks * CHUNK)
     assert server.dropped_clients == 1 and server.bad_requests >= 1
+
+
+class _Recording:
+    """An allocator that records which buffers the pool dropped (unmapped, for memfd)."""
+
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def allocate(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def free(self, key: int) -> None:
+        self.freed.append(key)
+
+
+def test_a_buffer_forgotten_or_dropped_while_sent_is_counted_and_kept_until_the_send_ends(
+) -> None:
+    allocator = _Recording()
+    pool = BufferPool(max_buffers=0, pinned=False, allocator=allocator, budget_bytes=CHUNK)
+    buffer = pool.take(CHUNK)
+    key = pool.send_begin(buffer[10:20])  # a view: counted on its whole allocation
+    assert key == buffer.data_ptr()
+    pool.forget(key)  # its version was dropped without a release
+    assert pool.draining(key) and pool.held_bytes == pool.draining_bytes == CHUNK
+    assert allocator.freed == [] and not pool.room_for(1)  # neither freed nor counted twice
+    pool.send_end(key)
+    assert allocator.freed == [key] and pool.held_bytes == 0 and pool.room_for(CHUNK)
+
+    second = pool.take(CHUNK)
+    key = pool.send_begin(second)
+    pool.give(second)  # no room to keep it (max_buffers 0): dropped, once drained
+    assert allocator.freed == [buffer.data_ptr()] and pool.draining(key)
+    pool.send_end(key)
+    assert allocator.freed[-1] == key and pool.held_bytes == 0 and pool.sends_in_flight == 0
