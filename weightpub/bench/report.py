@@ -41,7 +41,8 @@ def summary(result: dict[str, Any]) -> list[Row]:
             if cpu and "forwarding" in cpu:
                 rows.append(_row("transport", f"{where} CPU-s per GB: forwarding peer "
                                  "(serving), its whole process, receiver fed by it",
-                                 f"{cpu['forwarding']:.2f}, {cpu['forwarder']:.2f}, "
+                                 f"{cpu['forwarding'] or float('nan'):.2f}, "
+                                 f"{cpu['forwarder']:.2f}, "
                                  f"{cpu['peer_receiver']:.2f}",
                                  f"{p['from_peers_fraction']:.0%} of bytes via the peer",
                                  None))

@@ -184,10 +184,8 @@ class _PeerPath:
         nbytes = self.weights["w"].numel()
         return {"seconds": took, "publish_seconds": 0.0, "transfer_seconds": max(fetch),
                 "publisher_cpu": publisher_cpu, "subscriber_cpu": receiver[0],
-                "forwarder_cpu": forwarder[0],
-                # serving CPU per byte served, scaled to this version's size
-                "forwarding_cpu": forwarder[1] / max(forwarder[2], 1) * nbytes,
-                "from_peers_fraction": receiver[3] / nbytes}
+                "forwarder_cpu": forwarder[0], "serving_cpu": forwarder[1],
+                "served_bytes": forwarder[2], "from_peers_fraction": receiver[3] / nbytes}
 
     def close(self) -> dict[str, Any]:
         profiles: list[Any] = []
@@ -298,13 +296,19 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
         return round(med(runs, key) / (nbytes / 1e9), 3)
 
     raw_s, wp_s = med(raw, "seconds"), med(wp, "seconds")
-    cpu = {"publisher": per_gb(wp, "publisher_cpu"), "subscriber": per_gb(wp, "subscriber_cpu"),
-           "raw_sender": per_gb(raw, "sender_cpu"), "raw_receiver": per_gb(raw, "receiver_cpu")}
+    cpu: dict[str, float | None] = {
+        "publisher": per_gb(wp, "publisher_cpu"), "subscriber": per_gb(wp, "subscriber_cpu"),
+        "raw_sender": per_gb(raw, "sender_cpu"), "raw_receiver": per_gb(raw, "receiver_cpu")}
     extra: dict[str, Any] = {}
     if scheme == "peer":  # the subscriber is the one fed by the forwarder
+        # serving CPU over the bytes served, steady rounds together (a round in which the
+        # receiver skipped the forwarder served nothing and adds nothing)
+        served = sum(r["served_bytes"] for r in wp[steady])
         cpu.update(peer_receiver=cpu["subscriber"], forwarder=per_gb(wp, "forwarder_cpu"),
-                   forwarding=per_gb(wp, "forwarding_cpu"))
+                   forwarding=round(sum(r["serving_cpu"] for r in wp[steady]) / (served / 1e9),
+                                    3) if served else None)
         extra = {"from_peers_fraction": med(wp, "from_peers_fraction"),
+                 "from_peers_rounds": [round(r["from_peers_fraction"], 3) for r in wp],
                  "forwarder_profile": profile.get("forwarder", {})}
         profile = profile.get("receiver", {})
     return {
