@@ -125,7 +125,11 @@ def _peer_member(endpoint: str, name: str, conn: Any) -> None:
             conn.send(("staged", staged.version, staged.fetch_seconds))
             staged.release()
         threads = thread_cpu()
+        peers = sub.status()["peers"] or {}
         conn.send(("profile", {
+            "peers": {key: peers.get(key) for key in (
+                "peer_failures", "served_chunks", "dropped_clients", "cut_clients",
+                "bytes_from_peers", "upload_bytes")},
             "threads": {name: round(seconds - threads_before.get(name, 0.0), 3)
                         for name, seconds in threads.items()
                         if seconds - threads_before.get(name, 0.0) >= 0.01},
