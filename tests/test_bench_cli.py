@@ -28,10 +28,14 @@ def test_bench_quick_json_runs_every_section_and_prints_its_fields() -> None:
     assert result["quick"] is True
 
     pairs = result["transport"]["pairs"]
-    assert {p["scheme"] for p in pairs} == {"tcp", "ipc"}
+    assert {p["scheme"] for p in pairs} == {"tcp", "ipc", "peer"}
     for pair in pairs:
         assert len(pair["raw_seconds"]) == len(pair["weightpub_seconds"]) == 4
         assert pair["ratio"] > 0 and pair["cold_ratio"] > 0 and pair["transfer_seconds"] > 0
+        assert {"publisher", "subscriber"} <= set(pair["cpu_s_per_GB"])
+    (peer,) = (p for p in pairs if p["scheme"] == "peer")
+    # the receiver got its bytes through the forwarding peer, whose serving CPU is its own row
+    assert peer["from_peers_fraction"] > 0.5 and "forwarding" in peer["cpu_s_per_GB"]
 
     e2e = result["e2e"]
     assert set(e2e["median_s"]) == {"weightpub", "disk", "per_param_rpc"}

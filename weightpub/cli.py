@@ -114,6 +114,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options.transport_mib = [int(m) for m in args.transport_mib.split(",")]
     if args.rounds:
         options.transport_rounds = args.rounds
+    if args.schemes:
+        options.schemes = [m.strip() for m in args.schemes.split(",") if m.strip()]
+        wrong = sorted(set(options.schemes) - {"tcp", "ipc", "peer"})
+        if wrong:
+            raise ConfigError(f"--schemes: unknown {wrong} (known: tcp, ipc, peer)")
     if args.scale_mib:
         options.scale_mib = [int(m) for m in args.scale_mib.split(",")]
     if args.scale_replica_layers:
@@ -215,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="scale replicas: one run per prepare_budget_bytes, in MiB or 'all' "
                             "(default 0,all: the commit pause and memory without and with "
                             "prepared shadows)")
+    bench.add_argument("--schemes", default="",
+                       help="transport paths, comma-separated: tcp, ipc, peer (a subscriber "
+                            "fed by a forwarding peer; default all three)")
     bench.add_argument("--rounds", type=int, default=0,
                        help="transport rounds per pair (default 8; quick 4)")
     bench.add_argument("--no-prepare-while-arriving", action="store_true",

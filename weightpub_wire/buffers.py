@@ -25,6 +25,16 @@ unregisters them when the last view of the memory is gone. Unlike torch's pinned
 blocks, no event recorded by an asynchronous copy keeps such a buffer from being
 reused: whoever copies out of a staged buffer with ``non_blocking=True`` waits for
 that copy before releasing the buffer (``subscriber_ext/vllm_ext/apply/streams.py`` does).
+
+Sends without a copy: a peer-sharing subscriber hands staging bytes to ZeroMQ in place
+(``copy=False``), and ZeroMQ reads them later, from its I/O thread. ``send_begin``
+counts such a send against the buffer, ``send_end`` once ZeroMQ let go of it. A buffer
+given back (or forgotten, or dropped) while sends are counted is *draining*: still
+counted against the budget, never handed out, released or unmapped until its last
+send ended; then it goes where it was going (kept for reuse or released). So a newer
+version never lands in bytes still on their way to a peer, and the budget counts
+each buffer once, as long as it lives. The sender bounds the wait: a reader that
+does not read is cut (``subscriber_ext/transport/peers/peer_server.py``).
 """
 
 from __future__ import annotations
@@ -158,6 +168,11 @@ class BufferPool:
         #: data_ptr -> reuse key of each live sparse buffer; idle ones by key (bytes counted)
         self._sparse: dict[int, object] = {}
         self._sparse_free: dict[object, tuple[torch.Tensor, int]] = {}
+        #: data_ptr -> sends ZeroMQ holds without a copy (``send_begin``/``send_end``)
+        self._sending: dict[int, int] = {}
+        #: data_ptr -> (buffer, bytes): given back (buffer) or forgotten (None) while sends
+        #: were counted; counted as held, never handed out, until the last one ends
+        self._draining: dict[int, tuple[torch.Tensor | None, int]] = {}
         self._lock = threading.Lock()
 
     # -- accounting ------------------------------------------------------------------------
@@ -169,7 +184,54 @@ class BufferPool:
 
     def _held_locked(self) -> int:
         return sum(self._out.values()) + sum(b.numel() for b in self._free) + \
-            sum(counted for _, counted in self._sparse_free.values())
+            sum(counted for _, counted in self._sparse_free.values()) + \
+            sum(nbytes for _, nbytes in self._draining.values())
+
+    # -- sends without a copy --------------------------------------------------------------
+    def send_begin(self, buf: torch.Tensor) -> int:
+        """Count a send of bytes of ``buf`` (a view of a buffer from ``take``) that ZeroMQ
+        reads in place; the key to pass to ``send_end``."""
+        key = _key(buf)
+        with self._lock:
+            self._sending[key] = self._sending.get(key, 0) + 1
+        return key
+
+    def send_end(self, key: int) -> None:
+        """ZeroMQ let go of a send counted by ``send_begin``: a draining buffer whose last
+        send this was goes where it was going."""
+        with self._lock:
+            left = self._sending.get(key, 0) - 1
+            if left > 0:
+                self._sending[key] = left
+                return
+            self._sending.pop(key, None)
+            drained = self._draining.pop(key, None)
+            if drained is None:
+                return
+            buffer, _ = drained
+            keep = buffer is not None and len(self._free) < self._max
+            if keep:
+                assert buffer is not None
+                self._free.append(buffer)
+        if not keep:
+            self._release(key)
+
+    def draining(self, key: int) -> bool:
+        """Whether the buffer ``key`` waits for its sends to end before it can be reused."""
+        with self._lock:
+            return key in self._draining
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Sends ZeroMQ holds without a copy, over every buffer (tests, status)."""
+        with self._lock:
+            return sum(self._sending.values())
+
+    @property
+    def draining_bytes(self) -> int:
+        """Bytes of buffers waiting for their sends to end (counted in ``held_bytes``)."""
+        with self._lock:
+            return sum(nbytes for _, nbytes in self._draining.values())
 
     def room_for(self, nbytes: int) -> bool:
         """Whether ``take(nbytes)`` fits the budget now (dropping idle buffers if needed).
@@ -275,18 +337,22 @@ class BufferPool:
         self._allocator.free(key)
 
     def give(self, buf: torch.Tensor) -> None:
-        """Return a buffer from ``take`` (its whole allocation is kept)."""
+        """Return a buffer from ``take`` (its whole allocation is kept); one with sends
+        in flight drains first (``send_begin``)."""
         base = buf if buf._base is None else buf._base
         key = base.data_ptr()
         with self._lock:
             counted = self._out.pop(key, 0)
-            if key in self._sparse:
+            if key in self._sparse:  # never sent without a copy (a plan refuses peers)
                 reuse = self._sparse.pop(key)
                 if reuse is not None and len(self._sparse_free) < self._max:
                     self._sparse_free.pop(reuse, None)
                     self._sparse_free[reuse] = (base, counted)
                 return  # else freed with its last view
-            if any(b is base for b in self._free):
+            if any(b is base for b in self._free) or key in self._draining:
+                return
+            if self._sending.get(key):
+                self._draining[key] = (base, base.numel())
                 return
             keep = len(self._free) < self._max
             if keep:
@@ -298,10 +364,18 @@ class BufferPool:
         """A handed-out buffer (``data_ptr()`` ``key``) will never come back: stop counting
         it. Its memory is freed by whoever still holds views of it."""
         with self._lock:
-            known = self._out.pop(key, None) is not None
+            nbytes = self._out.pop(key, None)
             self._sparse.pop(key, None)
-        if known:
+            if nbytes is not None and self._sending.get(key):
+                self._draining[key] = (None, nbytes)  # still counted until sent
+                return
+        if nbytes is not None:
             self._release(key)
+
+
+def _key(buf: torch.Tensor) -> int:
+    """The pool's key of a buffer: its whole allocation's ``data_ptr``."""
+    return (buf if buf._base is None else buf._base).data_ptr()
 
 
 def byte_view(buffer: torch.Tensor, nbytes: int | None = None) -> memoryview:

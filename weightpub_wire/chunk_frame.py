@@ -15,17 +15,19 @@
     all little-endian.
 
 *Inline* (flags 0): header and payload in ONE frame (``build``/``pack``, a copy
-behind the header); a peer serving from its staging sends this form.
+behind the header); still accepted, and what a test or a plugged-in source builds.
 
 *Follows* (flags ``FOLLOWS``, protocol 4): the header is a 32-byte message of its
 own, and the very next message on the same connection is the payload alone, exactly
-``size`` bytes, sent by the publisher straight from its snapshot (``zmq`` ``copy=False``,
-``track=True``: no copy per subscriber; ``publisher/store/buffer_claims.py`` keeps the
-snapshot region from being overwritten while ZeroMQ still sends it). Both messages are
-one frame each, so neither can be torn by a reconnect (the libzmq 4.3.5 ``fq.cpp``
-``!_more`` abort that ended two-frame replies, docs/RELIABILITY.md); a header whose
-payload never comes, or a message of the wrong size where a payload is due, is a
-``ProtocolError`` (``PayloadPairing``) and the chunk is fetched again.
+``size`` bytes, sent by the publisher straight from its snapshot and by a peer
+straight from its staging (``zmq`` ``copy=False``, ``track=True``: no copy per receiver;
+``publisher/store/buffer_claims.py`` keeps the snapshot region from being overwritten,
+``BufferPool.send_begin`` a staging buffer from being reused, while ZeroMQ still sends
+it). Both messages are one frame each, so neither can be torn by a reconnect (the
+libzmq 4.3.5 ``fq.cpp`` ``!_more`` abort that ended two-frame replies,
+docs/RELIABILITY.md); a header whose payload never comes, or a message of the wrong
+size where a payload is due, is a ``ProtocolError`` (``PayloadPairing``) and the chunk
+is fetched again.
 
 Receivers accept both forms and copy the payload once, from ZeroMQ's frame into place.
 ``benchmarks/chunk_frames.py`` measures the forms.

@@ -1,12 +1,16 @@
-"""Socket setup both sides share: hygiene options, and binds that fail with our error."""
+"""Socket setup both sides share: hygiene options, binds that fail with our error, and
+cutting one TCP connection under ZeroMQ (a reader that stopped reading)."""
 
 from __future__ import annotations
+
+import os
+import socket
 
 import zmq
 
 from weightpub_wire.errors import TransportError
 
-__all__ = ["bind", "configure_socket", "connect"]
+__all__ = ["bind", "configure_socket", "connect", "cut_connection", "dup_socket", "peer_name"]
 
 
 def configure_socket(sock: zmq.Socket, *, heartbeat_interval: float) -> None:
@@ -33,3 +37,45 @@ def connect(sock: zmq.Socket, address: str) -> None:
         sock.connect(address)
     except zmq.ZMQError as exc:
         raise TransportError(f"cannot connect to {address}: {exc.strerror}") from exc
+
+
+def dup_socket(fd: int) -> socket.socket | None:
+    """A socket object of its own over a copy of descriptor ``fd`` (None: gone)."""
+    try:
+        return socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+
+
+def peer_name(fd: int) -> str:
+    """The remote address of ZeroMQ's connection ``fd`` (``""``: not a connected socket)."""
+    sock = dup_socket(fd)
+    if sock is None:
+        return ""
+    try:
+        return str(sock.getpeername())
+    except OSError:
+        return ""
+    finally:
+        sock.close()
+
+
+def cut_connection(fd: int, peer: str) -> bool:
+    """Shut a peer's TCP connection down under ZeroMQ (it notices and frees the pipe,
+    with every message queued to it).
+
+    ``peer`` (``peer_name`` when the connection was first seen) guards against a
+    descriptor number reused since.
+    """
+    sock = dup_socket(fd)
+    if sock is None:
+        return False
+    try:
+        if peer and str(sock.getpeername()) != peer:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()

@@ -23,7 +23,6 @@ Linux only (``TCP_INFO``); elsewhere only the connection count is bounded.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import struct
 import time
@@ -38,6 +37,8 @@ from weightpub_wire.monitor import (
     read_events,
 )
 from weightpub_wire.ratelog import RateLimitedLog
+from weightpub_wire.sockets import cut_connection, dup_socket
+from weightpub_wire.sockets import peer_name as _peer_name
 
 __all__ = ["ConnectionGuard", "GuardLimits", "cut_connection"]
 
@@ -61,28 +62,9 @@ class _Connection:
     family: int = 0  # AF_INET / AF_INET6 for TCP; 0: not TCP, nothing to measure
 
 
-def _dup(fd: int) -> socket.socket | None:
-    try:
-        return socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-
-
-def _peer_name(fd: int) -> str:
-    sock = _dup(fd)
-    if sock is None:
-        return ""
-    try:
-        return str(sock.getpeername())
-    except OSError:
-        return ""
-    finally:
-        sock.close()
-
-
 def _tcp_family(fd: int) -> int:
     """AF_INET/AF_INET6 if ``fd`` is a TCP socket whose TCP_INFO we can read, else 0."""
-    sock = _dup(fd)
+    sock = dup_socket(fd)
     if sock is None:
         return 0
     try:
@@ -109,25 +91,6 @@ def _bytes_received(fd: int, family: int) -> int | None:
     finally:
         sock.detach()  # the descriptor stays ZeroMQ's
     return int(struct.unpack_from("=Q", info, _BYTES_RECEIVED)[0])
-
-
-def cut_connection(fd: int, peer: str) -> bool:
-    """Shut a peer's TCP connection down under ZeroMQ (it notices and frees the pipe).
-
-    ``peer`` (from accept time) guards against a descriptor number reused since.
-    """
-    sock = _dup(fd)
-    if sock is None:
-        return False
-    try:
-        if peer and str(sock.getpeername()) != peer:
-            return False
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.close()
 
 
 class ConnectionGuard:

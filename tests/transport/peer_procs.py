@@ -24,10 +24,10 @@ def _corrupt_what_it_serves() -> None:
 
     original = peer_server.PeerServer._send_chunk
 
-    def send_chunk(self: Any, client: Any, ask: Any, data: memoryview) -> bool:
-        bad = bytearray(data)
+    def send_chunk(self: Any, client: Any, ask: Any, found: Any) -> bool:
+        bad = bytearray(found.data)  # a copy of its own: the staging stays correct
         bad[len(bad) // 2] ^= 0xFF
-        return bool(original(self, client, ask, memoryview(bad)))
+        return bool(original(self, client, ask, peer_server.Served(memoryview(bad), None)))
 
     peer_server.PeerServer._send_chunk = send_chunk  # type: ignore[method-assign]
 

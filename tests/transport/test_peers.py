@@ -175,9 +175,10 @@ def test_curve_between_peers_and_strangers_get_nothing(
                 req=1, publisher_id=manifest.publisher_id, version=1, chunks=(0,))))
             if not dealer.poll(int(wait * 1000)):
                 return False
-            frame = dealer.recv()
-            header = chunk_frame.parse(frame)
-            return chunk_checksum(chunk_frame.payload(frame)) == manifest.checksums[header.chunk]
+            header = chunk_frame.parse(dealer.recv())
+            assert header.follows and dealer.poll(int(wait * 1000))  # the payload is next
+            payload = dealer.recv()
+            return chunk_checksum(payload) == manifest.checksums[header.chunk]
         finally:
             dealer.close()
 

@@ -25,7 +25,7 @@ import zmq
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
-from subscriber_ext.transport.peers.peer_server import PeerServer, PeerServerLimits
+from subscriber_ext.transport.peers.peer_server import PeerServer, PeerServerLimits, Served
 from subscriber_ext.transport.peers.upload_budget import UploadBudget
 from tests.transport.procs import det_weights, digests, wait_until
 from tests.transport.test_hostile import SPEC, FakePublisher, RawClient, pack
@@ -238,10 +238,10 @@ def test_protocol_3_chunk_frames_are_refused_by_name_then_4_is_staged(
 
 
 # -- peers ---------------------------------------------------------------------------------------
-def test_a_peer_server_answers_an_old_peer_with_an_error_and_serves_one_frames() -> None:
+def test_a_peer_server_answers_an_old_peer_with_an_error_and_serves_follows_replies() -> None:
     """A protocol-3 peer's fetch gets an ``error`` naming both versions (it moves on to its
-    next source); a protocol-4 fetch gets the chunk as one frame (a peer copies out of its
-    staging, which a newer version reuses, so it sends the inline form)."""
+    next source); a protocol-4 fetch gets the chunk as a ``FOLLOWS`` header message, then
+    its payload message (a peer sends straight from its staging, no copy)."""
     ctx = zmq.Context()
     try:
         router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
@@ -250,7 +250,7 @@ def test_a_peer_server_answers_an_old_peer_with_an_error_and_serves_one_frames()
         port = router.bind_to_random_port("tcp://127.0.0.1")
         dealer.connect(f"tcp://127.0.0.1:{port}")
         chunk = memoryview(bytes(range(256)) * 16)
-        server = PeerServer(router, lambda publisher_id, version, index: chunk,
+        server = PeerServer(router, lambda publisher_id, version, index: Served(chunk, None),
                             UploadBudget(None, None), PeerServerLimits())
 
         def exchange(body: bytes) -> bytes:
@@ -274,8 +274,11 @@ def test_a_peer_server_answers_an_old_peer_with_an_error_and_serves_one_frames()
             in reply["message"]
         assert server.bad_requests == 1
         frame = exchange(pack(dict(fetch, req=4)))
-        assert chunk_frame.parse(frame) == chunk_frame.ChunkHeader(req=4, version=2, chunk=0,
-                                                                   size=len(chunk))
-        assert bytes(chunk_frame.payload(frame)) == bytes(chunk)
+        header = chunk_frame.parse(frame)
+        assert header == chunk_frame.ChunkHeader(req=4, version=2, chunk=0, size=len(chunk),
+                                                 follows=True)
+        assert dealer.poll(10_000)
+        payload = dealer.recv_multipart()
+        assert len(payload) == 1 and payload[0] == bytes(chunk)
     finally:
         ctx.destroy(linger=0)

@@ -38,6 +38,14 @@ def summary(result: dict[str, Any]) -> list[Row]:
                                  f"{cpu['publisher']:.2f}, {cpu['subscriber']:.2f}",
                                  f"raw send {cpu['raw_sender']:.2f}, "
                                  f"recv {cpu['raw_receiver']:.2f}", None))
+            if cpu and "forwarding" in cpu:
+                rows.append(_row("transport", f"{where} CPU-s per GB: forwarding peer "
+                                 "(serving), its whole process, receiver fed by it",
+                                 f"{cpu['forwarding'] or float('nan'):.2f}, "
+                                 f"{cpu['forwarder']:.2f}, "
+                                 f"{cpu['peer_receiver']:.2f}",
+                                 f"{p['from_peers_fraction']:.0%} of bytes via the peer",
+                                 None))
     e2e = result.get("e2e")
     if e2e:
         med, r = e2e["median_s"], e2e["ratios"]

@@ -1,8 +1,8 @@
 """``weightpub bench``: every benchmark in one run, ratios against baselines of the same run.
 
-Sections (``--sections``): ``transport`` (vs a raw TCP socket, tcp:// and
-ipc://), ``e2e`` (new weights -> generating, vs disk reload and per-parameter
-RPC, oracle-checked; with the commit pause vs vLLM's ``reload_weights``),
+Sections (``--sections``): ``transport`` (vs a raw TCP socket, tcp://,
+ipc:// and through a forwarding peer), ``e2e`` (new weights -> generating, vs disk
+reload and per-parameter RPC, oracle-checked; with the commit pause vs vLLM's ``reload_weights``),
 ``streaming`` (tokens/s while versions stream in vs none), ``delta`` (bytes on
 the wire, delta vs full versions), ``scale`` (opt-in, several GiB: host memory of
 a trainer and a subscriber process at real model sizes, and GB/s as versions grow).
@@ -44,7 +44,7 @@ class BenchOptions:
     sections: tuple[str, ...] = DEFAULT_SECTIONS
     transport_mib: list[int] = field(default_factory=lambda: [256, 1024])
     transport_rounds: int = 8
-    schemes: list[str] = field(default_factory=lambda: ["tcp", "ipc"])
+    schemes: list[str] = field(default_factory=lambda: ["tcp", "ipc", "peer"])
     e2e_model: str = "311MB"
     e2e_reps: int = 5
     e2e_warmup: int = 1

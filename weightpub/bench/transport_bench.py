@@ -22,11 +22,24 @@ moved: the publisher (this process, which only publishes and serves during its r
 the subscriber process, and the raw sender and receiver for scale. The subscriber also
 says how its CPU splits over its threads and, sampled every 2 ms, which Python lines
 its threads were on (``profile``): where the CPU goes beyond the kernel's copies.
+
+* ``peer``: peer forwarding. Two ``peer_share`` subscriber processes and a publisher
+  with ``peer_fanout`` 1: the first (the *forwarder*) fetches from the publisher, the
+  second fetches every chunk from the forwarder (cut-through). A round is publish ->
+  both staged; ``cpu_s_per_GB`` adds ``forwarder`` (the forwarder's whole process),
+  ``forwarding`` (what serving cost it: the peer ROUTER's ZeroMQ I/O thread plus the
+  serving work on its subscriber thread, ``UploadBudget.cpu_seconds``, per GB it
+  served) and ``peer_receiver`` (the subscriber that receives from a peer); the
+  forwarder's profile is ``forwarder_profile``. Serving has no CPU-share bound here
+  (``upload_cpu_share``, default 0.25 cores, would pace it); ``from_peers_fraction``
+  says how much of the version came through the forwarder (a peer that stalls
+  under load is skipped for a while and the publisher serves instead).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import socket
 import statistics
 import tempfile
@@ -77,6 +90,118 @@ def _wp_receiver(endpoint: str, rounds: int, conn: Any) -> None:
                                for name, seconds in threads.items()
                                if seconds - threads_before.get(name, 0.0) >= 0.01},
                    "python": sampler.top()})
+
+
+def _peer_member(endpoint: str, name: str, conn: Any) -> None:
+    """One ``peer_share`` subscriber: tells its slot, each staged version, and on ``cpu``
+    its process CPU and the serving CPU and bytes so far; on ``exit`` its profile."""
+    from subscriber_ext import WeightSubscriber
+
+    staged_q: queue.Queue[Any] = queue.Queue()
+    # no CPU-share bound on serving (default 0.25 cores): the bench measures what
+    # forwarding costs, not the policy that paces it
+    with WeightSubscriber(endpoint, peer_share=True, subscriber_id=name, upload_cpu_share=64,
+                          on_version=staged_q.put) as sub, StackSampler() as sampler:
+        deadline = time.monotonic() + 60
+        while (sub.status()["peers"] or {}).get("slot") is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name}: no place in the peer plan within 60s")
+            time.sleep(0.05)
+        conn.send(("ready", sub.status()["peers"]["slot"]))
+        threads_before = thread_cpu()
+        budget = sub._client.peering.budget  # type: ignore[union-attr]  # a bench reads it
+        while True:
+            if conn.poll(0.005):
+                command = conn.recv()
+                if command == "cpu":
+                    conn.send(("cpu", process_cpu(), budget.cpu_seconds, budget.bytes_sent,
+                               (sub.status()["peers"] or {}).get("bytes_from_peers", 0)))
+                elif command == "exit":
+                    break
+            try:
+                staged = staged_q.get_nowait()
+            except queue.Empty:
+                continue
+            conn.send(("staged", staged.version, staged.fetch_seconds))
+            staged.release()
+        threads = thread_cpu()
+        peers = sub.status()["peers"] or {}
+        conn.send(("profile", {
+            "peers": {key: peers.get(key) for key in (
+                "peer_failures", "served_chunks", "dropped_clients", "cut_clients",
+                "bytes_from_peers", "upload_bytes")},
+            "threads": {name: round(seconds - threads_before.get(name, 0.0), 3)
+                        for name, seconds in threads.items()
+                        if seconds - threads_before.get(name, 0.0) >= 0.01},
+            "python": sampler.top()}))
+
+
+class _PeerPath:
+    """publish() -> staged at a forwarder and at a subscriber fed by the forwarder."""
+
+    def __init__(self, source: torch.Tensor, endpoint: str) -> None:
+        from publisher import WeightPublisher
+
+        self.weights = {"w": source}
+        self.pub = WeightPublisher(endpoint, peer_fanout=1)
+        self.members: list[tuple[Any, Any]] = []
+        self.version = 0
+        for index in range(2):  # joined one by one: member i holds slot i
+            conn, child = mp.Pipe()
+            proc = mp.get_context("spawn").Process(
+                target=_peer_member, args=(self.pub.endpoint, f"bench-peer{index}", child),
+                daemon=True)
+            proc.start()
+            slot = self._recv(conn, "ready", 120)
+            if slot != index:
+                raise RuntimeError(f"peer member {index} got slot {slot}")
+            self.members.append((conn, proc))
+        time.sleep(2.0)  # every member follows the final plan (hello interval ~1 s)
+
+    @staticmethod
+    def _recv(conn: Any, kind: str, timeout: float) -> Any:
+        if not conn.poll(timeout):
+            raise TimeoutError(f"a peer member sent no {kind} within {timeout:.0f}s")
+        message = conn.recv()
+        if message[0] != kind:
+            raise RuntimeError(f"a peer member sent {message[0]} where {kind} was due")
+        return message[1:] if len(message) > 2 else message[1]
+
+    def _cpu(self) -> list[Any]:
+        for conn, _ in self.members:
+            conn.send("cpu")
+        return [self._recv(conn, "cpu", 60) for conn, _ in self.members]
+
+    def round(self) -> dict[str, float]:
+        before = self._cpu()
+        start = time.perf_counter()
+        cpu = process_cpu()
+        self.version += 1
+        self.pub.publish(self.weights)
+        fetch = [self._recv(conn, "staged", 300)[1] for conn, _ in self.members]
+        took = time.perf_counter() - start
+        publisher_cpu = process_cpu() - cpu
+        after = self._cpu()
+        self.weights["w"][:8] += 1
+        forwarder, receiver = ([a - b for a, b in zip(x, y, strict=True)]
+                               for x, y in zip(after, before, strict=True))
+        nbytes = self.weights["w"].numel()
+        return {"seconds": took, "publish_seconds": 0.0, "transfer_seconds": max(fetch),
+                "publisher_cpu": publisher_cpu, "subscriber_cpu": receiver[0],
+                "forwarder_cpu": forwarder[0], "serving_cpu": forwarder[1],
+                "served_bytes": forwarder[2], "from_peers_fraction": receiver[3] / nbytes}
+
+    def close(self) -> dict[str, Any]:
+        profiles: list[Any] = []
+        for conn, proc in self.members:
+            conn.send("exit")
+            try:
+                profiles.append(self._recv(conn, "profile", 60))
+            except (TimeoutError, RuntimeError, EOFError):
+                profiles.append({})
+            proc.join(60)
+        self.pub.close()
+        return {"forwarder": profiles[0], "receiver": profiles[1]}
 
 
 class _RawPath:
@@ -149,9 +274,10 @@ class _WeightpubPath:
 
 def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], None],
           ipc_dir: str) -> dict[str, Any]:
-    endpoint = "tcp://127.0.0.1:0" if scheme == "tcp" else f"ipc://{ipc_dir}/bench-{rounds}"
+    endpoint = "tcp://127.0.0.1:0" if scheme != "ipc" else f"ipc://{ipc_dir}/bench-{rounds}"
     raw_path = _RawPath(source, rounds)
-    wp_path = _WeightpubPath(source, rounds, endpoint)
+    wp_path: _WeightpubPath | _PeerPath = _PeerPath(source, endpoint) if scheme == "peer" \
+        else _WeightpubPath(source, rounds, endpoint)
     raw: list[dict[str, float]] = []
     wp: list[dict[str, float]] = []
     profile: dict[str, Any] = {}
@@ -174,6 +300,21 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
         return round(med(runs, key) / (nbytes / 1e9), 3)
 
     raw_s, wp_s = med(raw, "seconds"), med(wp, "seconds")
+    cpu: dict[str, float | None] = {
+        "publisher": per_gb(wp, "publisher_cpu"), "subscriber": per_gb(wp, "subscriber_cpu"),
+        "raw_sender": per_gb(raw, "sender_cpu"), "raw_receiver": per_gb(raw, "receiver_cpu")}
+    extra: dict[str, Any] = {}
+    if scheme == "peer":  # the subscriber is the one fed by the forwarder
+        # serving CPU over the bytes served, steady rounds together (a round in which the
+        # receiver skipped the forwarder served nothing and adds nothing)
+        served = sum(r["served_bytes"] for r in wp[steady])
+        cpu.update(peer_receiver=cpu["subscriber"], forwarder=per_gb(wp, "forwarder_cpu"),
+                   forwarding=round(sum(r["serving_cpu"] for r in wp[steady]) / (served / 1e9),
+                                    3) if served else None)
+        extra = {"from_peers_fraction": med(wp, "from_peers_fraction"),
+                 "from_peers_rounds": [round(r["from_peers_fraction"], 3) for r in wp],
+                 "forwarder_profile": profile.get("forwarder", {})}
+        profile = profile.get("receiver", {})
     return {
         "scheme": scheme,
         "bytes": nbytes,
@@ -188,11 +329,9 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
         "raw_seconds": [r["seconds"] for r in raw],
         "weightpub_seconds": [w["seconds"] for w in wp],
         # CPU-seconds per GB moved, steady rounds (medians), each side's whole process
-        "cpu_s_per_GB": {"publisher": per_gb(wp, "publisher_cpu"),
-                         "subscriber": per_gb(wp, "subscriber_cpu"),
-                         "raw_sender": per_gb(raw, "sender_cpu"),
-                         "raw_receiver": per_gb(raw, "receiver_cpu")},
+        "cpu_s_per_GB": cpu,
         "subscriber_profile": profile,
+        **extra,
     }
 
 

@@ -21,6 +21,7 @@ from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from subscriber_ext.transport.staging.request_table import RequestTable
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import BufferPool
 from weightpub_wire.config_file import check_endpoint
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError
@@ -129,6 +130,8 @@ class PeerClient(Protocol):
     def requests(self) -> RequestTable: ...  # in flight; peers' are marked with their link
     @property
     def options(self) -> Any: ...
+    @property
+    def pool(self) -> BufferPool: ...  # staging buffers: sends without a copy counted there
 
     def send(self, message: Any) -> bool: ...
 

@@ -12,15 +12,23 @@ verifies, up to ``defer_timeout``; a version it will not have (conflated past,
 given up, older than what it holds) gets ``version_unavailable`` at once, and
 the asking peer moves on to its next source (``sources.py``).
 
+Without a copy (protocol 4, ``chunk_frame.FOLLOWS``): each chunk goes as its 32-byte
+header message, then its payload message straight from the staging buffer
+(``copy=False, track=True``). Staging buffers are pooled and reused for newer
+versions, so every such send is counted on its buffer (``BufferPool.send_begin``)
+until ZeroMQ lets go of it: a buffer given back meanwhile *drains* (stays counted,
+is not reused, released or unmapped) until its sends ended. Verified bytes are never
+written again while their version is staged, so a peer only ever sees verified bytes.
+
 Bounds: clients, chunks a client has asked for and not received, chunks per
 request, chunks handed to ZeroMQ and not yet written to the kernel (per client
 and, in bytes, for all; a dropped client's unsent bytes keep counting until
 ZeroMQ lets go of them), and the upload budget (rate and CPU share,
-``upload_budget.py``). A client whose bytes stay unsent for ``stall_timeout``
-is dropped. Each chunk is copied behind its header into a reused send buffer: staging
-buffers are reused for newer versions while ZeroMQ may still be sending, and a
-peer must only ever see verified bytes. With CURVE, only keys the tracker
-vouched for connect (ZAP), and every request is checked again.
+``upload_budget.py``). A client whose bytes stay unsent for ``stall_timeout``, or
+for ``drain_grace`` while a buffer they point into waits to be reused, is cut: its
+TCP connection is shut down under ZeroMQ (the request's ``SRCFD``), which frees what
+ZeroMQ held for it (``cut_clients``). With CURVE, only keys the tracker vouched for
+connect (ZAP), and every request is checked again.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
+import torch
 import zmq
 
 from subscriber_ext.transport.peers.upload_budget import UploadBudget
@@ -39,15 +49,36 @@ from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.ratelog import RateLimitedLog
+from weightpub_wire.sockets import cut_connection, peer_name
 
-__all__ = ["GONE", "WAIT", "Lookup", "PeerServer", "PeerServerLimits"]
+__all__ = ["GONE", "WAIT", "Lookup", "PeerServer", "PeerServerLimits", "SendCounts", "Served"]
 
 log = logging.getLogger("weightpub.peers")
 
 WAIT = "wait"  # not verified (or not started) yet: hold the request
 GONE = "gone"  # this subscriber will not have it: version_unavailable
+
+
+class Served(NamedTuple):
+    """A chunk's verified bytes and the pooled buffer they are a view of (None: bytes
+    the caller owns and never changes)."""
+
+    data: memoryview
+    buffer: torch.Tensor | None
+
+
 #: ``lookup(publisher_id, version, chunk)``: the chunk's verified bytes, WAIT or GONE
-Lookup = Callable[[str, int, int], "memoryview | str"]
+Lookup = Callable[[str, int, int], "Served | str"]
+
+
+class SendCounts(Protocol):
+    """Where sends without a copy are counted: ``weightpub_wire.buffers.BufferPool``."""
+
+    def send_begin(self, buf: torch.Tensor) -> int: ...
+
+    def send_end(self, key: int) -> None: ...
+
+    def draining(self, key: int) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +90,7 @@ class PeerServerLimits:
     max_queued_bytes: int = 64 << 20  # all clients together
     defer_timeout: float = 10.0
     stall_timeout: float = 10.0
+    drain_grace: float = 2.0  # no progress while a buffer it holds waits to be reused: cut
     max_request_bytes: int = 64 << 10
     idle_forget: float = 60.0
 
@@ -73,12 +105,25 @@ class _Ask:
 
 
 @dataclass(slots=True)
+class _Sent:
+    """A payload ZeroMQ holds: its tracker, size and counted buffer (None: not counted)."""
+
+    tracker: zmq.MessageTracker
+    nbytes: int
+    key: int | None
+
+
+@dataclass(slots=True)
 class _Client:
     identity: bytes
     last_seen: float
     last_progress: float
     pending: list[_Ask] = field(default_factory=list)
-    queued: deque[tuple[zmq.MessageTracker, bytearray]] = field(default_factory=deque)
+    queued: deque[_Sent] = field(default_factory=deque)
+    #: a payload whose header went before the pipe filled: (bytes, counted key), sent first
+    owed: tuple[memoryview, int | None] | None = None
+    fd: int | None = None  # its TCP connection (the request's SRCFD), to cut it
+    peer: str = ""  # that connection's remote address when first seen
 
 
 class PeerServer:
@@ -86,15 +131,18 @@ class PeerServer:
 
     def __init__(self, router: zmq.Socket, lookup: Lookup, budget: UploadBudget,
                  limits: PeerServerLimits,
-                 admitted: Callable[[str], bool] | None = None) -> None:
+                 admitted: Callable[[str], bool] | None = None,
+                 sends: SendCounts | None = None) -> None:
+        """``sends``: where sends out of pooled buffers are counted (required once
+        ``lookup`` returns such buffers)."""
         self.router = router
         self.lookup = lookup
         self.budget = budget
         self.limits = limits
         self.admitted = admitted  # CURVE: the request's User-Id must pass
+        self.sends = sends
         self._clients: OrderedDict[bytes, _Client] = OrderedDict()
-        self._orphans: list[tuple[zmq.MessageTracker, bytearray]] = []
-        self._free: list[bytearray] = []
+        self._orphans: list[_Sent] = []
         self._queued_bytes = 0
         self._dirty = True
         self._next_scan = 0.0
@@ -104,6 +152,8 @@ class PeerServer:
         self.bad_requests = 0
         self.unavailable_replies = 0
         self.dropped_clients = 0
+        self.cut_clients = 0  # connections shut down under ZeroMQ (stalled readers)
+        self.payload_bytes_sent = 0  # handed to ZeroMQ without a copy
 
     def changed(self) -> None:
         """Something became servable (a chunk verified, a version started or ended)."""
@@ -151,6 +201,10 @@ class PeerServer:
         client = self._client(frames[0].bytes, now)
         if client is None:
             return
+        if client.fd is None:
+            fd = _srcfd(frames[1])
+            if fd is not None:
+                client.fd, client.peer = fd, peer_name(fd)
         if request.base:
             self._error(client, request.req, "bad_request", request.version,
                         "peers serve full chunks only; deltas come from the publisher")
@@ -192,7 +246,11 @@ class PeerServer:
     def _pump(self, now: float) -> float:
         for client in list(self._clients.values()):
             self._progress(client, now)
-        self._orphans = [(t, b) for t, b in self._orphans if not self._done(t, b)]
+        if self._orphans:
+            # ZeroMQ frees a cut client's pipe (and the payloads it held) only once this
+            # socket processes its commands, which any call into it does
+            self.router.getsockopt(zmq.EVENTS)
+            self._orphans = [sent for sent in self._orphans if not self._done(sent)]
         if now >= self._next_forget:
             self._forget_idle(now)
         writing = any(c.queued for c in self._clients.values()) or bool(self._orphans)
@@ -230,72 +288,115 @@ class PeerServer:
                             f"chunk {ask.chunk} of version {ask.version} {why}")
                 client.pending = [a for a in client.pending if a.req != ask.req]
                 continue
-            if not isinstance(found, memoryview):
+            if not isinstance(found, Served):
                 index += 1
                 continue
-            if len(client.queued) >= self.limits.max_queued_chunks or \
-                    self._queued_bytes + len(found) > self.limits.max_queued_bytes:
+            size = len(found.data)
+            if client.owed is not None or len(client.queued) >= self.limits.max_queued_chunks \
+                    or self._queued_bytes + size > self.limits.max_queued_bytes:
                 return math.inf
-            wait = self.budget.delay(len(found), now)
+            wait = self.budget.delay(size, now)
             if wait > 0:
                 return wait
             if not self._send_chunk(client, ask, found):
-                self.budget.refund(len(found))
+                self.budget.refund(size)
                 return math.inf
             del client.pending[index]
             return 0.0
         return math.inf
 
-    def _send_chunk(self, client: _Client, ask: _Ask, data: memoryview) -> bool:
-        buffer = self._buffer(chunk_frame.frame_bytes(len(data)))
-        frame = chunk_frame.pack(buffer, req=ask.req, version=ask.version, chunk=ask.chunk,
-                                 payload=data)
+    def _send_chunk(self, client: _Client, ask: _Ask, found: Served) -> bool:
+        """The chunk's header message, then its payload straight from ``found`` (counted
+        on its buffer until ZeroMQ lets go of it); False: not now (pipe full, gone)."""
+        head = chunk_frame.header_frame(req=ask.req, version=ask.version, chunk=ask.chunk,
+                                        size=len(found.data))
+        if not self._route(client):
+            return False
+        self.router.send(head, copy=True)
+        key = None
+        if found.buffer is not None:
+            if self.sends is None:
+                raise RuntimeError("PeerServer: a pooled buffer served with no SendCounts")
+            key = self.sends.send_begin(found.buffer)
+        client.owed = (found.data, key)
+        self.chunks_served += 1
+        self._pay_owed(client)  # the pipe may be full now: then paid before anything else
+        return True
+
+    def _route(self, client: _Client) -> bool:
+        """Address the next message to ``client``; False if its pipe is full or it left."""
         try:
             self.router.send(client.identity, zmq.SNDMORE | zmq.NOBLOCK)
         except zmq.Again:
-            self._free.append(buffer)
             return False
         except zmq.ZMQError as exc:
-            self._free.append(buffer)
             if exc.errno == zmq.EHOSTUNREACH:  # the client has gone
                 self._drop(client)
                 return False
             raise
-        tracker = self.router.send(frame, copy=False, track=True)
-        client.queued.append((tracker, buffer))
-        self._queued_bytes += len(buffer)
-        self.chunks_served += 1
         return True
 
-    def _buffer(self, size: int) -> bytearray:
-        for index, buffer in enumerate(self._free):
-            if len(buffer) >= size:
-                return self._free.pop(index)
-        return bytearray(size)
+    def _pay_owed(self, client: _Client) -> bool:
+        """Send the payload whose header went out; False: its pipe is full, not yet."""
+        assert client.owed is not None
+        data, key = client.owed
+        if not self._route(client):
+            return client.identity not in self._clients  # dropped: _drop settled it
+        client.owed = None
+        tracker = self.router.send(data, copy=False, track=True)
+        client.queued.append(_Sent(tracker, len(data), key))
+        self._queued_bytes += len(data)
+        self.payload_bytes_sent += len(data)
+        return True
 
-    def _done(self, tracker: zmq.MessageTracker, buffer: bytearray) -> bool:
-        if not tracker.done:
+    def _done(self, sent: _Sent) -> bool:
+        if not sent.tracker.done:
             return False
         self._dirty = True  # room for the next chunk
-        self._queued_bytes -= len(buffer)
-        if len(self._free) < 8:
-            self._free.append(buffer)
+        self._queued_bytes -= sent.nbytes
+        if sent.key is not None and self.sends is not None:
+            self.sends.send_end(sent.key)
         return True
 
     def _progress(self, client: _Client, now: float) -> None:
         progressed = False
-        while client.queued and self._done(*client.queued[0]):
+        if client.owed is not None and self._pay_owed(client):
+            progressed = True
+        while client.queued and self._done(client.queued[0]):
             client.queued.popleft()
             progressed = True
         if progressed or not client.queued:
             client.last_progress = now
-        elif now - client.last_progress > self.limits.stall_timeout:
-            self._bad(f"dropped a peer client: {len(client.queued)} chunks unsent for "
-                      f"{now - client.last_progress:.0f}s (stall_timeout)")
-            self._drop(client)
+            return
+        stalled = now - client.last_progress
+        if stalled > self.limits.stall_timeout:
+            self._cut(client, f"dropped a peer client: {len(client.queued)} chunks unsent for "
+                              f"{stalled:.0f}s (stall_timeout)")
+        elif stalled > self.limits.drain_grace and self._holds_draining(client):
+            self._cut(client, f"dropped a peer client: {len(client.queued)} chunks unsent for "
+                              f"{stalled:.1f}s while their staging buffer waits to be reused "
+                              "(drain_grace)")
+
+    def _holds_draining(self, client: _Client) -> bool:
+        sends = self.sends
+        return sends is not None and any(s.key is not None and sends.draining(s.key)
+                                         for s in client.queued)
+
+    def _cut(self, client: _Client, why: str) -> None:
+        """Drop a client that does not read and shut its connection down, so ZeroMQ lets
+        go of what it queued for it (the buffers those point into can be reused)."""
+        self._bad(why)
+        if client.fd is not None and cut_connection(client.fd, client.peer):
+            self.cut_clients += 1
+        self._drop(client)
 
     def _drop(self, client: _Client) -> None:
         self.dropped_clients += 1
+        if client.owed is not None:  # its header went, its payload never will
+            key = client.owed[1]
+            client.owed = None
+            if key is not None and self.sends is not None:
+                self.sends.send_end(key)
         self._orphans.extend(client.queued)  # still held by ZeroMQ: still counted
         client.queued.clear()
         client.pending.clear()
@@ -304,7 +405,7 @@ class PeerServer:
     def _forget_idle(self, now: float, force: bool = False) -> None:
         self._next_forget = now + 1.0
         for identity, client in list(self._clients.items()):
-            idle = not client.pending and not client.queued
+            idle = not client.pending and not client.queued and client.owed is None
             if idle and (force or now - client.last_seen > self.limits.idle_forget):
                 del self._clients[identity]
                 if force:
@@ -327,4 +428,24 @@ class PeerServer:
         return {"served_chunks": self.chunks_served, "clients": len(self._clients),
                 "bad_requests": self.bad_requests, "dropped_clients": self.dropped_clients,
                 "unavailable_replies": self.unavailable_replies,
-                "queued_bytes": self._queued_bytes}
+                "cut_clients": self.cut_clients, "queued_bytes": self._queued_bytes,
+                "payload_bytes_sent": self.payload_bytes_sent}
+
+    def close(self) -> None:
+        """Forget every send: the router is closed with no linger, so ZeroMQ drops what it
+        held (counted buffers may be reused once the context is gone)."""
+        for client in list(self._clients.values()):
+            self._drop(client)
+        for sent in self._orphans:
+            if sent.key is not None and self.sends is not None:
+                self.sends.send_end(sent.key)
+        self._orphans = []
+
+
+def _srcfd(frame: zmq.Frame) -> int | None:
+    """The descriptor of the TCP connection a request came on (None: not TCP, unknown)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None

@@ -35,7 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from subscriber_ext.transport.peers.chunk_sources import PeerLink, Sources, VersionKey
 from subscriber_ext.transport.peers.peer_options import PeerClient, PeerOptions, default_peer_bind
-from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer
+from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer, Served
 from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import final_bytes
@@ -88,7 +88,8 @@ class Peering(ChunkSource):
         self.budget = UploadBudget(options.upload_bytes_per_s, options.upload_cpu_share,
                                    ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
         self.server = PeerServer(router, self._lookup, self.budget, options.server,
-                                 self._admitted if curve is not None else None)
+                                 self._admitted if curve is not None else None,
+                                 sends=client.pool)
         self.sources = Sources(
             client.dealer.context, self._hooks_for, window=options.window_chunks,
             timeout=client.options.request_timeout,
@@ -317,7 +318,7 @@ class Peering(ChunkSource):
     def target_dropped(self, manifest: wire.Manifest) -> None:
         self.server.changed()
 
-    def _lookup(self, publisher_id: str, version: int, chunk: int) -> memoryview | str:
+    def _lookup(self, publisher_id: str, version: int, chunk: int) -> Served | str:
         client = self.client
         if publisher_id != client.instance:
             return GONE
@@ -328,14 +329,14 @@ class Peering(ChunkSource):
             if chunk in target.missing or not final_bytes(target):
                 return WAIT
             start, size = target.manifest.chunk_span(chunk)
-            return target.view[start: start + size]
+            return Served(target.view[start: start + size], target.buffer)
         base = client.deltas.base
         if base is not None and base.version == version \
                 and base.manifest.publisher_id == publisher_id:
             if chunk >= base.manifest.num_chunks:
                 return GONE
             start, size = base.manifest.chunk_span(chunk)
-            return base.view[start: start + size]
+            return Served(base.view[start: start + size], base.buffer)
         if any(m is not None and m.version == version for m in (client.queued,
                                                                 client.gate.waiting)):
             return WAIT
@@ -360,6 +361,7 @@ class Peering(ChunkSource):
         self.sources.close()
         self.server.router.close(linger=0)
         self._close_context()
+        self.server.close()  # ZeroMQ has let go of everything: the buffers drain
 
     def _close_context(self) -> None:
         if self.auth is not None:

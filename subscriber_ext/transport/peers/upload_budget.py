@@ -124,6 +124,12 @@ class UploadBudget:
         """Serving work done on the calling thread (measured by the caller)."""
         self._python_seconds += seconds
 
+    @property
+    def cpu_seconds(self) -> float:
+        """CPU spent serving so far: the upload's ZeroMQ I/O thread plus the serving work
+        charged on the subscriber's thread (a bench divides it by ``bytes_sent``)."""
+        return self._cpu_now()
+
     def _cpu_now(self) -> float:
         io = self.io_thread.seconds() if self.io_thread is not None else 0.0
         return io + self._python_seconds
