@@ -48,6 +48,7 @@ from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.endpoints import Endpoint
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
+from weightpub_wire.nixl_link import NixlOffer
 from weightpub_wire.security import is_local
 
 __all__ = ["WeightPublisher"]
@@ -528,14 +529,29 @@ class WeightPublisher:
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
             adapters=self._adapters_of.pop(number, None),
-            nixl=None if self._nixl is None else self._nixl.offer(snapshot.buffer,
-                                                                  snapshot.total_bytes),
+            nixl=self._nixl_offer(snapshot),
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)
         self._store.add(published)
         self._deltas.start(published, previous)  # in the background, after the announcement
         self._announced_now(published)
+
+    def _nixl_offer(self, snapshot: Snapshot, wait_s: float = 60.0) -> NixlOffer | None:
+        """The version's NIXL offer, once its copy is done (None: off, or not in time).
+
+        A one-sided reader is not held back per chunk as frames are (the server sends
+        a chunk once it is copied), and hashes may end before the copy: the offer goes
+        out with the manifest only when every byte is final, else a fast reader would
+        read stale bytes and refetch them as frames (checksum)."""
+        if self._nixl is None or not self._nixl.on:
+            return None
+        deadline = time.monotonic() + wait_s
+        while snapshot.copied_bytes < snapshot.total_bytes:
+            if snapshot.failed or self._closed or time.monotonic() > deadline:
+                return None
+            time.sleep(0.001)
+        return self._nixl.offer(snapshot.buffer, snapshot.total_bytes)
 
     def _announced_now(self, published: PublishedVersion) -> None:
         number = published.manifest.version

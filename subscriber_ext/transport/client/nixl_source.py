@@ -100,7 +100,9 @@ class NixlSource(ChunkSource):
         if not self.up or target.manifest is not self.manifest \
                 or isinstance(target, DeltaAssembly) or target.fetch_base:
             return list(chunks)
-        room = self.ahead()
+        # while up it takes every chunk it is offered (the serving sources get none), up
+        # to twice the client's window in flight
+        room = self.ahead() + max(1, self.picker.window_bytes // self.manifest.chunk_size)
         take = [c for c in chunks if c not in self.refused_chunks][:room]
         if not take:
             return list(chunks)
