@@ -173,13 +173,17 @@ class NixlReader:
     def __init__(self, prefix: str = "weightpub-reader") -> None:
         self.name, self._agent = _agent(prefix)
         self._local: dict[tuple[int, int], Any] = {}
+        self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # (mem_type, device)
         self._remotes: dict[str, tuple[str, bytes]] = {}  # agent -> (NIXL's name, metadata)
 
-    def register(self, address: int, length: int, *, mem_type: str = "DRAM") -> None:
-        """Register a local destination buffer once (staging is reused across versions)."""
+    def register(self, address: int, length: int, *, mem_type: str = "DRAM",
+                 device: int = 0) -> None:
+        """Register a local destination buffer once (staging is reused across versions);
+        ``mem_type`` "VRAM" with its CUDA ``device`` for GPU memory."""
         if (address, length) not in self._local:
             self._local[(address, length)] = self._agent.register_memory(
-                [(address, length, 0, "")], mem_type)
+                [(address, length, device, "")], mem_type)
+            self._kinds[(address, length)] = (mem_type, device)
 
     def registered(self, address: int, length: int) -> bool:
         return (address, length) in self._local
@@ -187,6 +191,7 @@ class NixlReader:
     def forget_local(self, address: int, length: int) -> None:
         """Deregister a local buffer that is being freed (nothing reads into it after)."""
         handle = self._local.pop((address, length), None)
+        self._kinds.pop((address, length), None)
         if handle is not None:
             self._agent.deregister_memory(handle)
 
@@ -243,6 +248,7 @@ class NixlReader:
         ``poll`` it, then ``release`` it. None when there is nothing to read."""
         remote: list[tuple[int, int, int]] = []
         local: list[tuple[int, int, int]] = []
+        local_kind = "DRAM"
         for index, offset, address, length in pieces:
             if not 0 <= index < len(offer.regions):
                 raise ProtocolError(f"nixl read: no region {index}")
@@ -250,16 +256,22 @@ class NixlReader:
             if offset < 0 or length <= 0 or offset + length > region.length:
                 raise ProtocolError(f"nixl read: [{offset}, {offset + length}) is outside "
                                     f"region {index} ({region.length} bytes)")
-            if not any(a <= address and address + length <= a + n for a, n in self._local):
+            into = next(((a, n) for a, n in self._local
+                         if a <= address and address + length <= a + n), None)
+            if into is None:
                 raise ProtocolError("nixl read: destination is not registered memory")
+            kind, device = self._kinds[into]
+            if local and kind != local_kind:
+                raise ProtocolError("nixl read: destinations of one READ in DRAM and VRAM")
+            local_kind = kind
             remote.append((region.address + offset, length, region.device))
-            local.append((address, length, 0))
+            local.append((address, length, device))
         if not remote:
             return None
         agent = self.connect(offer)
         try:
             handle = self._agent.initialize_xfer(
-                "READ", self._agent.get_xfer_descs(local, offer.mem_type),
+                "READ", self._agent.get_xfer_descs(local, local_kind),
                 self._agent.get_xfer_descs(remote, offer.mem_type), agent)
         except Exception as exc:
             self.forget(offer.agent)
@@ -314,3 +326,4 @@ class NixlReader:
         for handle in self._local.values():
             self._agent.deregister_memory(handle)
         self._local = {}
+        self._kinds = {}
