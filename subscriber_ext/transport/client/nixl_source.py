@@ -242,11 +242,8 @@ class NixlPicker:
         self._source: NixlSource | None = None
         self._sizes: dict[int, int] = {}  # staging base address -> bytes registered
         self._unavailable: str | None = None
+        self._checked = False  # NIXL imported (seconds) only once a manifest offers it
         self._warn = RateLimitedLog(log)
-        if mode is not False:
-            self._unavailable = nixl_error()
-            if self._unavailable is not None and mode:
-                log.warning("nixl: asked for but %s", self._unavailable)
 
     # -- the picker --------------------------------------------------------------------------
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
@@ -264,6 +261,11 @@ class NixlPicker:
             return None
         if manifest.shards is not None or manifest.adapters is not None:
             return None  # each rank's own buffer (not offered yet); adapters are small
+        if not self._checked:
+            self._checked = True
+            self._unavailable = nixl_error()
+            if self._unavailable is not None and self.mode:
+                log.warning("nixl: asked for but %s", self._unavailable)
         if self._unavailable is None and self.reader is None:
             try:
                 self.reader = NixlReader("weightpub-subscriber")
@@ -326,7 +328,8 @@ class NixlPicker:
     def status(self) -> dict[str, Any]:
         return {
             "mode": {True: "on", False: "off", None: "auto"}[self.mode],
-            "available": self._unavailable is None if self.mode is not False else None,
+            # None until a manifest offered NIXL (and never with the option off)
+            "available": self._unavailable is None if self._checked else None,
             "registered_bytes": 0 if self.reader is None else self.reader.registered_bytes,
             "bytes_read": self.bytes_read,
             "fallbacks": self.fallbacks,
