@@ -192,3 +192,32 @@ def test_a_publisher_killed_mid_read_never_stages_a_partial_version(
     assert status["staged_version"] == 0, status
     assert set(status["nixl"]["fallback_causes"]) <= {"transfer", "unreachable", "timeout"}
     assert torch.get_num_threads() >= 1  # the process is alive and well
+
+
+def test_under_curve_only_an_admitted_subscriber_gets_the_offer(
+        tmp_path: Any, closing: Callable[[Any], Any]) -> None:
+    """The offer names registered memory: it rides only on the authenticated PUB/ROUTER,
+    so a subscriber whose key is not admitted never learns it (nor any byte)."""
+    from weightpub_wire.errors import WeightPubTimeout
+    from weightpub_wire.keys import create_key_pair
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server_public, server_secret = create_key_pair(tmp_path, "server")
+    _, client_secret = create_key_pair(allowed, "client")
+    _, stranger_secret = create_key_pair(tmp_path, "stranger")
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK,
+                                  curve_secret_key_file=str(server_secret),
+                                  curve_allowed_clients_dir=str(allowed)))
+    member = _subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
+                         curve_secret_key_file=str(client_secret))
+    stranger = _subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
+                           curve_secret_key_file=str(stranger_secret))
+    pub.publish(det_weights(7, 1, SPEC), version=1)
+    staged = member.wait_for_version(1, timeout=60)
+    assert staged.data_path == "nixl" and _exact(staged, 1)
+    with pytest.raises(WeightPubTimeout):
+        stranger.wait_for_version(1, timeout=3)
+    nixl = stranger.status()["nixl"]
+    assert nixl["available"] is None and nixl["bytes_read"] == 0  # never saw an offer
+    assert pub.data_stats()["bytes_sent_full"] == 0
