@@ -140,7 +140,9 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     #: the publisher's snapshot buffer, chunk ``i`` at ``i * chunk_size``
     #: (``weightpub_wire.nixl_link``; bounded like every field). Optional: a subscriber
     #: that predates it ignores it, and any failure of that path falls back to ZeroMQ
-    #: frames. It names registered memory: it travels only on PUB/ROUTER (CURVE)
+    #: frames (an offer that does not fit the version, e.g. a region shorter than
+    #: ``total_bytes``, is counted ``bad_offer`` there: the manifest still serves).
+    #: It names registered memory: it travels only on PUB/ROUTER (CURVE)
     nixl: NixlOffer | None = None
 
     def __post_init__(self) -> None:
@@ -149,10 +151,6 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
             check_adapters(self.adapters, [t.name for t in self.tensors])
         if self.shards is not None:
             self._check_shards(self.shards)
-        if self.nixl is not None and (len(self.nixl.regions) != 1
-                                      or self.nixl.regions[0].length < self.total_bytes):
-            raise ValueError("nixl: the offer must be one region holding total_bytes "
-                             f"({self.total_bytes}) bytes")
         if self.collective is not None and self.collective.bucket_bytes % self.chunk_size:
             raise ValueError(f"collective.bucket_bytes: {self.collective.bucket_bytes} is not "
                              f"a multiple of chunk_size {self.chunk_size}")

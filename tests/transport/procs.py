@@ -419,7 +419,8 @@ def nixl_fault(pub: Any, fault: str) -> None:
     """Test-only faults of a publisher's NIXL offers (``tests/transport/test_nixl_path.py``):
     ``corrupt:<chunk>``: offers a registered copy of each version with one byte of that
     chunk flipped after hashing (ZeroMQ frames still serve the real bytes); ``lie``:
-    offers that name another agent than their metadata's."""
+    offers that name another agent than their metadata's; ``short``: a region one byte
+    shorter than the version."""
     from weightpub_wire.nixl_link import NixlOffer, NixlRegion
 
     export = pub._nixl
@@ -444,6 +445,10 @@ def nixl_fault(pub: Any, fault: str) -> None:
         made = real_offer(buffer, total)
         if fault == "lie" and made is not None:
             return NixlOffer("someone-else", made.metadata, made.regions, made.mem_type)
+        if fault == "short" and made is not None:
+            region = made.regions[0]
+            return NixlOffer(made.agent, made.metadata,
+                             [NixlRegion(region.address, region.length - 1)], made.mem_type)
         return made
 
     export.offer = offer

@@ -97,16 +97,19 @@ def test_a_subscriber_with_nixl_off_counts_it_and_fetches_frames(
     assert _stats(pub)["stats"]["bytes_sent_full"] >= spec_bytes(SPEC)
 
 
-def test_an_offer_that_lies_about_its_agent_is_refused(
-        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = _publisher(spawn, nixl=True, nixl_fault="lie")
+@pytest.mark.parametrize(("fault", "named"), [("lie", "someone-else"),
+                                               ("short", "do not hold")])
+def test_an_offer_that_lies_or_does_not_fit_is_refused(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any], fault: str,
+        named: str) -> None:
+    pub, endpoint = _publisher(spawn, nixl=True, nixl_fault=fault)
     sub = _subscriber(closing, endpoint)
     _publish(pub, 1)
     staged = sub.wait_for_version(1, timeout=60)
     assert _exact(staged, 1) and staged.data_path == "zmq"
     nixl = sub.status()["nixl"]
     assert nixl["fallback_causes"] == {"bad_offer": 1}, nixl
-    assert "someone-else" in nixl["last_error"]
+    assert named in nixl["last_error"]
 
 
 def test_a_corrupted_region_is_refused_and_refetched_over_frames(

@@ -152,6 +152,8 @@ class NixlSource(ChunkSource):
         if reader is None:
             return float("inf")
         for req, (transfer, chunks, target, _) in list(self.pending.items()):
+            if req not in self.pending:
+                continue  # drained meanwhile: the target was given up or dropped
             try:
                 done = reader.poll(transfer)
             except TransportError as exc:
@@ -188,7 +190,7 @@ class NixlSource(ChunkSource):
     def expire(self, now: float, retry: Retry) -> bool:
         limit = self.picker.request_timeout
         for req, (_, _, _, started) in list(self.pending.items()):
-            if now - started >= limit:
+            if req in self.pending and now - started >= limit:
                 self._end(req, give_back=True)
                 self.fall_back("timeout", f"a READ of version {self.manifest.version} was "
                                           f"not done after {limit:.1f} s")
@@ -210,6 +212,8 @@ class NixlSource(ChunkSource):
         reader = self.picker.reader
         deadline = time.monotonic() + timeout
         for req in list(self.pending):
+            if req not in self.pending:
+                continue
             transfer = self.pending[req][0]
             while reader is not None and time.monotonic() < deadline:
                 try:
@@ -261,6 +265,11 @@ class NixlPicker:
             return None
         if manifest.shards is not None or manifest.adapters is not None:
             return None  # each rank's own buffer (not offered yet); adapters are small
+        if len(offer.regions) != 1 or offer.regions[0].length < manifest.total_bytes:
+            self.count("bad_offer", f"the offer's regions {list(offer.regions)[:4]} do not "
+                       f"hold the version's {manifest.total_bytes} bytes",
+                       version=manifest.version)
+            return None
         if not self._checked:
             self._checked = True
             self._unavailable = nixl_error()
