@@ -40,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,18 @@ def _e2e_subscriber(endpoint: str, nixl: bool) -> None:
 
     sub = WeightSubscriber(endpoint, nixl=nixl, on_version=on_version)
     print("READY", flush=True)
-    while True:
-        number, when, path = staged.get()
+    ended = threading.Event()  # the driver went away (stdin closed): never linger
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        ended.set()
+
+    threading.Thread(target=watch_stdin, daemon=True, name="bench-stdin").start()
+    while not ended.is_set():
+        try:
+            number, when, path = staged.get(timeout=0.5)
+        except queue.Empty:
+            continue
         print("DONE", number, when, path, flush=True)
     sub.close()
 
@@ -182,14 +193,15 @@ class _E2E:
         return statistics.median(r[key] for r in self.rounds[STEADY_FROM:] or self.rounds)
 
     def close(self) -> None:
-        self.reader.kill()
-        self.reader.wait(timeout=10)
-        if self.holder.stdin is not None:
-            self.holder.stdin.close()
-        try:
-            self.holder.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.holder.kill()
+        for proc in (self.reader, self.holder):
+            if proc.stdin is not None:
+                proc.stdin.close()  # both end on EOF
+        for proc in (self.reader, self.holder):
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=60)
 
 
 class _Path:
@@ -274,7 +286,10 @@ def measure(mib: int, rounds: int, names: list[str]) -> dict[str, Any]:
             for p in paths}}
     finally:
         for path in paths:
-            path.close()
+            try:
+                path.close()
+            except Exception as exc:  # a slow teardown must not leave the others running
+                print(f"closing {path.name}: {exc}", file=sys.stderr)
 
 
 def main() -> None:
