@@ -9,6 +9,16 @@ interleaved (path order rotates each round), every process kept across rounds:
 * ``nixl-tcp``: a NIXL READ with ``UCX_TLS=tcp,self`` (READ emulated over TCP: what
   a host without RDMA gets across hosts).
 
+End to end through weightpub, publish -> staged (``publish()`` called -> the
+subscriber's ``on_version``), a publisher process and a subscriber process each:
+
+* ``e2e-nixl``: ``WeightPublisher(nixl=True)``, the subscriber READs every chunk
+  one-sided into staging and verifies it in place (``data_path`` "nixl");
+* ``e2e-zmq``: the same publisher and ``nixl=False`` on the subscriber: ZeroMQ frames.
+
+Both include the publisher's snapshot copy and hashing (the same work on both); the
+CPU-seconds per GB of each side are its whole process over the round.
+
 The reader's destination is allocated once (its first round pays the page faults
 a fresh staging buffer does); the steady state is the median from round 3 on.
 CPU-seconds per GB are user+system time of each side's whole process (NIXL's
@@ -18,6 +28,7 @@ UCX is confined to loopback (``UCX_NET_DEVICES=lo``).
 
     python benchmarks/nixl_path.py                 # 256 MiB and 1 GiB, 5 rounds
     python benchmarks/nixl_path.py --mib 64 --rounds 3
+    python benchmarks/nixl_path.py --paths tcp e2e-nixl e2e-zmq --mib 256
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,6 +113,97 @@ def _tcp_receiver(nbytes: int, port: int) -> None:
         print("DONE", time.perf_counter() - start, _cpu_self() - cpu, flush=True)
 
 
+def _e2e_publisher(nbytes: int, nixl: bool) -> None:
+    import torch
+
+    from publisher import WeightPublisher
+
+    torch.set_num_threads(1)
+    weights = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
+    pub = WeightPublisher("tcp://127.0.0.1:0", nixl=nixl)
+    print("OFFER", pub.endpoint, flush=True)
+    for _ in sys.stdin:
+        start = time.time()
+        version = pub.publish(weights)
+        pub.wait_announced(version, timeout=600)
+        print("PUBLISHED", start, flush=True)
+    pub.close()
+
+
+def _e2e_subscriber(endpoint: str, nixl: bool) -> None:
+    import queue
+
+    from subscriber_ext import WeightSubscriber
+
+    staged: queue.Queue[tuple[int, float, str]] = queue.Queue()
+
+    def on_version(version: Any) -> None:
+        staged.put((version.version, time.time(), version.data_path))
+        version.release()
+
+    sub = WeightSubscriber(endpoint, nixl=nixl, on_version=on_version)
+    print("READY", flush=True)
+    ended = threading.Event()  # the driver went away (stdin closed): never linger
+
+    def watch_stdin() -> None:
+        sys.stdin.read()
+        ended.set()
+
+    threading.Thread(target=watch_stdin, daemon=True, name="bench-stdin").start()
+    while not ended.is_set():
+        try:
+            number, when, path = staged.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        print("DONE", number, when, path, flush=True)
+    sub.close()
+
+
+class _E2E:
+    """A publisher and a subscriber process, a version published per round."""
+
+    def __init__(self, name: str, nbytes: int) -> None:
+        self.name = name
+        env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO),
+               "OMP_NUM_THREADS": "1"}
+        me = [sys.executable, __file__]
+        nixl = "1" if name == "e2e-nixl" else "0"
+        self.holder = _popen([*me, "--role", "e2e-pub", str(nbytes), nixl], env)
+        endpoint = _expect(self.holder, "OFFER")[0]
+        self.reader = _popen([*me, "--role", "e2e-sub", endpoint, nixl], env)
+        _expect(self.reader, "READY")
+        self.rounds: list[dict[str, float]] = []
+        self.paths: list[str] = []
+
+    def round(self, nbytes: int) -> None:
+        holder_cpu, reader_cpu = _cpu_of(self.holder.pid), _cpu_of(self.reader.pid)
+        assert self.holder.stdin is not None
+        self.holder.stdin.write("go\n")
+        self.holder.stdin.flush()
+        start = float(_expect(self.holder, "PUBLISHED")[0])
+        _, end, path = _expect(self.reader, "DONE")
+        self.paths.append(path)
+        gb = nbytes / 1e9
+        self.rounds.append({
+            "seconds": float(end) - start,
+            "reader_cpu_s_per_gb": (_cpu_of(self.reader.pid) - reader_cpu) / gb,
+            "holder_cpu_s_per_gb": (_cpu_of(self.holder.pid) - holder_cpu) / gb})
+
+    def steady(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.rounds[STEADY_FROM:] or self.rounds)
+
+    def close(self) -> None:
+        for proc in (self.reader, self.holder):
+            if proc.stdin is not None:
+                proc.stdin.close()  # both end on EOF
+        for proc in (self.reader, self.holder):
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=60)
+
+
 class _Path:
     """One path's two processes, driven a round at a time over the reader's stdin."""
 
@@ -166,7 +269,8 @@ def _free_port() -> int:
 
 def measure(mib: int, rounds: int, names: list[str]) -> dict[str, Any]:
     nbytes = mib << 20
-    paths = [_Path(name, nbytes) for name in names]
+    paths: list[Any] = [_E2E(name, nbytes) if name.startswith("e2e-") else _Path(name, nbytes)
+                        for name in names]
     try:
         for r in range(rounds):
             for path in paths[r % len(paths):] + paths[:r % len(paths)]:
@@ -177,17 +281,23 @@ def measure(mib: int, rounds: int, names: list[str]) -> dict[str, Any]:
             "vs_tcp": round(base / p.steady("seconds"), 2),
             "reader_cpu_s_per_GB": round(p.steady("reader_cpu_s_per_gb"), 3),
             "holder_cpu_s_per_GB": round(p.steady("holder_cpu_s_per_gb"), 3),
-            "cold_GBps": round(nbytes / p.rounds[0]["seconds"] / 1e9, 2)} for p in paths}}
+            "cold_GBps": round(nbytes / p.rounds[0]["seconds"] / 1e9, 2),
+            **({"data_paths": sorted(set(p.paths))} if isinstance(p, _E2E) else {})}
+            for p in paths}}
     finally:
         for path in paths:
-            path.close()
+            try:
+                path.close()
+            except Exception as exc:  # a slow teardown must not leave the others running
+                print(f"closing {path.name}: {exc}", file=sys.stderr)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--paths", nargs="+", default=["tcp", "nixl-cma", "nixl-tcp"])
+    parser.add_argument("--paths", nargs="+",
+                        default=["tcp", "nixl-cma", "nixl-tcp", "e2e-nixl", "e2e-zmq"])
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.role == "holder":
@@ -198,6 +308,10 @@ def main() -> None:
         return _tcp_sender(int(rest[0]), int(rest[1]))
     if args.role == "tcp-recv":
         return _tcp_receiver(int(rest[0]), int(rest[1]))
+    if args.role == "e2e-pub":
+        return _e2e_publisher(int(rest[0]), rest[1] == "1")
+    if args.role == "e2e-sub":
+        return _e2e_subscriber(rest[0], rest[1] == "1")
     for mib in args.mib:
         print(measure(mib, args.rounds, args.paths), flush=True)
 

@@ -96,6 +96,10 @@ class PublisherOptions(OptionSet):
         None, description="where members reach the rendezvous (default: the endpoint's host)")
     collective_device: str | None = Field(
         None, description="nccl / cuda_ipc: the publisher's GPU, e.g. 'cuda:0'")
+    nixl: bool = Field(
+        False, description="also offer every version for one-sided NIXL reads: snapshot "
+                           "buffers registered once (pip install weightpub[nixl]; off with "
+                           "a WARNING where NIXL cannot run); ZeroMQ frames stay the fallback")
     host_budget_bytes: int | None = Field(
         None, ge=1, json_schema_extra=unit("bytes"),
         description="host memory for version snapshots (None: 3/4 of what is available at "
@@ -210,6 +214,7 @@ class PublisherKeywords(TypedDict, total=False):
     collective_port: int
     collective_host: str | None
     collective_device: str | None
+    nixl: bool
     host_budget_bytes: int | None
     limits: ServerLimits | None
 

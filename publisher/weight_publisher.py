@@ -38,6 +38,7 @@ from publisher.serving.server import StatusExtras
 from publisher.sources.streamed_copy import plan_version
 from publisher.sources.streamed_plan import PublishSource
 from publisher.store.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
+from publisher.store.nixl_export import NixlExport, RegisteringAllocator
 from publisher.store.snapshot import Snapshot
 from publisher.store.version_store import PublishedVersion, VersionStore
 from publisher.version_preparer import VersionPreparer
@@ -47,6 +48,7 @@ from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.endpoints import Endpoint
 from weightpub_wire.errors import ClosedError, ConfigError, VersionUnavailable, WeightPubTimeout
+from weightpub_wire.nixl_link import NixlOffer
 from weightpub_wire.security import is_local
 
 __all__ = ["WeightPublisher"]
@@ -88,6 +90,12 @@ class WeightPublisher:
     ``collective_port`` (0: any free port); ``collective_timeout`` bounds every
     rendezvous and collective wait; ``collective_device`` is the GPU (nccl, cuda_ipc).
 
+    ``nixl=True`` also offers every version for one-sided NIXL reads (UCX: RDMA, NVLink,
+    shared memory, TCP; ``pip install weightpub[nixl]``): each snapshot buffer is
+    registered once, the manifest carries the offer, replicas READ the chunks and verify
+    them as they do frames (``publisher.store.nixl_export``); where NIXL cannot run the
+    option is off with a WARNING (``nixl_status()``) and ZeroMQ frames serve.
+
     ``peer_fanout`` (default 4; 0: off) is the number of stripes the tracker splits a
     version into for subscribers started with ``peer_share=True`` (``publisher.serving.tracker``):
     the trainer sends each chunk once, to the stripe's root, and the subscribers pass it on.
@@ -126,7 +134,12 @@ class WeightPublisher:
         self.publisher_id = uuid.uuid4().hex
         self.started_at = time.time()
         self._next_version = options.first_version
+        #: one-sided NIXL reads of the snapshot buffers (``nixl=True``): registered as the
+        #: pool makes them, deregistered as it drops them (``publisher.store.nixl_export``)
+        self._nixl = NixlExport() if options.nixl else None
         self._pool = BufferPool(max_buffers=2, budget_name=BUDGET_NAME,
+                                allocator=None if self._nixl is None
+                                else RegisteringAllocator(self._nixl),
                                 budget_bytes=options.host_budget_bytes or derive_host_budget(),
                                 outside=self._scratch_bytes)
         self._store = VersionStore(options.versions_kept, self._pool)
@@ -151,6 +164,8 @@ class WeightPublisher:
             self._deltas.close()
             if self._collective is not None:
                 self._collective.close()
+            if self._nixl is not None:
+                self._nixl.close()
             raise
         self._announced = threading.Condition()
         self._announced_version = 0
@@ -383,6 +398,10 @@ class WeightPublisher:
             "bytes_sent_slices": self._server.slice_serving.bytes_sent,
             "slice_plans": self._server.slice_serving.plans,
             "slice_held_bytes": self._server.slice_serving.held,
+            # snapshot buffers registered for NIXL reads (``nixl=True``) and the offers made
+            "nixl_registered_bytes": 0 if self._nixl is None else self._nixl.registered_bytes,
+            "nixl_offers": 0 if self._nixl is None else self._nixl.offers,
+            "nixl_off": 0 if self._nixl is None or not self._nixl.off_reason else 1,
         }
 
     def _scratch_bytes(self) -> int:
@@ -411,7 +430,13 @@ class WeightPublisher:
             keep_versions=self._store.keep,
             send_queued_bytes=0 if peers is None else peers.scratch_bytes,
             withdrawn_version=0 if self.withdrawn is None else self.withdrawn[0],
-            withdrawn_reason="" if self.withdrawn is None else self.withdrawn[1]))
+            withdrawn_reason="" if self.withdrawn is None else self.withdrawn[1],
+            nixl_registered_bytes=0 if self._nixl is None else self._nixl.registered_bytes,
+            nixl_off_reason="" if self._nixl is None else self._nixl.off_reason))
+
+    def nixl_status(self) -> dict[str, object] | None:
+        """The NIXL path (``nixl=True``): on, why off, bytes registered, offers; else None."""
+        return None if self._nixl is None else self._nixl.status()
 
     def collective_status(self) -> GroupStatus | None:
         """The collective path's group (backend, epoch, members, rounds), or None."""
@@ -479,6 +504,8 @@ class WeightPublisher:
             self._collective.close()  # bounded by collective_timeout
         self._front.close()  # the serving thread, the ZAP handler, our own context
         self._store.clear()
+        if self._nixl is not None:  # nothing serves from the buffers any more
+            self._nixl.close()
         with self._announced:
             self._announced.notify_all()
 
@@ -508,12 +535,29 @@ class WeightPublisher:
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
             adapters=self._adapters_of.pop(number, None),
+            nixl=self._nixl_offer(snapshot),
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)
         self._store.add(published)
         self._deltas.start(published, previous)  # in the background, after the announcement
         self._announced_now(published)
+
+    def _nixl_offer(self, snapshot: Snapshot, wait_s: float = 60.0) -> NixlOffer | None:
+        """The version's NIXL offer, once its copy is done (None: off, or not in time).
+
+        A one-sided reader is not held back per chunk as frames are (the server sends
+        a chunk once it is copied), and hashes may end before the copy: the offer goes
+        out with the manifest only when every byte is final, else a fast reader would
+        read stale bytes and refetch them as frames (checksum)."""
+        if self._nixl is None or not self._nixl.on:
+            return None
+        deadline = time.monotonic() + wait_s
+        while snapshot.copied_bytes < snapshot.total_bytes:
+            if snapshot.failed or self._closed or time.monotonic() > deadline:
+                return None
+            time.sleep(0.001)
+        return self._nixl.offer(snapshot.buffer, snapshot.total_bytes)
 
     def _announced_now(self, published: PublishedVersion) -> None:
         number = published.manifest.version

@@ -31,6 +31,9 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 RUNNING = ROOT / (".pytest-running" + (f"-{_WORKER}" if _WORKER else ""))
 FAULTS = ROOT / (".pytest-faults" + (f"-{_WORKER}" if _WORKER else ""))
 _faults: list[IO[str]] = []
+# NIXL (issue 31): UCX listens on every interface unless told; every test process and the
+# engines and children it starts (they inherit this) keep it on loopback
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 #: the tests that start vLLM engines (node id prefixes: a folder, a module, a test): one
 #: xdist group, one worker; with them tests/transport/test_node_staging.py, which asserts

@@ -59,6 +59,11 @@ def memory_line(memory: wire.HostMemory | None) -> Text | None:
                 f"{memory.budget_bytes / mib:.1f} MiB budget (keep_versions "
                 f"{memory.keep_versions}), {memory.send_queued_bytes / mib:.1f} MiB of reply "
                 f"scratch")
+    if memory.nixl_registered_bytes:
+        line.append(f"; {memory.nixl_registered_bytes / mib:.1f} MiB registered for NIXL")
+    if memory.nixl_off_reason:
+        line.append("; nixl off: ", style="yellow")
+        line.append_text(printable(memory.nixl_off_reason, 200, style="yellow"))
     if memory.withdrawn_version:
         line.append(f"; version {memory.withdrawn_version} withdrawn: ", style="yellow")
         line.append_text(printable(memory.withdrawn_reason, 300, style="yellow"))

@@ -43,6 +43,7 @@ from weightpub_wire.message_base import (
     _FromPublisher,
     _Message,
 )
+from weightpub_wire.nixl_link import NIXL_PATHS
 
 __all__ = [
     "CollectivePoll",
@@ -131,7 +132,7 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
-        if self.data_path not in ("", "slices", *DATA_PATHS):  # slices: issue 30
+        if self.data_path not in ("", "slices", *DATA_PATHS, *NIXL_PATHS):  # slices: issue 30
             raise ValueError(f"data_path: unknown data path {self.data_path!r}")
 
 
@@ -150,6 +151,10 @@ class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
     #: one the failed copy overwrote: ``keep_versions``)
     withdrawn_version: U63 = 0
     withdrawn_reason: ErrorText = ""
+    #: snapshot buffers registered for one-sided NIXL reads (``nixl=True``), and why that
+    #: path is off when it was asked for ("" while on or never asked)
+    nixl_registered_bytes: U64 = 0
+    nixl_off_reason: ErrorText = ""
 
 
 class PendingShards(msgspec.Struct, frozen=True):

@@ -38,6 +38,7 @@ from weightpub_wire.message_base import (
     _FromPublisher,
     _Message,
 )
+from weightpub_wire.nixl_link import NixlOffer
 
 __all__ = ["DeltaBase", "DeltaInfo", "Heartbeat", "Manifest", "ShardSource", "TensorEntry"]
 
@@ -135,6 +136,14 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     #: tensor is ``"<adapter>/<PEFT name>"`` of one of them; None: model weights
     adapters: Annotated[tuple[AdapterInfo, ...], Meta(min_length=1, max_length=MAX_ADAPTERS)] \
         | None = None
+    #: the version's bytes may also be read one-sided with NIXL (issue 31): one region,
+    #: the publisher's snapshot buffer, chunk ``i`` at ``i * chunk_size``
+    #: (``weightpub_wire.nixl_link``; bounded like every field). Optional: a subscriber
+    #: that predates it ignores it, and any failure of that path falls back to ZeroMQ
+    #: frames (an offer that does not fit the version, e.g. a region shorter than
+    #: ``total_bytes``, is counted ``bad_offer`` there: the manifest still serves).
+    #: It names registered memory: it travels only on PUB/ROUTER (CURVE)
+    nixl: NixlOffer | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

@@ -33,8 +33,8 @@ import msgspec
 
 from weightpub_wire.errors import ProtocolError, TransportError
 
-__all__ = ["NixlExporter", "NixlOffer", "NixlReader", "NixlRegion", "decode_offer",
-           "encode_offer", "nixl_error"]
+__all__ = ["NIXL_PATHS", "NixlExporter", "NixlOffer", "NixlReader", "NixlRegion",
+           "NixlTransfer", "decode_offer", "encode_offer", "nixl_error"]
 
 #: NIXL's Python package on CPU-only and CUDA 12 hosts (the umbrella ``nixl`` pulls CUDA wheels)
 MODULE = "nixl_cu12"
@@ -44,6 +44,9 @@ MAX_NAME = 128
 _U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit
 _POLL_S = 0.0002
 _names = itertools.count()
+#: ``StagedVersion.data_path`` / ``Report.data_path`` of a version read one-sided: every
+#: chunk over NIXL, or some over ZeroMQ frames after a fallback
+NIXL_PATHS = ("nixl", "nixl+zmq")
 logger = logging.getLogger("weightpub.nixl")
 
 
@@ -133,8 +136,12 @@ class NixlExporter:
             self._agent.deregister_memory(handle)
 
     def offer(self, regions: Sequence[NixlRegion], mem_type: str = "DRAM") -> NixlOffer:
-        return NixlOffer(self.name, bytes(self._agent.get_agent_metadata()), list(regions),
-                         mem_type)
+        """The regions with the agent's metadata as it is now: it carries the remote keys
+        of every buffer registered so far, so an offer made before a registration does
+        not reach the new buffer (the reader adds the agent again when it changes)."""
+        with self._lock:
+            metadata = bytes(self._agent.get_agent_metadata())
+        return NixlOffer(self.name, metadata, list(regions), mem_type)
 
     @property
     def registered_bytes(self) -> int:
@@ -148,23 +155,55 @@ class NixlExporter:
             self._agent.deregister_memory(handle)
 
 
+class NixlTransfer:
+    """One READ in flight (``NixlReader.start``): whose, NIXL's handle, its bytes."""
+
+    __slots__ = ("agent", "handle", "nbytes", "state")
+
+    def __init__(self, agent: str, handle: Any, nbytes: int) -> None:
+        self.agent = agent
+        self.handle = handle
+        self.nbytes = nbytes
+        self.state = "PROC"
+
+
 class NixlReader:
     """Reads byte ranges of an offer's regions into local registered memory."""
 
     def __init__(self, prefix: str = "weightpub-reader") -> None:
         self.name, self._agent = _agent(prefix)
         self._local: dict[tuple[int, int], Any] = {}
-        self._remotes: dict[str, str] = {}
+        self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # (mem_type, device)
+        self._remotes: dict[str, tuple[str, bytes]] = {}  # agent -> (NIXL's name, metadata)
 
-    def register(self, address: int, length: int, *, mem_type: str = "DRAM") -> None:
-        """Register a local destination buffer once (staging is reused across versions)."""
+    def register(self, address: int, length: int, *, mem_type: str = "DRAM",
+                 device: int = 0) -> None:
+        """Register a local destination buffer once (staging is reused across versions);
+        ``mem_type`` "VRAM" with its CUDA ``device`` for GPU memory."""
         if (address, length) not in self._local:
             self._local[(address, length)] = self._agent.register_memory(
-                [(address, length, 0, "")], mem_type)
+                [(address, length, device, "")], mem_type)
+            self._kinds[(address, length)] = (mem_type, device)
+
+    def registered(self, address: int, length: int) -> bool:
+        return (address, length) in self._local
+
+    def forget_local(self, address: int, length: int) -> None:
+        """Deregister a local buffer that is being freed (nothing reads into it after)."""
+        handle = self._local.pop((address, length), None)
+        self._kinds.pop((address, length), None)
+        if handle is not None:
+            self._agent.deregister_memory(handle)
+
+    @property
+    def registered_bytes(self) -> int:
+        return sum(length for _, length in self._local)
 
     def connect(self, offer: NixlOffer) -> str:
-        """Add the offer's agent (once per agent name); returns the name NIXL knows it by."""
-        known = self._remotes.get(offer.agent)
+        """Add the offer's agent (again when its metadata changed: a buffer registered
+        since carries new remote keys); returns the name NIXL knows it by."""
+        held = self._remotes.get(offer.agent)
+        known = None if held is None or held[1] != offer.metadata else held[0]
         if known is None:
             try:
                 added = self._agent.add_remote_agent(offer.metadata)
@@ -175,7 +214,7 @@ class NixlReader:
                 self._agent.remove_remote_agent(known)
                 raise ProtocolError(f"nixl offer names agent {offer.agent!r} but its "
                                     f"metadata is {known!r}'s")
-            self._remotes[offer.agent] = known
+            self._remotes[offer.agent] = (known, offer.metadata)
         return known
 
     def read(self, offer: NixlOffer, pieces: Iterable[tuple[int, int, int, int]],
@@ -186,8 +225,30 @@ class NixlReader:
         transfer is polled until done, an error, or ``timeout`` seconds
         (``TransportError``: the caller falls back to ZeroMQ frames).
         """
+        transfer = self.start(offer, pieces)
+        if transfer is None:
+            return 0
+        deadline = time.monotonic() + timeout
+        try:
+            while not self.poll(transfer):
+                if time.monotonic() > deadline:
+                    raise TransportError(f"nixl read from {offer.agent!r}: not done "
+                                         f"after {timeout:.1f} s")
+                time.sleep(_POLL_S)  # NIXL's progress thread moves the bytes
+        except TransportError:
+            self.forget(offer.agent)  # a holder that failed once is added afresh next time
+            raise
+        finally:
+            self.release(transfer)
+        return transfer.nbytes
+
+    def start(self, offer: NixlOffer,
+              pieces: Iterable[tuple[int, int, int, int]]) -> NixlTransfer | None:
+        """Post one READ of ``pieces`` (checked as ``read`` does) and return at once;
+        ``poll`` it, then ``release`` it. None when there is nothing to read."""
         remote: list[tuple[int, int, int]] = []
         local: list[tuple[int, int, int]] = []
+        local_kind = "DRAM"
         for index, offset, address, length in pieces:
             if not 0 <= index < len(offer.regions):
                 raise ProtocolError(f"nixl read: no region {index}")
@@ -195,57 +256,67 @@ class NixlReader:
             if offset < 0 or length <= 0 or offset + length > region.length:
                 raise ProtocolError(f"nixl read: [{offset}, {offset + length}) is outside "
                                     f"region {index} ({region.length} bytes)")
-            if not any(a <= address and address + length <= a + n for a, n in self._local):
+            into = next(((a, n) for a, n in self._local
+                         if a <= address and address + length <= a + n), None)
+            if into is None:
                 raise ProtocolError("nixl read: destination is not registered memory")
+            kind, device = self._kinds[into]
+            if local and kind != local_kind:
+                raise ProtocolError("nixl read: destinations of one READ in DRAM and VRAM")
+            local_kind = kind
             remote.append((region.address + offset, length, region.device))
-            local.append((address, length, 0))
+            local.append((address, length, device))
         if not remote:
-            return 0
+            return None
         agent = self.connect(offer)
         try:
-            self._transfer(offer, agent, local, remote, timeout)
-        except TransportError:
-            self.forget(offer.agent)  # a holder that failed once is added afresh next time
-            raise
-        return sum(length for _, length, _ in remote)
-
-    def _transfer(self, offer: NixlOffer, agent: str, local: list[tuple[int, int, int]],
-                  remote: list[tuple[int, int, int]], timeout: float) -> None:
-        """One READ, polled to the end; NIXL's own errors become ``TransportError``."""
-        try:
             handle = self._agent.initialize_xfer(
-                "READ", self._agent.get_xfer_descs(local, offer.mem_type),
+                "READ", self._agent.get_xfer_descs(local, local_kind),
                 self._agent.get_xfer_descs(remote, offer.mem_type), agent)
         except Exception as exc:
+            self.forget(offer.agent)
             raise TransportError(f"nixl read from {offer.agent!r}: {exc}") from exc
+        transfer = NixlTransfer(offer.agent, handle, sum(n for _, n, _ in remote))
         try:
-            state = self._agent.transfer(handle)
-            deadline = time.monotonic() + timeout
-            while state not in ("DONE", "ERR"):
-                if time.monotonic() > deadline:
-                    raise TransportError(f"nixl read from {offer.agent!r}: not done "
-                                         f"after {timeout:.1f} s")
-                time.sleep(_POLL_S)  # NIXL's progress thread moves the bytes
-                state = self._agent.check_xfer_state(handle)
-            if state == "ERR":
-                raise TransportError(f"nixl read from {offer.agent!r} failed")
-        except TransportError:
-            raise
+            transfer.state = self._agent.transfer(handle)
         except Exception as exc:  # NIXL's own (remote disconnect, backend errors)
+            self.release(transfer)
+            self.forget(offer.agent)
             raise TransportError(f"nixl read from {offer.agent!r}: {exc}") from exc
-        finally:
-            try:
-                self._agent.release_xfer_handle(handle)
-            except Exception as exc:  # a transfer still in flight towards a dead holder
-                logger.warning("nixl: could not release a transfer from %r: %s",
-                               offer.agent, exc)
+        return transfer
+
+    def poll(self, transfer: NixlTransfer) -> bool:
+        """True when the READ is done; ``TransportError`` when it failed."""
+        try:
+            if transfer.state not in ("DONE", "ERR"):
+                transfer.state = self._agent.check_xfer_state(transfer.handle)
+        except Exception as exc:
+            transfer.state = "ERR"
+            raise TransportError(f"nixl read from {transfer.agent!r}: {exc}") from exc
+        if transfer.state == "ERR":
+            raise TransportError(f"nixl read from {transfer.agent!r} failed")
+        return transfer.state == "DONE"
+
+    def release(self, transfer: NixlTransfer) -> bool:
+        """Free the transfer's handle (NIXL cancels one still in flight); False when NIXL
+        refused, i.e. bytes may still land in the destination: never hand it on then."""
+        if transfer.handle is None:
+            return True
+        try:
+            self._agent.release_xfer_handle(transfer.handle)
+        except Exception as exc:  # a transfer still in flight towards a dead holder
+            logger.warning("nixl: could not release a transfer from %r: %s",
+                           transfer.agent, exc)
+            return False
+        transfer.handle = None
+        return True
 
     def forget(self, agent: str) -> None:
         """Drop a holder (it restarted or was refused): its memory is never read again."""
-        known = self._remotes.pop(agent, None)
-        if known is not None:
+        held = self._remotes.pop(agent, None)
+        if held is not None:
             try:
-                self._agent.remove_remote_agent(known)
+                self._agent.remove_remote_agent(held[0])
             except Exception as exc:  # already gone on NIXL's side
                 logger.info("nixl: removing agent %r: %s", agent, exc)
 
@@ -255,3 +326,4 @@ class NixlReader:
         for handle in self._local.values():
             self._agent.deregister_memory(handle)
         self._local = {}
+        self._kinds = {}

@@ -127,6 +127,10 @@ class ReplicaCollector(Collector):
             "weightpub_collective_fallbacks",
             "Versions held back for the collective path but fetched over ZeroMQ, by cause",
             labels=["rank", "cause"])
+        nixl_fallbacks = CounterMetricFamily(
+            "weightpub_nixl_fallbacks",
+            "Versions (checksum: chunks) offered over NIXL but fetched over ZeroMQ, by cause",
+            labels=["rank", "cause"])
         path = GaugeMetricFamily("weightpub_data_path_info",
                                  "The data path that delivered the applied version (1)",
                                  labels=["rank", "path"])
@@ -157,6 +161,9 @@ class ReplicaCollector(Collector):
             for cause, count in sorted((state.get("collective_fallbacks") or {}).items()):
                 if _number(count) is not None:
                     fallbacks.add_metric([*label, str(cause)[:32]], float(count))
+            for cause, count in sorted((state.get("nixl_fallbacks") or {}).items()):
+                if _number(count) is not None:
+                    nixl_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
             if isinstance(state.get("data_path"), str):
                 path.add_metric([*label, state["data_path"][:16]], 1.0)
             for name, (_, bounds) in HISTOGRAMS.items():
@@ -174,5 +181,6 @@ class ReplicaCollector(Collector):
         yield commits
         yield failures
         yield fallbacks
+        yield nixl_fallbacks
         yield path
         yield from histograms.values()

@@ -19,6 +19,7 @@ from typing import Any, Unpack
 
 import zmq
 
+from subscriber_ext.transport.client.nixl_source import NixlPicker
 from subscriber_ext.transport.client.slice_source import SliceFetcher
 from subscriber_ext.transport.client.sync_client import SyncClient, SyncOptions
 from subscriber_ext.transport.collective.collective_member import CollectiveMember
@@ -68,6 +69,11 @@ class WeightSubscriber:
     manifests announce one (gloo; NCCL or CUDA IPC on ``collective_device``): the
     versions then arrive by broadcast into the same staging, verified the same way,
     and any failure of that path fetches the version over ZeroMQ frames.
+
+    ``nixl`` (None: where NIXL imports; True; False) reads versions whose manifests
+    offer NIXL one-sided straight into staging (``transport/client/nixl_source.py``),
+    verified like frames; whatever it cannot read comes over ZeroMQ frames, the cause
+    counted in ``status()["nixl"]``.
 
     ``on_progress`` (optional, runs on the subscriber thread, must return quickly)
     sees each version while it arrives: a ``PartialVersion`` whose ``ready()``
@@ -130,22 +136,30 @@ class WeightSubscriber:
         self._wake_address = f"inproc://weightpub-sub-wake-{uuid.uuid4().hex}"
         self._commands: list[Callable[[SyncClient], None]] = []
         budget = opts.staging_budget_bytes or derive_staging_budget()
+        # a manifest offering NIXL: its chunks READ one-sided into staging (first), the
+        # rest over ZeroMQ frames; staging buffers registered once, dropped with the pool
+        self._nixl = NixlPicker(base.nixl, request_timeout=base.request_timeout,
+                                window_bytes=base.window_bytes)
         # pinned where CUDA exists, a node's shared segments too (page-locked exactly,
         # weightpub_wire.buffers.page_locked), so the owner rank copies at full PCIe speed
-        pool = BufferPool(max_buffers=2, allocator=allocator, budget_bytes=budget,
-                          max_pinned_bytes=base.limits.max_pinned_bytes)
+        pool = BufferPool(max_buffers=2, allocator=self._nixl.allocator(allocator),
+                          budget_bytes=budget, max_pinned_bytes=base.limits.max_pinned_bytes)
         self._slices: SliceFetcher | None = None
         if opts.slice_plan is not None:  # only this plan's bytes of each version (issue 30)
             self._slices = SliceFetcher(opts.slice_plan, self._ctx, endpoint, limits=base.limits,
                                         chunks_per_request=base.chunks_per_request,
                                         request_timeout=base.request_timeout, hooks=hooks)
         try:
+            # a sliced subscriber reads its slices over ZeroMQ (NIXL reads of whole chunks
+            # would fill its sparse staging; slices over NIXL are not built yet)
             self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
                                       self._deliver, hooks, pool, curve=curve,
-                                      listeners=[chunk_listener] if chunk_listener else None,
-                                      pickers=[self._slices] if self._slices else (),
+                                      listeners=[self._nixl,
+                                                 *([chunk_listener] if chunk_listener else [])],
+                                      pickers=[self._slices] if self._slices else [self._nixl],
                                       targets=self._slices)
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
+            self._nixl.close()
             if self._own_context:
                 self._ctx.term()
             raise
@@ -272,6 +286,8 @@ class WeightSubscriber:
             "peers": None if client.peering is None else client.peering.stats(),
             # slice fetches (issue 30): the plan, its share of a version, fallbacks by cause
             "slice_plan": None if self._slices is None else self._slices.status(),
+            # the NIXL path: mode, bytes read one-sided, versions fetched over ZeroMQ by cause
+            "nixl": self._nixl.status(),
         }
 
     def close(self) -> None:

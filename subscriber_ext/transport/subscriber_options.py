@@ -139,6 +139,7 @@ class SubscriberKeywords(TypedDict, total=False):
     report_interval: float
     collective: bool
     collective_device: str | None
+    nixl: bool | None
     peer_share: bool
     peer_bind: str | None
     insecure: bool

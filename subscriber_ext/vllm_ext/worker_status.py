@@ -73,6 +73,9 @@ class WorkerStatus(StateAccess):
             # (the node's subscription: counted at its owner rank only)
             "collective_fallbacks": {} if follower else dict(
                 (source.get("collective") or {}).get("fallback_causes") or {}),
+            # chunks of versions offered over NIXL fetched over ZeroMQ instead, by cause
+            "nixl_fallbacks": {} if follower else dict(
+                (source.get("nixl") or {}).get("fallback_causes") or {}),
             "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
             "metrics": metrics,
         }
@@ -118,6 +121,9 @@ class WorkerStatus(StateAccess):
             # the node's collective path: versions fetched over ZeroMQ instead, by cause
             "collective_fallbacks": dict(((source_status or {}).get("collective") or {})
                                          .get("fallback_causes") or {}),
+            # the node's NIXL path: versions (or chunks) fetched over ZeroMQ instead, by cause
+            "nixl_fallbacks": dict(((source_status or {}).get("nixl") or {})
+                                   .get("fallback_causes") or {}),
             "seed_tensors": st.seed_tensors,
             "seed_pending": sorted(st.seed_pending),
             "subscriber": source_status,

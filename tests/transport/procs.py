@@ -381,7 +381,10 @@ def run_publisher(args: dict[str, Any]) -> None:
                           heartbeat_interval=args.get("heartbeat_interval", 0.2),
                           model_id=args.get("model_id", "test"),
                           metrics_port=args.get("metrics_port"),
-                          delta_anchor_every=args.get("delta_anchor_every", 1))
+                          delta_anchor_every=args.get("delta_anchor_every", 1),
+                          nixl=bool(args.get("nixl", False)))
+    if args.get("nixl_fault"):
+        nixl_fault(pub, args["nixl_fault"])
     _emit(event="ready", endpoint=pub.endpoint, publisher_id=pub.publisher_id, pid=os.getpid(),
           metrics_url=pub.metrics.url if pub.metrics is not None else None)
     commands = _commands()
@@ -403,12 +406,52 @@ def run_publisher(args: dict[str, Any]) -> None:
                   publisher_id=pub.publisher_id,
                   delta_chain=None if delta is None else [b.version for b in delta.chain])
         elif cmd == "stats":
-            _emit(event="stats", id=command.get("id"), stats=pub.data_stats())
+            _emit(event="stats", id=command.get("id"), stats=pub.data_stats(),
+                  nixl=pub.nixl_status())
         elif cmd == "fleet":
             _emit(event="fleet", id=command.get("id"),
                   reports=[msgspec.to_builtins(r) for r in pub.fleet()])
     pub.close()
     _emit(event="closed")
+
+
+def nixl_fault(pub: Any, fault: str) -> None:
+    """Test-only faults of a publisher's NIXL offers (``tests/transport/test_nixl_path.py``):
+    ``corrupt:<chunk>``: offers a registered copy of each version with one byte of that
+    chunk flipped after hashing (ZeroMQ frames still serve the real bytes); ``lie``:
+    offers that name another agent than their metadata's; ``short``: a region one byte
+    shorter than the version."""
+    from weightpub_wire.nixl_link import NixlOffer, NixlRegion
+
+    export = pub._nixl
+    real_offer = export.offer
+    shadows: list[torch.Tensor] = []
+
+    def corrupted(buffer: torch.Tensor, total: int, chunk: int) -> Any:
+        snapshot = pub._last_snapshot[1]
+        deadline = time.monotonic() + 30
+        while snapshot.copied_bytes < total and time.monotonic() < deadline:
+            time.sleep(0.01)  # the copy may still run while the hashes are done
+        shadow = buffer[:total].clone()
+        shadow[chunk * pub.chunk_size] ^= 0xFF
+        shadows.append(shadow)  # alive (and registered) for the process's life
+        exporter = export._exporter
+        exporter.register(shadow.data_ptr(), total)
+        return exporter.offer([NixlRegion(shadow.data_ptr(), total)])
+
+    def offer(buffer: torch.Tensor, total: int) -> Any:
+        if fault.startswith("corrupt:"):
+            return corrupted(buffer, total, int(fault.split(":")[1]))
+        made = real_offer(buffer, total)
+        if fault == "lie" and made is not None:
+            return NixlOffer("someone-else", made.metadata, made.regions, made.mem_type)
+        if fault == "short" and made is not None:
+            region = made.regions[0]
+            return NixlOffer(made.agent, made.metadata,
+                             [NixlRegion(region.address, region.length - 1)], made.mem_type)
+        return made
+
+    export.offer = offer
 
 
 def run_subscriber(args: dict[str, Any]) -> None:

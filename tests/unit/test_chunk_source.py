@@ -289,3 +289,67 @@ def test_timeouts_go_through_the_source(ctx: zmq.Context) -> None:
         assert "timed out in memory 3 times" in str(client.report.error)
     finally:
         client.close()
+
+
+class InPlaceSource(MemorySource):
+    """Writes chunks straight into the target's buffer (as a one-sided read does) and
+    hands them to ``sink.in_place``: no frame, no copy by the client."""
+
+    first = True
+
+    def __init__(self, sink: SourceSink, data: bytes, *, corrupt: set[int] | None = None) -> None:
+        super().__init__(sink, data, corrupt=corrupt)
+        self.target: Assembly | None = None
+        self.outcomes: dict[int, bool | None] = {}
+
+    def ahead(self) -> int:
+        return CHUNKS
+
+    def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
+        self.target = target
+        super().ask(target, chunks, now)
+        return []
+
+    def tick(self, now: float) -> float:
+        pending, self.pending = self.pending, []
+        for req, version, chunk in pending:
+            assert self.target is not None
+            place = self.target.chunk_target(chunk)
+            place[:] = self.data[chunk * CHUNK:(chunk + 1) * CHUNK]
+            if chunk in self.corrupt:
+                self.corrupt.discard(chunk)
+                place[0] ^= 0xFF
+            self.outcomes[chunk] = self.sink.in_place(req, version, chunk, self, self)
+        return 0.0
+
+    def refused(self, via: object, chunk: int, why: str, now: float) -> bool:
+        self.refusals.append(chunk)
+        return False
+
+
+def test_a_chunk_written_in_place_is_verified_there(ctx: zmq.Context) -> None:
+    """``SourceSink.in_place`` (issue 31): the client checksums a chunk already in its
+    buffer and marks it, exactly as a copied one; a bad one is refused and asked again."""
+    manifest, data = _version(7)
+    made: list[InPlaceSource] = []
+
+    def picker(m: wire.Manifest, sink: SourceSink) -> list[ChunkSource]:
+        made.append(InPlaceSource(sink, data, corrupt={3}))
+        return [made[-1]]
+
+    staged: list[StagedVersion] = []
+    options = SyncOptions(request_timeout=1.0, window_bytes=4 * CHUNK, max_chunk_retries=2)
+    client = SyncClient(ctx, "tcp://127.0.0.1:9", "memory-test", options, staged.append,
+                        pickers=[picker])
+    try:
+        client.start_target(manifest)
+        _run(client, 7, staged)
+        source = made[0]
+        assert bytes(staged[0].buffer.numpy()[: len(data)]) == data
+        assert source.refusals == [3] and source.asked.count(3) == 2
+        assert client.receiver.checksum_failures == 1
+        assert client.receiver.received_bytes == len(data) + CHUNK  # counted, not copied
+        assert client.requests.in_flight() == 0  # the publisher was never asked
+        staged[0].release()
+    finally:
+        client.close()

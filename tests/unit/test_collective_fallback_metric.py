@@ -19,3 +19,16 @@ def test_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
     assert 'weightpub_collective_fallbacks_total{cause="checksum",rank="0"} 1.0' in text
     assert 'rank="1"' not in "".join(line for line in text.splitlines()
                                      if line.startswith("weightpub_collective_fallbacks"))
+
+
+def test_nixl_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
+    """Issue 31: versions offered over NIXL but fetched over ZeroMQ, by cause."""
+    board = StatusBoard(tmp_path)
+    board.write(0, {"rank": 0, "nixl_fallbacks": {"transfer": 1, "off": 3},
+                    "data_path": "nixl+zmq"})
+    registry = CollectorRegistry()
+    registry.register(ReplicaCollector(board))
+    text = generate_latest(registry).decode()
+    assert 'weightpub_nixl_fallbacks_total{cause="transfer",rank="0"} 1.0' in text
+    assert 'weightpub_nixl_fallbacks_total{cause="off",rank="0"} 3.0' in text
+    assert 'weightpub_data_path_info{path="nixl+zmq",rank="0"} 1.0' in text

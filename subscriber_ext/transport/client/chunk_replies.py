@@ -95,34 +95,57 @@ class ChunkReceiver:
         table.chunk_done(header.req, request, header.chunk)
         if header.chunk not in target.missing:  # already here from another source
             return
-        size = header.size
         # the one copy, out of ZeroMQ's frame, checksummed in the same pass
         digest = target.place(header.chunk, chunk_frame.payload(frame.buffer, header))
+        self._landed(target, header.chunk, header.version, header.size, digest, source, via)
+
+    def in_place(self, req: int, version: int, chunk: int, source: ChunkSource,
+                 via: object) -> bool | None:
+        """A chunk ``source`` wrote straight into the target's buffer (a one-sided read,
+        no frame): verify it there, as ``receive`` does a copied one. True: verified;
+        False: refused (its checksum, or not a full version's bytes); None: stale."""
+        target = self._target()
+        request = self._requests.get(req)
+        if target is None or request is None or request.source is not via \
+                or version != target.fetch_version or chunk not in request.chunks:
+            return None
+        self._requests.chunk_done(req, request, chunk)
+        if chunk not in target.missing:
+            return None
+        if isinstance(target, DeltaAssembly) or target.fetch_base:
+            return False  # a delta step's bytes are decoded from scratch, never read in place
+        return self._landed(target, chunk, version, target.manifest.chunk_span(chunk)[1],
+                            None, source, via)
+
+    def _landed(self, target: Assembly, chunk: int, version: int, size: int,
+                digest: int | None, source: ChunkSource, via: object) -> bool:
+        """A chunk's bytes are in place: verify, then route on (both kinds of arrival)."""
         self.received_bytes += size
         self._deltas.count(target, size)
         final = final_bytes(target)
-        if not target.verify(header.chunk, size, digest):
+        if not target.verify(chunk, size, digest):
             self.checksum_failures += 1
             if isinstance(target, DeltaAssembly):
                 self._delta_failed(target,
                                    target.error or ChecksumError("delta chunk refused"))
-                return
-            why = f"chunk {header.chunk} of version {header.version}: checksum mismatch"
-            if source.refused(via, header.chunk, why, time.monotonic()):
-                return  # the source dealt with it (a peer: banned, its chunks go elsewhere)
+                return False
+            why = f"chunk {chunk} of version {version}: checksum mismatch"
+            if source.refused(via, chunk, why, time.monotonic()):
+                return False  # the source dealt with it (a peer: banned, its chunks go elsewhere)
             self._report.bad(ChecksumError(f"{why}, refetching"))
-            self._credit.count_retry(header.chunk, "failed its checksum", ChecksumError)
-            return
+            self._credit.count_retry(chunk, "failed its checksum", ChecksumError)
+            return False
         source.arrived(via, size, time.monotonic())
         if final and self._listeners:
-            start, span = target.manifest.chunk_span(header.chunk)
+            start, span = target.manifest.chunk_span(chunk)
             data = target.view[start: start + span]
             for listener in self._listeners:
                 try:
-                    listener.chunk_verified(target.manifest, header.chunk, data)
+                    listener.chunk_verified(target.manifest, chunk, data)
                 except Exception:
                     log.exception("chunk listener failed")
         if not target.missing:
             self._complete(target)
         else:
             self._credit.top_up(time.monotonic())
+        return True

@@ -126,7 +126,9 @@ class SyncClient:
                                error=lambda reply: self._on_error(reply),
                                bad=lambda exc: self.report.bad(exc),
                                discard_rest=self.discard_rest,
-                               give_up=lambda why: self._fail_target(why))
+                               give_up=lambda why: self._fail_target(why),
+                               in_place=lambda r, v, c, s, w: self.receiver.in_place(
+                                   r, v, c, s, w))
         self.publisher_source = PublisherSource(
             self.requests, self.send, chunks_per_request=options.chunks_per_request,
             request_timeout=options.request_timeout)

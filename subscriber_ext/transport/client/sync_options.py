@@ -49,6 +49,9 @@ class SyncSettings(OptionSet):
                            "announce one (same fabric only)")
     collective_device: str | None = Field(
         None, description="nccl / cuda_ipc: this node's GPU, e.g. 'cuda:0'")
+    nixl: bool | None = Field(
+        None, description="read versions one-sided with NIXL when the manifests offer it "
+                          "(None: where NIXL imports; False: never, counted as a fallback)")
 
 
 class SyncOptions(SyncSettings):

@@ -25,7 +25,9 @@ from ``next_id``); ``via`` is what the reply will come back through (the source
 itself, or one of its links; None is reserved for the client's own DEALER to the
 publisher). Replies go to ``sink.chunk(header, frame, source, via)``: the client
 places and verifies the bytes (checksums, conflation, all-or-nothing staging are
-the client's, whatever the source), then tells the source ``arrived`` or, on a
+the client's, whatever the source); a source that wrote a chunk straight into the
+target's buffer itself (one-sided reads) calls ``sink.in_place(req, version, chunk,
+source, via)`` instead and the client verifies it there, then tells the source ``arrived`` or, on a
 checksum mismatch, ``refused`` (True: the source dealt with it, e.g. a peer is
 banned and its chunks asked elsewhere; False: the chunk counts a try). An
 ``error`` reply goes to ``sink.error``, an undecodable one to ``sink.bad``.
@@ -89,6 +91,11 @@ class SourceSink:
     discard_rest: Callable[[int, zmq.Socket], None]  # drop the frames after the first
     #: ``give_up(why)``: the target cannot complete through this source (named in ``why``)
     give_up: Callable[[WeightPubError], None] = lambda why: None
+    #: ``in_place(req, version, chunk, source, via)``: a chunk the source wrote straight
+    #: into ``target.chunk_target(chunk)`` (a one-sided read): verified there, no copy;
+    #: True verified, False refused (``refused`` was told), None stale
+    in_place: Callable[[int, int, int, ChunkSource, Any], bool | None] = \
+        lambda req, version, chunk, source, via: None
 
 
 class ChunkSource(ABC):

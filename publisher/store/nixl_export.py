@@ -1,0 +1,139 @@
+"""A publisher's snapshot buffers, registered once for one-sided NIXL reads (issue 31).
+
+Why here, at the allocator: a snapshot buffer lives from the pool's ``allocate`` to
+its ``free`` and is reused for version after version in between
+(``version_store.make_room``), so registering it when it is made and deregistering it
+when the pool drops it registers each buffer exactly once, whatever the versions do.
+The registered bytes are the pool's (``host_budget_bytes`` already counts them) and
+are shown in ``data_stats`` and ``weightpub status``.
+
+The announce then offers the version's bytes where they are: one region, the
+snapshot buffer, chunk ``i`` at ``i * chunk_size`` (the flat layout; headers are
+not in the buffer, protocol 4 sends them apart). A reader verifies every chunk
+against the manifest's checksums, so a chunk read while the copy or a newer
+snapshot writes over it is refused there and fetched over ZeroMQ frames.
+
+When NIXL does not import or a registration fails, the path is off for this
+publisher (a WARNING naming the cause, counted in ``off_reason``): manifests carry
+no offer and ZeroMQ frames serve every version, nothing crashes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from weightpub_wire.buffers import Allocator, HostAllocator
+from weightpub_wire.nixl_link import NixlExporter, NixlOffer, NixlRegion, nixl_error
+
+__all__ = ["NixlExport", "RegisteringAllocator"]
+
+log = logging.getLogger("weightpub.publisher")
+
+
+class NixlExport:
+    """One ``NixlExporter`` per publisher, or the reason there is none."""
+
+    def __init__(self, prefix: str = "weightpub-publisher") -> None:
+        self.off_reason = ""  # why the path is off ("" while on)
+        self.offers = 0  # manifests that carried an offer
+        self._exporter: NixlExporter | None = None
+        self._sizes: dict[int, int] = {}  # address -> bytes registered
+        self._lock = threading.Lock()
+        error = nixl_error()
+        if error is not None:
+            self._off(error)
+            return
+        try:
+            self._exporter = NixlExporter(prefix)
+        except Exception as exc:  # UCX could not start (no transport, bad UCX_* settings)
+            self._off(f"NIXL agent did not start ({type(exc).__name__}: {exc})")
+
+    @property
+    def on(self) -> bool:
+        return self._exporter is not None and not self.off_reason
+
+    @property
+    def registered_bytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def _off(self, why: str) -> None:
+        if not self.off_reason:
+            self.off_reason = why[:1024]
+            log.warning("nixl: off for this publisher, versions go over ZeroMQ frames only: "
+                        "%s", why)
+
+    def registered(self, buffer: torch.Tensor) -> None:
+        """A new snapshot buffer: register the whole allocation once."""
+        exporter = self._exporter
+        if exporter is None or self.off_reason:
+            return
+        address, length = buffer.data_ptr(), buffer.numel()
+        try:
+            exporter.register(address, length)
+        except Exception as exc:  # pinned-memory limits, UCX refusing the range
+            self._off(f"registering a {length}-byte snapshot buffer failed "
+                      f"({type(exc).__name__}: {exc})")
+            return
+        with self._lock:
+            self._sizes[address] = length
+
+    def freed(self, address: int) -> None:
+        """The pool dropped a buffer: deregister it before its memory can go."""
+        with self._lock:
+            length = self._sizes.pop(address, None)
+        if length is not None and self._exporter is not None:
+            try:
+                self._exporter.forget(address, length)
+            except Exception as exc:
+                log.warning("nixl: deregistering a snapshot buffer failed: %s", exc)
+
+    def offer(self, buffer: torch.Tensor, total_bytes: int) -> NixlOffer | None:
+        """The version's bytes in ``buffer`` as one region, or None (off, unregistered)."""
+        exporter = self._exporter
+        if exporter is None or self.off_reason or total_bytes == 0:
+            return None
+        address = buffer.data_ptr()
+        with self._lock:
+            inside = any(start <= address and address + total_bytes <= start + length
+                         for start, length in self._sizes.items())
+        if not inside:
+            return None
+        try:
+            offer = exporter.offer([NixlRegion(address, total_bytes)])
+        except Exception as exc:
+            self._off(f"making an offer failed ({type(exc).__name__}: {exc})")
+            return None
+        self.offers += 1
+        return offer
+
+    def status(self) -> dict[str, object]:
+        return {"on": self.on, "off_reason": self.off_reason or None,
+                "registered_bytes": self.registered_bytes, "offers": self.offers}
+
+    def close(self) -> None:
+        exporter, self._exporter = self._exporter, None
+        with self._lock:
+            self._sizes.clear()
+        if exporter is not None:
+            exporter.close()
+
+
+class RegisteringAllocator:
+    """An ``Allocator`` that tells a ``NixlExport`` of each buffer made and dropped."""
+
+    def __init__(self, export: NixlExport, inner: Allocator | None = None) -> None:
+        self._export = export
+        self._inner: Allocator = inner or HostAllocator()
+
+    def allocate(self, nbytes: int, *, pinned: bool) -> torch.Tensor:
+        buffer = self._inner.allocate(nbytes, pinned=pinned)
+        self._export.registered(buffer)
+        return buffer
+
+    def free(self, key: int) -> None:
+        self._export.freed(key)
+        self._inner.free(key)

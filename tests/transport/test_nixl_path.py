@@ -1,0 +1,226 @@
+"""The NIXL data path end to end (issue 31): a publisher process with ``nixl=True``, a
+subscriber here, real NIXL agents on both sides (UCX confined to loopback).
+
+What must hold: versions come bit-exact with every byte READ one-sided (the
+publisher sends no chunk frame) and ``data_path`` says "nixl"; whatever stops the
+path (this subscriber's option off, NIXL missing on either side, an offer that lies,
+a corrupted region) costs ZeroMQ frames with the cause counted, never a wrong or
+partial version; a publisher killed -9 mid-read stages nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from publisher import WeightPublisher
+from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client import nixl_source
+from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
+from weightpub_wire.nixl_link import NixlReader, NixlTransfer, nixl_error
+
+pytestmark = [pytest.mark.timeout(180)]
+
+SPEC = [("w", "float32", [1024, 1024]), ("b", "int32", [300_000]), ("e", "uint8", [12_345])]
+CHUNK = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert nixl_error() is None, nixl_error()  # a test dependency: installed in CI
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # children inherit it
+
+
+def _publisher(spawn: Callable[..., Child], **args: Any) -> tuple[Child, str]:
+    child = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=7, chunk_size=CHUNK, **args)
+    return child, child.event("ready", timeout=60)["endpoint"]
+
+
+def _publish(child: Child, version: int) -> None:
+    child.request("publish", timeout=60, version=version, spec=SPEC)
+
+
+def _stats(child: Child) -> dict[str, Any]:
+    return child.request("stats")
+
+
+def _subscriber(closing: Callable[[Any], Any], endpoint: str, **options: Any
+                ) -> WeightSubscriber:
+    return closing(WeightSubscriber(endpoint, request_timeout=3.0, **options))
+
+
+def _exact(staged: Any, version: int) -> bool:
+    return digests(staged.items()) == digests(det_weights(7, version, SPEC).items())
+
+
+def test_three_versions_over_nixl_bit_exact(spawn: Callable[..., Child],
+                                            closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = _publisher(spawn, nixl=True)
+    sub = _subscriber(closing, endpoint)
+    for version in (1, 2, 3):
+        _publish(pub, version)
+        staged = sub.wait_for_version(version, timeout=60)
+        assert staged.version == version and _exact(staged, version)
+        assert staged.data_path == "nixl"
+        staged.release()
+    status = sub.status()
+    nixl = status["nixl"]
+    assert nixl["mode"] == "auto" and nixl["available"] is True
+    assert nixl["fallbacks"] == 0, nixl
+    total = spec_bytes(SPEC)
+    assert nixl["bytes_read"] >= 3 * total
+    assert 0 < nixl["registered_bytes"] <= 2 * (total + 4096)  # staging reused, not per version
+    assert status["data_path"] is None or status["data_path"] == "nixl"
+    stats = _stats(pub)
+    assert stats["stats"]["bytes_sent_full"] == 0  # not one chunk frame: every byte one-sided
+    assert stats["stats"]["nixl_offers"] == 3
+    # one snapshot buffer (keep_versions 1), registered once and reused for each version
+    assert 0 < stats["nixl"]["registered_bytes"] < 2 * total
+    assert stats["nixl"]["on"] is True
+
+
+def test_a_subscriber_with_nixl_off_counts_it_and_fetches_frames(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = _publisher(spawn, nixl=True)
+    sub = _subscriber(closing, endpoint, nixl=False)
+    _publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    nixl = sub.status()["nixl"]
+    assert nixl["mode"] == "off" and nixl["fallback_causes"].get("off", 0) >= 1
+    assert nixl["registered_bytes"] == 0 and nixl["bytes_read"] == 0
+    assert _stats(pub)["stats"]["bytes_sent_full"] >= spec_bytes(SPEC)
+
+
+@pytest.mark.parametrize(("fault", "named"), [("lie", "someone-else"),
+                                               ("short", "do not hold")])
+def test_an_offer_that_lies_or_does_not_fit_is_refused(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any], fault: str,
+        named: str) -> None:
+    pub, endpoint = _publisher(spawn, nixl=True, nixl_fault=fault)
+    sub = _subscriber(closing, endpoint)
+    _publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    nixl = sub.status()["nixl"]
+    assert nixl["fallback_causes"] == {"bad_offer": 1}, nixl
+    assert named in nixl["last_error"]
+
+
+def test_a_corrupted_region_is_refused_and_refetched_over_frames(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = _publisher(spawn, nixl=True, nixl_fault="corrupt:2")
+    sub = _subscriber(closing, endpoint)
+    _publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1)  # the bad chunk never staged
+    assert staged.data_path == "nixl+zmq"
+    status = sub.status()
+    assert status["checksum_failures"] == 1
+    assert status["nixl"]["fallback_causes"] == {"checksum": 1}
+    assert _stats(pub)["stats"]["bytes_sent_full"] == CHUNK  # that chunk alone, as a frame
+
+
+def test_nixl_missing_on_either_side_costs_frames_not_a_crash(
+        monkeypatch: pytest.MonkeyPatch, closing: Callable[[Any], Any],
+        caplog: pytest.LogCaptureFixture) -> None:
+    from publisher.store import nixl_export
+
+    weights = det_weights(7, 1, SPEC)
+    monkeypatch.setattr(nixl_export, "nixl_error", lambda: "NIXL is not available (test)")
+    with caplog.at_level(logging.WARNING, logger="weightpub.publisher"):
+        pub = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK))
+    assert "nixl: off for this publisher" in caplog.text and "(test)" in caplog.text
+    assert pub.data_stats()["nixl_off"] == 1
+    sub = _subscriber(closing, pub.endpoint)
+    pub.publish(weights, version=1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert pub.manifest(1).nixl is None and staged.data_path == "zmq" and _exact(staged, 1)
+    assert sub.status()["nixl"]["fallbacks"] == 0  # nothing was offered
+    monkeypatch.undo()
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+    offering = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK))
+    monkeypatch.setattr(nixl_source, "nixl_error", lambda: "NIXL is not available (test)")
+    without = _subscriber(closing, offering.endpoint)
+    offering.publish(weights, version=1)
+    staged = without.wait_for_version(1, timeout=60)
+    assert offering.manifest(1).nixl is not None
+    assert staged.data_path == "zmq" and _exact(staged, 1)
+    nixl = without.status()["nixl"]
+    assert nixl["available"] is False and nixl["fallback_causes"] == {"missing": 1}
+
+
+@pytest.fixture
+def paced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """One chunk per READ, and READs seen done one per 0.3 s: a version takes seconds."""
+    done: list[float] = []
+    monkeypatch.setattr(nixl_source, "_READ_BYTES", CHUNK)
+    poll = NixlReader.poll
+
+    def slow_poll(self: NixlReader, transfer: NixlTransfer) -> bool:
+        if done and time.monotonic() - done[-1] < 0.3:
+            return False
+        finished = poll(self, transfer)
+        if finished:
+            done.append(time.monotonic())
+        return finished
+
+    monkeypatch.setattr(NixlReader, "poll", slow_poll)
+    yield done
+
+
+def test_a_publisher_killed_mid_read_never_stages_a_partial_version(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        paced: list[float]) -> None:
+    pub, endpoint = _publisher(spawn, nixl=True)
+    sub = closing(WeightSubscriber(endpoint, request_timeout=2.0, max_chunk_retries=1,
+                                   window_bytes=2 * CHUNK))
+    pub.send(cmd="publish", id="1", version=1, spec=[("big", "uint8", [32 * CHUNK])])
+    wait_until(lambda: len(paced) >= 1, 60, "a first chunk read one-sided")
+    pub.kill9()
+    fraction = sub.status()["fetching_fraction"]
+    assert fraction is not None and fraction < 1.0  # killed mid-version
+    wait_until(lambda: sub.status()["nixl"]["fallbacks"] >= 1
+               or sub.status()["fetching_version"] is None, 60,
+               "the dead holder noticed (a READ failed, timed out, or the version given up)")
+    time.sleep(3)  # any late READ, and the ZeroMQ fallback to a dead publisher, play out
+    assert sub.latest() is None  # nothing partial was ever staged
+    status = sub.status()
+    assert status["staged_version"] == 0, status
+    assert set(status["nixl"]["fallback_causes"]) <= {"transfer", "unreachable", "timeout"}
+    assert torch.get_num_threads() >= 1  # the process is alive and well
+
+
+def test_under_curve_only_an_admitted_subscriber_gets_the_offer(
+        tmp_path: Any, closing: Callable[[Any], Any]) -> None:
+    """The offer names registered memory: it rides only on the authenticated PUB/ROUTER,
+    so a subscriber whose key is not admitted never learns it (nor any byte)."""
+    from weightpub_wire.errors import WeightPubTimeout
+    from weightpub_wire.keys import create_key_pair
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server_public, server_secret = create_key_pair(tmp_path, "server")
+    _, client_secret = create_key_pair(allowed, "client")
+    _, stranger_secret = create_key_pair(tmp_path, "stranger")
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK,
+                                  curve_secret_key_file=str(server_secret),
+                                  curve_allowed_clients_dir=str(allowed)))
+    member = _subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
+                         curve_secret_key_file=str(client_secret))
+    stranger = _subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
+                           curve_secret_key_file=str(stranger_secret))
+    pub.publish(det_weights(7, 1, SPEC), version=1)
+    staged = member.wait_for_version(1, timeout=60)
+    assert staged.data_path == "nixl" and _exact(staged, 1)
+    with pytest.raises(WeightPubTimeout):
+        stranger.wait_for_version(1, timeout=3)
+    nixl = stranger.status()["nixl"]
+    assert nixl["available"] is None and nixl["bytes_read"] == 0  # never saw an offer
+    assert pub.data_stats()["bytes_sent_full"] == 0
