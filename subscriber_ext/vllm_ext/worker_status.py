@@ -118,6 +118,8 @@ class WorkerStatus(StateAccess):
             # the node's collective path: versions fetched over ZeroMQ instead, by cause
             "collective_fallbacks": dict(((source_status or {}).get("collective") or {})
                                          .get("fallback_causes") or {}),
+            # each rank its own slices, node staging or whole (``receive_choice.py``)
+            "receive": st.receive.status() if st.receive else None,
             "seed_tensors": st.seed_tensors,
             "seed_pending": sorted(st.seed_pending),
             "subscriber": source_status,
