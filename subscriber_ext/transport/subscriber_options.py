@@ -24,6 +24,7 @@ from subscriber_ext.transport.peers.peer_options import PeerSettings
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ConfigError
 from weightpub_wire.option_set import unit
+from weightpub_wire.slice_plan import SlicePlan
 
 __all__ = ["SubscriberKeywords", "SubscriberOptions"]
 
@@ -51,6 +52,11 @@ class SubscriberOptions(SyncSettings, PeerSettings):
         None, json_schema_extra=unit("", python_only=True),
         description="receiver bounds (default: weightpub_wire Limits); max_version_bytes "
                     "replaces its max_total_bytes")
+    slice_plan: InstanceOf[SlicePlan] | None = Field(
+        None, json_schema_extra=unit("", python_only=True),
+        description="fetch only these bytes of each version (weightpub_wire SlicePlan, "
+                    "issue 30): staged into a full-size sparse buffer, data_path 'slices'; "
+                    "not with peer_share or collective")
     _sync: SyncOptions = PrivateAttr()
 
     @field_validator("subscriber_id")
@@ -69,6 +75,16 @@ class SubscriberOptions(SyncSettings, PeerSettings):
             raise ValueError(
                 "curve_secret_key_file: given without curve_server_key_file (the publisher's "
                 "public key); CURVE needs both, and this client key would be ignored")
+        return self
+
+    @model_validator(mode="after")
+    def _slices_alone(self) -> Self:
+        if self.slice_plan is not None:
+            for other in ("peer_share", "collective"):
+                if getattr(self, other):
+                    raise ValueError(
+                        f"slice_plan: given with {other}=True; a sliced subscriber holds only "
+                        f"its planned bytes, which {other} does not serve yet (issue 30)")
         return self
 
     def model_post_init(self, context: Any, /) -> None:
@@ -134,4 +150,5 @@ class SubscriberKeywords(TypedDict, total=False):
     staging_budget_bytes: int | None
     max_version_bytes: int | None
     limits: wire.Limits | None
+    slice_plan: SlicePlan | None
     sync: SyncOptions | None
