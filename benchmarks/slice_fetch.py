@@ -35,7 +35,8 @@ sys.path.insert(0, str(REPO))
 
 from tests.transport.byte_relay import ByteRelay  # noqa: E402
 
-MODES = {"slices": {"receive": "slices"}, "node": {"receive": "whole", "node_staging": True}}
+MODES: dict[str, dict[str, Any]] = {"slices": {"receive": "slices"},
+                                   "node": {"receive": "whole", "node_staging": True}}
 
 
 def config(kind: str) -> Any:

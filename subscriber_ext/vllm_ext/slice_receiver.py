@@ -193,10 +193,9 @@ class SliceReceiver:
             generation = self._generation
             self._plan = plan
             self._key = None if layout is None else layout_key(layout)
-        sub = WeightSubscriber(self.endpoint, options=self._options,
+        sub = WeightSubscriber(self.endpoint, options=self._options.replace(slice_plan=wire_plan),
                                on_version=self._deliver, on_progress=self._progress,
-                               chunk_listener=_LayoutWatch(self, generation),
-                               slice_plan=wire_plan)
+                               chunk_listener=_LayoutWatch(self, generation))
         sub.set_ranks((self.rank,))
         return sub
 
