@@ -379,13 +379,19 @@ class WeightPublisher:
             # all reply scratch: queued frames and idle send buffers kept for reuse (dropped
             # when the next version is published)
             "reply_scratch_bytes": self._scratch_bytes(),
+            # slice fetches (issue 30): planned bytes sent, plans held and what they hold
+            "bytes_sent_slices": self._server.slice_serving.bytes_sent,
+            "slice_plans": self._server.slice_serving.plans,
+            "slice_held_bytes": self._server.slice_serving.held,
         }
 
     def _scratch_bytes(self) -> int:
-        """Reply scratch alive (counted in ``host_budget_bytes``); 0 before serving."""
+        """Reply scratch alive (counted in ``host_budget_bytes``); 0 before serving. Slice
+        plans and their checksums count here too (``slice_serving.py``)."""
         server = getattr(self, "_server", None)
         peers = None if server is None else server.peers
-        return 0 if peers is None else peers.scratch_bytes
+        slices = 0 if server is None else server.slice_serving.held
+        return slices + (0 if peers is None else peers.scratch_bytes)
 
     def _drop_idle_scratch(self) -> None:
         server = getattr(self, "_server", None)

@@ -155,6 +155,7 @@ class BufferPool:
         self._budget_name = budget_name
         self._out: dict[int, int] = {}  # data_ptr -> bytes, handed out and not given back
         self._pinned_keys: set[int] = set()  # data_ptr of each live buffer made pinned
+        self._sparse: set[int] = set()  # data_ptr of each live sparse buffer (never reused)
         self._lock = threading.Lock()
 
     # -- accounting ------------------------------------------------------------------------
@@ -233,6 +234,28 @@ class BufferPool:
                 self._pinned_keys.add(buf.data_ptr())
         return buf[:nbytes]
 
+    def take_sparse(self, nbytes: int, counted: int) -> torch.Tensor:
+        """A zeroed flat buffer of ``nbytes`` of which only about ``counted`` bytes will be
+        written (a slice plan's: issue 30), counted as ``counted`` against the budget.
+
+        Anonymous memory: pages never written cost nothing, so a rank staging its slices
+        of a version holds about its share. Never pinned (page-locking would make every
+        page resident) and never reused (a reused buffer would hold another version's bytes
+        where this one's plan writes none): ``give`` frees it.
+        """
+        size = max(nbytes, 1)
+        with self._lock:
+            if self.budget_bytes is not None and \
+                    self._held_locked() + counted > self.budget_bytes:
+                raise StagingBudgetError(
+                    f"{counted} bytes of sparse staging needed but {self._held_locked()} of "
+                    f"the {self.budget_bytes}-byte budget are in use ({self._budget_name})")
+        buf = torch.from_numpy(numpy.frombuffer(mmap.mmap(-1, size), dtype=numpy.uint8))
+        with self._lock:
+            self._out[buf.data_ptr()] = counted
+            self._sparse.add(buf.data_ptr())
+        return buf[:nbytes]
+
     def _release(self, key: int) -> None:
         with self._lock:
             self._pinned_keys.discard(key)
@@ -244,6 +267,9 @@ class BufferPool:
         key = base.data_ptr()
         with self._lock:
             self._out.pop(key, None)
+            if key in self._sparse:
+                self._sparse.discard(key)
+                return  # freed with its last view
             if any(b is base for b in self._free):
                 return
             keep = len(self._free) < self._max
@@ -257,6 +283,7 @@ class BufferPool:
         it. Its memory is freed by whoever still holds views of it."""
         with self._lock:
             known = self._out.pop(key, None) is not None
+            self._sparse.discard(key)
         if known:
             self._release(key)
 

@@ -91,7 +91,7 @@ class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
     base: U63 = 0
 
 
-ERROR_CODES = ("version_unavailable", "bad_request")
+ERROR_CODES = ("version_unavailable", "bad_request", "unknown_plan")  # unknown_plan: slices
 
 
 class ErrorReply(_Message, tag="error", kw_only=True, frozen=True):
@@ -131,7 +131,7 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
-        if self.data_path not in ("", *DATA_PATHS):
+        if self.data_path not in ("", "slices", *DATA_PATHS):  # slices: issue 30
             raise ValueError(f"data_path: unknown data path {self.data_path!r}")
 
 
@@ -184,6 +184,10 @@ class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     collective: GroupStatus | None = None  # the collective path's group, if announced
     memory: HostMemory | None = None
     shard_group: ShardGroup | None = None
+    #: slice fetches (issue 30): planned bytes sent, plans registered, bytes those hold
+    bytes_sent_slices: U64 = 0
+    slice_plans: U63 = 0
+    slice_held_bytes: U64 = 0
 
 POLL_STATES = ("free", "joining", "member", "leaving")
 REPLY_STATES = ("off", "idle", "waiting", "forming", "active", "refused")

@@ -74,8 +74,9 @@ class Peer:
     queue: deque[tuple[zmq.MessageTracker, int, Callable[[], None] | None]] = field(
         default_factory=deque)
     queued_bytes: int = 0
-    #: a chunk's payload due right after the header already sent (the pipe was full)
-    owed: tuple[memoryview | bytes, Callable[[], None] | None] | None = None
+    #: a chunk's payload due right after the header already sent (the pipe was full),
+    #: its release, and whether it is a copy of its own (counted in the host budget)
+    owed: tuple[memoryview | bytes, Callable[[], None] | None, bool] | None = None
     deferred: deque[tuple[int, PublishedVersion, int]] = field(default_factory=deque)
 
     @property
@@ -191,9 +192,9 @@ class PeerTable:
         assert peer.owed is not None
         if not self._route(peer):
             return False
-        payload, release = peer.owed
+        payload, release, owned = peer.owed
         peer.owed = None
-        self._track(peer, payload, release, owned=False)
+        self._track(peer, payload, release, owned=owned)
         return True
 
     @property
@@ -222,7 +223,8 @@ class PeerTable:
         return self._send(peer, body)
 
     def _send_chunk(self, peer: Peer, header: chunk_frame.ChunkHeader,
-                    data: memoryview | bytes, version: PublishedVersion | None) -> bool | None:
+                    data: memoryview | bytes, version: PublishedVersion | None,
+                    owned: bool = False) -> bool | None:
         """One chunk without a copy: its header message, then ``data`` itself.
 
         ``data`` in ``version``'s buffer: counted as sent from there until ZeroMQ lets go
@@ -246,23 +248,26 @@ class PeerTable:
             return False
         self.router.send(head, copy=True)
         self._active.add(peer.identity)
-        peer.owed = (data, release)
+        peer.owed = (data, release, owned)
         self._pay_owed(peer)  # the pipe may be full now: then paid before anything else
         return True
 
     def send_to(self, identity: bytes, header: chunk_frame.ChunkHeader,
-                data: memoryview | bytes, version: PublishedVersion | None) -> bool:
-        """Send a chunk for another server part (delta chunks) under the same credit;
-        ``version``: the one ``data`` points into (checked after it is copied).
+                data: memoryview | bytes, version: PublishedVersion | None,
+                owned: bool = False) -> bool:
+        """Send a chunk for another server part (delta chunks, slices) under the same
+        credit; ``version``: the one ``data`` points into (checked after it is copied);
+        ``owned``: ``data`` is a copy made for this reply (a gathered slice), counted in
+        the host budget's scratch until ZeroMQ lets go of it.
 
         False: no room now, try again later. True: sent, or the peer is gone (drop it).
         """
         peer = self._peers.get(identity)
         if peer is None:
             return True
-        if not self._room(peer, len(data)):
+        if not self._room(peer, len(data)) or owned and not self._within_budget(len(data)):
             return False
-        sent = self._send_chunk(peer, header, data, version)
+        sent = self._send_chunk(peer, header, data, version, owned)
         if sent is None:  # overwritten by a newer version meanwhile: the peer is told so
             self._unavailable(peer, header.req, header.version)
             return True

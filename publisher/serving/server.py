@@ -30,22 +30,26 @@ from publisher.deltas.delta_server import DeltaServing
 from publisher.serving.connection_credit import Peer, PeerLimits, PeerTable
 from publisher.serving.connections import ConnectionGuard, GuardLimits
 from publisher.serving.reports import ReportLimits, ReportTable
+from publisher.serving.slice_serving import SliceLimits, SliceServing
 from publisher.serving.tracker import Tracker, TrackerLimits
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire.allow_list import AllowList
 from weightpub_wire.chunk_frame import ChunkHeader
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
+from weightpub_wire.message_base import _Message
 from weightpub_wire.peer_protocol import PeerHello
 from weightpub_wire.ratelog import RateLimitedLog
+from weightpub_wire.slice_messages import SLICE_REQUESTS
 from weightpub_wire.sockets import bind, configure_socket
 
 __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerOptions",
-           "ServingThread", "StatusExtras", "TrackerLimits"]
+           "ServingThread", "SliceLimits", "StatusExtras", "TrackerLimits"]
 
 log = logging.getLogger("weightpub.publisher")
-_REQUESTS = (wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report,
-             wire.CollectivePoll, PeerHello)
+_REQUESTS: tuple[type[_Message], ...] = (
+    wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report,
+    wire.CollectivePoll, PeerHello, *SLICE_REQUESTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +64,7 @@ class ServerLimits:
     reports: ReportLimits = field(default_factory=ReportLimits)
     connections: GuardLimits = field(default_factory=GuardLimits)
     tracker: TrackerLimits = field(default_factory=TrackerLimits)  # peer sharing (tracker.py)
+    slices: SliceLimits = field(default_factory=SliceLimits)  # slice fetches (slice_serving.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,9 @@ class ServingThread(threading.Thread):
         self.delta_serving = DeltaServing(  # answers fetches that name a delta base
             deltas, store, publisher_id, self._send_to, self._reply_to,
             max_chunks_per_request=self.limits.max_chunks_per_request)
+        self.slice_serving = SliceServing(  # plans, their checksums and their bytes (issue 30)
+            store, publisher_id, self._send_to, self._reply_to, limits=self.limits.slices,
+            max_chunks_per_request=self.limits.max_chunks_per_request)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start_and_wait(self, timeout: float = 10.0) -> None:
@@ -146,9 +154,9 @@ class ServingThread(threading.Thread):
         return 0 if self.peers is None else self.peers.chunk_bytes
 
     def _send_to(self, identity: bytes, header: ChunkHeader, body: memoryview | bytes,
-                 version: PublishedVersion | None) -> bool:
+                 version: PublishedVersion | None, owned: bool = False) -> bool:
         assert self.peers is not None
-        return self.peers.send_to(identity, header, body, version)
+        return self.peers.send_to(identity, header, body, version, owned)
 
     def _reply_to(self, identity: bytes, body: bytes) -> bool:
         assert self.peers is not None
@@ -180,7 +188,7 @@ class ServingThread(threading.Thread):
                     next_beat = now + self.options.heartbeat_interval
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
                 timeout_ms = min(timeout_ms, int(self.limits.connections.check_interval * 1000))
-                if peers.busy() or self.delta_serving.waiting:
+                if peers.busy() or self.delta_serving.waiting or self.slice_serving.waiting:
                     timeout_ms = min(timeout_ms, 1)  # a copy/encoding finishes, a peer drains
                 events = dict(poller.poll(timeout_ms))
                 if commands in events and not self._on_command(commands, pub):
@@ -192,6 +200,7 @@ class ServingThread(threading.Thread):
                     now = time.monotonic()
                     peers.pump(now)
                     self.delta_serving.flush()
+                    self.slice_serving.flush()
                     guard.check(now)
                 except Exception as exc:  # one peer's surprise must not stop the service
                     self._warn.warning("loop", f"serving loop error (continuing): "
@@ -199,6 +208,7 @@ class ServingThread(threading.Thread):
                     log.debug("serving loop error", exc_info=True)
                 self._warn.tick()
         finally:
+            self.slice_serving.close()
             guard.close()
             for sock in (router, pub, commands):
                 sock.close(linger=0)
@@ -340,6 +350,8 @@ class ServingThread(threading.Thread):
                 self._warn.warning("report", f"refused a report from {client[:48]}: {refused}")
         elif isinstance(request, PeerHello):
             self._peer_hello(peers, peer, request, frame, client_key)
+        elif isinstance(request, SLICE_REQUESTS):
+            self.slice_serving.handle(peer.identity, request, len(frame.buffer))
 
     def _peer_hello(self, peers: PeerTable, peer: Peer, hello: PeerHello, frame: zmq.Frame,
                     client_key: str | None) -> None:
@@ -381,6 +393,8 @@ class ServingThread(threading.Thread):
             bytes_sent_full=self.served_bytes, bytes_sent_delta=self.delta_serving.bytes_sent,
             collective=None if self.collective is None else self.collective.status(),
             memory=extras.memory, shard_group=extras.shard_group,
+            bytes_sent_slices=self.slice_serving.bytes_sent,
+            slice_plans=self.slice_serving.plans, slice_held_bytes=self.slice_serving.held_bytes,
         )
 
     def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:

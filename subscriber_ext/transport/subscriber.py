@@ -19,6 +19,7 @@ from typing import Any, Unpack
 
 import zmq
 
+from subscriber_ext.transport.client.slice_source import SliceFetcher
 from subscriber_ext.transport.client.sync_client import SyncClient, SyncOptions
 from subscriber_ext.transport.collective.collective_member import CollectiveMember
 from subscriber_ext.transport.staging.assembly import StagedVersion
@@ -81,6 +82,14 @@ class WeightSubscriber:
     ``upload_cpu_share`` (of one core, default 0.25) bound what serving costs.
     ``chunk_listener`` (a ``ChunkListener``) hears each version start, each chunk
     verify and each version end (a cut-through relay forwards chunks with it).
+
+    ``slice_plan`` (a ``weightpub_wire.slice_plan.SlicePlan``, issue 30) fetches only
+    those bytes of each version (``transport/client/slice_source.py``): the publisher
+    is sent the plan once, each version's slices are verified against its per-plan
+    checksums, and the version is staged in a full-size sparse buffer (same tensor
+    views; bytes outside the plan read as zeros; ``data_path`` "slices"); the budget
+    counts the pages the plan touches. ``status()["slice_plan"]`` shows the plan's
+    share and its fallbacks (whole chunks) by cause.
     """
 
     def __init__(
@@ -125,10 +134,17 @@ class WeightSubscriber:
         # weightpub_wire.buffers.page_locked), so the owner rank copies at full PCIe speed
         pool = BufferPool(max_buffers=2, allocator=allocator, budget_bytes=budget,
                           max_pinned_bytes=base.limits.max_pinned_bytes)
+        self._slices: SliceFetcher | None = None
+        if opts.slice_plan is not None:  # only this plan's bytes of each version (issue 30)
+            self._slices = SliceFetcher(opts.slice_plan, self._ctx, endpoint, limits=base.limits,
+                                        chunks_per_request=base.chunks_per_request,
+                                        request_timeout=base.request_timeout, hooks=hooks)
         try:
             self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
                                       self._deliver, hooks, pool, curve=curve,
-                                      listeners=[chunk_listener] if chunk_listener else None)
+                                      listeners=[chunk_listener] if chunk_listener else None,
+                                      pickers=[self._slices] if self._slices else (),
+                                      targets=self._slices)
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
             if self._own_context:
                 self._ctx.term()
@@ -254,6 +270,8 @@ class WeightSubscriber:
             "data_path": client.report.applied_path or None,  # how the applied version came
             "collective": None if client.collective is None else client.collective.status(),
             "peers": None if client.peering is None else client.peering.stats(),
+            # slice fetches (issue 30): the plan, its share of a version, fallbacks by cause
+            "slice_plan": None if self._slices is None else self._slices.status(),
         }
 
     def close(self) -> None:

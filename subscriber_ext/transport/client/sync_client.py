@@ -51,7 +51,7 @@ from subscriber_ext.transport.client.source_choice import SourceChoice
 from subscriber_ext.transport.client.sync_options import SyncOptions
 from subscriber_ext.transport.client.version_choice import VersionChoice
 from subscriber_ext.transport.peers.peering import Peering
-from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
+from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion, TargetMaker
 from subscriber_ext.transport.staging.budget_gate import BudgetGate
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, SourcePicker, SourceSink
@@ -77,8 +77,11 @@ class SyncClient:
                  socket_hooks: list[Callable[..., None]] | None = None,
                  pool: BufferPool | None = None, curve: CurveIdentity | None = None,
                  listeners: list[ChunkListener] | None = None,
-                 pickers: Sequence[SourcePicker] = ()) -> None:
-        """``pickers``: chunk sources of other kinds, asked first (chunk_source.py)."""
+                 pickers: Sequence[SourcePicker] = (),
+                 targets: TargetMaker | None = None) -> None:
+        """``pickers``: chunk sources of other kinds, asked first (chunk_source.py);
+        ``targets``: makes each target instead of a whole ``Assembly`` and sizes it for
+        the budget (a slice plan's ``SparseAssembly``); such targets are never delta bases."""
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id
         self.options = options
@@ -87,8 +90,11 @@ class SyncClient:
                                        max_pinned_bytes=options.limits.max_pinned_bytes)
         self.collective: Any = None  # a ``CollectiveMember`` when the option is on
         self.target: Assembly | None = None  # the version being fetched
+        self.targets = targets
         self.deltas = DeltaState()  # the base held for deltas, bytes by path
-        self.gate = BudgetGate(self.pool, self.deltas)  # the staging budget
+        self.deltas.no_bases = targets is not None
+        self.gate = BudgetGate(self.pool, self.deltas,  # the staging budget
+                               size=None if targets is None else targets.staged_bytes)
         self.requests = RequestTable()  # in flight (also peers', for peering.py); tries
         self.backoff = VersionBackoff()  # versions given up recently
         self.listeners: list[ChunkListener] = []
@@ -258,7 +264,13 @@ class SyncClient:
             if refused is not None and self.gate.is_refused(manifest):
                 self.report.problem(refused)  # never fits: say so; the live weights stay
             return
-        target = self.deltas.assembly_for(manifest, self.pool) or Assembly(manifest, self.pool)
+        try:
+            target = self.targets.assembly(manifest, self.pool) if self.targets is not None \
+                else self.deltas.assembly_for(manifest, self.pool) or Assembly(manifest, self.pool)
+        except ProtocolError as exc:  # e.g. a slice plan of another model: say so, stage nothing
+            self.report.problem(ProtocolError(f"version {manifest.version}: {exc}"))
+            self.backoff.record(manifest.publisher_id, manifest.version, time.monotonic())
+            return
         self.target = target
         self.requests.clear()
         self._notify("target_started", manifest)

@@ -14,6 +14,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -23,7 +24,7 @@ from weightpub_wire.chunk_order import priority_chunks
 from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.protocol import Manifest
 
-__all__ = ["Assembly", "SharedView", "StagedVersion", "tensor_views"]
+__all__ = ["Assembly", "SharedView", "StagedVersion", "TargetMaker", "tensor_views"]
 
 _RELEASED = torch.empty(0, dtype=torch.uint8)
 
@@ -189,6 +190,19 @@ class Assembly:
                                _pool=self.pool)
         staged._finalizer = weakref.finalize(staged, self.pool.forget, self.buffer.data_ptr())
         return staged
+
+
+class TargetMaker(Protocol):
+    """Makes a client's targets of another kind (``SyncClient(targets=...)``): a slice
+    plan's sparse ones (``sparse_assembly.py``)."""
+
+    def staged_bytes(self, manifest: Manifest) -> int:
+        """What staging ``manifest`` costs against the staging budget."""
+        ...
+
+    def assembly(self, manifest: Manifest, pool: BufferPool) -> Assembly:
+        """The target for ``manifest`` (``ProtocolError``: it cannot be staged here)."""
+        ...
 
 
 class SharedView:

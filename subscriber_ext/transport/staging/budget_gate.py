@@ -17,6 +17,7 @@ alive; this gate turns its answer into the subscriber's three outcomes:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from weightpub_wire import protocol as wire
@@ -31,8 +32,12 @@ log = logging.getLogger("weightpub.subscriber")
 class BudgetGate:
     """The budget's decision for each version a ``SyncClient`` wants to start."""
 
-    def __init__(self, pool: BufferPool, deltas: DeltaState) -> None:
+    def __init__(self, pool: BufferPool, deltas: DeltaState,
+                 size: Callable[[wire.Manifest], int] | None = None) -> None:
+        """``size(manifest)``: the staging a version costs (default: its total bytes; a
+        slice plan's: the pages it touches)."""
         self.pool = pool
+        self._size = size or (lambda manifest: manifest.total_bytes)
         self.deltas = deltas
         self.waiting: wire.Manifest | None = None  # fits once held buffers come back
         self.refused: StagingBudgetError | None = None  # the newest refusal, until a staging
@@ -42,10 +47,11 @@ class BudgetGate:
         """True: allocate now. False: it waits (``waiting``) or was refused (``refused``)."""
         self.waiting = None
         try:
-            fits = self.pool.room_for(manifest.total_bytes)
+            size = self._size(manifest)
+            fits = self.pool.room_for(size)
             if not fits and self.deltas.base is not None:
                 self.deltas.drop_base()  # the one buffer we can give up ourselves
-                fits = self.pool.room_for(manifest.total_bytes)
+                fits = self.pool.room_for(size)
         except StagingBudgetError as exc:
             self.refused = StagingBudgetError(
                 f"version {manifest.version} refused before allocating: {exc}")

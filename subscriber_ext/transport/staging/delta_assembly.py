@@ -128,6 +128,8 @@ class DeltaState:
         self.base: HeldBase | None = None
         # peer sharing serves the newest staged version from the base: keep it always
         self.keep_newest = False
+        # a client whose targets hold only some bytes (slices): none can be a base
+        self.no_bases = False
         self._refused: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.bytes_received_full = 0
         self.bytes_received_delta = 0
@@ -183,6 +185,8 @@ class DeltaState:
             self.versions_full += 1
         self.drop_base()
         manifest = staged.manifest
+        if self.no_bases:
+            return
         if not (manifest.deltas_follow or manifest.delta is not None or self.keep_newest):
             return
         self.base = HeldBase(

@@ -1,0 +1,451 @@
+"""One receiver's slices of each version (issue 30), as a ``ChunkSource`` and its picker.
+
+``SliceFetcher`` is what ``WeightSubscriber(slice_plan=...)`` adds to its client: the
+picker (``staging/chunk_source.py``), the maker of each target (a ``SparseAssembly``:
+``SyncClient(targets=...)``) and the status of the plan. ``SliceSource`` is the serving
+source: one DEALER of its own to the publisher's ROUTER (``MonitoredDealer``), on
+which it registers the plan once per publisher instance (``slice_reg`` in parts,
+``slice_ack``), asks each version's ``slice_sums``, then ``slice_fetch``es the chunks
+the plan touches under the client's credit. Replies are chunk frames handed to the
+client like any source's (``sink.chunk``): ``ChunkReceiver`` places them (the
+assembly hashes the bytes as they came and scatters the planned ones) and verifies
+them against the sums before the version can be staged; a mismatch counts a try.
+
+Fallbacks, each counted by cause (``FALLBACK_CAUSES``, in ``status()["slice_plan"]``):
+the publisher does not answer the registration (a publisher before issue 30 drops
+the message) or refuses it (the plan is bad, too big, or for another model), or
+refuses a fetch for its bounds: whole chunks from the same publisher, still only the
+touched ones, each verified against the manifest and only its planned bytes kept. A
+sharded version (``Manifest.shards``): the trainer ranks serve whole chunks
+(``shard_links.py``), the touched ones only. Deltas: the version's own bytes are
+sliced (a sliced subscriber keeps no delta base). Peers and the collective path are
+not offered to a sliced subscriber (``slice_plan`` with ``peer_share`` or
+``collective`` is a ``ConfigError``). Conflation is the client's, as for any target.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
+from subscriber_ext.transport.staging.request_table import QUEUED_TIMEOUT_FACTOR
+from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
+from weightpub_wire import chunk_frame
+from weightpub_wire import protocol as wire
+from weightpub_wire.buffers import BufferPool
+from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubTimeout
+from weightpub_wire.monitored_dealer import (
+    LINK_EVENTS,
+    MonitoredDealer,
+    SocketHook,
+    chunk_reply_bytes,
+)
+from weightpub_wire.slice_layout import SliceLayout
+from weightpub_wire.slice_messages import (
+    MAX_PART_BYTES,
+    SLICE_REPLIES,
+    SliceAck,
+    SliceFetch,
+    SliceRegister,
+    SliceSums,
+    SliceSumsReply,
+)
+from weightpub_wire.slice_plan import SlicePlan, SliceRuns
+
+__all__ = ["FALLBACK_CAUSES", "SliceFetcher", "SliceSource", "register_parts"]
+
+FALLBACK_CAUSES = (
+    "no_answer",  # the publisher did not answer the registration (it predates slices)
+    "refused",  # the publisher refused the plan (bad, too big, another model)
+    "busy",  # the publisher refused a slice fetch for its bounds
+    "sums",  # the slice checksums did not come (or did not fit the plan)
+    "sharded",  # a sharded trainer's ranks serve whole chunks
+)
+_CONTROL_TRIES = 3  # a registration or sums request asked this often before falling back
+
+
+def register_parts(plan: SlicePlan, digest: str, req: int) -> list[SliceRegister]:
+    """The plan as ``slice_reg`` messages, each under ``MAX_PART_BYTES`` encoded (a tensor
+    with more runs than fit one part continues in the next under the same name)."""
+    budget = MAX_PART_BYTES - 256 - len(plan.layout.encode())
+    groups: list[list[SliceRuns]] = [[]]
+    used = 0
+    for entry in plan.tensors:
+        runs = list(entry.runs)
+        name = len(entry.tensor.encode()) + 16
+        while True:
+            room = (budget - used - name) // 40  # an encoded run: at most 37 bytes
+            if room < 1 and groups[-1]:
+                groups.append([])
+                used = 0
+                continue
+            take, runs = runs[: max(room, 1)], runs[max(room, 1):]
+            groups[-1].append(SliceRuns(entry.tensor, take))
+            used += name + 40 * len(take)
+            if not runs:
+                break
+            groups.append([])
+            used = 0
+    groups = [g for g in groups if g] or [[]]
+    return [SliceRegister(req=req, digest=digest, layout=plan.layout, part=index,
+                          parts=len(groups), tensors=tuple(group))
+            for index, group in enumerate(groups)]
+
+
+class SliceSource(ChunkSource):
+    """The publisher's ROUTER asked for one plan's slices, on a DEALER of its own."""
+
+    def __init__(self, fetcher: SliceFetcher, dealer: MonitoredDealer, sink: SourceSink, *,
+                 chunks_per_request: int, request_timeout: float, limits: wire.Limits) -> None:
+        self.fetcher = fetcher
+        self.dealer = dealer
+        self.sock = dealer.sock
+        self._sink = sink
+        self.chunks_per_request = chunks_per_request
+        self.request_timeout = request_timeout
+        self.limits = limits
+        self.pairing = chunk_frame.PayloadPairing()
+        self.answered = time.monotonic()
+        self._poller: zmq.Poller | None = None
+        self._target: weakref.ref[SparseAssembly] | None = None
+        #: publisher instances that hold this plan, and that will not (with the cause)
+        self.registered: set[str] = set()
+        self.refusing: dict[str, str] = {}
+        #: the control request in flight: (kind, req, publisher_id, sent_at, tries)
+        self._control: tuple[str, int, str, float, int] | None = None
+
+    @property
+    def label(self) -> str:
+        return "publisher (slices)"
+
+    # -- the target and its control requests ---------------------------------------------------
+    def _follow(self, target: Assembly) -> SparseAssembly | None:
+        if not isinstance(target, SparseAssembly):
+            return None
+        if self._target is None or self._target() is not target:
+            self._target = weakref.ref(target)
+            self._control = None
+            publisher = target.manifest.publisher_id
+            if publisher in self.refusing:
+                self._fall_back(target, self.refusing[publisher])
+        return target
+
+    def _fall_back(self, target: SparseAssembly, cause: str) -> None:
+        if target.whole_cause is None:
+            target.whole_cause = cause
+            self.fetcher.count_fallback(cause)
+
+    def _want_sums(self, target: SparseAssembly, now: float) -> None:
+        """Register the plan, then ask the target's sums (one control request at a time)."""
+        if self._control is not None:
+            return
+        publisher = target.manifest.publisher_id
+        fetcher = self.fetcher
+        if publisher not in self.registered:
+            req = self._sink.requests.next_id()
+            for part in register_parts(fetcher.plan, fetcher.digest, req):
+                self._send(part)
+            self._control = ("reg", req, publisher, now, 1)
+            return
+        req = self._sink.requests.next_id()
+        self._send(SliceSums(req=req, publisher_id=publisher, version=target.manifest.version,
+                             digest=fetcher.digest))
+        self._control = ("sums", req, publisher, now, 1)
+
+    def _send(self, message: Any) -> bool:
+        try:
+            self.sock.send(wire.encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def tick(self, now: float) -> float:
+        """A control request unanswered for ``request_timeout`` is asked again; after
+        ``_CONTROL_TRIES`` the target's chunks come whole."""
+        control = self._control
+        target = None if self._target is None else self._target()
+        if control is None or target is None:
+            return 0.1 if target is not None and target.sums is None else 1.0
+        kind, _, publisher, sent_at, tries = control
+        if now - sent_at < self.request_timeout:
+            return self.request_timeout - (now - sent_at)
+        self._control = None
+        if tries >= _CONTROL_TRIES:
+            cause = "no_answer" if kind == "reg" else "sums"
+            if kind == "reg":
+                self.refusing[publisher] = cause
+            self._fall_back(target, cause)
+            return 0.0
+        self._want_sums(target, now)
+        if self._control is not None:
+            self._control = (*self._control[:4], tries + 1)
+        return 0.0
+
+    # -- asking ----------------------------------------------------------------------------------
+    def room(self, window: int) -> int:
+        return window - self._sink.requests.peer_in_flight().get(self, 0)
+
+    def candidates(self, target: Assembly, asked: set[int], limit: int) -> list[int]:
+        sparse = self._follow(target)
+        if sparse is not None and sparse.whole_cause is None and sparse.sums is None:
+            self._want_sums(sparse, time.monotonic())
+            return []
+        return target.next_chunks(asked, limit)
+
+    def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
+        todo = list(chunks)
+        if todo and not self._sink.requests.peer_in_flight().get(self):
+            self.answered = now  # silence counts from now
+        sparse = self._follow(target)
+        requests = self._sink.requests
+        manifest = target.manifest
+        while todo:
+            batch = todo[: self.chunks_per_request]
+            req = requests.next_id()
+            message: Any
+            if sparse is not None and sparse.whole_cause is None:
+                message = SliceFetch(req=req, publisher_id=manifest.publisher_id,
+                                     version=manifest.version, digest=self.fetcher.digest,
+                                     chunks=tuple(batch))
+            else:
+                message = wire.FetchRequest(req=req, publisher_id=manifest.publisher_id,
+                                            version=manifest.version, chunks=tuple(batch))
+            if not self._send(message):
+                return todo
+            requests.track(req, batch, now, source=self)
+            todo = todo[len(batch):]
+        return todo
+
+    def expire(self, now: float, retry: Retry) -> bool:
+        """Re-ask what the publisher left unanswered too long; each chunk counts a try."""
+        timeout = self.request_timeout
+        table = self._sink.requests
+        for req, request in list(table.requests.items()):
+            if request.source is not self:
+                continue
+            waited = now - request.sent_at
+            if waited < QUEUED_TIMEOUT_FACTOR * timeout and \
+                    now - max(request.sent_at, self.answered) < timeout:
+                continue
+            table.forget(req)
+            for chunk in sorted(request.chunks):
+                if retry(chunk, "timed out at the publisher (slices)", WeightPubTimeout):
+                    return True
+        return False
+
+    # -- replies ---------------------------------------------------------------------------------
+    def register(self, poller: zmq.Poller) -> None:
+        self._poller = poller
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.dealer.monitor, zmq.POLLIN)
+
+    def on_events(self, events: dict[Any, int], now: float) -> None:
+        if self.dealer.monitor in events:
+            self.dealer.handshakes()
+        if self.sock in events:
+            self._read(now)
+
+    def _read(self, now: float) -> None:
+        sink = self._sink
+        for _ in range(256):
+            try:
+                first = self.sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            more = int(self.sock.getsockopt(zmq.RCVMORE))
+            try:
+                if self.pairing.due is not None:
+                    if chunk_frame.is_chunk(first.buffer) and \
+                            len(first.buffer) == chunk_frame.HEADER_BYTES and not more:
+                        # a reconnect lost the payload due: say so, and read the new header
+                        lost, self.pairing.due = self.pairing.due, None
+                        sink.bad(ProtocolError(f"slice source: the payload of chunk "
+                                               f"{lost.chunk} never came (a reconnect)"))
+                    else:
+                        header = self.pairing.take(first.buffer, more)
+                        self.answered = now
+                        sink.chunk(header, first, self, self)
+                        continue
+                if chunk_frame.is_chunk(first.buffer):
+                    header = chunk_frame.parse(first.buffer)
+                    if more:
+                        raise ProtocolError(f"chunk {header.chunk}: more frames follow")
+                    if header.follows:
+                        self.pairing.expect(header)
+                    else:
+                        self.answered = now
+                        sink.chunk(header, first, self, self)
+                    continue
+                message = wire.decode(first.buffer, expect=(wire.ErrorReply, *SLICE_REPLIES),
+                                      limits=self.limits)
+            except ProtocolError as exc:
+                sink.discard_rest(more, self.sock)
+                sink.bad(ProtocolError(f"slice source: bad reply: {exc}"))
+                continue
+            sink.discard_rest(more, self.sock)
+            self._on_message(message, now)
+
+    def _on_message(self, message: Any, now: float) -> None:
+        control = self._control
+        target = None if self._target is None else self._target()
+        mine = control is not None and getattr(message, "req", None) == control[1]
+        if isinstance(message, SliceAck) and mine and control is not None:
+            self._control = None
+            if message.digest == self.fetcher.digest:
+                self.registered.add(control[2])
+                if target is not None:
+                    self._want_sums(target, now)
+        elif isinstance(message, SliceSumsReply) and mine:
+            self._control = None
+            if target is None or message.version != target.manifest.version:
+                return
+            if message.digest != self.fetcher.digest or \
+                    len(message.sums) != len(target.layout.chunks):
+                self._sink.bad(ProtocolError(
+                    f"slice_sums_rep: {len(message.sums)} sums for the "
+                    f"{len(target.layout.chunks)} chunks plan {self.fetcher.digest} touches"))
+                self._fall_back(target, "sums")
+                return
+            target.set_sums(message.sums)
+        elif isinstance(message, wire.ErrorReply):
+            self._on_error(message, mine, target)
+
+    def _on_error(self, error: wire.ErrorReply, mine: bool,
+                  target: SparseAssembly | None) -> None:
+        table = self._sink.requests
+        if error.code == "unknown_plan":  # the publisher forgot it (its LRU): register again
+            if target is not None:
+                self.registered.discard(target.manifest.publisher_id)
+            if mine:
+                self._control = None
+            elif error.req in table:
+                table.forget(error.req)  # its chunks are asked again once registered
+            return
+        if mine:
+            self._control = None
+            if target is None:
+                return
+            if error.code == "version_unavailable":
+                self._sink.give_up(VersionUnavailable(f"publisher: {error.message}"))
+                return
+            self.refusing[target.manifest.publisher_id] = "refused"
+            self.fetcher.last_refusal = error.message
+            self._fall_back(target, "refused")
+            return
+        if error.code == "bad_request" and error.req in table and target is not None \
+                and target.whole_cause is None:
+            table.forget(error.req)  # the publisher's bounds: fetch whole chunks instead
+            self.fetcher.last_refusal = error.message
+            self._fall_back(target, "busy")
+            return
+        self._sink.error(error)
+
+    def close(self) -> None:
+        self._sink.requests.drop(self)
+        if self._poller is not None:
+            self._poller.unregister(self.sock)
+            self._poller.unregister(self.dealer.monitor)
+            self._poller = None
+        self.dealer.close()
+
+
+class SliceFetcher:
+    """A sliced subscriber's part of its client: picker, target maker, status."""
+
+    def __init__(self, plan: SlicePlan, ctx: zmq.Context, endpoint: str, *,
+                 limits: wire.Limits, chunks_per_request: int, request_timeout: float,
+                 hooks: Sequence[SocketHook] = ()) -> None:
+        self.plan = plan
+        self.digest = plan.digest()
+        self.needed_bytes = plan.needed_bytes
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.limits = limits
+        self.chunks_per_request = chunks_per_request
+        self.request_timeout = request_timeout
+        self.hooks = list(hooks)
+        self.source: SliceSource | None = None
+        self.fallbacks: Counter[str] = Counter()
+        self.last_refusal = ""
+        self.version_bytes = 0
+        self.slice_bytes = 0
+        self.whole_bytes = 0
+        self._layouts: dict[tuple[str, int], SliceLayout] = {}
+
+    # -- the target maker (``SyncClient(targets=...)``) ----------------------------------------
+    def layout(self, manifest: wire.Manifest) -> SliceLayout:
+        """The plan in ``manifest``'s layout (cached for the newest two); ``ProtocolError``
+        when the plan does not fit the model."""
+        key = (manifest.publisher_id, manifest.version)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = SliceLayout.build(self.plan, manifest)
+            self._layouts = {k: v for k, v in list(self._layouts.items())[-1:]}
+            self._layouts[key] = layout
+        return layout
+
+    def staged_bytes(self, manifest: wire.Manifest) -> int:
+        """What staging ``manifest`` costs against the budget: the pages the plan touches."""
+        try:
+            return self.layout(manifest).resident_bytes
+        except ProtocolError:
+            return manifest.total_bytes  # refused by ``assembly`` with the reason
+
+    def assembly(self, manifest: wire.Manifest, pool: BufferPool) -> Assembly:
+        layout = self.layout(manifest)
+        self.version_bytes = manifest.total_bytes
+        if manifest.shards is not None:
+            self.count_fallback("sharded")
+        return SparseAssembly(manifest, pool, layout, self.digest, on_bytes=self.received)
+
+    def received(self, whole: bool, nbytes: int) -> None:
+        """A reply's payload bytes, by form (``SparseAssembly.place``)."""
+        if whole:
+            self.whole_bytes += nbytes
+        else:
+            self.slice_bytes += nbytes
+
+    def count_fallback(self, cause: str) -> None:
+        self.fallbacks[cause] += 1
+
+    # -- the picker ------------------------------------------------------------------------------
+    def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
+        if manifest.shards is not None:
+            return None  # the trainer ranks serve (whole chunks, the touched ones)
+        if self.source is None:
+            dealer = MonitoredDealer(self.ctx, self.endpoint, hooks=self.hooks,
+                                     events=LINK_EVENTS,
+                                     handshake_timeout=self.request_timeout,
+                                     max_message_bytes=chunk_reply_bytes(
+                                         self.limits.max_control_bytes))
+            self.source = SliceSource(self, dealer, sink,
+                                      chunks_per_request=self.chunks_per_request,
+                                      request_timeout=self.request_timeout,
+                                      limits=self.limits)
+        return [self.source]
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.close()
+            self.source = None
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "layout": self.plan.layout,
+            "digest": self.digest,
+            "needed_bytes": self.needed_bytes,
+            "version_bytes": self.version_bytes,
+            "fraction": None if not self.version_bytes
+            else round(self.needed_bytes / self.version_bytes, 4),
+            "slice_bytes": self.slice_bytes,
+            "whole_chunk_bytes": self.whole_bytes,
+            "fallbacks": dict(self.fallbacks),
+            "last_refusal": self.last_refusal or None,
+        }

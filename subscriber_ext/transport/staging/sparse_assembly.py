@@ -1,0 +1,118 @@
+"""A version staged sparsely: only the bytes of one slice plan, in a full-size buffer.
+
+Why full size: the consumer (a vLLM rank's loaders) reads the published tensors by
+name and shape exactly as from a whole version (``StagedVersion.tensors``), and the
+bytes it reads are exactly the plan's. The buffer is anonymous memory
+(``BufferPool.take_sparse``): pages the plan never writes cost nothing and read as
+zeros; the staging budget counts the pages the plan touches
+(``SliceLayout.resident_bytes``), not the version.
+
+What is missing is the chunks the plan touches (a chunk it does not touch is never
+asked). A chunk arrives in one of two forms, told apart by its size: the plan's bytes
+of that chunk gathered back to back (a ``slice_fetch`` reply), checked against the
+publisher's ``slice_sums`` for this plan and version; or the whole chunk (a fallback:
+a publisher without slices, a trainer rank of a sharded version), checked against
+the manifest's chunk checksum. Either way the digest is taken of the bytes as they
+came, and only the planned bytes are written into place: a version is staged only
+when every touched chunk verified, as for a whole version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import xxhash
+
+from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
+from weightpub_wire.buffers import BufferPool, byte_view
+from weightpub_wire.chunk_order import priority_chunks
+from weightpub_wire.protocol import Manifest
+from weightpub_wire.slice_layout import SliceLayout
+
+__all__ = ["SparseAssembly"]
+
+
+class SparseAssembly(Assembly):
+    """A version being received as one plan's slices (module text)."""
+
+    def __init__(self, manifest: Manifest, pool: BufferPool, layout: SliceLayout,
+                 digest: str, on_bytes: Callable[[bool, int], None] | None = None) -> None:
+        """``on_bytes(whole, nbytes)``: each reply's payload, by form (for status)."""
+        # not Assembly.__init__: the buffer is sparse and only touched chunks are missing
+        self.manifest = manifest
+        self.pool = pool
+        self.layout = layout
+        self.digest = digest  # the plan's, named in every slice request
+        self.buffer = pool.take_sparse(manifest.total_bytes, layout.resident_bytes)
+        self.view = byte_view(self.buffer, manifest.total_bytes)
+        self._array = np.frombuffer(self.view, dtype=np.uint8) if manifest.total_bytes \
+            else np.empty(0, dtype=np.uint8)
+        self.missing: set[int] = set(layout.chunks)
+        touched = set(layout.chunks)
+        self.order = [chunk for chunk in priority_chunks(manifest) if chunk in touched]
+        self.cursor = 0
+        self.started = time.monotonic()
+        self.fetch_version = manifest.version
+        self.fetch_base = 0  # slices are always of the version's own bytes
+        self.data_path = "slices"
+        self.attempt = 0
+        #: per touched chunk, xxh3 of its planned bytes (``slice_sums``); None: not yet
+        self.sums: dict[int, int] | None = None
+        #: the chunks still come whole (the cause, for status); None: as slices
+        self.whole_cause: str | None = None
+        self._whole: set[int] = set()  # chunks placed from a whole-chunk reply
+        self._on_bytes = on_bytes
+
+    @property
+    def done_fraction(self) -> float:
+        total = len(self.layout.chunks)
+        return 1.0 if total == 0 else 1.0 - len(self.missing) / total
+
+    def set_sums(self, sums: tuple[int, ...]) -> None:
+        self.sums = dict(zip(self.layout.chunks, sums, strict=True))
+
+    def chunk_target(self, chunk: int) -> memoryview:
+        start, size = self.manifest.chunk_span(chunk)
+        return self.view[start: start + size]
+
+    def accepts(self, chunk: int, size: int) -> bool:
+        planned = self.layout.sizes.get(chunk)
+        return planned is not None and size in (planned, self.manifest.chunk_span(chunk)[1])
+
+    def place(self, chunk: int, payload: memoryview) -> int | None:
+        """Hash the reply as it came, then write its planned bytes into place."""
+        digest = xxhash.xxh3_64_intdigest(payload)
+        data = np.frombuffer(payload, dtype=np.uint8)
+        start, span = self.manifest.chunk_span(chunk)
+        whole = len(payload) == span
+        if whole and self.layout.sizes[chunk] != span:
+            self.layout.scatter(chunk, data, self._array, chunk_start=start)
+            self._whole.add(chunk)
+        else:
+            self.layout.scatter(chunk, data, self._array)
+            self._whole.discard(chunk)
+        if self._on_bytes is not None:
+            self._on_bytes(chunk in self._whole, len(payload))
+        return digest
+
+    def verify(self, chunk: int, size: int | None = None, digest: int | None = None) -> bool:
+        if digest is None:  # pragma: no cover - ``place`` always hashes
+            return False
+        if chunk in self._whole or self.layout.whole(self.manifest, chunk):
+            expected: int | None = self.manifest.checksums[chunk]
+        else:
+            expected = None if self.sums is None else self.sums.get(chunk)
+        ok = digest == expected
+        if ok:
+            self.missing.discard(chunk)
+        return ok
+
+    def abandon(self) -> None:
+        self._array = np.empty(0, dtype=np.uint8)
+        super().abandon()
+
+    def finish(self) -> StagedVersion:
+        self._array = np.empty(0, dtype=np.uint8)
+        return super().finish()

@@ -1,0 +1,282 @@
+"""Slice fetches (issue 30), without vLLM: each subscriber pulls only its plan's bytes.
+
+Two subscribers with complementary plans (rank 0: the first half of every row of each
+matrix, rank 1: the second half; both need the 1-D tensors and the embedding whole)
+follow a publisher in another process, each through its own byte-counting TCP relay
+(``byte_relay.py``: counted per connection, outside both ends). What is checked: each
+staged view equals the published tensor on its planned bytes (and reads zeros
+elsewhere), what each one received against its plan, a corrupted slice refused and
+fetched again, conflation, a publisher killed mid-version, a publisher that does not
+serve slices (whole chunks, the touched ones), and plans the publisher refuses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import zmq
+
+from publisher import WeightPublisher
+from publisher.serving.server import ServerLimits, SliceLimits
+from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client.slice_source import register_parts
+from tests.transport.byte_relay import ByteRelay
+from tests.transport.procs import Child, as_bytes, det_weights, spec_bytes, wait_until
+from weightpub_wire import chunk_frame
+from weightpub_wire import protocol as wire
+from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
+from weightpub_wire.slice_messages import SliceAck, SliceRegister, SliceSums, SliceSumsReply
+from weightpub_wire.slice_plan import SlicePlan, SliceRuns, from_ranges
+
+pytestmark = pytest.mark.timeout(120)
+
+SEED = 30
+CHUNK = 256 << 10
+SPEC = [["layers.0.qkv.weight", "float32", [512, 1024]],
+        ["layers.0.down.weight", "bfloat16", [1024, 512]],
+        ["layers.0.norm.weight", "float32", [1024]],
+        ["embed.weight", "float16", [256, 512]]]
+WHOLE = {"embed.weight"}  # needed whole by both ranks (as a tied embedding would be)
+
+
+def half_plan(rank: int, spec: list[Any] = SPEC) -> SlicePlan:
+    """Rank 0: the first half of every row of each matrix; rank 1: the second half."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for name, dtype, shape in spec:
+        size = itemsize(DTYPE_BY_NAME[dtype])
+        nbytes = size
+        for dim in shape:
+            nbytes *= dim
+        if len(shape) != 2 or name in WHOLE:
+            ranges[name] = [(0, nbytes)]
+            continue
+        row = shape[1] * size
+        half = row // 2
+        ranges[name] = [(i * row + rank * half, i * row + (rank + 1) * half)
+                        for i in range(shape[0])]
+    return from_ranges(f"tp2/rank{rank}", ranges)
+
+
+def check_staged(staged: Any, version: int, rank: int) -> None:
+    """Planned bytes equal the published ones; the rest reads zeros (never written)."""
+    want = det_weights(SEED, version, SPEC)
+    assert staged.data_path == "slices"
+    assert list(staged.tensors) == list(want)
+    for name, tensor in want.items():
+        got = staged.tensors[name]
+        assert got.shape == tensor.shape and got.dtype == tensor.dtype, name
+        if tensor.dim() != 2 or name in WHOLE:
+            assert torch.equal(as_bytes(got), as_bytes(tensor)), name
+            continue
+        half = tensor.shape[1] // 2
+        mine, other = slice(rank * half, (rank + 1) * half), slice((1 - rank) * half,
+                                                                   (2 - rank) * half)
+        assert torch.equal(as_bytes(got[:, mine]), as_bytes(tensor[:, mine])), (name, rank)
+        assert not as_bytes(got[:, other]).any(), (name, rank)
+
+
+@pytest.fixture
+def relays() -> Iterator[list[ByteRelay]]:
+    made: list[ByteRelay] = []
+    yield made
+    for relay in made:
+        relay.close()
+
+
+def publish(pub: Child, version: int) -> None:
+    pub.send(cmd="publish", version=version, spec=SPEC, id=version)
+    pub.event("published", timeout=60, version=version)
+
+
+def test_complementary_plans_receive_only_their_bytes(
+        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber],
+        relays: list[ByteRelay]) -> None:
+    pub = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=SEED, chunk_size=CHUNK)
+    endpoint = pub.event("ready", timeout=60)["endpoint"]
+    plans = [half_plan(0), half_plan(1)]
+    subs = []
+    for plan in plans:
+        relays.append(ByteRelay.in_front_of(endpoint))
+        subs.append(make_sub(relays[-1].endpoint, slice_plan=plan))
+    for version in (1, 2, 3):
+        publish(pub, version)
+        for rank, sub in enumerate(subs):
+            staged = sub.wait_for_version(version, timeout=60)
+            check_staged(staged, version, rank)
+            staged.release()
+    version_bytes = spec_bytes(SPEC)
+    for rank, (sub, relay, plan) in enumerate(zip(subs, relays, plans, strict=True)):
+        status = sub.status()
+        share = status["slice_plan"]
+        assert share["digest"] == plan.digest() and share["layout"] == f"tp2/rank{rank}"
+        assert share["needed_bytes"] == plan.needed_bytes
+        assert share["fallbacks"] == {} and share["whole_chunk_bytes"] == 0
+        assert share["slice_bytes"] == 3 * plan.needed_bytes  # each planned byte once
+        assert status["checksum_failures"] == 0 and status["last_error"] is None
+        per_version = relay.bytes_down / 3
+        # its plan per version plus the replies' framing and the sums: small
+        assert per_version <= plan.needed_bytes * 1.02 + 16_384, (rank, per_version)
+        assert per_version < 0.7 * version_bytes, (rank, per_version / version_bytes)
+    together = sum(relay.bytes_down for relay in relays) / 3
+    assert together <= 1.15 * version_bytes, together / version_bytes
+
+
+def test_a_corrupted_slice_is_refused_and_fetched_again(
+        make_pub: Callable[..., WeightPublisher],
+        make_sub: Callable[..., WeightSubscriber]) -> None:
+    """A slice whose bytes changed on the way fails its per-plan checksum: it counts a
+    try, is asked again, and the version staged holds the right bytes."""
+    pub = make_pub(chunk_size=CHUNK)
+    sub = make_sub(pub.endpoint, slice_plan=half_plan(1))
+    client = sub._client
+    receive = client.on_chunk
+    flipped: list[int] = []
+
+    def flip_once(header: chunk_frame.ChunkHeader, frame: zmq.Frame, *rest: Any) -> None:
+        if not flipped and header.size > 1024:  # the first slice that comes: one bit off
+            data = bytearray(chunk_frame.payload(frame.buffer, header))
+            data[len(data) // 2] ^= 0x10
+            flipped.append(header.chunk)
+            frame = zmq.Frame(bytes(data))
+            header = chunk_frame.ChunkHeader(req=header.req, version=header.version,
+                                             chunk=header.chunk, size=header.size,
+                                             follows=True)
+        receive(header, frame, *rest)
+
+    client.on_chunk = flip_once  # type: ignore[method-assign]
+    version = pub.publish(det_weights(SEED, 1, SPEC))
+    staged = sub.wait_for_version(version, timeout=60)
+    check_staged(staged, version, 1)
+    assert flipped and sub.status()["checksum_failures"] == 1
+    assert "checksum mismatch" in str(sub.status()["last_error"])
+
+
+def test_conflation_moves_a_slow_slice_fetch_to_the_newest_version(
+        make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+        relays: list[ByteRelay]) -> None:
+    pub = make_pub(chunk_size=CHUNK, keep_versions=2)
+    relays.append(ByteRelay.in_front_of(pub.endpoint, down_rate=2e6))  # ~1 s per slice set
+    staged_versions: list[int] = []
+    sub = make_sub(relays[0].endpoint, slice_plan=half_plan(0),
+                   on_version=lambda s: staged_versions.append(s.version))
+    pub.publish(det_weights(SEED, 1, SPEC))
+    wait_until(lambda: sub.status()["fetching_version"] == 1, 30, "fetching version 1")
+    for version in (2, 3):
+        pub.publish(det_weights(SEED, version, SPEC))
+    staged = sub.wait_for_version(3, timeout=90)
+    check_staged(staged, 3, 0)
+    assert staged_versions[-1] == 3
+    assert sorted(staged_versions) == staged_versions  # never an older one after a newer
+
+
+def test_kill9_of_the_publisher_mid_version_stages_nothing_partial(
+        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber],
+        relays: list[ByteRelay]) -> None:
+    pub = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=SEED, chunk_size=CHUNK)
+    endpoint = pub.event("ready", timeout=60)["endpoint"]
+    relays.append(ByteRelay.in_front_of(endpoint, down_rate=1e6))
+    staged_versions: list[int] = []
+    # one chunk in flight: at the kill, most of version 2 is still unasked (nothing buffered)
+    sub = make_sub(relays[0].endpoint, slice_plan=half_plan(0), request_timeout=1.0,
+                   window_bytes=CHUNK, on_version=lambda s: staged_versions.append(s.version))
+    publish(pub, 1)
+    check_staged(sub.wait_for_version(1, timeout=60), 1, 0)
+    publish(pub, 2)
+    wait_until(lambda: (sub.status()["fetching_fraction"] or 0) > 0, 30, "version 2 arriving")
+    pub.kill9()
+    time.sleep(4.0)  # the tries run out against a dead publisher
+    assert staged_versions == [1]  # version 2 never staged in part
+    latest = sub.latest()
+    assert latest is not None and latest.version == 1
+    check_staged(latest, 1, 0)
+
+
+def test_a_publisher_without_slices_serves_the_touched_chunks_whole(
+        make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+        relays: list[ByteRelay]) -> None:
+    """A publisher that drops slice requests (as one before issue 30 does): after the
+    registration's tries the subscriber fetches whole chunks, only those its plan touches,
+    keeps only the planned bytes, and says why in status."""
+    pub = make_pub(chunk_size=CHUNK)
+    pub._server.slice_serving.handle = lambda *args: None  # type: ignore[method-assign]
+    relays.append(ByteRelay.in_front_of(pub.endpoint))
+    plan = from_ranges("one-tensor", {"layers.0.norm.weight": [(0, 4096)]})
+    sub = make_sub(relays[0].endpoint, slice_plan=plan, request_timeout=0.5)
+    weights = det_weights(SEED, 1, SPEC)
+    version = pub.publish(weights)
+    staged = sub.wait_for_version(version, timeout=60)
+    got = as_bytes(staged.tensors["layers.0.norm.weight"])
+    assert torch.equal(got, as_bytes(weights["layers.0.norm.weight"]))
+    share = sub.status()["slice_plan"]
+    assert share["fallbacks"] == {"no_answer": 1}
+    assert 0 < share["whole_chunk_bytes"] <= CHUNK  # the one chunk the plan touches
+    assert relays[0].bytes_down < 2 * CHUNK
+    assert not as_bytes(staged.tensors["layers.0.qkv.weight"]).any()  # never asked
+
+
+def _dealer(endpoint: str) -> Iterator[zmq.Socket]:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(endpoint)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def _ask(sock: zmq.Socket, *messages: Any) -> Any:
+    """The reply to ``messages`` (all of one request: the same ``req``)."""
+    for message in messages:
+        sock.send(wire.encode(message))
+    while True:
+        reply = wire.decode(sock.recv(), expect=(wire.ErrorReply, SliceAck, SliceSumsReply))
+        if reply.req == messages[0].req:
+            return reply
+
+
+def test_bad_plans_are_refused_by_name_and_the_publisher_stays_up(
+        make_pub: Callable[..., WeightPublisher],
+        make_sub: Callable[..., WeightSubscriber]) -> None:
+    pub = make_pub(chunk_size=CHUNK, limits=ServerLimits(
+        slices=SliceLimits(max_plan_bytes=256 << 10)))
+    version = pub.publish(det_weights(SEED, 1, SPEC))
+    for sock in _dealer(pub.endpoint):
+        overlapping = SliceRegister(req=1, digest="a" * 32, layout="bad", part=0, parts=1,
+                                    tensors=(SliceRuns("layers.0.norm.weight",
+                                                       [(0, 100, 0, 1), (50, 10, 0, 1)]),))
+        reply = _ask(sock, overlapping)
+        assert isinstance(reply, wire.ErrorReply) and reply.code == "bad_request"
+        assert "tensors[0].runs[1]" in reply.message and "inside the previous run" \
+            in reply.message, reply.message
+        past = SlicePlan("past", [SliceRuns("layers.0.norm.weight", [(4000, 200, 0, 1)])])
+        reply = _ask(sock, *register_parts(past, past.digest(), 2))
+        assert isinstance(reply, SliceAck)  # a plan is layout-free: fine until a version
+        reply = _ask(sock, SliceSums(req=3, publisher_id=pub.publisher_id, version=version,
+                                     digest=past.digest()))
+        assert isinstance(reply, wire.ErrorReply) and reply.code == "bad_request"
+        assert "ends at byte 4200, past the 4096 bytes" in reply.message, reply.message
+        oversize = from_ranges("huge", {"layers.0.qkv.weight": [
+            (i * 16, i * 16 + 1 + i % 3) for i in range(100_000)]})
+        reply = _ask(sock, *register_parts(oversize, oversize.digest(), 4))
+        assert isinstance(reply, wire.ErrorReply)
+        assert "larger than this publisher holds" in reply.message, reply.message
+        forged = register_parts(half_plan(0), "0" * 32, 5)
+        reply = _ask(sock, *forged)
+        assert isinstance(reply, wire.ErrorReply) and "slice_reg.digest" in reply.message
+        reply = _ask(sock, SliceSums(req=6, publisher_id=pub.publisher_id, version=version,
+                                     digest="1" * 32))
+        assert isinstance(reply, wire.ErrorReply) and reply.code == "unknown_plan"
+    # still serving: a good plan stages
+    sub = make_sub(pub.endpoint, slice_plan=half_plan(0))
+    check_staged(sub.wait_for_version(version, timeout=60), version, 0)
+    # a plan for another model: the subscriber says so and stages nothing
+    other = make_sub(pub.endpoint, slice_plan=from_ranges("x", {"missing.weight": [(0, 4)]}))
+    wait_until(lambda: other.status()["last_error"], 30, "the plan refused")
+    assert "'missing.weight' is not a tensor of version 1" in other.status()["last_error"]
+    assert other.latest() is None
