@@ -50,7 +50,8 @@ def layout_key(layout: Sequence[tuple[str, str, Sequence[int]]]) -> str:
 
 
 class _LayoutWatch:
-    """A ``ChunkListener``: hears each version start, so another layout is noticed at once."""
+    """A ``ChunkListener``: hears each version start (or its refusal when the plan does not
+    fit it), so another layout is noticed at once."""
 
     def __init__(self, owner: SliceReceiver, generation: int) -> None:
         self._owner = owner
@@ -67,6 +68,11 @@ class _LayoutWatch:
 
     def target_dropped(self, manifest: Manifest) -> None:
         return None
+
+    def target_refused(self, manifest: Manifest) -> None:
+        """The plan does not fit this version (it names a tensor the version lacks, or
+        a run past a tensor's end): the same replan as for any other layout."""
+        self._owner.layout_seen(manifest, self._generation)
 
 
 class SliceReceiver:

@@ -219,8 +219,11 @@ class SyncClient:
 
     def _notify(self, event: str, manifest: wire.Manifest) -> None:
         for listener in self.listeners:
+            hook = getattr(listener, event, None)  # target_refused is optional
+            if hook is None:
+                continue
             try:
-                getattr(listener, event)(manifest)
+                hook(manifest)
             except Exception:  # a listener's bug must not stop the transfer
                 log.exception("chunk listener %s failed", event)
 
@@ -270,6 +273,7 @@ class SyncClient:
         except ProtocolError as exc:  # e.g. a slice plan of another model: say so, stage nothing
             self.report.problem(ProtocolError(f"version {manifest.version}: {exc}"))
             self.backoff.record(manifest.publisher_id, manifest.version, time.monotonic())
+            self._notify("target_refused", manifest)  # a listener may replan (slice_receiver)
             return
         self.target = target
         self.requests.clear()

@@ -69,9 +69,9 @@ def test_each_rank_fetches_its_own_slices_and_transformers_agrees(sliced):
         weights = new_weights(KIND, seed)
         published = {k: v for k, v in weights.items() if k != drop}
         version = pub.publish(published)
-        total += pub.manifest(version).total_bytes
         states = wait_until_applied(llm, version, publisher_id=pub.publisher_id,
                                     fail_on_error=True)
+        total += pub.manifest(version).total_bytes  # announced by now (publish is async)
         serving.update(published)  # a version without a layer leaves that layer as it was
         assert_matches_hf(llm, KIND, serving, N)
         for state in states:
