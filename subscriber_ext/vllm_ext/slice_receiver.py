@@ -200,22 +200,25 @@ class SliceReceiver:
             self._plan = plan
             self._key = None if layout is None else layout_key(layout)
         sub = WeightSubscriber(self.endpoint, options=self._options.replace(slice_plan=wire_plan),
-                               on_version=self._deliver, on_progress=self._progress,
+                               on_version=lambda staged: self._deliver(staged, generation),
+                               on_progress=lambda partial: self._progress(partial, generation),
                                chunk_listener=_LayoutWatch(self, generation))
         sub.set_ranks((self.rank,))
         return sub
 
-    def _current(self, manifest: Manifest) -> bool:
+    def _current(self, manifest: Manifest, generation: int) -> bool:
+        """Whether a version came through the running subscription and fits its plan."""
         with self._lock:
-            key = self._key
-        return key is None or key == layout_key(manifest_layout(manifest))
+            key, current = self._key, self._generation
+        return generation == current and (key is None or key == layout_key(
+            manifest_layout(manifest)))
 
-    def _deliver(self, staged: Any) -> None:
-        if not self._current(staged.manifest):  # fetched under another plan: not ours
+    def _deliver(self, staged: Any, generation: int) -> None:
+        if not self._current(staged.manifest, generation):  # staged under another plan
             staged.release()
             return
         self._on_version(staged)
 
-    def _progress(self, partial: PartialVersion) -> None:
-        if self._on_progress is not None and self._current(partial.manifest):
+    def _progress(self, partial: PartialVersion, generation: int) -> None:
+        if self._on_progress is not None and self._current(partial.manifest, generation):
             self._on_progress(partial)
