@@ -13,8 +13,8 @@ version is published), so both see the same load; the order alternates per round
 Models (fp32, about 40 MB): a Qwen2-shaped dense model (GQA 8 heads / 2 KV heads,
 so at TP=2 no KV head is replicated) and a Qwen3-MoE-shaped one (8 experts).
 
-    python benchmarks/slice_fetch.py                     # dense and MoE, TP=2, 4 rounds
-    python benchmarks/slice_fetch.py --kinds dense --rounds 2 --tp 2
+    python benchmarks/slice_replica.py                     # dense and MoE, TP=2, 4 rounds
+    python benchmarks/slice_replica.py --kinds dense --rounds 2 --tp 2
 """
 
 from __future__ import annotations
@@ -65,14 +65,14 @@ def weights(kind: str, seed: int) -> dict[str, torch.Tensor]:
 
 
 def quiet(relay: ByteRelay, settle: float = 1.0, timeout: float = 120.0) -> None:
-    """Until no byte crossed the relay for ``settle`` seconds."""
+    """Until less than 64 KiB crossed the relay in ``settle`` seconds (reports, heartbeat
+    replies and slice sums trickle on)."""
     deadline = time.monotonic() + timeout
-    last, since = relay.bytes_down, time.monotonic()
+    mark, since = relay.bytes_down, time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.1)
-        now = relay.bytes_down
-        if now != last:
-            last, since = now, time.monotonic()
+        if relay.bytes_down - mark > 64 << 10:
+            mark, since = relay.bytes_down, time.monotonic()
         elif time.monotonic() - since >= settle:
             return
 
@@ -112,12 +112,13 @@ def measure(kind: str, tp: int, rounds: int) -> dict[str, Any]:
                         fractions = [s["receive"]["needed_fraction"] for s in states]
                     quiet(relay)  # the re-fetch of the current version a new subscription makes
                     before = relay.per_link_down()
-                    version = pub.publish(weights(kind, 100 + number * 2 + len(results[mode]["s"])))
-                    size = pub.manifest(version).total_bytes
+                    fresh = weights(kind, 100 + number * 2 + len(results[mode]["s"]))
                     start = time.perf_counter()
+                    version = pub.publish(fresh)
                     states = wait_until_applied(llm, version, publisher_id=pub.publisher_id,
                                                 timeout=300, fail_on_error=True)
                     results[mode]["s"].append(time.perf_counter() - start)
+                    size = pub.manifest(version).total_bytes
                     quiet(relay, settle=0.5)
                     after = relay.per_link_down()
                     moved = [a - (before[i] if i < len(before) else 0)
