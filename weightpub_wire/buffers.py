@@ -155,7 +155,9 @@ class BufferPool:
         self._budget_name = budget_name
         self._out: dict[int, int] = {}  # data_ptr -> bytes, handed out and not given back
         self._pinned_keys: set[int] = set()  # data_ptr of each live buffer made pinned
-        self._sparse: set[int] = set()  # data_ptr of each live sparse buffer (never reused)
+        #: data_ptr -> reuse key of each live sparse buffer; idle ones by key (bytes counted)
+        self._sparse: dict[int, object] = {}
+        self._sparse_free: dict[object, tuple[torch.Tensor, int]] = {}
         self._lock = threading.Lock()
 
     # -- accounting ------------------------------------------------------------------------
@@ -166,7 +168,8 @@ class BufferPool:
             return self._held_locked()
 
     def _held_locked(self) -> int:
-        return sum(self._out.values()) + sum(b.numel() for b in self._free)
+        return sum(self._out.values()) + sum(b.numel() for b in self._free) + \
+            sum(counted for _, counted in self._sparse_free.values())
 
     def room_for(self, nbytes: int) -> bool:
         """Whether ``take(nbytes)`` fits the budget now (dropping idle buffers if needed).
@@ -187,6 +190,9 @@ class BufferPool:
                 return True
             self._free.sort(key=lambda b: b.numel())
             outside = 0 if self._outside is None else self._outside()
+            while self._sparse_free and self._held_locked() + outside + nbytes > budget:
+                key = next(iter(self._sparse_free))
+                dropped.append(self._sparse_free.pop(key)[0].data_ptr())
             while self._free and self._held_locked() + outside + nbytes > budget:
                 dropped.append(self._free.pop().data_ptr())  # the largest idle one first
             fits = self._held_locked() + outside + nbytes <= budget
@@ -234,26 +240,33 @@ class BufferPool:
                 self._pinned_keys.add(buf.data_ptr())
         return buf[:nbytes]
 
-    def take_sparse(self, nbytes: int, counted: int) -> torch.Tensor:
+    def take_sparse(self, nbytes: int, counted: int, key: object = None) -> torch.Tensor:
         """A zeroed flat buffer of ``nbytes`` of which only about ``counted`` bytes will be
         written (a slice plan's: issue 30), counted as ``counted`` against the budget.
 
         Anonymous memory: pages never written cost nothing, so a rank staging its slices
         of a version holds about its share. Never pinned (page-locking would make every
-        page resident) and never reused (a reused buffer would hold another version's bytes
-        where this one's plan writes none): ``give`` frees it.
+        page resident). Reused only for the same ``key`` (a plan in one layout: the same
+        bytes are written again, every other byte is still zero); without a key, or once
+        ``max_buffers`` others are idle, ``give`` frees it.
         """
-        size = max(nbytes, 1)
         with self._lock:
+            idle = self._sparse_free.pop(key, None) if key is not None else None
+            if idle is not None:
+                buf = idle[0]
+                self._out[buf.data_ptr()] = counted
+                self._sparse[buf.data_ptr()] = key
+                return buf[:nbytes]
             if self.budget_bytes is not None and \
                     self._held_locked() + counted > self.budget_bytes:
                 raise StagingBudgetError(
                     f"{counted} bytes of sparse staging needed but {self._held_locked()} of "
                     f"the {self.budget_bytes}-byte budget are in use ({self._budget_name})")
-        buf = torch.from_numpy(numpy.frombuffer(mmap.mmap(-1, size), dtype=numpy.uint8))
+        buf = torch.from_numpy(numpy.frombuffer(mmap.mmap(-1, max(nbytes, 1)),
+                                                dtype=numpy.uint8))
         with self._lock:
             self._out[buf.data_ptr()] = counted
-            self._sparse.add(buf.data_ptr())
+            self._sparse[buf.data_ptr()] = key
         return buf[:nbytes]
 
     def _release(self, key: int) -> None:
@@ -266,10 +279,13 @@ class BufferPool:
         base = buf if buf._base is None else buf._base
         key = base.data_ptr()
         with self._lock:
-            self._out.pop(key, None)
+            counted = self._out.pop(key, 0)
             if key in self._sparse:
-                self._sparse.discard(key)
-                return  # freed with its last view
+                reuse = self._sparse.pop(key)
+                if reuse is not None and len(self._sparse_free) < self._max:
+                    self._sparse_free.pop(reuse, None)
+                    self._sparse_free[reuse] = (base, counted)
+                return  # else freed with its last view
             if any(b is base for b in self._free):
                 return
             keep = len(self._free) < self._max
@@ -283,7 +299,7 @@ class BufferPool:
         it. Its memory is freed by whoever still holds views of it."""
         with self._lock:
             known = self._out.pop(key, None) is not None
-            self._sparse.discard(key)
+            self._sparse.pop(key, None)
         if known:
             self._release(key)
 

@@ -27,6 +27,9 @@ A fetch that names a ``base`` gets each chunk as a delta payload instead
 (``weightpub_wire.delta_codec``); manifests of such versions carry ``delta``.
 Peer sharing (``peer_hello`` / ``peer_plan``) is in ``weightpub_wire.peer_protocol``;
 peers serve each other with the same ``fetch`` / ``chunk`` / ``error`` frames.
+Slice fetches (``slice_reg`` / ``slice_ack``, ``slice_sums`` / ``slice_sums_rep``,
+``slice_fetch`` answered by chunk frames carrying one plan's bytes of each chunk) are in
+``weightpub_wire.slice_messages``, the plans themselves in ``weightpub_wire.slice_plan``.
 
 A version's tensors are laid out back to back (each offset aligned to
 ``TENSOR_ALIGN``) in one flat byte buffer of ``total_bytes``; the buffer is

@@ -84,6 +84,7 @@ class _Entry:
     sums: tuple[int, ...] | None = None
     future: Future[tuple[int, ...] | None] | None = None
     waiters: list[tuple[bytes, int]] = field(default_factory=list)  # (identity, req)
+    eager: bool = False  # hashed ahead of any request (``SliceServing._hash_ahead``)
 
     @property
     def nbytes(self) -> int:
@@ -109,6 +110,10 @@ class SliceServing:
         self._deferred: list[tuple[bytes, int, _Entry, int]] = []
         self._per_peer: Counter[bytes] = Counter()
         self._executor: ThreadPoolExecutor | None = None
+        #: plans whose sums were asked for the newest version seen: hashed ahead for the
+        #: next one, as soon as its bytes are final (no round trip waits for the hash)
+        self._eager: dict[str, int] = {}  # digest -> version it was last asked for
+        self._seen_latest = 0
         self.bytes_sent = 0
         self.refused = 0  # requests refused (bad plan, unknown plan, bounds)
         #: ``held_bytes`` as of the last request or flush: read by other threads (the host
@@ -196,7 +201,9 @@ class SliceServing:
                 self.held_bytes > self.limits.max_plan_bytes and len(self._plans) > 1:
             gone, _ = self._plans.popitem(last=False)
             for key in [k for k in self._entries if k[0] == gone]:
-                del self._entries[key]
+                for waiter, req in self._entries.pop(key).waiters:  # they register again
+                    self._error(waiter, req, "unknown_plan",
+                                f"slice plan {gone} was dropped here (too many plans)", key[1])
         self._ack(identity, part.req, part.digest, plan)
 
     def _refuse(self, digest: str) -> None:
@@ -261,6 +268,7 @@ class SliceServing:
                             request.version)
         if entry is None:
             return
+        self._eager[request.digest] = max(self._eager.get(request.digest, 0), request.version)
         if entry.sums is not None:
             self._sums_reply(identity, request.req, entry, request.digest)
             return
@@ -329,11 +337,35 @@ class SliceServing:
         self.bytes_sent += len(data)
         return True
 
+    def _hash_ahead(self) -> None:
+        """A new version: start the checksums of the plans asked for the one before, so a
+        sliced subscriber's ``slice_sums`` finds them ready (or nearly)."""
+        latest = self._store.latest()
+        if latest is None or latest.manifest.version == self._seen_latest:
+            return
+        previous, number = self._seen_latest, latest.manifest.version
+        self._seen_latest = number
+        for digest, asked in list(self._eager.items()):
+            if digest not in self._plans or asked < previous:
+                del self._eager[digest]  # nobody asked for a while: no hashing ahead
+                continue
+            key = (digest, number)
+            if key in self._entries or latest.failed or latest.manifest.shards is not None:
+                continue
+            try:
+                layout = SliceLayout.build(self._plans[digest][0], latest.manifest)
+            except ProtocolError:
+                continue  # another model now: the subscriber's own request says so
+            self._entries[key] = _Entry(latest, layout, eager=True)
+            self._evict_entries()
+
     def flush(self) -> None:
         """Reply the checksums computed by now; send the chunks that have bytes and room."""
+        if self._eager:
+            self._hash_ahead()
         for digest_version, entry in list(self._entries.items()):
             if entry.future is None:
-                if entry.waiters:
+                if (entry.waiters or entry.eager) and entry.sums is None:
                     self._start_sums(entry)
                 continue
             if not entry.future.done():

@@ -280,3 +280,49 @@ def test_bad_plans_are_refused_by_name_and_the_publisher_stays_up(
     wait_until(lambda: other.status()["last_error"], 30, "the plan refused")
     assert "'missing.weight' is not a tensor of version 1" in other.status()["last_error"]
     assert other.latest() is None
+
+
+def test_a_sharded_trainer_serves_the_touched_chunks_whole_from_its_ranks(
+        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Not yet slices from trainer ranks: each rank serves whole chunks, only those the
+    plan touches; the planned bytes are right, and status says why (``sharded``)."""
+    from tests.transport.test_sharded import SEED as SHARD_SEED
+    from tests.transport.test_sharded import SPECS, _publish, _start_ranks
+
+    ranks, ready0 = _start_ranks(spawn, SPECS)
+    row = 17 * 4
+    plan = from_ranges("tp2/rank0", {"layers.0.w": [(i * row, i * row + row // 2)
+                                                    for i in range(300)],
+                                     "head": [(0, 77 * 40 * 2)]})
+    sub = make_sub(ready0["announce"], slice_plan=plan, request_timeout=2.0)
+    for version in (1, 2):
+        _publish(ranks, version)
+        staged = sub.wait_for_version(version, timeout=60)
+        want = det_weights(SHARD_SEED, version, [(n, d, tuple(s)) for n, d, s in SPECS[0]])
+        want.update(det_weights(SHARD_SEED, version, [(n, d, tuple(s)) for n, d, s in SPECS[1]]))
+        got = staged.tensors["layers.0.w"]
+        assert torch.equal(as_bytes(got[:, :8]), as_bytes(want["layers.0.w"][:, :8]))
+        assert torch.equal(as_bytes(staged.tensors["head"]), as_bytes(want["head"]))
+        assert not as_bytes(staged.tensors["layers.1.w"]).any()  # untouched: never asked
+        staged.release()
+    share = sub.status()["slice_plan"]
+    assert share["fallbacks"] == {"sharded": 2} and share["slice_bytes"] == 0
+    assert share["whole_chunk_bytes"] > 0
+
+
+def test_more_plans_than_the_publisher_holds_still_stage_right(
+        make_pub: Callable[..., WeightPublisher],
+        make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Two plans, room for one: each eviction is answered ``unknown_plan``, the subscriber
+    registers again, and one that keeps being evicted fetches whole chunks (``evicted``)."""
+    pub = make_pub(chunk_size=CHUNK, limits=ServerLimits(slices=SliceLimits(max_plans=1)))
+    subs = [make_sub(pub.endpoint, slice_plan=half_plan(rank), request_timeout=1.0)
+            for rank in (0, 1)]
+    for version in (1, 2):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        for rank, sub in enumerate(subs):
+            staged = sub.wait_for_version(version, timeout=60)
+            check_staged(staged, version, rank)
+            staged.release()
+    for sub in subs:
+        assert set(sub.status()["slice_plan"]["fallbacks"]) <= {"evicted"}

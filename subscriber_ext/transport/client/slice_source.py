@@ -67,6 +67,7 @@ FALLBACK_CAUSES = (
     "busy",  # the publisher refused a slice fetch for its bounds
     "sums",  # the slice checksums did not come (or did not fit the plan)
     "sharded",  # a sharded trainer's ranks serve whole chunks
+    "evicted",  # the publisher kept dropping the plan (more plans than it holds)
 )
 _CONTROL_TRIES = 3  # a registration or sums request asked this often before falling back
 
@@ -120,6 +121,7 @@ class SliceSource(ChunkSource):
         self.refusing: dict[str, str] = {}
         #: the control request in flight: (kind, req, publisher_id, sent_at, tries)
         self._control: tuple[str, int, str, float, int] | None = None
+        self._forgotten = 0  # ``unknown_plan`` replies for the current target
 
     @property
     def label(self) -> str:
@@ -132,6 +134,7 @@ class SliceSource(ChunkSource):
         if self._target is None or self._target() is not target:
             self._target = weakref.ref(target)
             self._control = None
+            self._forgotten = 0
             publisher = target.manifest.publisher_id
             if publisher in self.refusing:
                 self._fall_back(target, self.refusing[publisher])
@@ -194,8 +197,9 @@ class SliceSource(ChunkSource):
 
     def candidates(self, target: Assembly, asked: set[int], limit: int) -> list[int]:
         sparse = self._follow(target)
-        if sparse is not None and sparse.whole_cause is None and sparse.sums is None:
-            self._want_sums(sparse, time.monotonic())
+        if sparse is not None and sparse.whole_cause is None and (
+                sparse.sums is None or sparse.manifest.publisher_id not in self.registered):
+            self._want_sums(sparse, time.monotonic())  # (again, after an unknown_plan)
             return []
         return target.next_chunks(asked, limit)
 
@@ -323,6 +327,10 @@ class SliceSource(ChunkSource):
         if error.code == "unknown_plan":  # the publisher forgot it (its LRU): register again
             if target is not None:
                 self.registered.discard(target.manifest.publisher_id)
+                self._forgotten += 1
+                if self._forgotten > _CONTROL_TRIES:  # it keeps dropping it: whole chunks
+                    self.fetcher.last_refusal = error.message
+                    self._fall_back(target, "evicted")
             if mine:
                 self._control = None
             elif error.req in table:

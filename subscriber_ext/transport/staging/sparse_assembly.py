@@ -4,8 +4,9 @@ Why full size: the consumer (a vLLM rank's loaders) reads the published tensors 
 name and shape exactly as from a whole version (``StagedVersion.tensors``), and the
 bytes it reads are exactly the plan's. The buffer is anonymous memory
 (``BufferPool.take_sparse``): pages the plan never writes cost nothing and read as
-zeros; the staging budget counts the pages the plan touches
-(``SliceLayout.resident_bytes``), not the version.
+zeros (a buffer is reused only for the same plan in the same layout, which writes the
+same bytes again: no page faults after the first version); the staging budget counts
+the pages the plan touches (``SliceLayout.resident_bytes``), not the version.
 
 What is missing is the chunks the plan touches (a chunk it does not touch is never
 asked). A chunk arrives in one of two forms, told apart by its size: the plan's bytes
@@ -45,7 +46,10 @@ class SparseAssembly(Assembly):
         self.pool = pool
         self.layout = layout
         self.digest = digest  # the plan's, named in every slice request
-        self.buffer = pool.take_sparse(manifest.total_bytes, layout.resident_bytes)
+        # reused for the same plan in the same layout: only planned bytes were ever written
+        reuse = (digest, manifest.total_bytes, manifest.chunk_size,
+                 tuple((t.name, t.offset) for t in manifest.tensors))
+        self.buffer = pool.take_sparse(manifest.total_bytes, layout.resident_bytes, reuse)
         self.view = byte_view(self.buffer, manifest.total_bytes)
         self._array = np.frombuffer(self.view, dtype=np.uint8) if manifest.total_bytes \
             else np.empty(0, dtype=np.uint8)
