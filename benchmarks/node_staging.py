@@ -61,7 +61,8 @@ def serve(model_dir: str, tp: int, endpoint: str, node_staging: bool, dtype: str
               tensor_parallel_size=tp, max_model_len=128, max_num_seqs=4,
               gpu_memory_utilization=0.2, worker_extension_cls=WORKER_EXTENSION)
     llm.collective_rpc("start_weight_subscriber", args=(endpoint,),
-                       kwargs={"node_staging": node_staging, "request_timeout": 30.0})
+                       kwargs={"node_staging": node_staging, "request_timeout": 30.0,
+                               "receive": "whole"})
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         version = int(line.split()[1])

@@ -163,6 +163,7 @@ def test_replica_command_carries_endpoint_in_additional_config():
     extra = json.loads(argv[argv.index("--additional-config") + 1])
     assert extra["weightpub"]["endpoint"] == config.subscriber.endpoint
     assert "node_staging" not in extra["weightpub"]  # the replica decides (on when TP > 1)
+    assert "receive" not in extra["weightpub"]  # the replica decides (slices at TP > 1)
     assert "staging_budget_bytes" not in extra["weightpub"]  # derived by the replica
     assert "prepare_budget_bytes" not in extra["weightpub"]  # the replica's default: 0
     assert "--worker-extension-cls" in argv
@@ -171,12 +172,14 @@ def test_replica_command_carries_endpoint_in_additional_config():
 def test_staging_budget_and_node_staging_reach_the_replica_command():
     replica = ReplicaConfig.model_validate({
         "model": "m", "node_staging": False, "prepare_budget_bytes": 1 << 30,
+        "receive": "whole",
         "subscriber": {"endpoint": "tcp://h:1", "staging_budget_bytes": 3 << 30}})
     argv = replica_command(replica)
     extra = json.loads(argv[argv.index("--additional-config") + 1])["weightpub"]
     assert extra["staging_budget_bytes"] == 3 << 30
     assert extra["prepare_budget_bytes"] == 1 << 30
     assert extra["node_staging"] is False
+    assert extra["receive"] == "whole"
     assert "collective" not in extra
     collective = ReplicaConfig.model_validate({
         "model": "m", "subscriber": {"endpoint": "tcp://h:1", "collective": True}})

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from publisher.publisher_config import PublisherConfig
 from subscriber_ext.transport.subscriber_config import SubscriberConfig
 from subscriber_ext.vllm_ext.apply.applier import ApplyMode
+from subscriber_ext.vllm_ext.receive_choice import ReceiveMode
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.config_file import StrictConfig, load_yaml_as, load_yaml_section
 from weightpub_wire.option_set import declared
@@ -39,6 +40,7 @@ class ReplicaConfig(StrictConfig):
     # the worker extension's options, as WorkerOptions declares them (type, bound, default)
     apply_mode: ApplyMode = declared(WorkerOptions, "apply_mode")
     node_staging: bool | None = declared(WorkerOptions, "node_staging")
+    receive: ReceiveMode = declared(WorkerOptions, "receive")
     prepare_budget_bytes: int | None = declared(WorkerOptions, "prepare_budget_bytes")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_model_len: int | None = Field(None, ge=16)

@@ -28,6 +28,8 @@ def replica_command(config: ReplicaConfig) -> list[str]:
                  **sub.subscriber_kwargs()}
     if config.node_staging is not None:
         weightpub["node_staging"] = config.node_staging
+    if config.receive != "auto":
+        weightpub["receive"] = config.receive
     if config.prepare_budget_bytes is not None:
         weightpub["prepare_budget_bytes"] = config.prepare_budget_bytes
     argv = [

@@ -1,24 +1,39 @@
-"""RPCs for slice plans (issue 30): which bytes of each published tensor a rank reads.
+"""Slice plans on a worker (issue 30): which bytes of each published tensor a rank reads.
 
 ``weight_slice_plan`` records this rank's plan from a manifest's tensor table
 (``apply/slice_plan.py``); ``weight_slice_check`` proves a plan on real bytes (the
 same parameters loaded with everything outside the plan poisoned). Both touch no
-live weight. The plan is what a per-rank receiver will fetch (not wired to the
-transport yet: see issue 30's note).
+live weight. ``_wp_choose_receive`` decides at ``start_weight_subscriber`` whether
+this rank fetches its own slices (``slice_receiver.py``) or whole versions
+(``receive_choice.py``); ``_wp_plan_for`` is the receiver's plan, cached by layout.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Any
 
+import torch
+
 from subscriber_ext.vllm_ext.apply.slice_plan import SlicePlan, check_plan, record_plan
+from subscriber_ext.vllm_ext.receive_choice import (
+    AUTO_SLICES_BELOW,
+    Layout,
+    ReceiveChoice,
+    checkpoint_layout,
+)
 from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.seed.tensor_bytes import decode_many
+from subscriber_ext.vllm_ext.slice_receiver import layout_key
+from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from subscriber_ext.vllm_ext.worker_state import StateAccess
 from weightpub_wire.dtypes import parse_dtype
 from weightpub_wire.errors import ApplyError
 
 __all__ = ["SliceRpcs"]
+
+logger = logging.getLogger("weightpub.slices")
 
 #: a manifest's tensor table is bounded by the wire; an RPC caller's is bounded here
 _MAX_ENTRIES = 1 << 20
@@ -57,3 +72,81 @@ class SliceRpcs(StateAccess):
         out = plan.summary()
         out["mismatches"] = check_plan(self._wp_applier(), plan, tensors)
         return out
+
+    # ------------------------------------------------------------ receiving slices
+    def _wp_plan_for(self, layout: Layout) -> SlicePlan:
+        """This rank's plan for a layout, recorded once (``SliceReceiver``'s ``plan_for``)."""
+        st = self._wp()
+        key = layout_key(layout)
+        with st.lock:
+            plan = st.slice_plans.get(key)
+        if plan is None:
+            plan = self._wp_slice_plan([list(entry) for entry in layout])
+            with st.lock:
+                if len(st.slice_plans) >= 4:  # layouts rarely change; keep the newest few
+                    st.slice_plans.pop(next(iter(st.slice_plans)))
+                st.slice_plans[key] = plan
+        return plan
+
+    def _wp_slice_label(self) -> str:
+        """The plan's layout tag: which share of the replica this rank is."""
+        parallel = self.vllm_config.parallel_config
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        return f"tp{tp}/rank{self.rank}" if pp == 1 else f"tp{tp}pp{pp}/rank{self.rank}"
+
+    def _wp_choose_receive(self, options: WorkerOptions,
+                           ) -> tuple[ReceiveChoice, Layout | None]:
+        """Slices, node staging or one whole subscriber, and the layout to plan first.
+
+        ``auto`` runs one tiny all_reduce on vLLM's CPU groups (every rank calls this
+        from the same RPC, with the same options), so every rank chooses alike.
+        """
+        world = self.vllm_config.parallel_config.world_size
+        node = options.node_staging if options.node_staging is not None else world > 1
+        whole = "node" if node else "rank"
+        st = self._wp()
+        if options.receive == "whole":
+            return ReceiveChoice(whole, "asked"), None
+        layout = checkpoint_layout(str(self.vllm_config.model_config.model))
+        if options.receive == "auto":
+            reason = "one rank" if world == 1 else "collective" if options.collective \
+                else "peer_share" if options.peer_share else None
+            if reason is not None:
+                return ReceiveChoice(whole, reason), None
+        fraction, cause = math.inf, "no checkpoint layout"
+        if layout is not None:
+            try:
+                plan = self._wp_plan_for(layout)
+                fraction = plan.needed_bytes / max(1, plan.total_bytes)
+                cause = "asked" if options.receive == "slices" else "auto"
+            except Exception as exc:  # recording failed: whole versions, counted
+                logger.warning("weightpub: rank %s could not record its slice plan (%s)",
+                               self.rank, exc)
+                cause = f"plan failed: {type(exc).__name__}"
+        if options.receive == "slices":  # no layout yet: the first version tells
+            return ReceiveChoice("slices", cause, None if math.isinf(fraction)
+                                 else round(fraction, 4)), layout
+        worst = self._wp_agree_max(fraction)
+        if worst < AUTO_SLICES_BELOW:
+            return ReceiveChoice("slices", "auto", round(fraction, 4),
+                                 dict(st.receive_fallbacks)), layout
+        if cause == "auto":
+            cause = f"a rank needs {worst:.2f}x of a version"
+        elif math.isfinite(fraction):
+            cause = "another rank could not plan"
+        st.receive_fallbacks[cause] = st.receive_fallbacks.get(cause, 0) + 1
+        return ReceiveChoice(whole, cause, None, dict(st.receive_fallbacks)), None
+
+    def _wp_agree_max(self, value: float) -> float:
+        """The largest ``value`` of every rank of the replica (TP group, then PP group)."""
+        out = torch.tensor([value if math.isfinite(value) else 1e30], dtype=torch.float64)
+        for group in self._wp_groups():
+            if group is not None and group.size() > 1:
+                torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX,
+                                             group=group)
+        return float(out.item())
+
+    def _wp_groups(self) -> list[Any]:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return [get_tp_group().cpu_group, get_pp_group().cpu_group]

@@ -45,6 +45,7 @@ from subscriber_ext.vllm_ext.lora.merged import AdapterMerger
 from subscriber_ext.vllm_ext.lora.served import AdapterServer, lora_manager_of
 from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.seed_rpcs import SeedRpcs
+from subscriber_ext.vllm_ext.slice_receiver import SliceReceiver
 from subscriber_ext.vllm_ext.slice_rpcs import SliceRpcs
 from subscriber_ext.vllm_ext.vllm_compat import check_vllm
 from subscriber_ext.vllm_ext.worker_options import WorkerKeywords, WorkerOptions
@@ -130,11 +131,6 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
             st.coordinator = None
         st.options = options
         self._wp_coordinator()
-
-    def _wp_groups(self) -> list[Any]:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        return [get_tp_group().cpu_group, get_pp_group().cpu_group]
 
     def _wp_prepare(self, staged: StagedLike) -> PreparedVersion:
         """Preparer thread: kernel-format shadows of ``staged`` (see ``apply/prepare.py``)."""
@@ -274,7 +270,12 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
         ``record_requests``, ``request_log_size``, ``node_staging`` (default: on when
         the replica has more than one rank: the ranks of this replica on one node
         share one subscription and one staged copy in shared memory; a single-rank
-        replica keeps private, on CUDA pinned, staging; True/False force it).
+        replica keeps private, on CUDA pinned, staging; True/False force it), ``receive``
+        (``auto`` by default: at more than one rank, each rank runs its own subscriber that
+        fetches only the bytes its weight loaders read, its slice plan, when every rank
+        needs below 0.9x of a version, else whole versions as ``node_staging`` says;
+        ``slices`` / ``whole`` force it; ``weight_status()["receive"]`` says which and
+        why, ``["subscriber"]["slices"]`` this rank's plan; ``receive_choice.py``).
         Everything else is the subscriber's (``WeightSubscriber``'s keywords, e.g.
         ``staging_budget_bytes``, or ``collective=True``: the node joins the
         publisher's collective data path, gloo on CPUs, NCCL / CUDA IPC on this rank's
@@ -303,7 +304,8 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
         return self._wp_status()
 
     def _wp_subscribe(self, endpoint: str, options: WorkerOptions) -> VersionSource:
-        """This rank's source: the node's shared subscription, its own, or a stand-in."""
+        """This rank's source: its own slices, the node's shared subscription, its own
+        whole one, or a stand-in (``receive_choice.py`` says which and why)."""
         cls = self._wp_source_class(options.subscriber_cls)
         if cls is not WeightSubscriber:
             source = cls(endpoint, on_version=self._wp_on_version, options=options.subscriber)
@@ -314,10 +316,14 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
             return source
         parse_endpoint(endpoint)  # here too on followers, which start no subscriber
         sub = self._wp_subscriber_options(options.subscriber)
-        node_staging = options.node_staging
-        if node_staging is None:
-            node_staging = self.vllm_config.parallel_config.world_size > 1
-        node_key = self._wp_node_key(endpoint) if node_staging else None
+        choice, layout = self._wp_choose_receive(options)
+        self._wp().receive = choice
+        if choice.mode == "slices":
+            return SliceReceiver(endpoint, rank=self.rank, label=self._wp_slice_label(),
+                                 options=sub, plan_for=self._wp_plan_for,
+                                 on_version=self._wp_on_version,
+                                 on_progress=self._wp_on_progress, layout=layout)
+        node_key = self._wp_node_key(endpoint) if choice.mode == "node" else None
         if node_key is not None:
             return join_node_staging(
                 node_key, rank=self.rank, on_version=self._wp_on_version,

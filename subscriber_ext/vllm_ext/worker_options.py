@@ -22,6 +22,7 @@ from pydantic import Field, model_validator
 
 from subscriber_ext.transport.subscriber_options import SubscriberKeywords, SubscriberOptions
 from subscriber_ext.vllm_ext.apply.applier import ApplyMode
+from subscriber_ext.vllm_ext.receive_choice import ReceiveMode
 from weightpub_wire.option_set import MiB, unit
 
 __all__ = ["DEFAULT_SOURCE", "CommitSettings", "WorkerKeywords", "WorkerOptions"]
@@ -81,6 +82,12 @@ class WorkerOptions(SubscriberOptions):
     node_staging: bool | None = Field(
         None, description="the ranks on one node share one subscription and staged copy "
                           "(None: when the replica has more than one rank)")
+    receive: ReceiveMode = Field(
+        "auto", description="slices: each rank fetches only the bytes its weight loaders "
+                            "read, with its own receiver; whole: whole versions (node "
+                            "staging as node_staging says); auto: slices when the replica "
+                            "has more than one rank and every rank needs below 0.9x of a "
+                            "version, else whole (weight_status()['receive'] says why)")
     lora_mode: LoraMode = Field(
         "auto", description="LoRA adapter versions: serve them by name (an engine with "
                             "enable_lora), merge one into the base weights, or auto (serve "
@@ -93,6 +100,13 @@ class WorkerOptions(SubscriberOptions):
         if self.prepare is True and self.prepare_budget_bytes == 0:
             raise ValueError("prepare_budget_bytes: 0 leaves nothing to prepare with "
                              "prepare=True; raise it or leave it unset (unbounded)")
+        if self.receive == "slices" and self.node_staging:
+            raise ValueError("node_staging: True stages whole versions per node; receive "
+                             "'slices' gives every rank its own receiver (choose one)")
+        for other in ("peer_share", "collective"):
+            if self.receive == "slices" and getattr(self, other):
+                raise ValueError(f"receive: 'slices' with {other}=True; a rank's slices are "
+                                 f"not served by {other} yet (receive 'auto' chooses whole)")
         return self
 
     @property
@@ -124,5 +138,6 @@ class WorkerKeywords(SubscriberKeywords, total=False):
     request_log_size: int
     subscriber_cls: str
     node_staging: bool | None
+    receive: ReceiveMode
     lora_mode: LoraMode
     merge_adapter: str | None

@@ -17,10 +17,12 @@ import torch
 from subscriber_ext.observe.replica_metrics import RankMetrics
 from subscriber_ext.vllm_ext.apply.applier import WeightApplier
 from subscriber_ext.vllm_ext.apply.names import Target
+from subscriber_ext.vllm_ext.apply.slice_plan import SlicePlan
 from subscriber_ext.vllm_ext.commit.coordinator import CommitCoordinator, StagedLike
 from subscriber_ext.vllm_ext.commit.shared_slots import SlotTable
 from subscriber_ext.vllm_ext.lora.merged import AdapterMerger
 from subscriber_ext.vllm_ext.lora.served import AdapterServer
+from subscriber_ext.vllm_ext.receive_choice import ReceiveChoice
 from subscriber_ext.vllm_ext.seed.communicator import WeightCommunicator
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.errors import WeightPubError
@@ -75,6 +77,11 @@ class WorkerState:
         self.adapter_server: AdapterServer | None = None
         self.adapter_merger: AdapterMerger | None = None
         self.adapter_mode: str | None = None  # how the last adapter version was applied
+        #: how this rank receives (``receive_choice.py``), its slice plans by layout key,
+        #: and how often ``receive: auto`` fell back to whole versions, by cause
+        self.receive: ReceiveChoice | None = None
+        self.slice_plans: dict[str, SlicePlan] = {}
+        self.receive_fallbacks: dict[str, int] = {}
 
     def record_step(self, scheduler_output: Any, version: int | None) -> None:
         """Remember, per request id, the first and last version its steps ran with."""

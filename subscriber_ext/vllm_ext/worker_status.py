@@ -124,6 +124,8 @@ class WorkerStatus(StateAccess):
             # the node's NIXL path: versions (or chunks) fetched over ZeroMQ instead, by cause
             "nixl_fallbacks": dict(((source_status or {}).get("nixl") or {})
                                    .get("fallback_causes") or {}),
+            # each rank its own slices, node staging or whole (``receive_choice.py``)
+            "receive": st.receive.status() if st.receive else None,
             "seed_tensors": st.seed_tensors,
             "seed_pending": sorted(st.seed_pending),
             "subscriber": source_status,

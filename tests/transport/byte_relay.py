@@ -5,6 +5,9 @@ every byte the publisher sends down (chunks, replies) is counted per accepted
 connection. Manifests and heartbeats travel on the PUB socket, which
 subscribers reach directly, so the count is the data path (plus small replies).
 ``down_rate`` makes it a slow link (bytes per second toward the subscriber).
+``stall(marker)`` holds everything sent down the connections whose subscriber sent
+``marker`` up (its id, e.g. ``b"rank1"``, is in every report it sends), until
+``resume()``: one rank of a replica cut off while the others go on.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class _Link:
     down: int = 0  # publisher -> subscriber
     up: int = 0
     sockets: list[socket.socket] = field(default_factory=list)
+    seen: bytes = b""  # the last bytes sent up (a marker split across two reads)
+    marked: set[bytes] = field(default_factory=set)  # stall markers its subscriber sent
 
 
 class ByteRelay:
@@ -32,6 +37,8 @@ class ByteRelay:
         self.down_rate = down_rate  # bytes/s toward the subscriber (None: as fast as it goes)
         self.links: list[_Link] = []
         self._lock = threading.Lock()
+        self._markers: set[bytes] = set()  # stalled: links that sent one of these up
+        self._stalled: set[bytes] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.2)
         self.endpoint = f"tcp://127.0.0.1:{self._listener.getsockname()[1]}"
@@ -53,6 +60,35 @@ class ByteRelay:
     def connections(self) -> int:
         with self._lock:
             return len(self.links)
+
+    def per_link_down(self) -> list[int]:
+        """Bytes sent down each connection so far, in the order they were accepted."""
+        with self._lock:
+            return [link.down for link in self.links]
+
+    def watch(self, marker: bytes) -> None:
+        """Tag the connections whose subscriber sends ``marker`` up (before ``stall``)."""
+        with self._lock:
+            self._markers.add(marker)
+
+    def stall(self, marker: bytes) -> None:
+        """Hold everything down the connections tagged ``marker`` (``watch`` it first)."""
+        with self._lock:
+            self._markers.add(marker)
+            self._stalled.add(marker)
+
+    def resume(self) -> None:
+        with self._lock:
+            self._stalled.clear()
+
+    def tagged(self, marker: bytes) -> int:
+        """How many connections carried ``marker`` up."""
+        with self._lock:
+            return sum(1 for link in self.links if marker in link.marked)
+
+    def _held(self, link: _Link) -> bool:
+        with self._lock:
+            return bool(link.marked & self._stalled) and not self._closed
 
     def _accept_loop(self) -> None:
         while not self._closed:
@@ -90,6 +126,11 @@ class ByteRelay:
                         link.down += len(data)
                     else:
                         link.up += len(data)
+                        window = link.seen + data
+                        link.marked |= {m for m in self._markers if m in window}
+                        link.seen = window[-64:]
+                while down and self._held(link):
+                    time.sleep(0.02)
                 dst.sendall(data)
         except OSError:
             pass

@@ -45,7 +45,8 @@ SHARED_ENGINES: dict[str, tuple[str, int, tuple[str, ...]]] = {
                                       "test_lora_merge.py")),
     # the last kills it
     "qwen2_tp2_engine": ("qwen2", 2, ("test_collective_tp2.py", "test_slice_plans.py",
-                                      "test_nixl_tp2.py", "test_node_staging.py")),
+                                      "test_slice_receive.py", "test_nixl_tp2.py",
+                                      "test_node_staging.py")),
 }
 _engines: dict[str, Any] = {}
 _last_user: dict[str, str] = {}

@@ -5,8 +5,9 @@ replica's node owner rank READs every version one-sided from the snapshot buffer
 (UCX on loopback: ``tests/conftest.py`` sets ``UCX_NET_DEVICES=lo`` before any
 engine starts), stages it in the node's shared memory, both ranks commit it, and
 ``weight_version()["data_path"]`` says "nixl" on each rank. Not one chunk frame
-is sent. Shares the TP=2 engine (``SHARED_ENGINES``) between ``test_slice_plans.py``
-and ``test_node_staging.py``.
+is sent. ``receive="whole"``: each rank's own slices (the TP=2 default) come over
+ZeroMQ only so far. Shares the TP=2 engine (``SHARED_ENGINES``) with
+``test_slice_receive.py`` and ``test_node_staging.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def test_three_versions_over_nixl_on_every_rank(qwen2_tp2_engine) -> None:
     llm = qwen2_tp2_engine
     with WeightPublisher("tcp://127.0.0.1:0", nixl=True) as pub:
         llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,),
-                           kwargs={"report_interval": 0.2})
+                           # node staging: slices (auto at TP=2) read over ZeroMQ only
+                           kwargs={"report_interval": 0.2, "receive": "whole"})
         try:
             for seed in (61, 62, 63):
                 weights = new_weights(KIND, seed)

@@ -59,7 +59,8 @@ def replica(qwen2_tp2_engine):
     relay = ByteRelay.in_front_of(pub.endpoint)
     llm.collective_rpc("start_weight_subscriber", args=(relay.endpoint,), kwargs={
         "staging_budget_bytes": 3 * size,  # two versions staged at once fit, four never
-        "request_timeout": 30.0, "report_interval": 0.2})
+        "request_timeout": 30.0, "report_interval": 0.2,
+        "receive": "whole"})  # TP=2 would fetch each rank's slices (test_slice_fetch.py)
     yield llm, pub, relay, size
     try:
         llm.collective_rpc("stop_weight_subscriber")
@@ -134,7 +135,7 @@ def test_both_ranks_prepare_layers_while_the_version_arrives(replica):
     assert size > 8 * pub.chunk_size
     slow = ByteRelay.in_front_of(pub.endpoint, down_rate=size / 1.5)
     options = {"staging_budget_bytes": 3 * size, "request_timeout": 30.0,
-               "report_interval": 0.2}
+               "report_interval": 0.2, "receive": "whole"}
     try:
         llm.collective_rpc("stop_weight_subscriber")
         llm.collective_rpc("start_weight_subscriber", args=(slow.endpoint,),

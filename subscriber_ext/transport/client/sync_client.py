@@ -226,8 +226,11 @@ class SyncClient:
 
     def _notify(self, event: str, manifest: wire.Manifest) -> None:
         for listener in self.listeners:
+            hook = getattr(listener, event, None)  # target_refused is optional
+            if hook is None:
+                continue
             try:
-                getattr(listener, event)(manifest)
+                hook(manifest)
             except Exception:  # a listener's bug must not stop the transfer
                 log.exception("chunk listener %s failed", event)
 
@@ -278,6 +281,7 @@ class SyncClient:
             # model: say so, stage nothing; tried again after the back-off
             self.report.problem(type(exc)(f"version {manifest.version}: {exc}"))
             self.backoff.record(manifest.publisher_id, manifest.version, time.monotonic())
+            self._notify("target_refused", manifest)  # a listener may replan (slice_receiver)
             return
         self.target = target
         self.requests.clear()

@@ -9,7 +9,9 @@ assembly; again for the same version when a delta fell back to a full fetch),
 the chunk is verified, since verifying a step's last chunk moves to the next;
 ``data`` is valid only during the call: copy what you keep), then
 ``target_completed`` or ``target_dropped`` (conflated, given up, or the
-publisher restarted). They must return quickly.
+publisher restarted). They must return quickly. Optional: ``target_refused(manifest)``,
+a version whose target could not even be built (a slice plan of another layout: the
+vLLM side's ``SliceReceiver`` records a plan for it and resubscribes).
 """
 
 from __future__ import annotations

@@ -1,0 +1,224 @@
+"""One rank's own receiver that fetches only this rank's slices of each version (issue 30).
+
+Why: with node staging a replica's node receives every version whole through one
+receiver. Here every rank runs its own ``WeightSubscriber`` with its own slice plan
+(``apply/slice_plan.py``, recorded from this rank's weight loaders), so the ranks
+pull their bytes in parallel and together about one version. The staged version
+looks as always (full shapes; bytes outside the plan undefined, never read by this
+rank's loaders) and goes to this rank's ``CommitCoordinator``: the commit stays
+atomic across ranks because a version is committed only once every rank holds it.
+
+A plan depends on the published names, shapes and dtypes (the *layout*). The first
+plan comes from what the worker knows at start (the checkpoint's layout, else none:
+then the first version is fetched whole); when a version starts arriving with
+another layout, this receiver records the plan for it (cached by layout) and
+restarts its subscription with it, on its own thread (``weightpub-slice-replan``):
+the new subscription asks for the latest version at once (late join), so nothing
+is missed. A staged version whose layout is not the plan's is never offered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from subscriber_ext.transport.staging.progress import PartialVersion
+from subscriber_ext.transport.subscriber import WeightSubscriber
+from subscriber_ext.transport.subscriber_options import SubscriberOptions
+from subscriber_ext.vllm_ext.apply.slice_plan import SlicePlan
+from subscriber_ext.vllm_ext.receive_choice import Layout
+from weightpub_wire import slice_plan as wire_slices
+from weightpub_wire.protocol import Manifest
+
+__all__ = ["SliceReceiver", "layout_key", "manifest_layout"]
+
+logger = logging.getLogger("weightpub.slices")
+
+
+
+def manifest_layout(manifest: Manifest) -> Layout:
+    return tuple((e.name, e.dtype, tuple(int(n) for n in e.shape)) for e in manifest.tensors)
+
+
+def layout_key(layout: Sequence[tuple[str, str, Sequence[int]]]) -> str:
+    """What a plan depends on, as a short key (names, dtypes, shapes; order ignored)."""
+    text = "\n".join(sorted(f"{n}|{d}|{','.join(map(str, s))}" for n, d, s in layout))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class _LayoutWatch:
+    """A ``ChunkListener``: hears each version start (or its refusal when the plan does not
+    fit it), so another layout is noticed at once."""
+
+    def __init__(self, owner: SliceReceiver, generation: int) -> None:
+        self._owner = owner
+        self._generation = generation  # which of the owner's subscriptions this one hears
+
+    def target_started(self, manifest: Manifest) -> None:
+        self._owner.layout_seen(manifest, self._generation)
+
+    def chunk_verified(self, manifest: Manifest, chunk: int, data: memoryview) -> None:
+        return None
+
+    def target_completed(self, manifest: Manifest) -> None:
+        return None
+
+    def target_dropped(self, manifest: Manifest) -> None:
+        return None
+
+    def target_refused(self, manifest: Manifest) -> None:
+        """The plan does not fit this version (it names a tensor the version lacks, or
+        a run past a tensor's end): the same replan as for any other layout."""
+        self._owner.layout_seen(manifest, self._generation)
+
+
+class SliceReceiver:
+    """This rank's ``VersionSource``: its own subscription, fetching its own slices.
+
+    ``plan_for(layout)`` records (or returns the cached) plan of this rank for a
+    layout; it may raise, and the receiver then fetches whole versions until the
+    next layout (counted in ``status()["replan_failures"]``). ``layout``: the one
+    expected first (None: unknown, the first version tells).
+    """
+
+    def __init__(self, endpoint: str, *, rank: int, label: str, options: SubscriberOptions,
+                 plan_for: Callable[[Layout], SlicePlan],
+                 on_version: Callable[[Any], None],
+                 on_progress: Callable[[PartialVersion], None] | None = None,
+                 layout: Layout | None = None) -> None:
+        self.endpoint = endpoint
+        self.rank = rank
+        self.label = label  # the plan's layout tag: "tp2/rank0"
+        self._options = options
+        self._plan_for = plan_for
+        self._on_version = on_version
+        self._on_progress = on_progress
+        self._lock = threading.Lock()
+        self._closed = False
+        self._key: str | None = None  # the layout the running subscription's plan is for
+        self._plan: SlicePlan | None = None
+        self._wanted: Layout | None = None  # a layout a replan thread will switch to
+        self._replanner: threading.Thread | None = None
+        self._generation = 0
+        self.replans = 0
+        self.replan_failures = 0
+        self.last_replan_error: str | None = None
+        self._applied: int | None = None
+        self._ready = threading.Event()  # a replan waits until the first subscription is ours
+        self._subscriber = self._subscribe(layout)
+        self._ready.set()
+
+    # ------------------------------------------------------------ VersionSource
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            sub, plan, key = self._subscriber, self._plan, self._key
+        out = dict(sub.status())
+        out["slices"] = {
+            "label": self.label, "layout": key,
+            "needed_bytes": plan.needed_bytes if plan else None,
+            "total_bytes": plan.total_bytes if plan else None,
+            "needed_fraction": round(plan.needed_bytes / plan.total_bytes, 4)
+            if plan and plan.total_bytes else None,
+            "whole": sorted(plan.whole) if plan else [],
+            "replans": self.replans, "replan_failures": self.replan_failures,
+            "last_replan_error": self.last_replan_error,
+        }
+        return out
+
+    def mark_applied(self, version: int, error: Any = None) -> None:
+        with self._lock:
+            sub = self._subscriber
+            if not error:
+                self._applied = version
+        sub.mark_applied(version, error)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            sub, replanner = self._subscriber, self._replanner
+        sub.close()
+        if replanner is not None:
+            replanner.join(timeout=15)
+
+    # ------------------------------------------------------------ layouts
+    def layout_seen(self, manifest: Manifest, generation: int) -> None:
+        """Subscriber thread: a version starts; another layout needs another plan."""
+        layout = manifest_layout(manifest)
+        with self._lock:
+            if self._closed or generation != self._generation \
+                    or layout_key(layout) == self._key \
+                    or (self._wanted is not None and layout_key(self._wanted)
+                        == layout_key(layout)):
+                return
+            self._wanted = layout
+            if self._replanner is None:
+                self._replanner = threading.Thread(target=self._replan,
+                                                   name="weightpub-slice-replan", daemon=True)
+                self._replanner.start()
+
+    def _replan(self) -> None:
+        """Replan thread: record the plan for the newest layout seen, then resubscribe."""
+        self._ready.wait(timeout=60)
+        while True:
+            with self._lock:
+                layout, self._wanted = self._wanted, None
+                if layout is None or self._closed:
+                    self._replanner = None
+                    return
+            try:
+                new = self._subscribe(layout)
+            except Exception:
+                logger.exception("weightpub: rank %d could not resubscribe", self.rank)
+                continue
+            with self._lock:
+                old, self._subscriber = self._subscriber, new
+                closed, applied = self._closed, self._applied
+            old.close()
+            if closed:
+                new.close()
+            elif applied is not None:  # the publisher's fleet view: what runs here
+                new.mark_applied(applied)
+            self.replans += 1
+
+    def _subscribe(self, layout: Layout | None) -> WeightSubscriber:
+        plan: SlicePlan | None = None
+        if layout is not None:
+            try:
+                plan = self._plan_for(layout)
+            except Exception as exc:  # fetch whole versions of this layout: never too little
+                self.replan_failures += 1
+                self.last_replan_error = f"{type(exc).__name__}: {exc}"
+                logger.warning("weightpub: rank %d slice plan failed (%s); whole tensors",
+                               self.rank, exc)
+        wire_plan = None if plan is None else wire_slices.from_ranges(self.label, plan.ranges)
+        with self._lock:  # before it starts: its first version is judged by this plan
+            self._generation += 1
+            generation = self._generation
+            self._plan = plan
+            self._key = None if layout is None else layout_key(layout)
+        sub = WeightSubscriber(self.endpoint, options=self._options.replace(slice_plan=wire_plan),
+                               on_version=lambda staged: self._deliver(staged, generation),
+                               on_progress=lambda partial: self._progress(partial, generation),
+                               chunk_listener=_LayoutWatch(self, generation))
+        sub.set_ranks((self.rank,))
+        return sub
+
+    def _current(self, manifest: Manifest, generation: int) -> bool:
+        """Whether a version came through the running subscription and fits its plan."""
+        with self._lock:
+            key, current = self._key, self._generation
+        return generation == current and (key is None or key == layout_key(
+            manifest_layout(manifest)))
+
+    def _deliver(self, staged: Any, generation: int) -> None:
+        if not self._current(staged.manifest, generation):  # staged under another plan
+            staged.release()
+            return
+        self._on_version(staged)
+
+    def _progress(self, partial: PartialVersion, generation: int) -> None:
+        if self._on_progress is not None and self._current(partial.manifest, generation):
+            self._on_progress(partial)

@@ -1,0 +1,164 @@
+"""A rank's ``SliceReceiver`` against a real publisher, without vLLM (issue 30).
+
+The plan recorder is replaced by a plain function (the first half of each tensor):
+what is under test is the receiver's part: it fetches through its own sliced
+subscription, records a plan again when a version of another layout arrives
+(another tensor added: its start is heard; a tensor gone: the plan no longer fits
+and the version is refused, which is heard too) and resubscribes, and never offers
+a version staged under a plan for another layout. Also the ``receive`` option's
+checks and the checkpoint layout read from safetensors headers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from publisher import WeightPublisher
+from subscriber_ext.transport.subscriber_options import SubscriberOptions
+from subscriber_ext.vllm_ext.apply.slice_plan import SlicePlan
+from subscriber_ext.vllm_ext.receive_choice import Layout, checkpoint_layout
+from subscriber_ext.vllm_ext.slice_receiver import SliceReceiver, layout_key
+from subscriber_ext.vllm_ext.worker_options import WorkerOptions
+from weightpub_wire.dtypes import dtype_from_name
+from weightpub_wire.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _half_plan(layout: Layout) -> SlicePlan:
+    plan = SlicePlan()
+    for name, dtype, shape in layout:
+        size = torch.empty(shape, dtype=dtype_from_name(dtype), device="meta").nbytes
+        plan.sizes[name] = size
+        plan.ranges[name] = [(0, size // 2)]
+    return plan
+
+
+def _layout(weights: dict[str, torch.Tensor]) -> Layout:
+    return tuple((n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                 for n, t in weights.items())
+
+
+class _Got:
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.versions: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def __call__(self, staged) -> None:
+        with self.cond:  # copy the planned halves out, give the buffer back
+            self.versions.append((staged.version, {
+                n: t.view(-1)[: t.numel() // 2].clone() for n, t in staged.tensors.items()}))
+            self.cond.notify_all()
+        staged.release()
+
+    def wait(self, version: int, timeout: float = 30.0) -> dict[str, torch.Tensor]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not any(v == version for v, _ in self.versions):
+                left = deadline - time.monotonic()
+                assert left > 0, f"version {version} never offered ({self.versions})"
+                self.cond.wait(left)
+            return next(t for v, t in self.versions if v == version)
+
+
+def _weights(seed: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(64, 256, generator=gen) for n in names}
+
+
+def _check_halves(got: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(got[name], tensor.view(-1)[: tensor.numel() // 2]), name
+
+
+def test_the_receiver_replans_for_each_layout_and_offers_only_planned_versions() -> None:
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
+    planned: list[str] = []
+
+    def plan_for(layout: Layout) -> SlicePlan:
+        planned.append(layout_key(layout))
+        return _half_plan(layout)
+
+    got = _Got()
+    first = _weights(1, ("a", "b"))
+    receiver = SliceReceiver(pub.endpoint, rank=1, label="tp2/rank1",
+                             options=SubscriberOptions(request_timeout=10.0),
+                             plan_for=plan_for, on_version=got, layout=_layout(first))
+    try:
+        v1 = pub.publish(first)
+        _check_halves(got.wait(v1), first)
+        status = receiver.status()
+        assert status["slices"]["needed_fraction"] == 0.5
+        assert status["slice_plan"]["layout"] == "tp2/rank1"
+        assert status["slices"]["replans"] == 0
+
+        grown = _weights(2, ("a", "b", "c"))  # a tensor more: its start is heard
+        v2 = pub.publish(grown)
+        _check_halves(got.wait(v2), grown)
+        shrunk = _weights(3, ("a",))  # b and c gone: the plan does not fit, refused, heard
+        v3 = pub.publish(shrunk)
+        _check_halves(got.wait(v3), shrunk)
+        status = receiver.status()
+        assert status["slices"]["replans"] == 2 and status["slices"]["replan_failures"] == 0
+        assert status["data_path"] in (None, "slices")
+        assert len(set(planned)) == 3, planned
+        # nothing staged under another layout's plan was offered
+        assert [v for v, _ in got.versions] == sorted({v for v, _ in got.versions})
+    finally:
+        receiver.close()
+        pub.close()
+
+
+def test_a_plan_that_cannot_be_recorded_fetches_whole_versions() -> None:
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2)
+
+    def plan_for(layout: Layout) -> SlicePlan:
+        raise ValueError("not a slice")
+
+    got = _Got()
+    weights = _weights(4, ("a",))
+    receiver = SliceReceiver(pub.endpoint, rank=0, label="tp2/rank0",
+                             options=SubscriberOptions(request_timeout=10.0),
+                             plan_for=plan_for, on_version=got, layout=_layout(weights))
+    try:
+        version = pub.publish(weights)
+        _check_halves(got.wait(version), weights)
+        slices = receiver.status()["slices"]
+        assert slices["replan_failures"] == 1 and "not a slice" in slices["last_replan_error"]
+        assert slices["needed_fraction"] is None
+    finally:
+        receiver.close()
+        pub.close()
+
+
+def test_receive_option_checks() -> None:
+    assert WorkerOptions().receive == "auto"
+    assert WorkerOptions.from_wire({"receive": "slices"}, "init_info").receive == "slices"
+    with pytest.raises(ConfigError, match="receive"):
+        WorkerOptions.from_keywords(receive="sliced")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="node_staging"):
+        WorkerOptions.from_keywords(receive="slices", node_staging=True)
+    with pytest.raises(ConfigError, match="peer_share"):
+        WorkerOptions.from_keywords(receive="slices", peer_share=True)
+
+
+def test_the_checkpoint_layout_comes_from_safetensors_headers(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)},
+              str(tmp_path / "model.safetensors"))
+    layout = checkpoint_layout(str(tmp_path))
+    assert sorted(layout or ()) == [("b", "bfloat16", (5,)), ("w", "float32", (3, 4))]
+    assert checkpoint_layout(str(tmp_path / "missing")) is None
+    assert checkpoint_layout("Qwen/Qwen2-0.5B") is None  # a hub name: no local headers
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    assert checkpoint_layout(str(tmp_path)) is None
+    assert layout_key([("a", "float32", (1, 2)), ("b", "float32", (3,))]) == \
+        layout_key([("b", "float32", (3,)), ("a", "float32", (1, 2))])
+    assert layout_key([("a", "float32", (1, 2))]) != layout_key([("a", "float32", (2, 1))])
