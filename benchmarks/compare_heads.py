@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,8 +121,10 @@ def _run_once(tree: Path, fleet: bool, extra: list[str], timeout: float) -> tupl
 
 
 def compare(trees: dict[str, Path], rounds: int, fleet: bool, extra: list[str],
-            exclude: str = DEFAULT_EXCLUDE, timeout: float = 3600.0) -> list[Run]:
-    """Run both trees ``rounds`` times each, interleaved; every run's figures."""
+            exclude: str = DEFAULT_EXCLUDE, timeout: float = 3600.0,
+            on_run: Callable[[list[Run]], None] | None = None) -> list[Run]:
+    """Run both trees ``rounds`` times each, interleaved; every run's figures
+    (``on_run`` sees them after each run: a long comparison cut short keeps its rounds)."""
     runs: list[Run] = []
     for rnd, names in enumerate(order(rounds)):
         for name in names:
@@ -131,6 +134,8 @@ def compare(trees: dict[str, Path], rounds: int, fleet: bool, extra: list[str],
             runs.append(run)
             print(f"round {rnd + 1}/{rounds} {name}: {seconds:.0f} s, load {load:.2f}",
                   file=sys.stderr, flush=True)
+            if on_run is not None:
+                on_run(runs)
     return runs
 
 
@@ -193,13 +198,15 @@ def main() -> int:
     parser.add_argument("--save", type=Path, help="also write every run's figures as JSON")
     args = parser.parse_args(argv)
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
-    runs = compare(trees, args.rounds, args.fleet, extra, args.exclude, args.timeout)
-    found = rows(runs, args.match)
-    if args.save:
-        args.save.write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()},
-                                         "extra": extra, "runs": [vars(r) for r in runs],
-                                         "rows": found}, indent=1))
-    print(_table(found, runs))
+
+    def save(runs: list[Run]) -> None:
+        if args.save:
+            args.save.write_text(json.dumps({
+                "trees": {k: str(v) for k, v in trees.items()}, "extra": extra,
+                "runs": [vars(r) for r in runs], "rows": rows(runs, args.match)}, indent=1))
+
+    runs = compare(trees, args.rounds, args.fleet, extra, args.exclude, args.timeout, save)
+    print(_table(rows(runs, args.match), runs))
     return 0
 
 
