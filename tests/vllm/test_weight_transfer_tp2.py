@@ -1,6 +1,6 @@
 """The weightpub weight-transfer backend at TP=2: both ranks subscribe through vLLM's
-``init_weight_transfer_engine`` (one node staging), and ``update_weights`` returns
-once both run the version; transformers is the oracle."""
+``init_weight_transfer_engine`` (each rank its own slices: ``receive`` auto at TP=2),
+and ``update_weights`` returns once both run the version; transformers is the oracle."""
 
 from __future__ import annotations
 
@@ -42,7 +42,10 @@ def test_tp2_replica_follows_vllms_trainer_api(tmp_path) -> None:
             assert [r["applied_version"] for r in ranks] == [version, version], ranks
             assert llm.get_weight_version() == str(version)
             assert_matches_hf(llm, KIND, weights, N)
-        assert len(trainer.publisher.fleet()) == 1  # one subscription for the node
+        # one subscription per rank, each fetching its own slices
+        fleet = trainer.publisher.fleet()
+        assert sorted(r.ranks for r in fleet) == [(0,), (1,)], fleet
+        assert {r.data_path for r in fleet} == {"slices"}, fleet
     finally:
         trainer.shutdown()
         shut_down(llm)
