@@ -51,4 +51,5 @@ def test_a_connection_cut_mid_chunk_is_asked_again_at_once(
     wait_until(cut.is_set, 30, "a chunk header read")
     staged = wait_until(sub.latest, TIMEOUT / 2, "the version staged after the cut")
     assert staged.version == version
+    assert sub.status()["reconnects"] >= 1
     assert client.report.bad_messages == 0  # no header taken for the payload of another
