@@ -22,7 +22,7 @@ from weightpub_wire.sockets import cut_connection
 
 pytestmark = pytest.mark.timeout(120)
 
-SPEC = [("w", "float32", [4096, 1024])]  # 16 MiB: 16 chunks of 1 MiB
+SPEC = [("w", "float32", (4096, 1024))]  # 16 MiB: 16 chunks of 1 MiB
 TIMEOUT = 60.0  # far beyond the wait below: a re-ask only after it would fail the test
 
 
@@ -46,7 +46,7 @@ def test_a_connection_cut_mid_chunk_is_asked_again_at_once(
                     cut_connection(fd, conn.peer)
             cut.set()
 
-    client.on_dealer = on_dealer
+    client.on_dealer = on_dealer  # type: ignore[method-assign]
     version = pub.publish(det_weights(7, 1, SPEC))
     wait_until(cut.is_set, 30, "a chunk header read")
     staged = wait_until(sub.latest, TIMEOUT / 2, "the version staged after the cut")
