@@ -22,7 +22,8 @@ from weightpub_wire.sockets import cut_connection
 
 pytestmark = pytest.mark.timeout(120)
 
-SPEC = [("w", "float32", (4096, 1024))]  # 16 MiB: 16 chunks of 1 MiB
+# 16 MiB: 16 chunks of 1 MiB
+SPEC: list[tuple[str, str, tuple[int, ...]]] = [("w", "float32", (4096, 1024))]
 TIMEOUT = 60.0  # far beyond the wait below: a re-ask only after it would fail the test
 
 
