@@ -252,8 +252,9 @@ class PeerTable:
         self._active.add(peer.identity)
         peer.owed = (data, release, owned)
         if not self._pay_owed(peer):  # the pipe is full now: paid before anything else
-            log.debug("peer %s: header of req %d chunk %d sent, payload owed",
-                      peer.identity.hex(), header.req, header.chunk)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("peer %s: header of req %d chunk %d sent, payload owed",
+                          peer.identity.hex(), header.req, header.chunk)
         return True
 
     def send_to(self, identity: bytes, header: chunk_frame.ChunkHeader,
@@ -292,9 +293,10 @@ class PeerTable:
             self.cut(peer, f"{peer.pending + len(chunks)} chunks outstanding "
                            f"(max_pending_chunks {self.limits.max_pending_chunks})")
             return
-        log.debug("peer %s: fetch req %d version %d chunks %s (%d queued, %d deferred, "
-                  "owed %s)", peer.identity.hex(), req, version.manifest.version, chunks[:4],
-                  len(peer.queue), len(peer.deferred), peer.owed is not None)
+        if log.isEnabledFor(logging.DEBUG):  # which request waits, and behind what
+            log.debug("peer %s: fetch req %d version %d chunks %s (%d queued, %d deferred, "
+                      "owed %s)", peer.identity.hex(), req, version.manifest.version,
+                      chunks[:4], len(peer.queue), len(peer.deferred), peer.owed is not None)
         for chunk in chunks:
             peer.deferred.append((req, version, chunk))
         self._active.add(peer.identity)
@@ -311,8 +313,9 @@ class PeerTable:
                 return  # announced before its copy ended: sent once the bytes are final
             data = version.chunk_view(chunk)
             if not self._room(peer, len(data)):
-                log.debug("peer %s: req %d chunk %d deferred (%d bytes queued)",
-                          peer.identity.hex(), req, chunk, peer.queued_bytes)
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("peer %s: req %d chunk %d deferred (%d bytes queued)",
+                              peer.identity.hex(), req, chunk, peer.queued_bytes)
                 return
             header = chunk_frame.ChunkHeader(req=req, version=version.manifest.version,
                                              chunk=chunk, size=len(data))
@@ -413,9 +416,10 @@ class PeerTable:
         self._drop(peer)
 
     def _drop(self, peer: Peer) -> None:
-        log.debug("peer %s dropped: %d frames queued, %d deferred, owed %s",
-                  peer.identity.hex(), len(peer.queue), len(peer.deferred),
-                  peer.owed is not None)
+        if log.isEnabledFor(logging.DEBUG):  # its requests are never answered: re-asked
+            log.debug("peer %s dropped: %d frames queued, %d deferred, owed %s",
+                      peer.identity.hex(), len(peer.queue), len(peer.deferred),
+                      peer.owed is not None)
         # ZeroMQ lets go of its queued frames once it closes the pipe: watch them till then
         for tracker, nbytes, release in peer.queue:
             self._unqueue(peer, nbytes)
