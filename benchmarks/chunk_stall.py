@@ -10,7 +10,10 @@ marked applied a while later (like a commit between generation steps).
 
 Findings so far (2026-12-02, load 5-8): no stall of a request_timeout reproduced
 without vLLM; manifest -> staged 0.4-3.5 s, gaps in the publisher's log are the
-subscriber not asking (its process busy), never a request left unanswered.
+subscriber not asking (its process busy), never a request left unanswered. The stall's
+signature (one request_timeout per version; at 1.5 s two ProtocolErrors) is what a DEALER
+connection that ends mid-transfer gave before commit a664862
+(tests/transport/test_reconnect_reask.py): status()["reconnects"] says whether e2e has it.
 """
 
 from __future__ import annotations
