@@ -195,6 +195,8 @@ class PeerTable:
         payload, release, owned = peer.owed
         peer.owed = None
         self._track(peer, payload, release, owned=owned)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("peer %s: payload of %d bytes sent", peer.identity.hex(), len(payload))
         return True
 
     @property
@@ -249,7 +251,10 @@ class PeerTable:
         self.router.send(head, copy=True)
         self._active.add(peer.identity)
         peer.owed = (data, release, owned)
-        self._pay_owed(peer)  # the pipe may be full now: then paid before anything else
+        if not self._pay_owed(peer):  # the pipe is full now: paid before anything else
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("peer %s: header of req %d chunk %d sent, payload owed",
+                          peer.identity.hex(), header.req, header.chunk)
         return True
 
     def send_to(self, identity: bytes, header: chunk_frame.ChunkHeader,
@@ -288,6 +293,10 @@ class PeerTable:
             self.cut(peer, f"{peer.pending + len(chunks)} chunks outstanding "
                            f"(max_pending_chunks {self.limits.max_pending_chunks})")
             return
+        if log.isEnabledFor(logging.DEBUG):  # which request waits, and behind what
+            log.debug("peer %s: fetch req %d version %d chunks %s (%d queued, %d deferred, "
+                      "owed %s)", peer.identity.hex(), req, version.manifest.version,
+                      chunks[:4], len(peer.queue), len(peer.deferred), peer.owed is not None)
         for chunk in chunks:
             peer.deferred.append((req, version, chunk))
         self._active.add(peer.identity)
@@ -304,6 +313,9 @@ class PeerTable:
                 return  # announced before its copy ended: sent once the bytes are final
             data = version.chunk_view(chunk)
             if not self._room(peer, len(data)):
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("peer %s: req %d chunk %d deferred (%d bytes queued)",
+                              peer.identity.hex(), req, chunk, peer.queued_bytes)
                 return
             header = chunk_frame.ChunkHeader(req=req, version=version.manifest.version,
                                              chunk=chunk, size=len(data))
@@ -404,6 +416,10 @@ class PeerTable:
         self._drop(peer)
 
     def _drop(self, peer: Peer) -> None:
+        if log.isEnabledFor(logging.DEBUG):  # its requests are never answered: re-asked
+            log.debug("peer %s dropped: %d frames queued, %d deferred, owed %s",
+                      peer.identity.hex(), len(peer.queue), len(peer.deferred),
+                      peer.owed is not None)
         # ZeroMQ lets go of its queued frames once it closes the pipe: watch them till then
         for tracker, nbytes, release in peer.queue:
             self._unqueue(peer, nbytes)

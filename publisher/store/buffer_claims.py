@@ -29,6 +29,7 @@ frames; past ``SEND_WAIT`` seconds the write fails with ``TimeoutError``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -39,6 +40,8 @@ import torch
 __all__ = ["REGION", "SEND_WAIT", "BufferClaims", "ClaimTable"]
 
 REGION = 64 << 10
+log = logging.getLogger("weightpub.publisher")
+
 SEND_WAIT = 60.0  # most seconds a writer waits for ZeroMQ to finish sending a region
 
 
@@ -70,6 +73,8 @@ class BufferClaims:
             return
         deadline = time.monotonic() + wait
         pause = 0.0002
+        log.debug("version %d waits to write [%d, %d): %d sends in flight there", version,
+                  start, stop, int(self._sending[regions].sum()))
         self.writers_waiting += 1
         try:
             while self._sending[regions].any():

@@ -272,6 +272,8 @@ class WeightSubscriber:
             "ignored_manifests": client.follower.ignored_manifests,
             "handshake_failures": client.sockets.handshake_failures,
             "redials": client.sockets.replies.redials,  # ROUTER connections dialled anew
+            # connected anew (by ZeroMQ or a redial): what was asked is asked again at once
+            "reconnects": max(0, client.sockets.connections - 1),
             "publisher_id": client.instance,
             "last_error": client.report.last_error,
             **client.deltas.stats(),  # bytes received full vs delta, the delta base

@@ -45,6 +45,8 @@ class ClientSockets:
         self.dealer, self.monitor = self._dealer.sock, self._dealer.monitor
         #: a header (``chunk_frame.FOLLOWS``) whose payload is the DEALER's next message
         self.pairing = chunk_frame.PayloadPairing()
+        #: handshakes that succeeded: more than one means the DEALER was connected anew
+        self.connections = 0
 
     def close(self) -> None:
         self._dealer.close()
@@ -96,17 +98,28 @@ class ClientSockets:
         self.sub.connect(pub)
         self.pub_endpoint = pub
 
-    def on_handshake_events(self) -> None:
-        """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
+    def on_handshake_events(self) -> bool:
+        """Handshake events of the DEALER: a refusal becomes ``last_error`` at once.
+
+        True when the DEALER is connected anew (ZeroMQ dialled again on its own after
+        the connection ended): the ROUTER knows the new connection under a new identity,
+        so nothing asked on the old one will be answered, and a payload the old one owed
+        never comes (the pairing starts afresh)."""
         report = self._report
+        reconnected = False
         for why in self._dealer.handshakes():
             if why is None:
+                self.connections += 1
+                if self.connections > 1:
+                    reconnected = True
+                    self.pairing = chunk_frame.PayloadPairing()
                 if isinstance(report.error, TransportError):
                     report.resolved(report.error)  # the refusal is over (the key was allowed)
             else:
                 self.handshake_failures += 1
                 report.problem(TransportError(why))
                 report.warn.warning("handshake", why)
+        return reconnected
 
     def link_handshake(self, error: TransportError, refused: bool) -> None:
         """Another DEALER of this client (a trainer rank's) was refused its handshake

@@ -197,8 +197,13 @@ class SyncClient:
         self.sources.on_events(events, now)
 
     def on_monitor(self) -> None:
-        """Handshake events of the DEALER: a refusal becomes ``last_error`` at once."""
-        self.sockets.on_handshake_events()
+        """Handshake events of the DEALER: a refusal becomes ``last_error`` at once; after
+        a new connection, what the old one had asked of the publisher is asked again now
+        (its answers went to an identity the ROUTER has dropped), not after
+        ``request_timeout``."""
+        if self.sockets.on_handshake_events():
+            self.requests.drop(None)
+            self.credit.top_up(time.monotonic())
 
     # -- time-driven work ----------------------------------------------------------------------
     def tick(self, now: float) -> float:
