@@ -41,7 +41,6 @@ import zmq
 
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
-from subscriber_ext.transport.staging.request_table import QUEUED_TIMEOUT_FACTOR
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, TransportError, WeightPubTimeout
@@ -145,15 +144,7 @@ class ShardRankSource(ChunkSource):
     def expire(self, now: float, retry: Retry) -> bool:
         """Re-ask what the rank left unanswered too long; each chunk counts a try."""
         timeout = self.request_timeout
-        table = self._sink.requests
-        for req, request in list(table.requests.items()):
-            if request.source is not self:
-                continue
-            waited = now - request.sent_at
-            if waited < QUEUED_TIMEOUT_FACTOR * timeout and \
-                    now - max(request.sent_at, self.answered) < timeout:
-                continue
-            table.forget(req)
+        for request in self._sink.requests.timed_out(now, timeout, self, self.answered):
             if not self.dealer.connected:  # asking again cannot help: say which rank, now
                 why = self.refused_by or f"trainer rank {self.rank}'s shard at " \
                     f"{self.endpoint} is not connected (unreachable or gone)"

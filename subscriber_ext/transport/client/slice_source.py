@@ -35,7 +35,6 @@ import zmq
 
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
-from subscriber_ext.transport.staging.request_table import QUEUED_TIMEOUT_FACTOR
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
@@ -229,16 +228,8 @@ class SliceSource(ChunkSource):
 
     def expire(self, now: float, retry: Retry) -> bool:
         """Re-ask what the publisher left unanswered too long; each chunk counts a try."""
-        timeout = self.request_timeout
-        table = self._sink.requests
-        for req, request in list(table.requests.items()):
-            if request.source is not self:
-                continue
-            waited = now - request.sent_at
-            if waited < QUEUED_TIMEOUT_FACTOR * timeout and \
-                    now - max(request.sent_at, self.answered) < timeout:
-                continue
-            table.forget(req)
+        for request in self._sink.requests.timed_out(now, self.request_timeout, self,
+                                                     self.answered):
             for chunk in sorted(request.chunks):
                 if retry(chunk, "timed out at the publisher (slices)", WeightPubTimeout):
                     return True

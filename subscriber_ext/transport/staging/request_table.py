@@ -99,10 +99,12 @@ class RequestTable:
         for req in self.peer_requests(source):
             del self.requests[req]
 
-    def timed_out(self, now: float, timeout: float) -> Iterator[Request]:
-        """Publisher requests unanswered for ``timeout`` while no chunk came from the
-        publisher either, each removed before it is yielded (peers' requests: peering.py
-        gives up on a peer that stalls).
+    def timed_out(self, now: float, timeout: float, source: Any = None,
+                  answered: float | None = None) -> Iterator[Request]:
+        """Requests sent through ``source`` (None: the publisher's own DEALER) unanswered
+        for ``timeout`` while no chunk came from it either (``answered``: when it last
+        answered; default the publisher's), each removed before it is yielded (peers'
+        requests: peering.py gives up on a peer that stalls).
 
         Counting from the publisher's last answer, not from the send: on a shared,
         slow uplink (16 replicas behind one 400 Mbit/s link) a full window takes longer
@@ -110,12 +112,13 @@ class RequestTable:
         twice and collapse the link. Still, nothing waits longer than
         ``QUEUED_TIMEOUT_FACTOR`` timeouts: a publisher that answers others but never
         this one (a reply dropped on its side) cannot hold a chunk forever."""
+        last = self.publisher_answered if answered is None else answered
         for req, request in list(self.requests.items()):
-            if request.source is not None:
+            if request.source is not source:
                 continue
             waited = now - request.sent_at
             if waited < QUEUED_TIMEOUT_FACTOR * timeout and \
-                    now - max(request.sent_at, self.publisher_answered) < timeout:
+                    now - max(request.sent_at, last) < timeout:
                 continue
             del self.requests[req]
             yield request
