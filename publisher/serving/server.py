@@ -165,13 +165,12 @@ class ServingThread(threading.Thread):
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> None:
         try:
-            router, pub, commands = self._open_sockets()
+            router, pub, commands, guard = self._open_sockets()
         except BaseException as exc:  # surfaced to the constructor
             self._error = exc
             self._ready.set()
             return
-        guard = self.guard = ConnectionGuard({"router": router, "pub": pub},
-                                             self.limits.connections)
+        self.guard = guard
         peers = self.peers = PeerTable(router, self.limits.peers, guard, self._is_held,
                                        self._budget_room)
         peers.is_overwriting = self.store.writers_waiting
@@ -213,7 +212,7 @@ class ServingThread(threading.Thread):
             for sock in (router, pub, commands):
                 sock.close(linger=0)
 
-    def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+    def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket, ConnectionGuard]:
         commands = self.ctx.socket(zmq.PULL)
         commands.bind(self.command_address)
         router = self.ctx.socket(zmq.ROUTER)
@@ -233,14 +232,17 @@ class ServingThread(threading.Thread):
         router.setsockopt(zmq.MAXMSGSIZE, limits.max_request_bytes)
         pub.setsockopt(zmq.SNDHWM, 10_000)
         pub.setsockopt(zmq.MAXMSGSIZE, 4096)  # subscribers send only subscriptions
+        # watched before bound: a peer connecting at once must not escape the guard
+        guard = ConnectionGuard({"router": router, "pub": pub}, limits.connections)
         try:
             self.router_endpoint = bind(router, self.options.router_bind)
             self.pub_endpoint = bind(pub, self.options.pub_bind)
         except BaseException:
+            guard.close()
             for sock in (router, pub, commands):
                 sock.close(linger=0)
             raise
-        return router, pub, commands
+        return router, pub, commands, guard
 
     def _on_command(self, commands: zmq.Socket, pub: zmq.Socket) -> bool:
         frames = commands.recv_multipart()

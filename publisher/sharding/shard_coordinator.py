@@ -174,6 +174,7 @@ class ShardCoordinator:
             self._collect_keys(curve_secret_key_file), status_extras=self._status_extras)
         assert self._front.ctx is not None
         self._collect = self._front.ctx.socket(zmq.ROUTER)
+        guard: ConnectionGuard | None = None
         try:
             configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
             for hook in self._front.hooks:
@@ -182,11 +183,17 @@ class ShardCoordinator:
                 self._collect.setsockopt_string(zmq.ZAP_DOMAIN, COLLECT_ZAP_DOMAIN)
             self._collect.setsockopt(zmq.MAXMSGSIZE, self._max_submit)
             self._collect.setsockopt(zmq.RCVHWM, COLLECT_RCVHWM)
+            # watched before bound, so a rank connecting at once cannot escape the guard
+            # (the collecting thread takes both over; Thread.start is the memory barrier)
+            guard = ConnectionGuard({"collect": self._collect}, self._guard_limits)
             self.collect_endpoint = bind(self._collect, str(collect))
         except BaseException:
+            if guard is not None:
+                guard.close()
             self._collect.close(linger=0)
             self._front.close()
             raise
+        self._guard = guard
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="weightpub-shard-collect",
                                         daemon=True)
@@ -296,8 +303,7 @@ class ShardCoordinator:
 
     # -- the collecting thread -----------------------------------------------------------------
     def _run(self) -> None:
-        sock = self._collect
-        guard = ConnectionGuard({"collect": sock}, self._guard_limits)
+        sock, guard = self._collect, self._guard
         poller = zmq.Poller()
         for polled in (sock, *guard.monitors):
             poller.register(polled, zmq.POLLIN)
