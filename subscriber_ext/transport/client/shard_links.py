@@ -32,15 +32,14 @@ link becomes ``last_error`` at once (each link's monitor), naming the rank.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import zmq
 
+from subscriber_ext.transport.client.dealer_source import DealerSource
 from subscriber_ext.transport.staging.assembly import Assembly
-from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
+from subscriber_ext.transport.staging.chunk_source import Retry, SourceSink
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, TransportError, WeightPubTimeout
@@ -55,19 +54,14 @@ from weightpub_wire.reply_reader import read_replies
 __all__ = ["ShardLinks", "ShardRankSource"]
 
 
-class ShardRankSource(ChunkSource):
+class ShardRankSource(DealerSource):
     """One DEALER to one trainer rank, and that rank's part of the current target."""
 
     def __init__(self, dealer: MonitoredDealer, sink: SourceSink, *, chunks_per_request: int,
                  request_timeout: float, limits: wire.Limits,
                  on_handshake: Callable[[TransportError, bool], None]) -> None:
-        self.dealer = dealer
-        self.endpoint = dealer.endpoint
-        self.sock = dealer.sock
-        self._sink = sink
-        self.chunks_per_request = chunks_per_request
-        self.request_timeout = request_timeout
-        self.limits = limits
+        super().__init__(dealer, sink, chunks_per_request=chunks_per_request,
+                         request_timeout=request_timeout, limits=limits)
         self._on_handshake = on_handshake
         self.rank = 0
         self.refused_by: TransportError | None = None  # its last handshake was refused (CURVE)
@@ -75,11 +69,7 @@ class ShardRankSource(ChunkSource):
         self.num_chunks = 0
         self.publisher_id = ""
         self.cursor = 0  # chunks below first_chunk + cursor are in (the target's)
-        self.answered = time.monotonic()  # the rank's last chunk
         self._fetching: tuple[weakref.ref[Assembly], int, int] | None = None
-        self._poller: zmq.Poller | None = None
-        #: a header (``chunk_frame.FOLLOWS``) whose payload is this socket's next message
-        self.pairing = chunk_frame.PayloadPairing()
 
     @property
     def label(self) -> str:
@@ -92,12 +82,6 @@ class ShardRankSource(ChunkSource):
         self.publisher_id, self.cursor = shard.publisher_id, 0
 
     # -- asking --------------------------------------------------------------------------------
-    def room(self, window: int) -> int:
-        return window - self._in_flight()
-
-    def _in_flight(self) -> int:
-        return self._sink.requests.peer_in_flight().get(self, 0)
-
     def candidates(self, target: Assembly, asked: set[int], limit: int) -> list[int]:
         self._start_over(target)
         missing = target.missing
@@ -113,23 +97,12 @@ class ShardRankSource(ChunkSource):
         return todo
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
-        todo = list(chunks)
-        if todo and not self._in_flight():
-            self.answered = now  # an idle rank's silence counts from now
-        requests = self._sink.requests
-        while todo:
-            batch = todo[: self.chunks_per_request]
-            req = requests.next_id()
-            request = wire.FetchRequest(
+        def request(req: int, batch: list[int]) -> wire.FetchRequest:
+            return wire.FetchRequest(
                 req=req, publisher_id=self.publisher_id, version=target.fetch_version,
                 chunks=tuple(c - self.first_chunk for c in batch), base=target.fetch_base)
-            try:
-                self.sock.send(wire.encode(request), flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return todo
-            requests.track(req, batch, now, source=self)
-            todo = todo[len(batch):]
-        return todo
+
+        return self.ask_batches(chunks, now, request)
 
     def _start_over(self, target: Assembly) -> None:
         """The cursor back to the rank's first chunk for a new fetch: another target, the
@@ -161,19 +134,8 @@ class ShardRankSource(ChunkSource):
         return self.request_timeout
 
     # -- replies -------------------------------------------------------------------------------
-    def register(self, poller: zmq.Poller) -> None:
-        self._poller = poller
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.dealer.monitor, zmq.POLLIN)
-
-    def on_events(self, events: dict[Any, int], now: float) -> None:
-        if self.dealer.monitor in events:
-            self._handshakes()
-        if self.sock in events:
-            self._read(now)
-
-    def _handshakes(self) -> None:
-        for why in self.dealer.handshakes():
+    def on_handshakes(self, results: list[str | None]) -> None:
+        for why in results:
             if why is None:
                 if self.refused_by is not None:
                     self._on_handshake(self.refused_by, False)
@@ -182,7 +144,7 @@ class ShardRankSource(ChunkSource):
             self.refused_by = TransportError(f"trainer rank {self.rank}'s shard: {why}")
             self._on_handshake(self.refused_by, True)
 
-    def _read(self, now: float) -> None:
+    def read(self, now: float) -> None:
         def chunk(header: chunk_frame.ChunkHeader, frame: zmq.Frame) -> None:
             self.answered = now
             union = chunk_frame.ChunkHeader(req=header.req, version=header.version,
@@ -196,14 +158,6 @@ class ShardRankSource(ChunkSource):
                      on_chunk=chunk, on_error=sink.error,
                      on_bad=lambda exc: sink.bad(
                          ProtocolError(f"shard {self.endpoint}: bad reply: {exc}")))
-
-    def close(self) -> None:
-        self._sink.requests.drop(self)
-        if self._poller is not None:
-            self._poller.unregister(self.sock)
-            self._poller.unregister(self.dealer.monitor)
-            self._poller = None
-        self.dealer.close()
 
 
 class ShardLinks:

@@ -33,6 +33,7 @@ from typing import Any
 
 import zmq
 
+from subscriber_ext.transport.client.dealer_source import DealerSource
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
@@ -99,21 +100,14 @@ def register_parts(plan: SlicePlan, digest: str, req: int) -> list[SliceRegister
             for index, group in enumerate(groups)]
 
 
-class SliceSource(ChunkSource):
+class SliceSource(DealerSource):
     """The publisher's ROUTER asked for one plan's slices, on a DEALER of its own."""
 
     def __init__(self, fetcher: SliceFetcher, dealer: MonitoredDealer, sink: SourceSink, *,
                  chunks_per_request: int, request_timeout: float, limits: wire.Limits) -> None:
+        super().__init__(dealer, sink, chunks_per_request=chunks_per_request,
+                         request_timeout=request_timeout, limits=limits)
         self.fetcher = fetcher
-        self.dealer = dealer
-        self.sock = dealer.sock
-        self._sink = sink
-        self.chunks_per_request = chunks_per_request
-        self.request_timeout = request_timeout
-        self.limits = limits
-        self.pairing = chunk_frame.PayloadPairing()
-        self.answered = time.monotonic()
-        self._poller: zmq.Poller | None = None
         self._target: weakref.ref[SparseAssembly] | None = None
         #: publisher instances that hold this plan, and that will not (with the cause)
         self.registered: set[str] = set()
@@ -153,20 +147,13 @@ class SliceSource(ChunkSource):
         if publisher not in self.registered:
             req = self._sink.requests.next_id()
             for part in register_parts(fetcher.plan, fetcher.digest, req):
-                self._send(part)
+                self.send(part)
             self._control = ("reg", req, publisher, now, 1)
             return
         req = self._sink.requests.next_id()
-        self._send(SliceSums(req=req, publisher_id=publisher, version=target.manifest.version,
+        self.send(SliceSums(req=req, publisher_id=publisher, version=target.manifest.version,
                              digest=fetcher.digest))
         self._control = ("sums", req, publisher, now, 1)
-
-    def _send(self, message: Any) -> bool:
-        try:
-            self.sock.send(wire.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
 
     def tick(self, now: float) -> float:
         """A control request unanswered for ``request_timeout`` is asked again; after
@@ -191,9 +178,6 @@ class SliceSource(ChunkSource):
         return 0.0
 
     # -- asking ----------------------------------------------------------------------------------
-    def room(self, window: int) -> int:
-        return window - self._sink.requests.peer_in_flight().get(self, 0)
-
     def candidates(self, target: Assembly, asked: set[int], limit: int) -> list[int]:
         sparse = self._follow(target)
         if sparse is not None and sparse.whole_cause is None and (
@@ -203,28 +187,18 @@ class SliceSource(ChunkSource):
         return target.next_chunks(asked, limit)
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
-        todo = list(chunks)
-        if todo and not self._sink.requests.peer_in_flight().get(self):
-            self.answered = now  # silence counts from now
         sparse = self._follow(target)
-        requests = self._sink.requests
         manifest = target.manifest
-        while todo:
-            batch = todo[: self.chunks_per_request]
-            req = requests.next_id()
-            message: Any
+
+        def request(req: int, batch: list[int]) -> Any:
             if sparse is not None and sparse.whole_cause is None:
-                message = SliceFetch(req=req, publisher_id=manifest.publisher_id,
-                                     version=manifest.version, digest=self.fetcher.digest,
-                                     chunks=tuple(batch))
-            else:
-                message = wire.FetchRequest(req=req, publisher_id=manifest.publisher_id,
-                                            version=manifest.version, chunks=tuple(batch))
-            if not self._send(message):
-                return todo
-            requests.track(req, batch, now, source=self)
-            todo = todo[len(batch):]
-        return todo
+                return SliceFetch(req=req, publisher_id=manifest.publisher_id,
+                                  version=manifest.version, digest=self.fetcher.digest,
+                                  chunks=tuple(batch))
+            return wire.FetchRequest(req=req, publisher_id=manifest.publisher_id,
+                                     version=manifest.version, chunks=tuple(batch))
+
+        return self.ask_batches(chunks, now, request)
 
     def expire(self, now: float, retry: Retry) -> bool:
         """Re-ask what the publisher left unanswered too long; each chunk counts a try."""
@@ -236,18 +210,7 @@ class SliceSource(ChunkSource):
         return False
 
     # -- replies ---------------------------------------------------------------------------------
-    def register(self, poller: zmq.Poller) -> None:
-        self._poller = poller
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.dealer.monitor, zmq.POLLIN)
-
-    def on_events(self, events: dict[Any, int], now: float) -> None:
-        if self.dealer.monitor in events:
-            self.dealer.handshakes()
-        if self.sock in events:
-            self._read(now)
-
-    def _read(self, now: float) -> None:
+    def read(self, now: float) -> None:
         sink = self._sink
         for _ in range(256):
             try:
@@ -345,14 +308,6 @@ class SliceSource(ChunkSource):
             self._fall_back(target, "busy")
             return
         self._sink.error(error)
-
-    def close(self) -> None:
-        self._sink.requests.drop(self)
-        if self._poller is not None:
-            self._poller.unregister(self.sock)
-            self._poller.unregister(self.dealer.monitor)
-            self._poller = None
-        self.dealer.close()
 
 
 class SliceFetcher:
