@@ -26,9 +26,9 @@ import zmq
 
 from publisher.collective.collective_sender import CollectivePublisher
 from publisher.deltas.delta_encoder import DeltaPublisher
-from publisher.deltas.delta_server import DeltaServing
 from publisher.serving.connection_credit import Peer, PeerLimits, PeerTable
 from publisher.serving.connections import ConnectionGuard, GuardLimits
+from publisher.serving.delta_serving import DeltaServing
 from publisher.serving.reports import ReportLimits, ReportTable
 from publisher.serving.slice_serving import SliceLimits, SliceServing
 from publisher.serving.tracker import Tracker, TrackerLimits

@@ -25,7 +25,7 @@ tensor, the run); nothing a subscriber sends here can stop the serving thread.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from publisher.serving.deferred_sends import DeferredSends
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire.chunk_frame import ChunkHeader
@@ -107,8 +108,8 @@ class SliceServing:
         self._pending: OrderedDict[str, _Pending] = OrderedDict()
         self._refused: OrderedDict[str, None] = OrderedDict()  # its later parts: dropped
         self._entries: OrderedDict[tuple[str, int], _Entry] = OrderedDict()
-        self._deferred: list[tuple[bytes, int, _Entry, int]] = []
-        self._per_peer: Counter[bytes] = Counter()
+        self._deferred: DeferredSends[_Entry] = DeferredSends(
+            self.limits.max_deferred, self.limits.max_deferred_per_peer)
         self._executor: ThreadPoolExecutor | None = None
         #: plans whose sums were asked for the newest version seen: hashed ahead for the
         #: next one, as soon as its bytes are final (no round trip waits for the hash)
@@ -303,17 +304,12 @@ class SliceServing:
                         "slice_fetch.chunks: a chunk the plan does not touch, or too many in "
                         "one request", request.version)
             return
-        if len(self._deferred) + len(request.chunks) > self.limits.max_deferred or \
-                self._per_peer[identity] + len(request.chunks) > \
-                self.limits.max_deferred_per_peer:
+        if not self._deferred.room(identity, len(request.chunks)):
             self._error(identity, request.req, "bad_request",
                         "too many slice chunks are waiting here; fetch whole chunks",
                         request.version)
             return
-        for chunk in request.chunks:
-            if not self._try_send(identity, request.req, entry, chunk):
-                self._deferred.append((identity, request.req, entry, chunk))
-                self._per_peer[identity] += 1
+        self._deferred.offer(identity, request.req, entry, request.chunks, self._try_send)
 
     def _try_send(self, identity: bytes, req: int, entry: _Entry, chunk: int) -> bool:
         """Send one chunk's slice if its bytes are final and the peer has room; False:
@@ -388,17 +384,7 @@ class SliceServing:
             for identity, req in waiters:
                 self._sums_reply(identity, req, entry, digest_version[0])
             self.held = self.held_bytes
-        if not self._deferred:
-            return
-        waiting = []
-        for item in self._deferred:
-            if self._try_send(*item):
-                self._per_peer[item[0]] -= 1
-                if not self._per_peer[item[0]]:
-                    del self._per_peer[item[0]]
-            else:
-                waiting.append(item)
-        self._deferred = waiting
+        self._deferred.flush(self._try_send)
 
 
 def _hash_slices(version: PublishedVersion, layout: SliceLayout) -> tuple[int, ...] | None:

@@ -9,16 +9,17 @@ are bounded, per peer and in all: past either bound a request gets a
 drain on their own: every encoding ends, or is cut short and served raw.
 Every frame goes out through the server's per-peer credit
 (``publisher/serving/connection_credit.py``):
-a chunk a peer has no room for waits here like one still being encoded.
+a chunk a peer has no room for waits here like one still being encoded
+(``deferred_sends.py``, as slices do).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 
 from publisher.deltas.delta_encoder import RAW, DeltaPublisher, EncodedDelta
+from publisher.serving.deferred_sends import DeferredSends
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire.chunk_frame import ChunkHeader
@@ -44,10 +45,8 @@ class DeltaServing:
         self._store = store
         self._publisher_id = publisher_id
         self._max_chunks = max_chunks_per_request
-        self._max_deferred = max_deferred
-        self._max_per_peer = max_deferred_per_peer
-        self._per_peer: Counter[bytes] = Counter()
-        self._deferred: list[tuple[bytes, int, EncodedDelta, int]] = []
+        self._deferred: DeferredSends[EncodedDelta] = DeferredSends(max_deferred,
+                                                                    max_deferred_per_peer)
         self.bytes_sent = 0
 
     @property
@@ -69,27 +68,15 @@ class DeltaServing:
             self._error(identity, request, "bad_request",
                         "chunk ids out of range or too many in one request")
             return
-        if len(self._deferred) + len(request.chunks) > self._max_deferred or \
-                self._per_peer[identity] + len(request.chunks) > self._max_per_peer:
+        if not self._deferred.room(identity, len(request.chunks)):
             self._error(identity, request, "bad_request",
                         "too many delta chunks are waiting to be encoded; fetch it in full")
             return
-        for chunk in request.chunks:
-            if not self._try_send(identity, request.req, delta, chunk):
-                self._deferred.append((identity, request.req, delta, chunk))
-                self._per_peer[identity] += 1
+        self._deferred.offer(identity, request.req, delta, request.chunks, self._try_send)
 
     def flush(self) -> None:
         """Send the held-back chunks that are encoded (and have credit) by now."""
-        waiting = []
-        for item in self._deferred:
-            if self._try_send(*item):
-                self._per_peer[item[0]] -= 1
-                if not self._per_peer[item[0]]:
-                    del self._per_peer[item[0]]
-            else:
-                waiting.append(item)
-        self._deferred = waiting
+        self._deferred.flush(self._try_send)
 
     def _try_send(self, identity: bytes, req: int, delta: EncodedDelta, chunk: int) -> bool:
         """Send one chunk if its payload is final; False to try again later."""
