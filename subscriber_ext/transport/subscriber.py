@@ -20,6 +20,7 @@ from typing import Any, Unpack
 import zmq
 
 from subscriber_ext.transport.client.nixl_source import NixlPicker
+from subscriber_ext.transport.client.shard_slices import ShardSlices
 from subscriber_ext.transport.client.slice_source import SliceFetcher
 from subscriber_ext.transport.client.sync_client import SyncClient, SyncOptions
 from subscriber_ext.transport.collective.collective_member import CollectiveMember
@@ -156,7 +157,8 @@ class WeightSubscriber:
                                       self._deliver, hooks, pool, curve=curve,
                                       listeners=[self._nixl,
                                                  *([chunk_listener] if chunk_listener else [])],
-                                      pickers=[self._slices] if self._slices else [self._nixl],
+                                      pickers=[self._slices, ShardSlices(self._slices)]
+                                      if self._slices else [self._nixl],
                                       targets=self._slices)
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
             self._nixl.close()

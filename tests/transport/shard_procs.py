@@ -4,7 +4,8 @@ Run through ``python -m tests.transport.procs shard_rank '<json args>'``. The ra
 publishes ``det_weights(seed, version, spec)`` of its own ``spec`` on command, so
 the test can recompute every byte; rank 0 also runs the coordinator and says
 where subscribers and the other ranks dial it. ``die_serving: V`` makes the rank
-SIGKILL itself when it is about to send its first chunk of version V.
+SIGKILL itself when it is about to send its first chunk of version V; ``no_slices``
+makes it drop slice requests, as a rank from before issue 30 does.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def run_shard_rank(args: dict[str, Any]) -> None:
         world_size=args["world_size"], coordinator=args.get("coordinator", "tcp://127.0.0.1:0"),
         announce_endpoint=args.get("announce_endpoint"), chunk_size=args["chunk_size"],
         shard_timeout=args.get("shard_timeout", 30.0), heartbeat_interval=0.2)
+    if args.get("no_slices"):
+        pub.shard._server.slice_serving.handle = lambda *a: None  # type: ignore[method-assign]
     coordinator = pub.coordinator
     _emit(event="ready", endpoint=pub.endpoint,
           announce=None if coordinator is None else coordinator.endpoint,
@@ -83,6 +86,7 @@ def run_shard_rank(args: dict[str, Any]) -> None:
                   start_rss=start_rss, publish_growth=growth, shard_bytes=spec_bytes(spec),
                   held_bytes=pub.shard.data_stats()["host_held_bytes"],
                   bytes_sent=pub.shard.data_stats()["bytes_sent_full"],
+                  slice_bytes_sent=pub.shard.data_stats()["bytes_sent_slices"],
                   shard_total=pub.shard.manifest(pub.latest_version).total_bytes
                   if pub.latest_version else 0,
                   announced=None if coordinator is None else coordinator.latest_version,

@@ -24,6 +24,7 @@ from publisher import WeightPublisher
 from publisher.serving.server import ServerLimits, SliceLimits
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client.slice_source import register_parts
+from subscriber_ext.transport.staging.assembly import StagedVersion
 from tests.transport.byte_relay import ByteRelay
 from tests.transport.procs import Child, as_bytes, det_weights, spec_bytes, wait_until
 from weightpub_wire import chunk_frame
@@ -302,32 +303,81 @@ def test_bad_plans_are_refused_by_name_and_the_publisher_stays_up(
     assert other.latest() is None
 
 
-def test_a_sharded_trainer_serves_the_touched_chunks_whole_from_its_ranks(
-        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber]) -> None:
-    """Not yet slices from trainer ranks: each rank serves whole chunks, only those the
-    plan touches; the planned bytes are right, and status says why (``sharded``)."""
-    from tests.transport.test_sharded import SEED as SHARD_SEED
-    from tests.transport.test_sharded import SPECS, _publish, _start_ranks
-
-    ranks, ready0 = _start_ranks(spawn, SPECS)
+def _sharded_plan() -> SlicePlan:
+    """Half of every row of rank 0's ``layers.0.w`` and rank 1's ``head`` whole
+    (``test_sharded.SPECS``): about a quarter of the union."""
     row = 17 * 4
-    plan = from_ranges("tp2/rank0", {"layers.0.w": [(i * row, i * row + row // 2)
+    return from_ranges("tp2/rank0", {"layers.0.w": [(i * row, i * row + row // 2)
                                                     for i in range(300)],
                                      "head": [(0, 77 * 40 * 2)]})
+
+
+def _check_sharded(staged: StagedVersion, version: int, specs: list[Any]) -> None:
+    from tests.transport.test_sharded import SEED as SHARD_SEED
+
+    want: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        want.update(det_weights(SHARD_SEED, version, [(n, d, tuple(s)) for n, d, s in spec]))
+    got = staged.tensors["layers.0.w"]
+    assert torch.equal(as_bytes(got[:, :8]), as_bytes(want["layers.0.w"][:, :8]))
+    assert not as_bytes(got[:, 9:]).any()  # the other half of each row: never asked
+    assert torch.equal(as_bytes(staged.tensors["head"]), as_bytes(want["head"]))
+    assert not as_bytes(staged.tensors["layers.1.w"]).any()  # untouched: never asked
+
+
+def test_sharded_trainer_ranks_serve_only_their_part_of_the_plan_as_slices(
+        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Four real rank processes; the plan reads tensors of ranks 0 and 1 only. Each of
+    those is asked its own part (computed from the union's ranges), sends exactly those
+    bytes as slices verified against its own sums; ranks 2 and 3 are never dialled."""
+    from tests.transport.test_sharded import SPECS4, _publish, _start_ranks
+
+    ranks, ready0 = _start_ranks(spawn, SPECS4)
+    plan = _sharded_plan()
     sub = make_sub(ready0["announce"], slice_plan=plan, request_timeout=2.0)
     for version in (1, 2):
         _publish(ranks, version)
         staged = sub.wait_for_version(version, timeout=60)
-        want = det_weights(SHARD_SEED, version, [(n, d, tuple(s)) for n, d, s in SPECS[0]])
-        want.update(det_weights(SHARD_SEED, version, [(n, d, tuple(s)) for n, d, s in SPECS[1]]))
-        got = staged.tensors["layers.0.w"]
-        assert torch.equal(as_bytes(got[:, :8]), as_bytes(want["layers.0.w"][:, :8]))
-        assert torch.equal(as_bytes(staged.tensors["head"]), as_bytes(want["head"]))
-        assert not as_bytes(staged.tensors["layers.1.w"]).any()  # untouched: never asked
+        _check_sharded(staged, version, SPECS4)
         staged.release()
     share = sub.status()["slice_plan"]
-    assert share["fallbacks"] == {"sharded": 2} and share["slice_bytes"] == 0
-    assert share["whole_chunk_bytes"] > 0
+    assert share["fallbacks"] == {} and share["whole_chunk_bytes"] == 0, share
+    assert 2 * plan.needed_bytes <= share["slice_bytes"] < share["version_bytes"] // 2, share
+    sent = [rank.request("status") for rank in ranks]
+    parts = [300 * 34, 77 * 40 * 2, 0, 0]  # each rank's part of the plan, per version
+    for rank, status in enumerate(sent):
+        assert 2 * parts[rank] <= status["slice_bytes_sent"] < 3 * parts[rank] + 1, (rank, status)
+        assert status["bytes_sent"] <= status["slice_bytes_sent"], (rank, status)  # no whole
+    assert sum(s["slice_bytes_sent"] for s in sent) < 0.5 * 2 * share["version_bytes"]
+
+
+def test_a_sharded_rank_without_slices_serves_its_touched_chunks_whole(
+        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Rank 1 drops slice requests (as a rank before issue 30 does): it serves its touched
+    chunks whole (cause ``sharded``, the rank named), rank 0 still serves slices, and the
+    planned bytes are right."""
+    from tests.transport.test_sharded import CHUNK as SHARD_CHUNK
+    from tests.transport.test_sharded import SEED as SHARD_SEED
+    from tests.transport.test_sharded import SPECS, _publish
+
+    ranks = [spawn("shard_rank", forked=True, rank=0, world_size=2, spec=SPECS[0],
+                   seed=SHARD_SEED, chunk_size=SHARD_CHUNK,
+                   announce_endpoint="tcp://127.0.0.1:0")]
+    ready0 = ranks[0].event("ready", timeout=60)
+    ranks.append(spawn("shard_rank", forked=True, rank=1, world_size=2, spec=SPECS[1],
+                       seed=SHARD_SEED, chunk_size=SHARD_CHUNK, coordinator=ready0["collect"],
+                       no_slices=True))
+    ranks[1].event("ready", timeout=60)
+    sub = make_sub(ready0["announce"], slice_plan=_sharded_plan(), request_timeout=0.5)
+    _publish(ranks, 1)
+    _check_sharded(sub.wait_for_version(1, timeout=60), 1, SPECS)
+    share = sub.status()["slice_plan"]
+    assert share["fallbacks"] == {"sharded": 1}, share
+    assert "trainer rank 1" in share["last_refusal"] and "no_answer" in share["last_refusal"]
+    assert 77 * 40 * 2 <= share["whole_chunk_bytes"] <= 3 * SHARD_CHUNK, share  # head's
+    assert 300 * 34 <= share["slice_bytes"] < 2 * 300 * 34, share
+    sent = [rank.request("status") for rank in ranks]
+    assert sent[1]["slice_bytes_sent"] == 0 and sent[1]["bytes_sent"] > 0
 
 
 def test_more_plans_than_the_publisher_holds_still_stage_right(

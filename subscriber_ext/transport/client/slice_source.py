@@ -16,8 +16,8 @@ the publisher does not answer the registration (a publisher before issue 30 drop
 the message) or refuses it (the plan is bad, too big, or for another model), or
 refuses a fetch for its bounds: whole chunks from the same publisher, still only the
 touched ones, each verified against the manifest and only its planned bytes kept. A
-sharded version (``Manifest.shards``): the trainer ranks serve whole chunks
-(``shard_links.py``), the touched ones only. Deltas: the version's own bytes are
+sharded version (``Manifest.shards``): each trainer rank serves its own part of the
+plan (``shard_slices.py``, a ``SliceSource`` per rank). Deltas: the version's own bytes are
 sliced (a sliced subscriber keeps no delta base). Peers and the collective path are
 not offered to a sliced subscriber (``slice_plan`` with ``peer_share`` or
 ``collective`` is a ``ConfigError``). Conflation is the client's, as for any target.
@@ -59,17 +59,17 @@ from weightpub_wire.slice_messages import (
 )
 from weightpub_wire.slice_plan import SlicePlan, SliceRuns
 
-__all__ = ["FALLBACK_CAUSES", "SliceFetcher", "SliceSource", "register_parts"]
+__all__ = ["CONTROL_TRIES", "FALLBACK_CAUSES", "SliceFetcher", "SliceSource", "register_parts"]
 
 FALLBACK_CAUSES = (
     "no_answer",  # the publisher did not answer the registration (it predates slices)
     "refused",  # the publisher refused the plan (bad, too big, another model)
     "busy",  # the publisher refused a slice fetch for its bounds
     "sums",  # the slice checksums did not come (or did not fit the plan)
-    "sharded",  # a sharded trainer's ranks serve whole chunks
+    "sharded",  # a trainer rank of a sharded version serves whole chunks (shard_slices.py)
     "evicted",  # the publisher kept dropping the plan (more plans than it holds)
 )
-_CONTROL_TRIES = 3  # a registration or sums request asked this often before falling back
+CONTROL_TRIES = 3  # a registration or sums request asked this often before falling back
 
 
 def register_parts(plan: SlicePlan, digest: str, req: int) -> list[SliceRegister]:
@@ -108,7 +108,12 @@ class SliceSource(DealerSource):
         super().__init__(dealer, sink, chunks_per_request=chunks_per_request,
                          request_timeout=request_timeout, limits=limits)
         self.fetcher = fetcher
+        #: the plan this source registers (a trainer rank's: its part, ``shard_slices.py``)
+        self.plan = fetcher.plan
+        self.digest = fetcher.digest
         self._target: weakref.ref[SparseAssembly] | None = None
+        self._whole: str | None = None  # the target's chunks come whole here (the cause)
+        self._mine: tuple[int, ...] = ()  # the target's touched chunks this source serves
         #: publisher instances that hold this plan, and that will not (with the cause)
         self.registered: set[str] = set()
         self.refusing: dict[str, str] = {}
@@ -121,6 +126,19 @@ class SliceSource(DealerSource):
         return "publisher (slices)"
 
     # -- the target and its control requests ---------------------------------------------------
+    # -- its scope: the whole plan at the publisher (a trainer rank's source narrows it) ------
+    def publisher_id(self, target: Assembly) -> str:
+        """The instance its requests name."""
+        return target.manifest.publisher_id
+
+    def serves(self, target: SparseAssembly) -> tuple[int, ...]:
+        """The target's touched chunks this source serves (and has the sums of)."""
+        return target.layout.chunks
+
+    def wire_chunk(self, chunk: int) -> int:
+        """A chunk's id in this source's requests and replies (the union's, here)."""
+        return chunk
+
     def _follow(self, target: Assembly) -> SparseAssembly | None:
         if not isinstance(target, SparseAssembly):
             return None
@@ -128,45 +146,52 @@ class SliceSource(DealerSource):
             self._target = weakref.ref(target)
             self._control = None
             self._forgotten = 0
-            publisher = target.manifest.publisher_id
+            self._whole = None
+            self._mine = self.serves(target)
+            publisher = self.publisher_id(target)
             if publisher in self.refusing:
                 self._fall_back(target, self.refusing[publisher])
         return target
 
     def _fall_back(self, target: SparseAssembly, cause: str) -> None:
-        if target.whole_cause is None:
-            target.whole_cause = cause
+        if self._whole is None:
+            self._whole = cause
+            if target.whole_cause is None:
+                target.whole_cause = cause
             self.fetcher.count_fallback(cause)
+
+    def _slicing(self, target: SparseAssembly) -> bool:
+        """Its chunks of ``target`` come as slices (not whole) from this source."""
+        return self._whole is None
 
     def _want_sums(self, target: SparseAssembly, now: float) -> None:
         """Register the plan, then ask the target's sums (one control request at a time)."""
         if self._control is not None:
             return
-        publisher = target.manifest.publisher_id
-        fetcher = self.fetcher
+        publisher = self.publisher_id(target)
         if publisher not in self.registered:
             req = self._sink.requests.next_id()
-            for part in register_parts(fetcher.plan, fetcher.digest, req):
+            for part in register_parts(self.plan, self.digest, req):
                 self.send(part)
             self._control = ("reg", req, publisher, now, 1)
             return
         req = self._sink.requests.next_id()
         self.send(SliceSums(req=req, publisher_id=publisher, version=target.manifest.version,
-                             digest=fetcher.digest))
+                             digest=self.digest))
         self._control = ("sums", req, publisher, now, 1)
 
     def tick(self, now: float) -> float:
         """A control request unanswered for ``request_timeout`` is asked again; after
-        ``_CONTROL_TRIES`` the target's chunks come whole."""
+        ``CONTROL_TRIES`` the target's chunks come whole."""
         control = self._control
         target = None if self._target is None else self._target()
         if control is None or target is None:
-            return 0.1 if target is not None and target.sums is None else 1.0
+            return 0.1 if target is not None and not target.has_sums(self._mine) else 1.0
         kind, _, publisher, sent_at, tries = control
         if now - sent_at < self.request_timeout:
             return self.request_timeout - (now - sent_at)
         self._control = None
-        if tries >= _CONTROL_TRIES:
+        if tries >= CONTROL_TRIES:
             cause = "no_answer" if kind == "reg" else "sums"
             if kind == "reg":
                 self.refusing[publisher] = cause
@@ -180,23 +205,28 @@ class SliceSource(DealerSource):
     # -- asking ----------------------------------------------------------------------------------
     def candidates(self, target: Assembly, asked: set[int], limit: int) -> list[int]:
         sparse = self._follow(target)
-        if sparse is not None and sparse.whole_cause is None and (
-                sparse.sums is None or sparse.manifest.publisher_id not in self.registered):
+        if sparse is not None and self._slicing(sparse) and (
+                not sparse.has_sums(self._mine) or
+                self.publisher_id(sparse) not in self.registered):
             self._want_sums(sparse, time.monotonic())  # (again, after an unknown_plan)
             return []
+        return self.next_chunks(target, asked, limit)
+
+    def next_chunks(self, target: Assembly, asked: set[int], limit: int) -> list[int]:
+        """Up to ``limit`` missing chunks it serves, not ``asked``, in fetch order."""
         return target.next_chunks(asked, limit)
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
         sparse = self._follow(target)
-        manifest = target.manifest
+        version, publisher = target.manifest.version, self.publisher_id(target)
 
         def request(req: int, batch: list[int]) -> Any:
-            if sparse is not None and sparse.whole_cause is None:
-                return SliceFetch(req=req, publisher_id=manifest.publisher_id,
-                                  version=manifest.version, digest=self.fetcher.digest,
-                                  chunks=tuple(batch))
-            return wire.FetchRequest(req=req, publisher_id=manifest.publisher_id,
-                                     version=manifest.version, chunks=tuple(batch))
+            chunks = tuple(self.wire_chunk(chunk) for chunk in batch)
+            if sparse is not None and self._slicing(sparse):
+                return SliceFetch(req=req, publisher_id=publisher, version=version,
+                                  digest=self.digest, chunks=chunks)
+            return wire.FetchRequest(req=req, publisher_id=publisher, version=version,
+                                     chunks=chunks)
 
         return self.ask_batches(chunks, now, request)
 
@@ -229,7 +259,7 @@ class SliceSource(DealerSource):
                     else:
                         header = self.pairing.take(first.buffer, more)
                         self.answered = now
-                        sink.chunk(header, first, self, self)
+                        sink.chunk(self.union_header(header), first, self, self)
                         continue
                 if chunk_frame.is_chunk(first.buffer):
                     header = chunk_frame.parse(first.buffer)
@@ -239,7 +269,7 @@ class SliceSource(DealerSource):
                         self.pairing.expect(header)
                     else:
                         self.answered = now
-                        sink.chunk(header, first, self, self)
+                        sink.chunk(self.union_header(header), first, self, self)
                     continue
                 message = wire.decode(first.buffer, expect=(wire.ErrorReply, *SLICE_REPLIES),
                                       limits=self.limits)
@@ -250,13 +280,17 @@ class SliceSource(DealerSource):
             sink.discard_rest(more, self.sock)
             self._on_message(message, now)
 
+    def union_header(self, header: chunk_frame.ChunkHeader) -> chunk_frame.ChunkHeader:
+        """A reply's header in the union's chunk ids (as it came, here)."""
+        return header
+
     def _on_message(self, message: Any, now: float) -> None:
         control = self._control
         target = None if self._target is None else self._target()
         mine = control is not None and getattr(message, "req", None) == control[1]
         if isinstance(message, SliceAck) and mine and control is not None:
             self._control = None
-            if message.digest == self.fetcher.digest:
+            if message.digest == self.digest:
                 self.registered.add(control[2])
                 if target is not None:
                     self._want_sums(target, now)
@@ -264,14 +298,13 @@ class SliceSource(DealerSource):
             self._control = None
             if target is None or message.version != target.manifest.version:
                 return
-            if message.digest != self.fetcher.digest or \
-                    len(message.sums) != len(target.layout.chunks):
+            if message.digest != self.digest or len(message.sums) != len(self._mine):
                 self._sink.bad(ProtocolError(
                     f"slice_sums_rep: {len(message.sums)} sums for the "
-                    f"{len(target.layout.chunks)} chunks plan {self.fetcher.digest} touches"))
+                    f"{len(self._mine)} chunks plan {self.digest} touches"))
                 self._fall_back(target, "sums")
                 return
-            target.set_sums(message.sums)
+            target.set_sums(message.sums, self._mine)
         elif isinstance(message, wire.ErrorReply):
             self._on_error(message, mine, target)
 
@@ -280,9 +313,9 @@ class SliceSource(DealerSource):
         table = self._sink.requests
         if error.code == "unknown_plan":  # the publisher forgot it (its LRU): register again
             if target is not None:
-                self.registered.discard(target.manifest.publisher_id)
+                self.registered.discard(self.publisher_id(target))
                 self._forgotten += 1
-                if self._forgotten > _CONTROL_TRIES:  # it keeps dropping it: whole chunks
+                if self._forgotten > CONTROL_TRIES:  # it keeps dropping it: whole chunks
                     self.fetcher.last_refusal = error.message
                     self._fall_back(target, "evicted")
             if mine:
@@ -297,12 +330,12 @@ class SliceSource(DealerSource):
             if error.code == "version_unavailable":
                 self._sink.give_up(VersionUnavailable(f"publisher: {error.message}"))
                 return
-            self.refusing[target.manifest.publisher_id] = "refused"
+            self.refusing[self.publisher_id(target)] = "refused"
             self.fetcher.last_refusal = error.message
             self._fall_back(target, "refused")
             return
         if error.code == "bad_request" and error.req in table and target is not None \
-                and target.whole_cause is None:
+                and self._slicing(target):
             table.forget(error.req)  # the publisher's bounds: fetch whole chunks instead
             self.fetcher.last_refusal = error.message
             self._fall_back(target, "busy")
@@ -355,8 +388,6 @@ class SliceFetcher:
     def assembly(self, manifest: wire.Manifest, pool: BufferPool) -> Assembly:
         layout = self.layout(manifest)
         self.version_bytes = manifest.total_bytes
-        if manifest.shards is not None:
-            self.count_fallback("sharded")
         return SparseAssembly(manifest, pool, layout, self.digest, on_bytes=self.received)
 
     def received(self, whole: bool, nbytes: int) -> None:
@@ -372,7 +403,7 @@ class SliceFetcher:
     # -- the picker ------------------------------------------------------------------------------
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
         if manifest.shards is not None:
-            return None  # the trainer ranks serve (whole chunks, the touched ones)
+            return None  # the trainer ranks serve (``shard_slices.ShardSlices``)
         if self.source is None:
             dealer = MonitoredDealer(self.ctx, self.endpoint, hooks=self.hooks,
                                      events=LINK_EVENTS,

@@ -74,8 +74,16 @@ class SparseAssembly(Assembly):
         total = len(self.layout.chunks)
         return 1.0 if total == 0 else 1.0 - len(self.missing) / total
 
-    def set_sums(self, sums: tuple[int, ...]) -> None:
-        self.sums = dict(zip(self.layout.chunks, sums, strict=True))
+    def set_sums(self, sums: tuple[int, ...], chunks: tuple[int, ...] | None = None) -> None:
+        """The sums of ``chunks`` (default: every touched chunk), added to those held (a
+        sharded version's come from each trainer rank for its own chunks)."""
+        given = dict(zip(self.layout.chunks if chunks is None else chunks, sums, strict=True))
+        self.sums = given if self.sums is None else {**self.sums, **given}
+
+    def has_sums(self, chunks: tuple[int, ...]) -> bool:
+        """Whether the sums of every one of ``chunks`` are in."""
+        held = self.sums
+        return held is not None and all(chunk in held for chunk in chunks)
 
     def chunk_target(self, chunk: int) -> memoryview:
         start, size = self.manifest.chunk_span(chunk)
