@@ -8,7 +8,9 @@ a model whose tensors are all replicated) one staged copy per node moves fewer b
 ``auto``: slices at more than one rank when every rank's plan needs less than
 ``AUTO_SLICES_BELOW`` of the version, recorded at start from the checkpoint's
 layout; whole otherwise, and whole, with the cause counted, when the plan cannot be
-recorded. What was chosen and why is in ``weight_status()["receive"]``.
+recorded. What was chosen and why is in ``weight_status()["receive"]``, with what
+planning cost at start (``plan_seconds``: the checkpoint's headers read and this
+rank's plan recorded through vLLM's loaders; None when nothing was planned).
 """
 
 from __future__ import annotations
@@ -47,10 +49,12 @@ class ReceiveChoice:
     cause: str
     needed_fraction: float | None = None  # this rank's plan, of the version (slices)
     fallbacks: dict[str, int] = field(default_factory=dict)  # auto chose whole, by cause
+    plan_seconds: float | None = None  # reading the layout and recording the plan at start
 
     def status(self) -> dict[str, Any]:
         return {"mode": self.mode, "cause": self.cause,
-                "needed_fraction": self.needed_fraction, "fallbacks": dict(self.fallbacks)}
+                "needed_fraction": self.needed_fraction, "fallbacks": dict(self.fallbacks),
+                "plan_seconds": self.plan_seconds}
 
 
 def checkpoint_layout(model: str) -> Layout | None:

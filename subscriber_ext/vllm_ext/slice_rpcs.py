@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -107,12 +108,13 @@ class SliceRpcs(StateAccess):
         st = self._wp()
         if options.receive == "whole":
             return ReceiveChoice(whole, "asked"), None
-        layout = checkpoint_layout(str(self.vllm_config.model_config.model))
         if options.receive == "auto":
             reason = "one rank" if world == 1 else "collective" if options.collective \
                 else "peer_share" if options.peer_share else None
             if reason is not None:
                 return ReceiveChoice(whole, reason), None
+        started = time.perf_counter()
+        layout = checkpoint_layout(str(self.vllm_config.model_config.model))
         fraction, cause = math.inf, "no checkpoint layout"
         if layout is not None:
             try:
@@ -123,19 +125,20 @@ class SliceRpcs(StateAccess):
                 logger.warning("weightpub: rank %s could not record its slice plan (%s)",
                                self.rank, exc)
                 cause = f"plan failed: {type(exc).__name__}"
+        seconds = None if layout is None else round(time.perf_counter() - started, 4)
         if options.receive == "slices":  # no layout yet: the first version tells
             return ReceiveChoice("slices", cause, None if math.isinf(fraction)
-                                 else round(fraction, 4)), layout
+                                 else round(fraction, 4), plan_seconds=seconds), layout
         worst = self._wp_agree_max(fraction)
         if worst < AUTO_SLICES_BELOW:
             return ReceiveChoice("slices", "auto", round(fraction, 4),
-                                 dict(st.receive_fallbacks)), layout
+                                 dict(st.receive_fallbacks), seconds), layout
         if cause == "auto":
             cause = f"a rank needs {worst:.2f}x of a version"
         elif math.isfinite(fraction):
             cause = "another rank could not plan"
         st.receive_fallbacks[cause] = st.receive_fallbacks.get(cause, 0) + 1
-        return ReceiveChoice(whole, cause, None, dict(st.receive_fallbacks)), None
+        return ReceiveChoice(whole, cause, None, dict(st.receive_fallbacks), seconds), None
 
     def _wp_agree_max(self, value: float) -> float:
         """The largest ``value`` of every rank of the replica (TP group, then PP group)."""

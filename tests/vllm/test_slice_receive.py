@@ -62,6 +62,7 @@ def test_each_rank_fetches_its_own_slices_and_transformers_agrees(sliced):
         receive = state["receive"]
         assert receive["mode"] == "slices" and receive["cause"] == "auto", receive
         assert 0.3 < receive["needed_fraction"] < 0.7, receive
+        assert receive["plan_seconds"] is not None and receive["plan_seconds"] > 0, receive
     before = relay.per_link_down()
     total = 0
     serving: dict[str, torch.Tensor] = {}
