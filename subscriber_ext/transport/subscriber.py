@@ -146,10 +146,12 @@ class WeightSubscriber:
         pool = BufferPool(max_buffers=2, allocator=self._nixl.allocator(allocator),
                           budget_bytes=budget, max_pinned_bytes=base.limits.max_pinned_bytes)
         self._slices: SliceFetcher | None = None
+        shard_slices: ShardSlices | None = None
         if opts.slice_plan is not None:  # only this plan's bytes of each version (issue 30)
             self._slices = SliceFetcher(opts.slice_plan, self._ctx, endpoint, limits=base.limits,
                                         chunks_per_request=base.chunks_per_request,
                                         request_timeout=base.request_timeout, hooks=hooks)
+            shard_slices = ShardSlices(self._slices)  # a sharded version: from each rank
         try:
             # a sliced subscriber reads its slices over ZeroMQ (NIXL reads of whole chunks
             # would fill its sparse staging; slices over NIXL are not built yet)
@@ -157,14 +159,16 @@ class WeightSubscriber:
                                       self._deliver, hooks, pool, curve=curve,
                                       listeners=[self._nixl,
                                                  *([chunk_listener] if chunk_listener else [])],
-                                      pickers=[self._slices, ShardSlices(self._slices)]
-                                      if self._slices else [self._nixl],
+                                      pickers=[self._slices, shard_slices]
+                                      if self._slices and shard_slices else [self._nixl],
                                       targets=self._slices)
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
             self._nixl.close()
             if self._own_context:
                 self._ctx.term()
             raise
+        if shard_slices is not None:  # a rank refusing this client's key: last_error at once
+            shard_slices.on_handshake = self._client.sockets.link_handshake
         if base.collective:
             self._client.collective = CollectiveMember(
                 self.subscriber_id, endpoint=endpoint, device=base.collective_device,

@@ -380,6 +380,34 @@ def test_a_sharded_rank_without_slices_serves_its_touched_chunks_whole(
     assert sent[1]["slice_bytes_sent"] == 0 and sent[1]["bytes_sent"] > 0
 
 
+def test_kill9_of_a_sharded_rank_mid_slices_stages_nothing_partial(
+        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Rank 1 is killed (-9) as it sends its first slice of version 2: the version is
+    given up naming the rank, and the subscriber keeps version 1 (nothing partial)."""
+    from tests.transport.test_sharded import CHUNK as SHARD_CHUNK
+    from tests.transport.test_sharded import SEED as SHARD_SEED
+    from tests.transport.test_sharded import SPECS, _publish
+
+    ranks = [spawn("shard_rank", forked=True, rank=0, world_size=2, spec=SPECS[0],
+                   seed=SHARD_SEED, chunk_size=SHARD_CHUNK,
+                   announce_endpoint="tcp://127.0.0.1:0")]
+    ready0 = ranks[0].event("ready", timeout=60)
+    ranks.append(spawn("shard_rank", forked=True, rank=1, world_size=2, spec=SPECS[1],
+                       seed=SHARD_SEED, chunk_size=SHARD_CHUNK, coordinator=ready0["collect"],
+                       die_serving=2))
+    ranks[1].event("ready", timeout=60)
+    sub = make_sub(ready0["announce"], slice_plan=_sharded_plan(), request_timeout=0.5)
+    _publish(ranks, 1)
+    _check_sharded(sub.wait_for_version(1, timeout=60), 1, SPECS)
+    _publish(ranks, 2)
+    wait_until(lambda: "trainer rank 1" in (sub.status()["last_error"] or ""), 30,
+               "version 2 given up, naming rank 1")
+    latest = sub.latest()
+    assert latest is not None and latest.version == 1
+    _check_sharded(latest, 1, SPECS)
+    assert sub.status()["slice_plan"]["fallbacks"] == {}
+
+
 def test_more_plans_than_the_publisher_holds_still_stage_right(
         make_pub: Callable[..., WeightPublisher],
         make_sub: Callable[..., WeightSubscriber]) -> None:

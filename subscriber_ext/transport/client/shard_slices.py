@@ -26,7 +26,7 @@ range no rank is asked for is named after ``idle_limit``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from subscriber_ext.transport.client.slice_source import CONTROL_TRIES, SliceFetcher, SliceSource
 from subscriber_ext.transport.staging.assembly import Assembly
@@ -34,7 +34,7 @@ from subscriber_ext.transport.staging.chunk_source import Retry, SourceSink
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
-from weightpub_wire.errors import WeightPubTimeout
+from weightpub_wire.errors import TransportError, WeightPubTimeout
 from weightpub_wire.monitored_dealer import LINK_EVENTS, MonitoredDealer, chunk_reply_bytes
 from weightpub_wire.slice_plan import SlicePlan
 
@@ -56,9 +56,12 @@ class RankSliceSource(SliceSource):
     """One trainer rank asked for its part of the plan, in its own chunk ids."""
 
     def __init__(self, fetcher: SliceFetcher, dealer: MonitoredDealer, sink: SourceSink, *,
-                 chunks_per_request: int, request_timeout: float, limits: wire.Limits) -> None:
+                 chunks_per_request: int, request_timeout: float, limits: wire.Limits,
+                 on_handshake: Callable[[TransportError, bool], None]) -> None:
         super().__init__(fetcher, dealer, sink, chunks_per_request=chunks_per_request,
                          request_timeout=request_timeout, limits=limits)
+        self._on_handshake = on_handshake
+        self.refused_by: TransportError | None = None  # its last handshake was refused (CURVE)
         self.rank = 0
         self.rank_publisher = ""
         self.first_chunk = 0
@@ -117,17 +120,29 @@ class RankSliceSource(SliceSource):
                 and self.fetcher.last_refusal else "")
         super()._fall_back(target, "sharded")
 
-    # -- a rank that is gone -------------------------------------------------------------------
+    # -- a rank that is gone or refuses this client ---------------------------------------------
+    def on_handshakes(self, results: list[str | None]) -> None:
+        """A refused handshake (CURVE) is the client's ``last_error`` at once, naming the
+        rank (``ClientSockets.link_handshake``), as ``ShardRankSource``'s is."""
+        for why in results:
+            if why is None:
+                if self.refused_by is not None:
+                    self._on_handshake(self.refused_by, False)
+                    self.refused_by = None
+                continue
+            self.refused_by = TransportError(f"trainer rank {self.rank}'s shard: {why}")
+            self._on_handshake(self.refused_by, True)
+
     def expire(self, now: float, retry: Retry) -> bool:
         timeout = self.request_timeout
         if not self.dealer.connected and any(
                 True for _ in self._sink.requests.timed_out(now, timeout, self, self.answered)):
             target = None if self._target is None else self._target()
             version = 0 if target is None else target.manifest.version
+            why = self.refused_by or f"trainer rank {self.rank}'s shard at {self.endpoint} " \
+                "is not connected (unreachable or gone)"
             self._sink.give_up(WeightPubTimeout(
-                f"version {version}: chunks timed out after {timeout}s: trainer rank "
-                f"{self.rank}'s shard at {self.endpoint} is not connected (unreachable or "
-                "gone); given up"))
+                f"version {version}: chunks timed out after {timeout}s: {why}; given up"))
             return True
         return super().expire(now, retry)
 
@@ -145,6 +160,9 @@ class ShardSlices:
 
     def __init__(self, fetcher: SliceFetcher) -> None:
         self.fetcher = fetcher
+        #: a link's handshake refused (True) or taken after that (False): the client's
+        #: ``ClientSockets.link_handshake``, set once the client exists
+        self.on_handshake: Callable[[TransportError, bool], None] = lambda error, refused: None
         self.links: dict[str, RankSliceSource] = {}
         self._following: wire.Manifest | None = None
         self._picked: list[RankSliceSource] = []
@@ -183,7 +201,9 @@ class ShardSlices:
                                      fetcher.limits.max_control_bytes))
         return RankSliceSource(fetcher, dealer, sink,
                                chunks_per_request=fetcher.chunks_per_request,
-                               request_timeout=fetcher.request_timeout, limits=fetcher.limits)
+                               request_timeout=fetcher.request_timeout, limits=fetcher.limits,
+                               on_handshake=lambda error, refused: self.on_handshake(error,
+                                                                                     refused))
 
     def close(self) -> None:
         for link in self.links.values():
