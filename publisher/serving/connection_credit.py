@@ -21,9 +21,11 @@ Bounds, per peer (a ROUTER identity):
   snapshots (control replies) stay within what the snapshots leave of it (at
   least one frame is always in flight); chunk frames are the snapshot's own bytes;
 - ``stall_timeout``: a peer with bytes queued and no progress for this long (it
-  never reads) is cut; ZeroMQ then drops its queue and the bytes it held are freed;
-  while a new snapshot waits to overwrite bytes ZeroMQ still sends, a peer with no
-  progress for ``overwrite_grace`` is cut (the writer's wait stays short);
+  never reads) is cut (the clock starts when its queue stops being empty: a peer
+  idle between versions has not stalled); ZeroMQ then drops its queue and the
+  bytes it held are freed; while a new snapshot waits to overwrite bytes ZeroMQ
+  still sends, a peer with no progress for ``overwrite_grace`` is cut (the
+  writer's wait stays short);
 - deferred chunks of a version that was evicted are dropped with a
   ``version_unavailable`` reply, so nothing deferred pins an old version; so is a
   chunk found already claimed by a newer snapshot when its send would begin
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -179,6 +182,8 @@ class PeerTable:
     def _track(self, peer: Peer, body: memoryview | bytes,
                release: Callable[[], None] | None, owned: bool) -> None:
         tracker = self.router.send(body, copy=False, track=True)
+        if not peer.queue:  # the stall clock starts with the first frame queued, not at the
+            peer.last_progress = time.monotonic()  # peer's last busy moment (idle != stalled)
         self._active.add(peer.identity)
         nbytes = len(body) if owned else -len(body)  # the sign says which: kept in the queue
         peer.queue.append((tracker, nbytes, release))
