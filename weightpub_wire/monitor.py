@@ -8,6 +8,14 @@ a refused client just sees silence until its timeout. Both sides open a monitor
   (``describe_handshake_failure``) within the handshake timeout;
 - the publisher logs refusals at WARNING and learns each accepted connection's
   file descriptor (``publisher/serving/connections.py`` bounds what a connection may hold).
+
+Close a monitor with ``close_monitor``, never by closing its PAIR alone: libzmq 4.3.5
+sends each event to the PAIR with a *blocking* send from the context's I/O thread, so
+an event of a socket still open (a ``CONNECT_RETRIED`` every reconnect interval while
+its peer is gone, a ``DISCONNECTED``) with the PAIR closed blocks that I/O thread for
+good: every socket of the context goes deaf (no handshake, no heartbeat, no reply).
+Seen when a sharded trainer restarted: the links to the gone ranks were closed monitor
+first while retrying, and the replica never heard the new instance.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from dataclasses import dataclass
 
 import zmq
 
-__all__ = ["MonitorEvent", "describe_handshake_failure", "open_monitor", "read_events"]
+__all__ = ["MonitorEvent", "close_monitor", "describe_handshake_failure", "open_monitor",
+           "read_events"]
 
 HANDSHAKE_FAILURES = (zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
                       zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -39,6 +48,19 @@ def open_monitor(sock: zmq.Socket, events: int = zmq.EVENT_ALL) -> zmq.Socket:
     pair.setsockopt(zmq.LINGER, 0)
     pair.connect(address)
     return pair
+
+
+def close_monitor(sock: zmq.Socket, monitor: zmq.Socket) -> None:
+    """Stop ``sock``'s events, then close ``monitor`` (its PAIR); ``sock`` stays open.
+
+    ``disable_monitor`` takes libzmq's monitor lock, so no event is being sent once it
+    returns and none is sent after; only then may the PAIR go (see the module's note)."""
+    if not sock.closed:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the socket is being closed: it sends no more events
+    monitor.close(linger=0)
 
 
 def read_events(monitor: zmq.Socket, limit: int = 1000) -> list[MonitorEvent]:

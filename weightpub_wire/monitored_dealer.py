@@ -24,6 +24,7 @@ from weightpub_wire import chunk_frame
 from weightpub_wire.message_base import MAX_CHUNK_SIZE
 from weightpub_wire.monitor import (
     MonitorEvent,
+    close_monitor,
     describe_handshake_failure,
     open_monitor,
     read_events,
@@ -114,8 +115,9 @@ class MonitoredDealer:
         connect(self.sock, self.endpoint)
 
     def close(self) -> None:
-        """The monitor first (it reads the socket's events), then the socket; idempotent."""
+        """The monitor first (its events stopped, then its PAIR: ``close_monitor``), then
+        the socket; idempotent."""
         monitor = getattr(self, "monitor", None)
         if monitor is not None:
-            monitor.close(linger=0)
+            close_monitor(self.sock, monitor)
         self.sock.close(linger=0)

@@ -32,6 +32,7 @@ import zmq
 
 from weightpub_wire.monitor import (
     MonitorEvent,
+    close_monitor,
     describe_handshake_failure,
     open_monitor,
     read_events,
@@ -98,6 +99,7 @@ class ConnectionGuard:
 
     def __init__(self, sockets: dict[str, zmq.Socket], limits: GuardLimits) -> None:
         self.limits = limits
+        self._sockets = dict(sockets)
         self._monitors = {kind: open_monitor(sock) for kind, sock in sockets.items()}
         self._conns: dict[int, _Connection] = {}
         self._next_check = 0.0
@@ -110,8 +112,10 @@ class ConnectionGuard:
         return list(self._monitors.values())
 
     def close(self) -> None:
-        for monitor in self._monitors.values():
-            monitor.close(linger=0)
+        """Each monitor's events stopped before its PAIR closes (``close_monitor``: else an
+        event of a socket still open blocks the context's I/O thread)."""
+        for kind, monitor in self._monitors.items():
+            close_monitor(self._sockets[kind], monitor)
 
     def connections(self, kind: str | None = None) -> int:
         return sum(1 for c in self._conns.values() if kind is None or c.kind == kind)

@@ -45,6 +45,20 @@ def _check(llm, weights):
     assert_matches_hf(llm, KIND, weights, N)
 
 
+def _wait_applied(llm, version, publisher_id):
+    """``wait_until_applied`` printing every rank's full ``weight_status`` when it fails
+    (the timeout message alone, cut off in a CI log, left a failure undiagnosable)."""
+    import json
+
+    try:
+        return wait_until_applied(llm, version, publisher_id=publisher_id, fail_on_error=True)
+    except Exception:
+        for state in llm.collective_rpc("weight_status"):
+            print(f"rank {state.get('rank')} weight_status:\n"
+                  f"{json.dumps(state, indent=1, default=str)}")
+        raise
+
+
 def test_tp2_http_batch(llm):
     _check(llm, new_weights(KIND, 0))
     w = new_weights(KIND, 31)
@@ -129,7 +143,7 @@ def test_tp2_trainer_ranks_publish_their_shards_then_the_job_restarts_with_four(
         started = True
         for version, seed in ((1, 40), (2, 41)):
             w, _ = publish(version, seed, 2)
-            wait_until_applied(llm, version, publisher_id=publisher_id, fail_on_error=True)
+            _wait_applied(llm, version, publisher_id)
             _check(llm, w)
 
         # the job restarts with 4 ranks: rank 0 announces where the old coordinator did
@@ -142,7 +156,7 @@ def test_tp2_trainer_ranks_publish_their_shards_then_the_job_restarts_with_four(
         spawn(3, 4, collect)
         ready(3)
         w, shards = publish(3, 42, 4)
-        wait_until_applied(llm, 3, publisher_id=resized, fail_on_error=True)
+        _wait_applied(llm, 3, resized)
         _check(llm, w)
         print(f"4-rank restart followed in {time.monotonic() - began:.1f} s; shards "
               f"{[round(s / sum(shards), 3) for s in shards]} of {sum(shards)} bytes")
