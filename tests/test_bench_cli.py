@@ -33,6 +33,8 @@ def test_bench_quick_json_runs_every_section_and_prints_its_fields() -> None:
         assert len(pair["raw_seconds"]) == len(pair["weightpub_seconds"]) == 4
         assert pair["ratio"] > 0 and pair["cold_ratio"] > 0 and pair["transfer_seconds"] > 0
         assert {"publisher", "subscriber"} <= set(pair["cpu_s_per_GB"])
+        if pair["scheme"] != "peer":  # first touch: a cold round faults its fresh buffers
+            assert pair["faults_per_GB"]["subscriber"]["cold"] > 0
     (peer,) = (p for p in pairs if p["scheme"] == "peer")
     # the receiver got its bytes through the forwarding peer, whose serving CPU is its own row
     assert peer["from_peers_fraction"] > 0.5 and "forwarding" in peer["cpu_s_per_GB"]

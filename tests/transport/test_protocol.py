@@ -432,3 +432,22 @@ def test_copy_checksum_places_the_bytes_and_hashes_them_as_one_sweep_would(size:
     dst = memoryview(bytearray(size + 8))
     assert copy_checksum(dst[:size], src) == chunk_checksum(src)
     assert dst[:size] == src and dst[size:] == bytes(8)  # nothing written past the chunk
+
+
+@pytest.mark.parametrize("where", ["first", "block_end", "block_start", "last"])
+def test_copy_checksum_sees_one_corrupt_byte_on_either_side_of_a_block_boundary(
+        where: str) -> None:
+    """A byte that arrives changed changes the fused pass's digest wherever it sits against
+    the blocks it copies in (the first, the last of a block, the first of the next, the
+    chunk's last): the chunk is refused, not staged."""
+    from weightpub_wire.checksums import chunk_checksum, copy_checksum
+
+    block, size = 4096, 3 * 4096 + 100
+    good = bytes((i * 131 + 7) % 251 for i in range(size))
+    at = {"first": 0, "block_end": block - 1, "block_start": block, "last": size - 1}[where]
+    bad = bytearray(good)
+    bad[at] ^= 0x01
+    dst = memoryview(bytearray(size))
+    assert copy_checksum(dst, memoryview(bad), block) != chunk_checksum(good)
+    assert bytes(dst) == bytes(bad)  # placed as received; the digest is what refuses it
+    assert copy_checksum(dst, memoryview(good), block) == chunk_checksum(good)

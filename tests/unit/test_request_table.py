@@ -199,6 +199,27 @@ def test_credit_fills_the_window_in_batches(rig: Credit) -> None:
     assert len(rig.sent) == 2  # no credit left: nothing more asked
 
 
+def test_credit_refills_in_whole_requests_not_one_per_landed_chunk() -> None:
+    """With chunks in flight, a request's worth of room must be free before more is asked:
+    one chunk landing asks nothing, the second asks both in one request."""
+    rig = Credit(chunks=16, window_chunks=6, per_request=2)
+    try:
+        rig.credit.top_up(0.0)
+        assert [len(r.chunks) for r in rig.sent] == [2, 2, 2]
+        first = rig.sent[0]
+        request = rig.requests.get(first.req)
+        assert request is not None
+        rig.requests.chunk_done(first.req, request, first.chunks[0])
+        rig.credit.top_up(0.0)
+        assert len(rig.sent) == 3  # one chunk of room: not a request's worth yet
+        rig.requests.chunk_done(first.req, request, first.chunks[1])
+        rig.credit.top_up(0.0)
+        assert [len(r.chunks) for r in rig.sent] == [2, 2, 2, 2]
+        assert rig.requests.in_flight() == 6
+    finally:
+        rig.close()
+
+
 def test_no_target_no_credit(rig: Credit) -> None:
     rig.close()
     rig.target = None

@@ -38,6 +38,16 @@ def summary(result: dict[str, Any]) -> list[Row]:
                                  f"{cpu['publisher']:.2f}, {cpu['subscriber']:.2f}",
                                  f"raw send {cpu['raw_sender']:.2f}, "
                                  f"recv {cpu['raw_receiver']:.2f}", None))
+            faults = p.get("faults_per_GB")
+            if faults and "subscriber" in faults:
+                rows.append(_row("transport", f"{where} page faults per GB: publisher, "
+                                 "subscriber (steady / cold)",
+                                 f"{faults['publisher']['steady']} / "
+                                 f"{faults['publisher']['cold']}, "
+                                 f"{faults['subscriber']['steady']} / "
+                                 f"{faults['subscriber']['cold']}",
+                                 f"raw recv {faults['raw_receiver']['steady']} / "
+                                 f"{faults['raw_receiver']['cold']}", None))
             if cpu and "forwarding" in cpu:
                 rows.append(_row("transport", f"{where} CPU-s per GB: forwarding peer "
                                  "(serving), its whole process, receiver fed by it",

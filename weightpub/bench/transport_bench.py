@@ -22,6 +22,9 @@ moved: the publisher (this process, which only publishes and serves during its r
 the subscriber process, and the raw sender and receiver for scale. The subscriber also
 says how its CPU splits over its threads and, sampled every 2 ms, which Python lines
 its threads were on (``profile``): where the CPU goes beyond the kernel's copies.
+``faults_per_GB`` counts each side's page faults per GB (steady median, cold first
+round; not for ``peer``): first touch of fresh buffers, and heap memory glibc gave back
+and ZeroMQ's receive buffers then take anew.
 
 * ``peer``: peer forwarding. Two ``peer_share`` subscriber processes and a publisher
   with ``peer_fanout`` 1: the first (the *forwarder*) fetches from the publisher, the
@@ -49,7 +52,7 @@ from typing import Any
 
 import torch
 
-from weightpub.bench.cpu_probe import StackSampler, process_cpu, thread_cpu
+from weightpub.bench.cpu_probe import StackSampler, process_cpu, process_faults, thread_cpu
 from weightpub_wire.buffers import byte_view
 
 __all__ = ["run_transport"]
@@ -64,13 +67,13 @@ def _raw_receiver(port: int, nbytes: int, rounds: int, conn: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(rounds):
             got = 0
-            cpu = process_cpu()
+            cpu, faults = process_cpu(), process_faults()
             while got < nbytes:
                 n = sock.recv_into(view[got:], nbytes - got)
                 if n == 0:
                     raise ConnectionError("sender closed early")
                 got += n
-            conn.send((got, process_cpu() - cpu))
+            conn.send((got, process_cpu() - cpu, process_faults() - faults))
 
 
 def _wp_receiver(endpoint: str, rounds: int, conn: Any) -> None:
@@ -80,10 +83,10 @@ def _wp_receiver(endpoint: str, rounds: int, conn: Any) -> None:
         conn.send("ready")
         threads_before = thread_cpu()
         for version in range(1, rounds + 1):
-            cpu = process_cpu()
+            cpu, faults = process_cpu(), process_faults()
             staged = sub.wait_for_version(version, timeout=300)
             # manifest seen -> all chunks verified; this process's CPU over the round
-            conn.send((staged.fetch_seconds, process_cpu() - cpu))
+            conn.send((staged.fetch_seconds, process_cpu() - cpu, process_faults() - faults))
             staged.release()
         threads = thread_cpu()
         conn.send({"threads": {name: round(seconds - threads_before.get(name, 0.0), 3)
@@ -225,9 +228,9 @@ class _RawPath:
         sender_cpu = process_cpu() - cpu
         if not self.conn.poll(300):
             raise TimeoutError("raw receiver did not answer")
-        _, receiver_cpu = self.conn.recv()
+        _, receiver_cpu, receiver_faults = self.conn.recv()
         return {"seconds": time.perf_counter() - start, "sender_cpu": sender_cpu,
-                "receiver_cpu": receiver_cpu}
+                "receiver_cpu": receiver_cpu, "receiver_faults": receiver_faults}
 
     def close(self) -> None:
         self.sock.close()
@@ -250,17 +253,18 @@ class _WeightpubPath:
 
     def round(self) -> dict[str, float]:
         start = time.perf_counter()
-        cpu = process_cpu()
+        cpu, faults = process_cpu(), process_faults()
         self.pub.publish(self.weights)
         published = time.perf_counter() - start
         if not self.conn.poll(300):
             raise TimeoutError("subscriber did not stage the version")
-        transfer, subscriber_cpu = self.conn.recv()
+        transfer, subscriber_cpu, subscriber_faults = self.conn.recv()
         took = time.perf_counter() - start
-        publisher_cpu = process_cpu() - cpu
+        publisher_cpu, publisher_faults = process_cpu() - cpu, process_faults() - faults
         self.weights["w"][:8] += 1  # a different version each round
         return {"seconds": took, "publish_seconds": published, "transfer_seconds": transfer,
-                "publisher_cpu": publisher_cpu, "subscriber_cpu": subscriber_cpu}
+                "publisher_cpu": publisher_cpu, "subscriber_cpu": subscriber_cpu,
+                "publisher_faults": publisher_faults, "subscriber_faults": subscriber_faults}
 
     def close(self) -> dict[str, Any]:
         """The subscriber's CPU breakdown over all rounds (threads, Python lines)."""
@@ -303,6 +307,13 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
     cpu: dict[str, float | None] = {
         "publisher": per_gb(wp, "publisher_cpu"), "subscriber": per_gb(wp, "subscriber_cpu"),
         "raw_sender": per_gb(raw, "sender_cpu"), "raw_receiver": per_gb(raw, "receiver_cpu")}
+    faults: dict[str, dict[str, int]] = {}
+    for runs, side, key in ((wp, "publisher", "publisher_faults"),
+                            (wp, "subscriber", "subscriber_faults"),
+                            (raw, "raw_receiver", "receiver_faults")):
+        if key in runs[0]:
+            faults[side] = {"steady": round(med(runs, key) / (nbytes / 1e9)),
+                            "cold": round(runs[0][key] / (nbytes / 1e9))}
     extra: dict[str, Any] = {}
     if scheme == "peer":  # the subscriber is the one fed by the forwarder
         # serving CPU over the bytes served, steady rounds together (a round in which the
@@ -330,6 +341,8 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
         "weightpub_seconds": [w["seconds"] for w in wp],
         # CPU-seconds per GB moved, steady rounds (medians), each side's whole process
         "cpu_s_per_GB": cpu,
+        # page faults per GB moved, steady rounds (medians) and the cold first round
+        "faults_per_GB": faults,
         "subscriber_profile": profile,
         **extra,
     }

@@ -38,7 +38,16 @@ class PublisherSource(ChunkSource):
         return "publisher"
 
     def room(self, window: int) -> int:
-        return window - self._requests.in_flight()
+        """Asked in whole requests: while chunks are in flight, less room than one
+        request's worth (``chunks_per_request``, or the window when smaller) asks nothing
+        yet, so the steady state sends a request per ``chunks_per_request`` chunks that
+        land rather than one per chunk (each costs a send and a reply's bookkeeping on
+        both sides); the window minus a request still keeps the link busy."""
+        in_flight = self._requests.in_flight()
+        room = window - in_flight
+        if in_flight and room < min(self.chunks_per_request, window):
+            return 0
+        return room
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
         todo = list(chunks)
