@@ -150,13 +150,15 @@ class WeightSubscriber:
                                         chunks_per_request=base.chunks_per_request,
                                         request_timeout=base.request_timeout, hooks=hooks)
         try:
-            # a sliced subscriber reads its slices over ZeroMQ (NIXL reads of whole chunks
-            # would fill its sparse staging; slices over NIXL are not built yet)
+            # NIXL first: a sliced subscriber READs only its planned byte ranges one-sided
+            # (verified against the slice sums the slice source asks), the rest comes
+            # as ZeroMQ slices
             self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
                                       self._deliver, hooks, pool, curve=curve,
                                       listeners=[self._nixl,
                                                  *([chunk_listener] if chunk_listener else [])],
-                                      pickers=[self._slices] if self._slices else [self._nixl],
+                                      pickers=[self._nixl, *([self._slices] if self._slices
+                                                             else [])],
                                       targets=self._slices)
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
             self._nixl.close()
