@@ -93,7 +93,9 @@ class WeightSubscriber:
     those bytes of each version (``transport/client/slice_source.py``): the publisher
     is sent the plan once, each version's slices are verified against its per-plan
     checksums, and the version is staged in a full-size sparse buffer (same tensor
-    views; bytes outside the plan read as zeros; ``data_path`` "slices"); the budget
+    views; bytes outside the plan read as zeros; ``data_path`` "slices", or "nixl" /
+    "nixl+zmq" where the manifest offers NIXL: the planned byte ranges are READ
+    one-sided and verified against the same sums); the budget
     counts the pages the plan touches. ``status()["slice_plan"]`` shows the plan's
     share and its fallbacks (whole chunks) by cause.
     """
