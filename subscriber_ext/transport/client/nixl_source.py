@@ -338,6 +338,7 @@ class NixlPicker:
         self.rate = [ReadPace.FIRST_RATE]  # READ bytes/s measured so far (``ReadPace``)
         self._source: NixlSource | None = None
         self._sizes: dict[int, int] = {}  # staging base address -> bytes registered
+        self._gone: list[int] = []  # sparse staging bases dropped, to deregister
         self._unavailable: str | None = None
         self._checked = False  # NIXL imported (seconds) only once a manifest offers it
         self._warn = RateLimitedLog(log)
@@ -396,14 +397,18 @@ class NixlPicker:
     def register(self, base: torch.Tensor, *, sparse: bool = False) -> None:
         """Register a pooled staging buffer's whole allocation once. ``sparse``: a slice
         target's anonymous buffer, which the pool never frees through the allocator
-        (it goes with its last view): deregistered when that base tensor goes."""
+        (it goes with its last view): deregistered once that base tensor has gone
+        (noted by whichever thread drops it, done here on the client's: the agent
+        is not thread-safe), before anything new is registered at its address."""
         assert self.reader is not None
+        while self._gone:
+            self.freed(self._gone.pop())
         address, length = base.data_ptr(), base.numel()
         if not self.reader.registered(address, length):
             self.reader.register(address, length)
             self._sizes[address] = length
             if sparse:
-                weakref.finalize(base, self.freed, address)
+                weakref.finalize(base, self._gone.append, address)
 
     def freed(self, address: int) -> None:
         """The pool dropped a staging buffer: deregister it."""
