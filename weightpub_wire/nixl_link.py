@@ -107,7 +107,34 @@ def _agent(prefix: str) -> Any:
     api = __import__(f"{MODULE}._api", fromlist=["nixl_agent", "nixl_agent_config"])
     name = f"{prefix}-{os.getpid()}-{next(_names)}"
     config = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-    return name, api.nixl_agent(name, config)
+    with _agent_lock:  # the bindings' config class is swapped while this agent is made
+        bind = api.nixlBind
+        plain = bind.nixlAgentConfig
+        bind.nixlAgentConfig = _paced_config(plain)
+        try:
+            return name, api.nixl_agent(name, config)
+        finally:
+            bind.nixlAgentConfig = plain
+
+
+_agent_lock = threading.Lock()
+#: microseconds NIXL's progress thread waits for UCX events between turns; the
+#: Python API fixes it at 0, a thread that spins: 0.15-0.3 of a core per idle agent
+#: on this box, taken from the copies and hashes beside it (docs/benchmarks.md). The
+#: wait ends early on an event (UCX's event fd), so reads do not wait it out.
+PROGRESS_DELAY_US = 1000
+
+
+def _paced_config(plain: Any) -> Any:
+    """NIXL's agent config class with ``pthrDelay`` pinned to ``PROGRESS_DELAY_US``."""
+
+    class Paced(plain):
+        def __setattr__(self, key: str, value: Any) -> None:
+            if key == "pthrDelay":
+                value = PROGRESS_DELAY_US
+            super().__setattr__(key, value)
+
+    return Paced
 
 
 class NixlExporter:

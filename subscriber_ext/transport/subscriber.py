@@ -94,7 +94,9 @@ class WeightSubscriber:
     those bytes of each version (``transport/client/slice_source.py``): the publisher
     is sent the plan once, each version's slices are verified against its per-plan
     checksums, and the version is staged in a full-size sparse buffer (same tensor
-    views; bytes outside the plan read as zeros; ``data_path`` "slices"); the budget
+    views; bytes outside the plan read as zeros; ``data_path`` "slices", or "nixl" /
+    "nixl+zmq" where the manifest offers NIXL: the planned byte ranges are READ
+    one-sided and verified against the same sums); the budget
     counts the pages the plan touches. ``status()["slice_plan"]`` shows the plan's
     share and its fallbacks (whole chunks) by cause.
     """
@@ -153,13 +155,14 @@ class WeightSubscriber:
                                         request_timeout=base.request_timeout, hooks=hooks)
             shard_slices = ShardSlices(self._slices)  # a sharded version: from each rank
         try:
-            # a sliced subscriber reads its slices over ZeroMQ (NIXL reads of whole chunks
-            # would fill its sparse staging; slices over NIXL are not built yet)
+            # NIXL first: a sliced subscriber READs only its planned byte ranges one-sided
+            # (verified against the slice sums the slice source asks), the rest comes
+            # as ZeroMQ slices
             self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
                                       self._deliver, hooks, pool, curve=curve,
                                       listeners=[self._nixl,
                                                  *([chunk_listener] if chunk_listener else [])],
-                                      pickers=[self._slices, shard_slices]
+                                      pickers=[self._nixl, self._slices, shard_slices]
                                       if self._slices and shard_slices else [self._nixl],
                                       targets=self._slices)
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running

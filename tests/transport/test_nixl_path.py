@@ -224,3 +224,25 @@ def test_under_curve_only_an_admitted_subscriber_gets_the_offer(
     nixl = stranger.status()["nixl"]
     assert nixl["available"] is None and nixl["bytes_read"] == 0  # never saw an offer
     assert pub.data_stats()["bytes_sent_full"] == 0
+
+
+def test_read_pace_looks_when_a_read_is_due_then_backs_off() -> None:
+    """The READs in flight are looked at when their bytes should be in at the measured
+    rate (not every 0.5 ms), then with a doubling wait; a measured rate carries over."""
+    rate = [1e9]
+    pace = nixl_source.ReadPace(rate)
+    pace.posted(1, 100_000_000, now=0.0)  # 0.1 s at 1 GB/s, aimed a little early
+    pace.posted(2, 100_000_000, now=0.0)  # behind the first
+    first = pace.wait(0.0)
+    assert 0.05 <= first <= 0.1
+    late = [pace.wait(0.2) for _ in range(12)]  # past due: doubling up to the cap
+    assert late[0] == nixl_source.ReadPace.MIN_S and late[1] == 2 * late[0]
+    assert max(late) == late[-1] == nixl_source.ReadPace.MAX_S
+    pace.done(1, 100_000_000)
+    pace.measure(0.5)  # 100 MB in 0.5 s: the rate moves towards 0.2 GB/s
+    assert 0.2e9 < rate[0] < 1e9
+    assert pace.wait(0.5) == nixl_source.ReadPace.MIN_S  # READ 2 was due at 0.16 s
+    pace.dropped(2)
+    pace.idle()
+    pace.posted(3, 10_000_000, now=1.0)
+    assert pace.wait(1.0) > nixl_source.ReadPace.MIN_S  # the slower rate, from READ 3's post

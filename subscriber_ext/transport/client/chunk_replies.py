@@ -114,8 +114,8 @@ class ChunkReceiver:
             return None
         if isinstance(target, DeltaAssembly) or target.fetch_base:
             return False  # a delta step's bytes are decoded from scratch, never read in place
-        return self._landed(target, chunk, version, target.manifest.chunk_span(chunk)[1],
-                            None, source, via)
+        return self._landed(target, chunk, version, target.in_place_bytes(chunk), None,
+                            source, via)
 
     def _landed(self, target: Assembly, chunk: int, version: int, size: int,
                 digest: int | None, source: ChunkSource, via: object) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,13 +37,14 @@ import torch
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
+from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import NixlOffer, NixlReader, NixlTransfer, nixl_error
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["FALLBACK_CAUSES", "NixlPicker", "NixlSource", "RegisteringAllocator"]
+__all__ = ["FALLBACK_CAUSES", "NixlPicker", "NixlSource", "ReadPace", "RegisteringAllocator"]
 
 log = logging.getLogger("weightpub.subscriber")
 
@@ -59,7 +61,7 @@ FALLBACK_CAUSES = (
 )
 _MAX_CAUSES = 16
 _READ_BYTES = 16 << 20  # bytes per READ: large enough to stream, small enough to hand back
-_POLL_S = 0.0005
+_POLL_S = 0.0005  # ``drain``'s poll (closing, dropping a target: not the hot path)
 
 
 def _base(buffer: torch.Tensor) -> torch.Tensor:
@@ -82,6 +84,7 @@ class NixlSource(ChunkSource):
         self.verified = 0  # chunks of this version verified in place
         # req -> (transfer, chunks, target, started)
         self.pending: dict[int, tuple[NixlTransfer, list[int], Assembly, float]] = {}
+        self.pace = ReadPace(picker.rate)
 
     @property
     def label(self) -> str:
@@ -100,10 +103,13 @@ class NixlSource(ChunkSource):
         if not self.up or target.manifest is not self.manifest \
                 or isinstance(target, DeltaAssembly) or target.fetch_base:
             return list(chunks)
+        sparse = target if isinstance(target, SparseAssembly) else None
         # while up it takes every chunk it is offered (the serving sources get none), up
-        # to twice the client's window in flight
+        # to twice the client's window in flight; a slice target's only once it can be
+        # verified in place (its sums are here, or the plan covers the chunk whole)
         room = self.ahead() + max(1, self.picker.window_bytes // self.manifest.chunk_size)
-        take = [c for c in chunks if c not in self.refused_chunks][:room]
+        take = [c for c in chunks if c not in self.refused_chunks
+                and (sparse is None or sparse.readable_in_place(c))][:room]
         if not take:
             return list(chunks)
         taken = set(take)
@@ -111,17 +117,14 @@ class NixlSource(ChunkSource):
         reader = self.picker.reader
         base = _base(target.buffer)
         try:
-            self.picker.register(base)
+            self.picker.register(base, sparse=sparse is not None)
         except Exception as exc:
             self.fall_back("register", f"registering {base.numel()} bytes of staging: {exc}")
             return list(chunks)
         address = target.buffer.data_ptr()
         assert reader is not None
-        for batch in self._batches(take):
-            pieces = []
-            for chunk in batch:
-                start, size = self.manifest.chunk_span(chunk)
-                pieces.append((0, start, address + start, size))
+        for batch, spans in self._batches(take, sparse):
+            pieces = [(0, start, address + start, size) for start, size in spans]
             try:
                 transfer = reader.start(self.offer, pieces)
             except ProtocolError as exc:
@@ -134,6 +137,7 @@ class NixlSource(ChunkSource):
                 req = self.sink.requests.next_id()
                 self.sink.requests.track(req, batch, now, source=self)
                 self.pending[req] = (transfer, batch, target, now)
+                self.pace.posted(req, transfer.nbytes, now)
                 self.picker.bytes_asked += transfer.nbytes
                 continue
             rest += [c for c in take if c in taken and not self._asked(c)]
@@ -143,11 +147,28 @@ class NixlSource(ChunkSource):
     def _asked(self, chunk: int) -> bool:
         return any(chunk in chunks for _, chunks, _, _ in self.pending.values())
 
-    def _batches(self, chunks: list[int]) -> list[list[int]]:
-        per = max(1, _READ_BYTES // self.manifest.chunk_size)
-        return [chunks[i:i + per] for i in range(0, len(chunks), per)]
+    def _batches(self, chunks: list[int], sparse: SparseAssembly | None
+                 ) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Chunks grouped into READs of about ``_READ_BYTES``, each with its byte ranges
+        (a whole chunk, or a slice target's planned ranges of it)."""
+        out: list[tuple[list[int], list[tuple[int, int]]]] = []
+        size = _READ_BYTES
+        for chunk in chunks:
+            spans = [self.manifest.chunk_span(chunk)] if sparse is None \
+                else sparse.read_pieces(chunk)
+            nbytes = sum(n for _, n in spans)
+            if not out or size + nbytes > _READ_BYTES:
+                out.append(([], []))
+                size = 0
+            out[-1][0].append(chunk)
+            out[-1][1].extend(spans)
+            size += nbytes
+        return out
 
     def tick(self, now: float) -> float:
+        """Verify the chunks of every READ that is done (in posting order: NIXL moves them
+        in that order, so the first one not done ends the pass); return when the next one
+        is due (``ReadPace``: its bytes at the measured rate, then backing off)."""
         reader = self.picker.reader
         if reader is None:
             return float("inf")
@@ -161,23 +182,32 @@ class NixlSource(ChunkSource):
                 self.fall_back("transfer", str(exc))
                 continue
             if not done:
-                continue
+                break
             self._end(req, give_back=False)
+            self.pace.done(req, transfer.nbytes)
             self.picker.bytes_read += transfer.nbytes
+            needed = len(target.layout.chunks) if isinstance(target, SparseAssembly) \
+                else self.manifest.num_chunks
             for chunk in chunks:
                 # said before the chunk verifies: the last one stages the version at once
-                last = self.verified + 1 == self.manifest.num_chunks
+                last = self.verified + 1 == needed
                 target.data_path = "nixl" if last else "nixl+zmq"
                 if self.sink.in_place(req, target.fetch_version, chunk, self, self):
                     self.verified += 1
                 else:
                     target.data_path = "nixl+zmq" if self.verified else "zmq"
-        return _POLL_S if self.pending else float("inf")
+        now = time.monotonic()
+        self.pace.measure(now)
+        if not self.pending:
+            self.pace.idle()
+            return float("inf")
+        return self.pace.wait(now)
 
     def _end(self, req: int, *, give_back: bool) -> bool:
         """Release a transfer; ``give_back``: its chunks go back to the serving sources
         (only once NIXL let go of it: a READ still in flight would land on their bytes)."""
         transfer, _, _, _ = self.pending.pop(req)
+        self.pace.dropped(req)
         released = self.picker.reader is None or self.picker.reader.release(transfer)
         if give_back and req in self.sink.requests:
             if released:
@@ -228,6 +258,68 @@ class NixlSource(ChunkSource):
         self.drain(self.picker.request_timeout)
 
 
+class ReadPace:
+    """When to look at the READs in flight next, instead of a fixed short poll.
+
+    Why: every look is a whole turn of the client's loop (sockets, credit, reports), and
+    a 0.5 ms poll turned 2,000 times a second while the bytes moved on NIXL's own
+    thread. A READ posted behind others starts when they end, so the oldest one's end
+    is expected at ``max(posted, previous end) + bytes / rate``, the rate measured over
+    the READs done so far (shared across versions by the picker) and aimed a little
+    early (``AIM``: a look that finds it done cannot tell how early it ended, so the
+    estimate only errs towards fast, and then one look more). Past that, the wait
+    doubles from ``MIN_S`` (the estimate was early: a loaded box, a slower link) up to
+    ``MAX_S``, and starts again at each READ done.
+    """
+
+    MIN_S = 0.0002
+    MAX_S = 0.005
+    FIRST_RATE = 1e9  # bytes/s before anything was measured
+    AIM = 1.25
+
+    def __init__(self, rate: list[float]) -> None:
+        self._rate = rate  # [bytes/s], the picker's, updated in place
+        self._ends: dict[int, float] = {}  # req -> expected end of each READ, posting order
+        self._late = 0  # looks since the oldest READ's expected end without it done
+        self._last_done = 0.0
+        self._done_bytes = 0  # READs found done since the last ``measure``
+
+    def posted(self, req: int, nbytes: int, now: float) -> None:
+        if not self._ends:
+            self._last_done = now
+        start = max(now, max(self._ends.values(), default=now))
+        self._ends[req] = start + nbytes / (self._rate[0] * self.AIM)
+
+    def dropped(self, req: int) -> None:
+        self._ends.pop(req, None)
+
+    def done(self, req: int, nbytes: int) -> None:
+        self._ends.pop(req, None)
+        self._done_bytes += nbytes
+
+    def measure(self, now: float) -> None:
+        """After a look: the bytes found done since the previous find, as one sample."""
+        if not self._done_bytes:
+            return
+        took = now - self._last_done
+        if took > 0:  # a moving average, each sample from the previous find
+            self._rate[0] = 0.7 * self._rate[0] + 0.3 * max(self._done_bytes / took, 1e6)
+        self._done_bytes = 0
+        self._last_done = now
+        self._late = 0
+
+    def idle(self) -> None:
+        self._ends.clear()
+        self._late = 0
+
+    def wait(self, now: float) -> float:
+        due = next(iter(self._ends.values())) - now if self._ends else 0.0
+        if due > self.MIN_S:
+            return min(due, 10 * self.MAX_S)
+        self._late += 1
+        return min(self.MIN_S * (1 << min(self._late - 1, 8)), self.MAX_S)
+
+
 class NixlPicker:
     """Gives a manifest with a NIXL offer a ``NixlSource`` (a ``SourcePicker``), counts
     why one was not given, and owns the reader (one NIXL agent per subscriber)."""
@@ -243,8 +335,10 @@ class NixlPicker:
         self.last_error: str | None = None
         self.bytes_asked = 0
         self.bytes_read = 0
+        self.rate = [ReadPace.FIRST_RATE]  # READ bytes/s measured so far (``ReadPace``)
         self._source: NixlSource | None = None
         self._sizes: dict[int, int] = {}  # staging base address -> bytes registered
+        self._gone: list[int] = []  # sparse staging bases dropped, to deregister
         self._unavailable: str | None = None
         self._checked = False  # NIXL imported (seconds) only once a manifest offers it
         self._warn = RateLimitedLog(log)
@@ -300,13 +394,21 @@ class NixlPicker:
         return sum(self.fallback_causes.values())
 
     # -- staging buffers -----------------------------------------------------------------------
-    def register(self, base: torch.Tensor) -> None:
-        """Register a pooled staging buffer's whole allocation once."""
+    def register(self, base: torch.Tensor, *, sparse: bool = False) -> None:
+        """Register a pooled staging buffer's whole allocation once. ``sparse``: a slice
+        target's anonymous buffer, which the pool never frees through the allocator
+        (it goes with its last view): deregistered once that base tensor has gone
+        (noted by whichever thread drops it, done here on the client's: the agent
+        is not thread-safe), before anything new is registered at its address."""
         assert self.reader is not None
+        while self._gone:
+            self.freed(self._gone.pop())
         address, length = base.data_ptr(), base.numel()
         if not self.reader.registered(address, length):
             self.reader.register(address, length)
             self._sizes[address] = length
+            if sparse:
+                weakref.finalize(base, self._gone.append, address)
 
     def freed(self, address: int) -> None:
         """The pool dropped a staging buffer: deregister it."""

@@ -176,6 +176,10 @@ class Assembly:
             self.missing.discard(chunk)
         return ok
 
+    def in_place_bytes(self, chunk: int) -> int:
+        """The bytes of ``chunk`` a one-sided read writes into place (the whole chunk)."""
+        return self.manifest.chunk_span(chunk)[1]
+
     def abandon(self) -> None:
         self.view.release()
         self.pool.give(self.buffer)

@@ -16,6 +16,12 @@ a publisher without slices, a trainer rank of a sharded version), checked agains
 the manifest's chunk checksum. Either way the digest is taken of the bytes as they
 came, and only the planned bytes are written into place: a version is staged only
 when every touched chunk verified, as for a whole version.
+
+A one-sided reader (NIXL, ``client/nixl_source.py``) READs the planned byte ranges
+(``read_pieces``) straight to where they belong, the same offsets in the holder's
+flat buffer and in this one; ``verify`` then hashes them there, gathered back to
+back as the publisher hashed them for ``slice_sums`` (or the whole chunk against
+the manifest where the plan covers it): the same check as a ZeroMQ slice reply.
 """
 
 from __future__ import annotations
@@ -110,8 +116,17 @@ class SparseAssembly(Assembly):
         return digest
 
     def verify(self, chunk: int, size: int | None = None, digest: int | None = None) -> bool:
-        if digest is None:  # pragma: no cover - ``place`` always hashes
-            return False
+        """``digest`` None: the planned bytes were read into place (``read_pieces``)."""
+        if digest is None:
+            if not self.readable_in_place(chunk):
+                return False
+            self._whole.discard(chunk)
+            if self.layout.whole(self.manifest, chunk):
+                digest = xxhash.xxh3_64_intdigest(self.chunk_target(chunk))
+            else:
+                digest = xxhash.xxh3_64_intdigest(self.layout.gather(chunk, self._array).data)
+            if self._on_bytes is not None:
+                self._on_bytes(False, self.layout.sizes[chunk])
         if chunk in self._whole or self.layout.whole(self.manifest, chunk):
             expected: int | None = self.manifest.checksums[chunk]
         else:
@@ -120,6 +135,33 @@ class SparseAssembly(Assembly):
         if ok:
             self.missing.discard(chunk)
         return ok
+
+    def readable_in_place(self, chunk: int) -> bool:
+        """Whether ``chunk``'s planned bytes, read into place, can be verified: the plan
+        covers it whole (the manifest's checksum), or its slice sum is here."""
+        return self.layout.whole(self.manifest, chunk) or (
+            self.sums is not None and chunk in self.sums)
+
+    def read_pieces(self, chunk: int) -> list[tuple[int, int]]:
+        """The planned byte ranges of ``chunk`` as ``(flat offset, length)``, rows that
+        touch merged (a column slice is one piece per row, a whole tensor one piece)."""
+        if self.layout.whole(self.manifest, chunk):
+            return [self.manifest.chunk_span(chunk)]
+        pieces: list[tuple[int, int]] = []
+        for start, length, stride, count in self.layout.blocks[chunk]:
+            if stride == length or count == 1:
+                rows = [(start, length * count)]
+            else:
+                rows = [(start + i * stride, length) for i in range(count)]
+            for offset, size in rows:
+                if pieces and pieces[-1][0] + pieces[-1][1] == offset:
+                    pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
+                else:
+                    pieces.append((offset, size))
+        return pieces
+
+    def in_place_bytes(self, chunk: int) -> int:
+        return self.layout.sizes[chunk]
 
     def abandon(self) -> None:
         self._array = np.empty(0, dtype=np.uint8)
