@@ -21,9 +21,10 @@ import zmq
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, SourceSink
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
+from weightpub_wire.errors import TransportError
 from weightpub_wire.monitored_dealer import MonitoredDealer
 
-__all__ = ["DealerSource"]
+__all__ = ["DealerSource", "rank_handshakes"]
 
 
 class DealerSource(ChunkSource):
@@ -102,3 +103,20 @@ class DealerSource(ChunkSource):
             self._poller.unregister(self.dealer.monitor)
             self._poller = None
         self.dealer.close()
+
+
+def rank_handshakes(rank: int, refused_by: TransportError | None, results: list[str | None],
+                    on_handshake: Callable[[TransportError, bool], None]
+                    ) -> TransportError | None:
+    """A trainer rank's link (whole chunks or slices): a refused handshake (CURVE) is the
+    client's ``last_error`` at once, naming the rank; the next good one clears it.
+    Returns the refusal still standing."""
+    for why in results:
+        if why is None:
+            if refused_by is not None:
+                on_handshake(refused_by, False)
+                refused_by = None
+            continue
+        refused_by = TransportError(f"trainer rank {rank}'s shard: {why}")
+        on_handshake(refused_by, True)
+    return refused_by

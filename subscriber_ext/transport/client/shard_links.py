@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from subscriber_ext.transport.client.dealer_source import DealerSource
+from subscriber_ext.transport.client.dealer_source import DealerSource, rank_handshakes
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import Retry, SourceSink
 from weightpub_wire import chunk_frame
@@ -135,14 +135,8 @@ class ShardRankSource(DealerSource):
 
     # -- replies -------------------------------------------------------------------------------
     def on_handshakes(self, results: list[str | None]) -> None:
-        for why in results:
-            if why is None:
-                if self.refused_by is not None:
-                    self._on_handshake(self.refused_by, False)
-                    self.refused_by = None
-                continue
-            self.refused_by = TransportError(f"trainer rank {self.rank}'s shard: {why}")
-            self._on_handshake(self.refused_by, True)
+        self.refused_by = rank_handshakes(self.rank, self.refused_by, results,
+                                          self._on_handshake)
 
     def read(self, now: float) -> None:
         def chunk(header: chunk_frame.ChunkHeader, frame: zmq.Frame) -> None:

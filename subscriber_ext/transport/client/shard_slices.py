@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from subscriber_ext.transport.client.dealer_source import rank_handshakes
 from subscriber_ext.transport.client.slice_source import CONTROL_TRIES, SliceFetcher, SliceSource
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import Retry, SourceSink
@@ -122,16 +123,8 @@ class RankSliceSource(SliceSource):
 
     # -- a rank that is gone or refuses this client ---------------------------------------------
     def on_handshakes(self, results: list[str | None]) -> None:
-        """A refused handshake (CURVE) is the client's ``last_error`` at once, naming the
-        rank (``ClientSockets.link_handshake``), as ``ShardRankSource``'s is."""
-        for why in results:
-            if why is None:
-                if self.refused_by is not None:
-                    self._on_handshake(self.refused_by, False)
-                    self.refused_by = None
-                continue
-            self.refused_by = TransportError(f"trainer rank {self.rank}'s shard: {why}")
-            self._on_handshake(self.refused_by, True)
+        self.refused_by = rank_handshakes(self.rank, self.refused_by, results,
+                                          self._on_handshake)
 
     def expire(self, now: float, retry: Retry) -> bool:
         timeout = self.request_timeout
