@@ -149,8 +149,27 @@ class WeightpubWeightTransferEngine(WeightTransferEngine[WeightpubInitInfo,
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's, without its device synchronize: our commit is synchronous on every
-        device, and ``torch.accelerator.synchronize()`` raises on CPU."""
-        self.receive_weights(self.parse_update_info(update_info))
+        device, and ``torch.accelerator.synchronize()`` raises on CPU.
+
+        An error is raised by the replica's last rank only: vLLM's multiprocess executor
+        reads the ranks' replies in rank order and stops at the first error, so an error
+        from an earlier rank leaves the later ranks' replies unread, and every later RPC
+        of that engine would get the previous call's answers. The ranks agree on what is
+        live (the commit is atomic), so the last rank's error stands for all; the others
+        log theirs."""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except Exception as exc:
+            if _answers_last():
+                raise
+            worker = self._w()
+            logger.error("weightpub: update_weights on rank %d: %s (the replica's last "
+                         "rank raises it)", worker.rank, exc)
+            # what vLLM's worker does with an error, so every rank's session ends alike
+            if hasattr(worker, "_weight_update_active"):
+                worker._weight_update_active = False
+            self.reset_weight_update_target()
+            return
         if self.device.type != "cpu" and torch.accelerator.is_available():
             torch.accelerator.synchronize()
 
@@ -204,3 +223,15 @@ def _reached(applied: object, st: Any, info: WeightpubUpdateInfo) -> bool:
     coord = st.coordinator
     return info.publisher_id is None or (coord is not None
                                          and coord.publisher_id == info.publisher_id)
+
+
+def _answers_last() -> bool:
+    """Whether this worker's reply is the last the executor reads (rank order: pipeline
+    stage, then tensor rank); True where the groups are not set up (one worker)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        tp, pp = get_tp_group(), get_pp_group()
+    except (ImportError, AssertionError, AttributeError):
+        return True
+    return bool(tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1)

@@ -42,6 +42,19 @@ def test_tp2_replica_follows_vllms_trainer_api(tmp_path) -> None:
             assert [r["applied_version"] for r in ranks] == [version, version], ranks
             assert llm.get_weight_version() == str(version)
             assert_matches_hf(llm, KIND, weights, N)
+        # a version that never comes: the error reaches the caller once, and the engine's
+        # later RPCs still get their own answers (vLLM reads the ranks' replies in order
+        # and stops at the first error: an error raised on both ranks left rank 1's reply
+        # unread, and weight_status then got the previous call's answer)
+        llm.start_weight_update()
+        with pytest.raises(Exception, match="not >= 99"):
+            llm.update_weights({"update_info": {"version": 99, "timeout": 0.5}})
+        # the failed update ended the session on every rank alike: a new one starts
+        llm.start_weight_update()
+        llm.finish_weight_update()
+        ranks = llm.collective_rpc("weight_status")
+        assert [r["applied_version"] for r in ranks] == [2, 2], ranks
+        assert [r["rank"] for r in ranks] == [0, 1], ranks
         # one subscription per rank, each fetching its own slices
         fleet = trainer.publisher.fleet()
         assert sorted(r.ranks for r in fleet) == [(0,), (1,)], fleet
