@@ -218,7 +218,9 @@ class ServingThread(threading.Thread):
         router = self.ctx.socket(zmq.ROUTER)
         pub = self.ctx.socket(zmq.PUB)
         for sock in (router, pub):
-            configure_socket(sock, heartbeat_interval=self.options.heartbeat_interval)
+            # the ROUTER serves many peers and pings none (weightpub_wire.sockets)
+            configure_socket(sock, heartbeat_interval=self.options.heartbeat_interval,
+                             pings=sock is pub)
             sock.setsockopt(zmq.HANDSHAKE_IVL, 10_000)
             for hook in self._configure:
                 hook(sock, server=True)

@@ -176,7 +176,7 @@ class ShardCoordinator:
         self._collect = self._front.ctx.socket(zmq.ROUTER)
         guard: ConnectionGuard | None = None
         try:
-            configure_socket(self._collect, heartbeat_interval=heartbeat_interval)
+            configure_socket(self._collect, heartbeat_interval=heartbeat_interval, pings=False)
             for hook in self._front.hooks:
                 hook(self._collect, server=True)
             if curve:

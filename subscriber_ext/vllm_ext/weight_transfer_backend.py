@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from subscriber_ext.vllm_ext.commit.update_waits import BLOCKING_WAIT_S, MAX_TIMEOUT_S
 from subscriber_ext.vllm_ext.commit.vllm_plugin import BACKEND
+from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.errors import ConfigError, WeightPubTimeout
 
@@ -151,27 +152,23 @@ class WeightpubWeightTransferEngine(WeightTransferEngine[WeightpubInitInfo,
         """vLLM's, without its device synchronize: our commit is synchronous on every
         device, and ``torch.accelerator.synchronize()`` raises on CPU.
 
-        An error is raised by the replica's last rank only: vLLM's multiprocess executor
-        reads the ranks' replies in rank order and stops at the first error, so an error
-        from an earlier rank leaves the later ranks' replies unread, and every later RPC
-        of that engine would get the previous call's answers. The ranks agree on what is
-        live (the commit is atomic), so the last rank's error stands for all; the others
-        log theirs."""
-        try:
-            self.receive_weights(self.parse_update_info(update_info))
-        except Exception as exc:
-            if _answers_last():
-                raise
+        A failure is raised once, by the replica's last rank, naming every rank's
+        (``rpc_replies``: vLLM's executor stops reading replies at the first error, and
+        an error on every rank made each later RPC get the previous call's answers).
+        The other ranks end their update session as vLLM's worker does on an error."""
+        if self.receive_on_every_rank(update_info) is None:  # failed; the last rank raised
             worker = self._w()
-            logger.error("weightpub: update_weights on rank %d: %s (the replica's last "
-                         "rank raises it)", worker.rank, exc)
-            # what vLLM's worker does with an error, so every rank's session ends alike
             if hasattr(worker, "_weight_update_active"):
                 worker._weight_update_active = False
             self.reset_weight_update_target()
-            return
+
+    @all_ranks_reply
+    def receive_on_every_rank(self, update_info: dict[str, Any]) -> bool:
+        """``receive_weights`` on this rank; True once this rank runs the version."""
+        self.receive_weights(self.parse_update_info(update_info))
         if self.device.type != "cpu" and torch.accelerator.is_available():
             torch.accelerator.synchronize()
+        return True
 
     def receive_weights(self, update_info: WeightpubUpdateInfo) -> None:
         """Return when this rank runs version >= ``update_info.version``; else raise."""
@@ -224,14 +221,3 @@ def _reached(applied: object, st: Any, info: WeightpubUpdateInfo) -> bool:
     return info.publisher_id is None or (coord is not None
                                          and coord.publisher_id == info.publisher_id)
 
-
-def _answers_last() -> bool:
-    """Whether this worker's reply is the last the executor reads (rank order: pipeline
-    stage, then tensor rank); True where the groups are not set up (one worker)."""
-    try:
-        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-        tp, pp = get_tp_group(), get_pp_group()
-    except (ImportError, AssertionError, AttributeError):
-        return True
-    return bool(tp.rank_in_group == tp.world_size - 1 and pp.rank_in_group == pp.world_size - 1)

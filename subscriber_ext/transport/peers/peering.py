@@ -109,7 +109,7 @@ class Peering(ChunkSource):
 
     def _open_router(self, router: zmq.Socket, address: str) -> str:
         limits = self.options.server
-        configure_socket(router, heartbeat_interval=1.0)
+        configure_socket(router, heartbeat_interval=1.0, pings=False)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, 2 * limits.max_queued_chunks + 64)
         router.setsockopt(zmq.RCVHWM, 256)
