@@ -32,6 +32,16 @@ the coordinator offers only the bases every rank serves with the shard layout
 unchanged (``publisher.sharding.shard_deltas``). A rank that restarted has none: the
 next version goes out in full.
 
+NIXL (``nixl=True`` on a rank): the rank's own ``WeightPublisher`` registers its
+snapshot buffers with the rank's own NIXL agent (once, reused version after
+version, released on close: ``publisher.store.nixl_export``) and its manifest carries
+an offer; the submit passes that offer to the coordinator, which puts it in the
+rank's ``ShardSource.nixl``. A subscriber READs each rank's range from that rank's
+agent, and a rank without an offer (or whose READs fail) serves its range as
+frames, counted per rank (``subscriber_ext/transport/client/nixl_source.py``). The
+offer names registered memory: it travels on the collect socket (CURVE, the
+trainer's key) and the coordinator's PUB/ROUTER (CURVE), never elsewhere.
+
 Peers: the coordinator runs the tracker (rank 0's ``peer_fanout``); a
 ``peer_share=True`` subscriber asks its peers for the stripes the plan gives
 them, in the union's chunk numbering, and the ranks for the rest, falling back
@@ -286,7 +296,8 @@ class ShardedPublisher:
                                  chunk_size=manifest.chunk_size,
                                  total_bytes=manifest.total_bytes, tensors=manifest.tensors,
                                  checksums=manifest.checksums, model_id=manifest.model_id,
-                                 delta=manifest.delta, deltas_follow=manifest.deltas_follow)
+                                 delta=manifest.delta, deltas_follow=manifest.deltas_follow,
+                                 nixl=manifest.nixl)
             try:
                 self._dealer.send(encode_submit(submit), flags=zmq.NOBLOCK)
             except zmq.Again:

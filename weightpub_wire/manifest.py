@@ -97,13 +97,20 @@ class DeltaInfo(msgspec.Struct, frozen=True):
 class ShardSource(msgspec.Struct, frozen=True):
     """Chunks ``[first_chunk, first_chunk + num_chunks)`` of a sharded version are served by
     one trainer rank: fetch them from ``endpoint`` as that rank's own chunks from 0, of its
-    instance ``publisher_id`` (``publisher.sharded_publisher``)."""
+    instance ``publisher_id`` (``publisher.sharded_publisher``).
+
+    ``nixl``: the rank's own NIXL offer (its snapshot buffer, its chunk ``i`` at
+    ``i * chunk_size``, i.e. the union's chunk ``first_chunk + i``), as the rank made it
+    for its own manifest; None where the rank offers none (frames only, for its range).
+    It travelled rank -> coordinator on the CURVE-authenticated collect socket and goes
+    on only in the manifest (PUB/ROUTER, CURVE)."""
 
     rank: Annotated[int, Meta(ge=0, le=MAX_SHARDS)]
     endpoint: Text
     publisher_id: Name
     first_chunk: U63
     num_chunks: U63
+    nixl: NixlOffer | None = None
 
 
 class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):

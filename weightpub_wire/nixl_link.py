@@ -347,6 +347,12 @@ class NixlReader:
             except Exception as exc:  # already gone on NIXL's side
                 logger.info("nixl: removing agent %r: %s", agent, exc)
 
+    def keep(self, agents: set[str]) -> None:
+        """Drop every holder not in ``agents`` (a restarted rank's old agent, a publisher
+        gone): remote agents stay bounded by the holders of the current version."""
+        for agent in [a for a in self._remotes if a not in agents]:
+            self.forget(agent)
+
     def close(self) -> None:
         for agent in list(self._remotes):
             self.forget(agent)

@@ -28,6 +28,7 @@ from weightpub_wire.message_base import (
     Version,
     _Message,
 )
+from weightpub_wire.nixl_link import NixlOffer
 
 __all__ = ["DECODED_PER_FRAME_BYTE", "ShardSubmit", "decode_submit", "decoded_bytes",
            "encode_submit"]
@@ -50,7 +51,9 @@ class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
 
     ``delta``: the versions this rank serves its shard's deltas from (its own
     ``Manifest.delta``, digests over its own checksums); ``deltas_follow``: it serves
-    deltas at all (``publisher.sharding.shard_deltas`` makes the union's from every rank's)."""
+    deltas at all (``publisher.sharding.shard_deltas`` makes the union's from every rank's).
+    ``nixl``: the rank's NIXL offer of this shard (its own ``Manifest.nixl``), passed on
+    in the union's ``ShardSource.nixl``."""
 
     rank: Rank
     world_size: Annotated[int, Meta(ge=1, le=MAX_SHARDS)]
@@ -64,6 +67,7 @@ class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
     model_id: Text = ""
     delta: DeltaInfo | None = None
     deltas_follow: bool = False
+    nixl: NixlOffer | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
@@ -106,6 +110,9 @@ def decoded_bytes(submit: ShardSubmit) -> int:
     if submit.delta is not None:
         size += sys.getsizeof(submit.delta) + sys.getsizeof(submit.delta.chain) + \
             len(submit.delta.chain) * 512  # a base: version, digest, a few ints
+    if submit.nixl is not None:  # the agent's metadata blob, its name, a few ints a region
+        size += sys.getsizeof(submit.nixl.metadata) + sys.getsizeof(submit.nixl.agent) + \
+            256 + len(submit.nixl.regions) * (64 + 3 * _INT_BYTES)
     return size
 
 

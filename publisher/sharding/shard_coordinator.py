@@ -465,7 +465,8 @@ class ShardCoordinator:
             sources.append(wire.ShardSource(rank=rank, endpoint=shard.endpoint,
                                             publisher_id=shard.publisher_id,
                                             first_chunk=offset // chunk_size,
-                                            num_chunks=len(shard.checksums)))
+                                            num_chunks=len(shard.checksums),
+                                            nixl=shard.nixl))
             tensors += [wire.TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape,
                                          offset=e.offset + offset, nbytes=e.nbytes)
                         for e in shard.tensors if e.name != SHARD_PAD]

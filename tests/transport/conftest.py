@@ -61,3 +61,43 @@ def make_sub(closing: Callable[[Any], Any]) -> Callable[..., WeightSubscriber]:
         return closing(WeightSubscriber(endpoint, **kwargs))
 
     return make
+
+
+# -- NIXL (issue 31): shared by test_nixl_path, test_nixl_slices, test_nixl_sharded -------------
+@pytest.fixture
+def nixl_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real NIXL agents confined to loopback (children inherit ``UCX_NET_DEVICES``); NIXL is
+    a test dependency, installed in CI."""
+    from weightpub_wire.nixl_link import nixl_error
+
+    assert nixl_error() is None, nixl_error()
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+
+@pytest.fixture
+def paced_reads(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[float]]:
+    """``paced_reads(read_bytes)``: READs of at most ``read_bytes`` (one chunk each, say),
+    seen done one per 0.3 s, so a version takes seconds and a kill lands mid-read;
+    returns the list of when each READ was seen done (filled as they are)."""
+    import time
+
+    from subscriber_ext.transport.client import nixl_source
+    from weightpub_wire.nixl_link import NixlReader, NixlTransfer
+
+    def pace(read_bytes: int) -> list[float]:
+        done: list[float] = []
+        monkeypatch.setattr(nixl_source, "_READ_BYTES", read_bytes)
+        poll = NixlReader.poll
+
+        def slow_poll(self: NixlReader, transfer: NixlTransfer) -> bool:
+            if done and time.monotonic() - done[-1] < 0.3:
+                return False
+            finished = poll(self, transfer)
+            if finished:
+                done.append(time.monotonic())
+            return finished
+
+        monkeypatch.setattr(NixlReader, "poll", slow_poll)
+        return done
+
+    return pace

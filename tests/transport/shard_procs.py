@@ -5,7 +5,8 @@ publishes ``det_weights(seed, version, spec)`` of its own ``spec`` on command, s
 the test can recompute every byte; rank 0 also runs the coordinator and says
 where subscribers and the other ranks dial it. ``die_serving: V`` makes the rank
 SIGKILL itself when it is about to send its first chunk of version V; ``no_slices``
-makes it drop slice requests, as a rank from before issue 30 does.
+makes it drop slice requests, as a rank from before issue 30 does; ``nixl`` offers
+its shard for one-sided NIXL reads (``test_nixl_sharded.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def run_shard_rank(args: dict[str, Any]) -> None:
         args.get("endpoint", "tcp://127.0.0.1:0"), rank=args["rank"],
         world_size=args["world_size"], coordinator=args.get("coordinator", "tcp://127.0.0.1:0"),
         announce_endpoint=args.get("announce_endpoint"), chunk_size=args["chunk_size"],
-        shard_timeout=args.get("shard_timeout", 30.0), heartbeat_interval=0.2)
+        shard_timeout=args.get("shard_timeout", 30.0), heartbeat_interval=0.2,
+        nixl=bool(args.get("nixl", False)))
     if args.get("no_slices"):
         pub.shard._server.slice_serving.handle = lambda *a: None  # type: ignore[method-assign]
     coordinator = pub.coordinator
@@ -87,6 +89,7 @@ def run_shard_rank(args: dict[str, Any]) -> None:
                   held_bytes=pub.shard.data_stats()["host_held_bytes"],
                   bytes_sent=pub.shard.data_stats()["bytes_sent_full"],
                   slice_bytes_sent=pub.shard.data_stats()["bytes_sent_slices"],
+                  nixl=pub.shard.nixl_status(),
                   shard_total=pub.shard.manifest(pub.latest_version).total_bytes
                   if pub.latest_version else 0,
                   announced=None if coordinator is None else coordinator.latest_version,

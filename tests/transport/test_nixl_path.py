@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,18 +22,11 @@ from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client import nixl_source
 from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
-from weightpub_wire.nixl_link import NixlReader, NixlTransfer, nixl_error
 
-pytestmark = [pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("nixl_loopback")]
 
 SPEC = [("w", "float32", [1024, 1024]), ("b", "int32", [300_000]), ("e", "uint8", [12_345])]
 CHUNK = 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def _loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert nixl_error() is None, nixl_error()  # a test dependency: installed in CI
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # children inherit it
 
 
 def _publisher(spawn: Callable[..., Child], **args: Any) -> tuple[Child, str]:
@@ -158,28 +151,10 @@ def test_nixl_missing_on_either_side_costs_frames_not_a_crash(
     assert nixl["available"] is False and nixl["fallback_causes"] == {"missing": 1}
 
 
-@pytest.fixture
-def paced(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
-    """One chunk per READ, and READs seen done one per 0.3 s: a version takes seconds."""
-    done: list[float] = []
-    monkeypatch.setattr(nixl_source, "_READ_BYTES", CHUNK)
-    poll = NixlReader.poll
-
-    def slow_poll(self: NixlReader, transfer: NixlTransfer) -> bool:
-        if done and time.monotonic() - done[-1] < 0.3:
-            return False
-        finished = poll(self, transfer)
-        if finished:
-            done.append(time.monotonic())
-        return finished
-
-    monkeypatch.setattr(NixlReader, "poll", slow_poll)
-    yield done
-
-
 def test_a_publisher_killed_mid_read_never_stages_a_partial_version(
         spawn: Callable[..., Child], closing: Callable[[Any], Any],
-        paced: list[float]) -> None:
+        paced_reads: Callable[[int], list[float]]) -> None:
+    paced = paced_reads(CHUNK)  # one chunk per READ, seen done one per 0.3 s
     pub, endpoint = _publisher(spawn, nixl=True)
     sub = closing(WeightSubscriber(endpoint, request_timeout=2.0, max_chunk_retries=1,
                                    window_bytes=2 * CHUNK))
@@ -248,3 +223,19 @@ def test_read_pace_looks_when_a_read_is_due_then_backs_off() -> None:
     pace.idle()
     pace.posted(3, 10_000_000, now=1.0)
     assert pace.wait(1.0) > nixl_source.ReadPace.MIN_S  # the slower rate, from READ 3's post
+
+
+def test_a_read_deadline_scales_with_the_bytes_in_flight_within_bounds() -> None:
+    """A READ may take ``SLACK`` times what the bytes posted up to it take at the measured
+    rate: never less than the floor (``request_timeout``), never more than the cap; a
+    slower measured rate (a loaded box) gives the same bytes longer."""
+    rate = [1e9]
+    pace = nixl_source.ReadPace(rate)
+    floor = 3.0
+    assert pace.deadline(16 << 20, floor) == floor  # 17 ms of bytes: the floor
+    big = pace.deadline(2 << 30, floor)  # 2.1 s at 1 GB/s
+    assert big == pytest.approx(pace.SLACK * (2 << 30) / 1e9) and big > floor
+    assert pace.deadline(1 << 40, floor) == pace.DEADLINE_MAX_S  # bounded above
+    assert pace.deadline(1 << 40, 100.0) == 100.0  # a floor above the cap wins
+    rate[0] = 0.1e9  # measured ten times slower
+    assert pace.deadline(256 << 20, floor) == pytest.approx(pace.SLACK * (256 << 20) / 0.1e9)

@@ -20,17 +20,10 @@ import pytest
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import Child, as_bytes, det_weights, spec_bytes
 from tests.transport.test_slice_fetch import SEED, SPEC, WHOLE, half_plan
-from weightpub_wire.nixl_link import nixl_error
 
-pytestmark = [pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("nixl_loopback")]
 
 CHUNK = 256 << 10
-
-
-@pytest.fixture(autouse=True)
-def _loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert nixl_error() is None, nixl_error()  # a test dependency: installed in CI
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # children inherit it
 
 
 def _publisher(spawn: Callable[..., Child], **args: Any) -> tuple[Child, str]:

@@ -11,11 +11,27 @@ sources chunk by chunk, with a named, counted cause (``FALLBACK_CAUSES``, in
 ``status()`` as ``fallback_causes``, as the collective path counts its own): the
 version still completes over ZeroMQ frames and nothing unverified is staged.
 
+A sharded trainer (``Manifest.shards``) offers each rank's snapshot on that rank's
+own agent (``ShardSource.nixl``): the source has one ``NixlHolder`` per rank and
+READs each chunk from the rank that holds it (at its offset in that rank's buffer),
+a READ never spanning two ranks. A rank that offers nothing (``unoffered``) or whose
+offer does not fit (``bad_offer``) serves its range as frames from the start;
+everything below is per holder, counted per rank too (``rank_fallbacks``).
+
 After a transfer error, a timeout or an unreachable offer the source stops taking
-chunks for that version (the next version's offer is tried afresh); a chunk that
-fails its checksum (a torn read of a buffer being overwritten) is never read over
-NIXL again for that version. A version whose chunks all came one-sided is staged
-with ``data_path`` "nixl", one with some over ZeroMQ "nixl+zmq".
+that holder's chunks for that version (the next version's offer is tried afresh;
+other ranks' reads go on); a chunk that fails its checksum (a torn read of a
+buffer being overwritten) is never read over NIXL again for that version. A
+version whose chunks all came one-sided is staged with ``data_path`` "nixl", one
+with some over ZeroMQ "nixl+zmq".
+
+Read deadlines (``ReadPace.deadline``) scale with the bytes in flight: a READ is
+given ``SLACK`` times what the bytes posted up to it (every holder's: they share
+the link) take at the measured rate, at least ``request_timeout`` and at most
+``max(request_timeout, DEADLINE_MAX_S)``, counted from when it was posted or when
+its holder last finished a READ, whichever is later (a queue that moves is not
+stuck). So a large window on a loaded box is not cut as ``timeout`` for being
+slow, and a holder that stops answering is still left within a bound.
 
 Memory safety: a READ writes into staging behind the client's back, so no transfer
 may be in flight when its buffer changes hands. A chunk goes back to another source
@@ -26,6 +42,8 @@ pool) waits for every transfer into it (bounded by ``request_timeout``).
 
 from __future__ import annotations
 
+import bisect
+import collections
 import logging
 import time
 import weakref
@@ -44,7 +62,8 @@ from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import NixlOffer, NixlReader, NixlTransfer, nixl_error
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["FALLBACK_CAUSES", "NixlPicker", "NixlSource", "ReadPace", "RegisteringAllocator"]
+__all__ = ["FALLBACK_CAUSES", "NixlHolder", "NixlPicker", "NixlSource", "ReadPace",
+           "RegisteringAllocator"]
 
 log = logging.getLogger("weightpub.subscriber")
 
@@ -55,11 +74,13 @@ FALLBACK_CAUSES = (
     "bad_offer",  # the offer does not fit the manifest, or its agent is not who it says
     "unreachable",  # the offer's agent could not be added or a READ could not be posted
     "transfer",  # a READ failed (the holder died, UCX reported an error)
-    "timeout",  # a READ was not done within request_timeout
+    "timeout",  # a READ was not done by its deadline (``ReadPace.deadline``)
     "checksum",  # a chunk read one-sided failed its checksum (torn or corrupted region)
     "register",  # a staging buffer could not be registered
+    "unoffered",  # a sharded trainer's rank offers no NIXL (off or missing there)
 )
 _MAX_CAUSES = 16
+_MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
 _READ_BYTES = 16 << 20  # bytes per READ: large enough to stream, small enough to hand back
 _POLL_S = 0.0005  # ``drain``'s poll (closing, dropping a target: not the hot path)
 
@@ -68,122 +89,231 @@ def _base(buffer: torch.Tensor) -> torch.Tensor:
     return buffer if buffer._base is None else buffer._base
 
 
+class NixlHolder:
+    """One agent a version's chunks are READ from: the publisher (every chunk), or a
+    trainer rank (its ``ShardSource`` range, chunk ``first_chunk + i`` at ``i *
+    chunk_size`` of its region)."""
+
+    __slots__ = ("base", "first_chunk", "last_done", "num_chunks", "offer", "rank", "up")
+
+    def __init__(self, offer: NixlOffer, first_chunk: int, num_chunks: int, chunk_size: int,
+                 rank: int | None = None) -> None:
+        self.offer = offer
+        self.first_chunk = first_chunk
+        self.num_chunks = num_chunks
+        self.base = first_chunk * chunk_size  # the union's offset of the region's byte 0
+        self.rank = rank  # None: not sharded
+        self.up = True  # False after a failure: its rest of the version goes to ZeroMQ
+        self.last_done = 0.0  # when a READ from it last finished (``ReadPace.deadline``)
+
+
+class _Read:
+    """One READ in flight: NIXL's transfer, the chunks it fills, where, from whom."""
+
+    __slots__ = ("chunks", "holder", "posted", "target", "transfer")
+
+    def __init__(self, transfer: NixlTransfer, chunks: list[int], target: Assembly,
+                 posted: float, holder: NixlHolder) -> None:
+        self.transfer = transfer
+        self.chunks = chunks
+        self.target = target
+        self.posted = posted
+        self.holder = holder
+
+
+class _Queued:
+    """A READ taken (its chunks tracked as asked) but not posted yet (``NixlSource._post``)."""
+
+    __slots__ = ("chunks", "holder", "req", "spans", "target")
+
+    def __init__(self, req: int, target: Assembly, holder: NixlHolder, chunks: list[int],
+                 spans: list[tuple[int, int]]) -> None:
+        self.req = req
+        self.target = target
+        self.holder = holder
+        self.chunks = chunks
+        self.spans = spans  # (offset in the version, length)
+
+
 class NixlSource(ChunkSource):
-    """Reads one version's chunks from its offer; hands back what it cannot read."""
+    """Reads one version's chunks from its holders; hands back what it cannot read."""
 
     first = True
 
     def __init__(self, picker: NixlPicker, sink: SourceSink, manifest: wire.Manifest,
-                 offer: NixlOffer) -> None:
+                 holders: Sequence[NixlHolder | None]) -> None:
+        """``holders``: one (the publisher's) or, sharded, one per ``manifest.shards``
+        entry (None where that rank's range comes as frames)."""
         self.picker = picker
         self.sink = sink
         self.manifest = manifest
-        self.offer = offer
-        self.up = True  # False after a failure: the rest of the version goes to ZeroMQ
+        self.holders = list(holders)
+        self._firsts = [0] if manifest.shards is None \
+            else [shard.first_chunk for shard in manifest.shards]
         self.refused_chunks: set[int] = set()  # failed their checksum once: ZeroMQ's
         self.verified = 0  # chunks of this version verified in place
-        # req -> (transfer, chunks, target, started)
-        self.pending: dict[int, tuple[NixlTransfer, list[int], Assembly, float]] = {}
+        self.pending: dict[int, _Read] = {}  # req -> its READ, in posting order
+        self.queued: collections.deque[_Queued] = collections.deque()  # taken, not posted
         self.pace = ReadPace(picker.rate)
 
     @property
     def label(self) -> str:
         return "nixl"
 
+    @property
+    def up(self) -> bool:
+        """Some holder still serves this version one-sided."""
+        return any(h is not None and h.up for h in self.holders)
+
+    def holder(self, chunk: int) -> NixlHolder | None:
+        """Who holds ``chunk`` (None: nobody offers it over NIXL)."""
+        if len(self.holders) == 1:
+            return self.holders[0]
+        return self.holders[bisect.bisect_right(self._firsts, chunk) - 1]
+
     def _in_flight(self) -> int:
-        return sum(len(chunks) for _, chunks, _, _ in self.pending.values())
+        return sum(len(read.chunks) for read in self.pending.values()) + \
+            sum(len(queued.chunks) for queued in self.queued)
 
     def ahead(self) -> int:
         if not self.up:
             return 0
-        window = max(1, self.picker.window_bytes // self.manifest.chunk_size)
-        return max(0, min(window, wire.MAX_CHUNKS_IN_FLIGHT) - self._in_flight())
+        return max(0, self._window() - self._in_flight())
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
         if not self.up or target.manifest is not self.manifest \
                 or isinstance(target, DeltaAssembly) or target.fetch_base:
             return list(chunks)
         sparse = target if isinstance(target, SparseAssembly) else None
-        # while up it takes every chunk it is offered (the serving sources get none), up
-        # to twice the client's window in flight; a slice target's only once it can be
-        # verified in place (its sums are here, or the plan covers the chunk whole)
-        room = self.ahead() + max(1, self.picker.window_bytes // self.manifest.chunk_size)
+        # while up it takes every chunk it is offered (the serving sources get none); a
+        # slice target's only once it can be verified in place (its sums are here, or the
+        # plan covers the chunk whole). What is beyond ``_cap`` waits in ``queued``,
+        # asked (tracked) but not posted: READs in flight stay bounded, so a holder that
+        # dies mid-version leaves the rest unread (and unstaged), not read ahead of it
+        room = self.ahead() + self._window()
         take = [c for c in chunks if c not in self.refused_chunks
+                and (holder := self.holder(c)) is not None and holder.up
                 and (sparse is None or sparse.readable_in_place(c))][:room]
         if not take:
             return list(chunks)
         taken = set(take)
         rest = [c for c in chunks if c not in taken]
-        reader = self.picker.reader
         base = _base(target.buffer)
         try:
             self.picker.register(base, sparse=sparse is not None)
         except Exception as exc:
             self.fall_back("register", f"registering {base.numel()} bytes of staging: {exc}")
             return list(chunks)
-        address = target.buffer.data_ptr()
-        assert reader is not None
-        for batch, spans in self._batches(take, sparse):
-            pieces = [(0, start, address + start, size) for start, size in spans]
-            try:
-                transfer = reader.start(self.offer, pieces)
-            except ProtocolError as exc:
-                self.fall_back("bad_offer", str(exc))
-            except TransportError as exc:
-                self.fall_back("unreachable", str(exc))
-            else:
-                if transfer is None:
-                    continue
-                req = self.sink.requests.next_id()
-                self.sink.requests.track(req, batch, now, source=self)
-                self.pending[req] = (transfer, batch, target, now)
-                self.pace.posted(req, transfer.nbytes, now)
-                self.picker.bytes_asked += transfer.nbytes
-                continue
-            rest += [c for c in take if c in taken and not self._asked(c)]
-            break
+        for holder, batch, spans in self._batches(take, sparse):
+            req = self.sink.requests.next_id()
+            self.sink.requests.track(req, batch, now, source=self)
+            self.queued.append(_Queued(req, target, holder, batch, spans))
+        self._post(now)
         return rest
 
-    def _asked(self, chunk: int) -> bool:
-        return any(chunk in chunks for _, chunks, _, _ in self.pending.values())
+    def _window(self) -> int:
+        """The client's window in chunks (``window_bytes``, at most the protocol's)."""
+        return max(1, min(self.picker.window_bytes // self.manifest.chunk_size,
+                          wire.MAX_CHUNKS_IN_FLIGHT))
+
+    def _cap(self) -> int:
+        """Chunks posted at most at once: twice the window (the link stays busy while a
+        finished READ is verified, and a dead holder costs what is in flight only)."""
+        return 2 * self._window()
+
+    def _post(self, now: float) -> None:
+        """Post queued READs while fewer than ``_cap`` chunks are in flight; a queued READ
+        whose holder fell back (or that cannot be posted) is forgotten: its chunks go to
+        the serving sources at the next top-up."""
+        reader = self.picker.reader
+        posted = sum(len(read.chunks) for read in self.pending.values())
+        while self.queued and posted < self._cap():
+            queued = self.queued.popleft()
+            req, holder, target = queued.req, queued.holder, queued.target
+            if req not in self.sink.requests:
+                continue  # the target was given up or dropped meanwhile
+            if reader is None or not holder.up or target.manifest is not self.manifest:
+                self.sink.requests.forget(req)
+                continue
+            address = target.buffer.data_ptr()
+            pieces = [(0, start - holder.base, address + start, size)
+                      for start, size in queued.spans]
+            try:
+                transfer = reader.start(holder.offer, pieces)
+            except ProtocolError as exc:
+                self.sink.requests.forget(req)
+                self.fall_back("bad_offer", str(exc), holder)
+                continue
+            except TransportError as exc:
+                self.sink.requests.forget(req)
+                self.fall_back("unreachable", str(exc), holder)
+                continue
+            if transfer is None:
+                self.sink.requests.forget(req)
+                continue
+            self.pending[req] = _Read(transfer, queued.chunks, target, now, holder)
+            self.pace.posted(req, transfer.nbytes, now)
+            self.picker.bytes_asked += transfer.nbytes
+            posted += len(queued.chunks)
+
+    def _unqueue(self, holder: NixlHolder | None = None) -> None:
+        """Forget the queued READs (of ``holder``; None: all): their chunks are unasked."""
+        keep: collections.deque[_Queued] = collections.deque()
+        for queued in self.queued:
+            if holder is not None and queued.holder is not holder:
+                keep.append(queued)
+            elif queued.req in self.sink.requests:
+                self.sink.requests.forget(queued.req)
+        self.queued = keep
 
     def _batches(self, chunks: list[int], sparse: SparseAssembly | None
-                 ) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """Chunks grouped into READs of about ``_READ_BYTES``, each with its byte ranges
-        (a whole chunk, or a slice target's planned ranges of it)."""
-        out: list[tuple[list[int], list[tuple[int, int]]]] = []
+                 ) -> list[tuple[NixlHolder, list[int], list[tuple[int, int]]]]:
+        """Chunks grouped into READs of about ``_READ_BYTES`` (at most ``_cap`` chunks)
+        from one holder each, with
+        their byte ranges in the version (a whole chunk, or a slice target's planned
+        ranges of it)."""
+        out: list[tuple[NixlHolder, list[int], list[tuple[int, int]]]] = []
         size = _READ_BYTES
+        cap = self._cap()
         for chunk in chunks:
+            holder = self.holder(chunk)
+            assert holder is not None
             spans = [self.manifest.chunk_span(chunk)] if sparse is None \
                 else sparse.read_pieces(chunk)
             nbytes = sum(n for _, n in spans)
-            if not out or size + nbytes > _READ_BYTES:
-                out.append(([], []))
+            if not out or out[-1][0] is not holder or size + nbytes > _READ_BYTES \
+                    or len(out[-1][1]) >= cap:
+                out.append((holder, [], []))
                 size = 0
-            out[-1][0].append(chunk)
-            out[-1][1].extend(spans)
+            out[-1][1].append(chunk)
+            out[-1][2].extend(spans)
             size += nbytes
         return out
 
     def tick(self, now: float) -> float:
-        """Verify the chunks of every READ that is done (in posting order: NIXL moves them
-        in that order, so the first one not done ends the pass); return when the next one
-        is due (``ReadPace``: its bytes at the measured rate, then backing off)."""
+        """Verify the chunks of every READ that is done (in posting order per holder: NIXL
+        moves one agent's in that order, so its first one not done ends its pass); return
+        when the next one is due (``ReadPace``: its bytes at the measured rate, then
+        backing off)."""
         reader = self.picker.reader
         if reader is None:
             return float("inf")
-        for req, (transfer, chunks, target, _) in list(self.pending.items()):
-            if req not in self.pending:
-                continue  # drained meanwhile: the target was given up or dropped
+        waiting: set[int] = set()  # holders (by id) with a READ not done yet
+        for req, read in list(self.pending.items()):
+            if req not in self.pending or id(read.holder) in waiting:
+                continue  # drained meanwhile (the target was given up or dropped), or behind
+            transfer, chunks, target = read.transfer, read.chunks, read.target
             try:
                 done = reader.poll(transfer)
             except TransportError as exc:
                 self._end(req, give_back=True)
-                self.fall_back("transfer", str(exc))
+                self.fall_back("transfer", str(exc), read.holder)
                 continue
             if not done:
-                break
+                waiting.add(id(read.holder))
+                continue
             self._end(req, give_back=False)
+            read.holder.last_done = time.monotonic()
             self.pace.done(req, transfer.nbytes)
             self.picker.bytes_read += transfer.nbytes
             needed = len(target.layout.chunks) if isinstance(target, SparseAssembly) \
@@ -198,6 +328,7 @@ class NixlSource(ChunkSource):
                     target.data_path = "nixl+zmq" if self.verified else "zmq"
         now = time.monotonic()
         self.pace.measure(now)
+        self._post(now)
         if not self.pending:
             self.pace.idle()
             return float("inf")
@@ -206,7 +337,7 @@ class NixlSource(ChunkSource):
     def _end(self, req: int, *, give_back: bool) -> bool:
         """Release a transfer; ``give_back``: its chunks go back to the serving sources
         (only once NIXL let go of it: a READ still in flight would land on their bytes)."""
-        transfer, _, _, _ = self.pending.pop(req)
+        transfer = self.pending.pop(req).transfer
         self.pace.dropped(req)
         released = self.picker.reader is None or self.picker.reader.release(transfer)
         if give_back and req in self.sink.requests:
@@ -218,33 +349,49 @@ class NixlSource(ChunkSource):
         return released
 
     def expire(self, now: float, retry: Retry) -> bool:
-        limit = self.picker.request_timeout
-        for req, (_, _, _, started) in list(self.pending.items()):
-            if req in self.pending and now - started >= limit:
+        """Give up the READs past their deadline (``ReadPace.deadline``): their holder
+        falls back to frames for the rest of the version."""
+        floor = self.picker.request_timeout
+        ahead = 0  # bytes posted up to each READ, every holder's
+        for req, read in list(self.pending.items()):
+            ahead += read.transfer.nbytes
+            if req not in self.pending:
+                continue
+            start = max(read.posted, read.holder.last_done)
+            allowed = self.pace.deadline(ahead, floor)
+            if now - start >= allowed:
                 self._end(req, give_back=True)
-                self.fall_back("timeout", f"a READ of version {self.manifest.version} was "
-                                          f"not done after {limit:.1f} s")
+                self.fall_back("timeout", f"a READ of version {self.manifest.version} was not "
+                                          f"done after {allowed:.1f} s ({ahead} bytes in "
+                                          "flight up to it)", read.holder)
         return False
 
     def refused(self, via: Any, chunk: int, why: str, now: float) -> bool:
         self.refused_chunks.add(chunk)
-        self.picker.count("checksum", why, version=self.manifest.version, once=False)
+        holder = self.holder(chunk)
+        self.picker.count("checksum", why, version=self.manifest.version, once=False,
+                          rank=None if holder is None else holder.rank)
         return True  # not a try: the chunk goes to the serving sources
 
-    def fall_back(self, cause: str, why: str) -> None:
-        """Stop reading this version one-sided; its remaining chunks go to ZeroMQ."""
-        if self.up:
-            self.up = False
-            self.picker.count(cause, why, version=self.manifest.version)
+    def fall_back(self, cause: str, why: str, holder: NixlHolder | None = None) -> None:
+        """Stop reading this version one-sided from ``holder`` (None: from every one);
+        their remaining chunks go to ZeroMQ."""
+        self._unqueue(holder)
+        for each in self.holders if holder is None else [holder]:
+            if each is not None and each.up:
+                each.up = False
+                self.picker.count(cause, why, version=self.manifest.version, rank=each.rank)
 
     def drain(self, timeout: float) -> None:
-        """Wait (bounded) for every READ in flight, then release them all."""
+        """Drop what is queued; wait (bounded) for every READ in flight, then release them
+        all."""
+        self._unqueue()
         reader = self.picker.reader
         deadline = time.monotonic() + timeout
         for req in list(self.pending):
             if req not in self.pending:
                 continue
-            transfer = self.pending[req][0]
+            transfer = self.pending[req].transfer
             while reader is not None and time.monotonic() < deadline:
                 try:
                     if reader.poll(transfer):
@@ -276,6 +423,10 @@ class ReadPace:
     MAX_S = 0.005
     FIRST_RATE = 1e9  # bytes/s before anything was measured
     AIM = 1.25
+    #: a READ's deadline (``deadline``): this many times its expected time, at most
+    #: ``DEADLINE_MAX_S`` (or the floor given, when that is longer)
+    SLACK = 4.0
+    DEADLINE_MAX_S = 60.0
 
     def __init__(self, rate: list[float]) -> None:
         self._rate = rate  # [bytes/s], the picker's, updated in place
@@ -312,6 +463,13 @@ class ReadPace:
         self._ends.clear()
         self._late = 0
 
+    def deadline(self, nbytes: int, floor: float) -> float:
+        """Seconds a READ may take with ``nbytes`` in flight up to and including it:
+        ``SLACK`` times their time at the measured rate, bounded below by ``floor`` (the
+        client's ``request_timeout``) and above by ``DEADLINE_MAX_S``."""
+        expected = nbytes / max(self._rate[0], 1e6)
+        return max(floor, min(self.SLACK * expected, self.DEADLINE_MAX_S))
+
     def wait(self, now: float) -> float:
         due = next(iter(self._ends.values())) - now if self._ends else 0.0
         if due > self.MIN_S:
@@ -332,6 +490,7 @@ class NixlPicker:
         self.window_bytes = window_bytes
         self.reader: NixlReader | None = None
         self.fallback_causes: dict[str, int] = {}
+        self.rank_fallbacks: dict[int, int] = {}  # sharded: fallbacks per trainer rank
         self.last_error: str | None = None
         self.bytes_asked = 0
         self.bytes_read = 0
@@ -345,8 +504,9 @@ class NixlPicker:
 
     # -- the picker --------------------------------------------------------------------------
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
-        offer = manifest.nixl
-        if offer is None or manifest.num_chunks == 0:
+        offered = manifest.nixl is not None if manifest.shards is None \
+            else any(shard.nixl is not None for shard in manifest.shards)
+        if not offered or manifest.num_chunks == 0:
             return None
         old = self._source
         if old is not None and old.manifest is not manifest:
@@ -357,12 +517,10 @@ class NixlPicker:
         if self.mode is False:
             self.count("off", "this subscriber's nixl option is off", version=manifest.version)
             return None
-        if manifest.shards is not None or manifest.adapters is not None:
-            return None  # each rank's own buffer (not offered yet); adapters are small
-        if len(offer.regions) != 1 or offer.regions[0].length < manifest.total_bytes:
-            self.count("bad_offer", f"the offer's regions {list(offer.regions)[:4]} do not "
-                       f"hold the version's {manifest.total_bytes} bytes",
-                       version=manifest.version)
+        if manifest.adapters is not None:
+            return None  # adapters are small
+        holders = self._holders(manifest)
+        if not any(holders):
             return None
         if not self._checked:
             self._checked = True
@@ -377,13 +535,48 @@ class NixlPicker:
         if self._unavailable is not None:
             self.count("missing", self._unavailable, version=manifest.version)
             return None
-        self._source = NixlSource(self, sink, manifest, offer)
+        assert self.reader is not None
+        # holders of earlier versions (a restarted rank's old agent) are not kept
+        self.reader.keep({h.offer.agent for h in holders if h is not None})
+        self._source = NixlSource(self, sink, manifest, holders)
         return [self._source]
 
-    def count(self, cause: str, why: str, *, version: int, once: bool = True) -> None:
-        """One more fallback of ``cause`` (a version, or a chunk for ``checksum``)."""
+    def _holders(self, manifest: wire.Manifest) -> list[NixlHolder | None]:
+        """Who READs come from: the publisher, or each rank offering its range (None for
+        a rank that offers none or one that does not fit: counted, frames serve it)."""
+        size = manifest.chunk_size
+        if manifest.shards is None:
+            assert manifest.nixl is not None
+            ranges: list[tuple[NixlOffer | None, int, int, int | None]] = \
+                [(manifest.nixl, 0, manifest.num_chunks, None)]
+        else:
+            ranges = [(s.nixl, s.first_chunk, s.num_chunks, s.rank) for s in manifest.shards]
+        holders: list[NixlHolder | None] = []
+        for offer, first, count, rank in ranges:
+            need = min(count * size, manifest.total_bytes - first * size)
+            if offer is None:
+                self.count("unoffered", "offers no NIXL (off or missing there)",
+                           version=manifest.version, rank=rank)
+                holders.append(None)
+            elif len(offer.regions) != 1 or offer.regions[0].length < need:
+                whose = "the version's" if rank is None else "its range's"
+                self.count("bad_offer", f"the offer's regions {list(offer.regions)[:4]} do not "
+                           f"hold {whose} {need} bytes", version=manifest.version, rank=rank)
+                holders.append(None)
+            else:
+                holders.append(NixlHolder(offer, first, count, size, rank))
+        return holders
+
+    def count(self, cause: str, why: str, *, version: int, once: bool = True,
+              rank: int | None = None) -> None:
+        """One more fallback of ``cause`` (a version, or a chunk for ``checksum``), of a
+        sharded trainer's ``rank`` (also counted in ``rank_fallbacks``)."""
         if cause in self.fallback_causes or len(self.fallback_causes) < _MAX_CAUSES:
             self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
+        if rank is not None:
+            if rank in self.rank_fallbacks or len(self.rank_fallbacks) < _MAX_RANKS:
+                self.rank_fallbacks[rank] = self.rank_fallbacks.get(rank, 0) + 1
+            why = f"trainer rank {rank}: {why}"
         self.last_error = f"version {version}: {why} ({cause})"[:1024]
         if cause != "off":
             self._warn.warning(f"nixl:{cause}", f"nixl: {self.last_error}; fetching over "
@@ -445,6 +638,8 @@ class NixlPicker:
             "bytes_read": self.bytes_read,
             "fallbacks": self.fallbacks,
             "fallback_causes": dict(self.fallback_causes),
+            # a sharded trainer's ranks whose ranges came (partly) as frames: how often
+            "rank_fallbacks": dict(self.rank_fallbacks),
             "last_error": self.last_error,
         }
 
