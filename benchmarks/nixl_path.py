@@ -19,6 +19,14 @@ subscriber's ``on_version``), a publisher process and a subscriber process each:
 Both include the publisher's snapshot copy and hashing (the same work on both); the
 CPU-seconds per GB of each side are its whole process over the round.
 
+The same for a sharded trainer (``--ranks N`` rank processes, each a
+``ShardedPublisher`` with ``nixl=True`` holding 1/N of the bytes, rank 0 with the
+coordinator), publish on every rank -> staged:
+
+* ``e2e-shard-nixl``: the subscriber READs each rank's range from that rank's agent;
+* ``e2e-shard-zmq``: the same ranks, ``nixl=False`` on the subscriber: frames from
+  each rank. Their "holder" CPU is every rank's together.
+
 The reader's destination is allocated once (its first round pays the page faults
 a fresh staging buffer does); the steady state is the median from round 3 on.
 CPU-seconds per GB are user+system time of each side's whole process (NIXL's
@@ -29,6 +37,7 @@ UCX is confined to loopback (``UCX_NET_DEVICES=lo``).
     python benchmarks/nixl_path.py                 # 256 MiB and 1 GiB, 5 rounds
     python benchmarks/nixl_path.py --mib 64 --rounds 3
     python benchmarks/nixl_path.py --paths tcp e2e-nixl e2e-zmq --mib 256
+    python benchmarks/nixl_path.py --paths tcp e2e-shard-nixl e2e-shard-zmq --ranks 4
 """
 
 from __future__ import annotations
@@ -130,6 +139,29 @@ def _e2e_publisher(nbytes: int, nixl: bool) -> None:
     pub.close()
 
 
+def _e2e_rank(nbytes: int, rank: int, world: int, coordinator: str) -> None:
+    import torch
+
+    from publisher.sharded_publisher import ShardedPublisher
+
+    torch.set_num_threads(1)
+    weights = {f"w{rank}": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
+    announce = "tcp://127.0.0.1:0" if rank == 0 else None
+    pub = ShardedPublisher("tcp://127.0.0.1:0", rank=rank, world_size=world,
+                           coordinator=coordinator, announce_endpoint=announce, nixl=True)
+    coord = pub.coordinator
+    print("OFFER", coord.endpoint if coord else "-", coord.collect_endpoint if coord else "-",
+          flush=True)
+    version = 0
+    for _ in sys.stdin:
+        version += 1
+        start = time.time()
+        pub.publish(weights, version=version)
+        pub.wait_submitted(version, timeout=600)
+        print("PUBLISHED", start, time.time(), flush=True)
+    pub.close()
+
+
 def _e2e_subscriber(endpoint: str, nixl: bool) -> None:
     import queue
 
@@ -205,6 +237,63 @@ class _E2E:
                 proc.wait(timeout=60)
 
 
+class _E2EShard:
+    """``ranks`` rank processes (a sharded trainer) and a subscriber, a version per round."""
+
+    def __init__(self, name: str, nbytes: int, ranks: int) -> None:
+        self.name = name
+        env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO),
+               "OMP_NUM_THREADS": "1"}
+        me = [sys.executable, __file__]
+        share = str(nbytes // ranks)
+        self.ranks = [_popen([*me, "--role", "e2e-rank", share, "0", str(ranks),
+                              "tcp://127.0.0.1:0"], env)]
+        announce, collect = _expect(self.ranks[0], "OFFER")
+        for rank in range(1, ranks):
+            self.ranks.append(_popen([*me, "--role", "e2e-rank", share, str(rank),
+                                      str(ranks), collect], env))
+            _expect(self.ranks[-1], "OFFER")
+        nixl = "1" if name == "e2e-shard-nixl" else "0"
+        self.reader = _popen([*me, "--role", "e2e-sub", announce, nixl], env)
+        _expect(self.reader, "READY")
+        self.rounds: list[dict[str, float]] = []
+        self.paths: list[str] = []
+
+    def round(self, nbytes: int) -> None:
+        cpu = [_cpu_of(rank.pid) for rank in self.ranks]
+        reader_cpu = _cpu_of(self.reader.pid)
+        for rank in self.ranks:
+            assert rank.stdin is not None
+            rank.stdin.write("go\n")
+            rank.stdin.flush()
+        times = [[float(x) for x in _expect(rank, "PUBLISHED")] for rank in self.ranks]
+        start = min(t[0] for t in times)
+        _, end, path = _expect(self.reader, "DONE")
+        self.paths.append(path)
+        gb = nbytes / 1e9
+        self.rounds.append({
+            "seconds": float(end) - start,
+            "announce_s": max(t[1] for t in times) - start,
+            "reader_cpu_s_per_gb": (_cpu_of(self.reader.pid) - reader_cpu) / gb,
+            "holder_cpu_s_per_gb": sum(_cpu_of(r.pid) - c
+                                       for r, c in zip(self.ranks, cpu, strict=True)) / gb})
+
+    def steady(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.rounds[STEADY_FROM:] or self.rounds)
+
+    def close(self) -> None:
+        procs = [self.reader, *reversed(self.ranks)]
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()  # each ends on EOF
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=60)
+
+
 class _Path:
     """One path's two processes, driven a round at a time over the reader's stdin."""
 
@@ -268,10 +357,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(mib: int, rounds: int, names: list[str]) -> dict[str, Any]:
+def measure(mib: int, rounds: int, names: list[str], ranks: int = 2) -> dict[str, Any]:
     nbytes = mib << 20
-    paths: list[Any] = [_E2E(name, nbytes) if name.startswith("e2e-") else _Path(name, nbytes)
-                        for name in names]
+    paths: list[Any] = [_E2EShard(name, nbytes, ranks) if name.startswith("e2e-shard-")
+                        else _E2E(name, nbytes) if name.startswith("e2e-")
+                        else _Path(name, nbytes) for name in names]
     try:
         for r in range(rounds):
             for path in paths[r % len(paths):] + paths[:r % len(paths)]:
@@ -284,7 +374,8 @@ def measure(mib: int, rounds: int, names: list[str]) -> dict[str, Any]:
             "holder_cpu_s_per_GB": round(p.steady("holder_cpu_s_per_gb"), 3),
             "cold_GBps": round(nbytes / p.rounds[0]["seconds"] / 1e9, 2),
             **({"data_paths": sorted(set(p.paths)),
-                "announce_s": round(p.steady("announce_s"), 3)} if isinstance(p, _E2E) else {})}
+                "announce_s": round(p.steady("announce_s"), 3)}
+               if isinstance(p, _E2E | _E2EShard) else {})}
             for p in paths}}
     finally:
         for path in paths:
@@ -300,6 +391,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--paths", nargs="+",
                         default=["tcp", "nixl-cma", "nixl-tcp", "e2e-nixl", "e2e-zmq"])
+    parser.add_argument("--ranks", type=int, default=2,
+                        help="rank processes of the e2e-shard-* paths")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.role == "holder":
@@ -312,10 +405,12 @@ def main() -> None:
         return _tcp_receiver(int(rest[0]), int(rest[1]))
     if args.role == "e2e-pub":
         return _e2e_publisher(int(rest[0]), rest[1] == "1")
+    if args.role == "e2e-rank":
+        return _e2e_rank(int(rest[0]), int(rest[1]), int(rest[2]), rest[3])
     if args.role == "e2e-sub":
         return _e2e_subscriber(rest[0], rest[1] == "1")
     for mib in args.mib:
-        print(measure(mib, args.rounds, args.paths), flush=True)
+        print(measure(mib, args.rounds, args.paths, args.ranks), flush=True)
 
 
 if __name__ == "__main__":

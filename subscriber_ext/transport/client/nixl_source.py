@@ -28,10 +28,11 @@ with some over ZeroMQ "nixl+zmq".
 Read deadlines (``ReadPace.deadline``) scale with the bytes in flight: a READ is
 given ``SLACK`` times what the bytes posted up to it (every holder's: they share
 the link) take at the measured rate, at least ``request_timeout`` and at most
-``max(request_timeout, DEADLINE_MAX_S)``, counted from when it was posted or when
-its holder last finished a READ, whichever is later (a queue that moves is not
-stuck). So a large window on a loaded box is not cut as ``timeout`` for being
-slow, and a holder that stops answering is still left within a bound.
+``max(request_timeout, DEADLINE_MAX_S)``, counted from when it was posted or when a
+READ last finished, whichever is later (a link that moves is not stuck; a holder
+that stops answering is cut once the others' READs are done). So a large window
+on a loaded box is not cut as ``timeout`` for being slow, and a holder that stops
+answering is still left within a bound.
 
 Memory safety: a READ writes into staging behind the client's back, so no transfer
 may be in flight when its buffer changes hands. A chunk goes back to another source
@@ -94,7 +95,7 @@ class NixlHolder:
     trainer rank (its ``ShardSource`` range, chunk ``first_chunk + i`` at ``i *
     chunk_size`` of its region)."""
 
-    __slots__ = ("base", "first_chunk", "last_done", "num_chunks", "offer", "rank", "up")
+    __slots__ = ("base", "first_chunk", "num_chunks", "offer", "rank", "up")
 
     def __init__(self, offer: NixlOffer, first_chunk: int, num_chunks: int, chunk_size: int,
                  rank: int | None = None) -> None:
@@ -104,7 +105,6 @@ class NixlHolder:
         self.base = first_chunk * chunk_size  # the union's offset of the region's byte 0
         self.rank = rank  # None: not sharded
         self.up = True  # False after a failure: its rest of the version goes to ZeroMQ
-        self.last_done = 0.0  # when a READ from it last finished (``ReadPace.deadline``)
 
 
 class _Read:
@@ -154,6 +154,7 @@ class NixlSource(ChunkSource):
         self.verified = 0  # chunks of this version verified in place
         self.pending: dict[int, _Read] = {}  # req -> its READ, in posting order
         self.queued: collections.deque[_Queued] = collections.deque()  # taken, not posted
+        self.last_done = 0.0  # when a READ last finished (``expire``: the link moves)
         self.pace = ReadPace(picker.rate)
 
     @property
@@ -313,7 +314,7 @@ class NixlSource(ChunkSource):
                 waiting.add(id(read.holder))
                 continue
             self._end(req, give_back=False)
-            read.holder.last_done = time.monotonic()
+            self.last_done = time.monotonic()
             self.pace.done(req, transfer.nbytes)
             self.picker.bytes_read += transfer.nbytes
             needed = len(target.layout.chunks) if isinstance(target, SparseAssembly) \
@@ -357,7 +358,7 @@ class NixlSource(ChunkSource):
             ahead += read.transfer.nbytes
             if req not in self.pending:
                 continue
-            start = max(read.posted, read.holder.last_done)
+            start = max(read.posted, self.last_done)
             allowed = self.pace.deadline(ahead, floor)
             if now - start >= allowed:
                 self._end(req, give_back=True)
