@@ -21,6 +21,7 @@ says why the path is off where it cannot run.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import logging
 import os
@@ -200,6 +201,7 @@ class NixlReader:
     def __init__(self, prefix: str = "weightpub-reader") -> None:
         self.name, self._agent = _agent(prefix)
         self._local: dict[tuple[int, int], Any] = {}
+        self._starts: list[tuple[int, int]] = []  # ``_local``'s keys, sorted (``_into``)
         self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # (mem_type, device)
         self._remotes: dict[str, tuple[str, bytes]] = {}  # agent -> (NIXL's name, metadata)
 
@@ -211,6 +213,7 @@ class NixlReader:
             self._local[(address, length)] = self._agent.register_memory(
                 [(address, length, device, "")], mem_type)
             self._kinds[(address, length)] = (mem_type, device)
+            bisect.insort(self._starts, (address, length))
 
     def registered(self, address: int, length: int) -> bool:
         return (address, length) in self._local
@@ -220,6 +223,7 @@ class NixlReader:
         handle = self._local.pop((address, length), None)
         self._kinds.pop((address, length), None)
         if handle is not None:
+            self._starts.remove((address, length))
             self._agent.deregister_memory(handle)
 
     @property
@@ -283,8 +287,7 @@ class NixlReader:
             if offset < 0 or length <= 0 or offset + length > region.length:
                 raise ProtocolError(f"nixl read: [{offset}, {offset + length}) is outside "
                                     f"region {index} ({region.length} bytes)")
-            into = next(((a, n) for a, n in self._local
-                         if a <= address and address + length <= a + n), None)
+            into = self._into(address, length)
             if into is None:
                 raise ProtocolError("nixl read: destination is not registered memory")
             kind, device = self._kinds[into]
@@ -311,6 +314,18 @@ class NixlReader:
             self.forget(offer.agent)
             raise TransportError(f"nixl read from {offer.agent!r}: {exc}") from exc
         return transfer
+
+    def _into(self, address: int, length: int) -> tuple[int, int] | None:
+        """The registered local buffer holding ``[address, address + length)``, or None:
+        the nearest one starting at or below it (a sparse buffer registers up to a
+        thousand ranges, and a READ may have a piece per row), else any (overlaps)."""
+        index = bisect.bisect_right(self._starts, (address, 1 << 64)) - 1
+        if index >= 0:
+            start, size = self._starts[index]
+            if address + length <= start + size:
+                return start, size
+        return next(((a, n) for a, n in self._starts
+                     if a <= address and address + length <= a + n), None)
 
     def poll(self, transfer: NixlTransfer) -> bool:
         """True when the READ is done; ``TransportError`` when it failed."""
@@ -360,3 +375,4 @@ class NixlReader:
             self._agent.deregister_memory(handle)
         self._local = {}
         self._kinds = {}
+        self._starts = []

@@ -90,3 +90,27 @@ def test_a_corrupted_slice_is_refetched_as_a_zeromq_slice(
     plan = status["slice_plan"]
     assert stats["bytes_sent_full"] == 0  # the one chunk came as a ZeroMQ slice
     assert 0 < stats["bytes_sent_slices"] <= CHUNK // 2 < plan["needed_bytes"]
+
+
+def test_a_sparse_buffer_registers_the_touched_pages_in_few_ranges() -> None:
+    """Touched pages are registered range by range (untouched ones are never pinned);
+    a plan of many scattered pieces is merged into at most ``MAX_SPARSE_RANGES``."""
+    from subscriber_ext.transport.client.nixl_source import MAX_SPARSE_RANGES, touched_ranges
+    from weightpub_wire.slice_layout import PAGE, SliceLayout
+
+    def layout(blocks: dict[int, list[tuple[int, int, int, int]]]) -> SliceLayout:
+        return SliceLayout(chunks=tuple(sorted(blocks)), blocks=blocks, sizes={},
+                           needed_bytes=0, resident_bytes=0)
+
+    # a row-strided block (4 rows of 100 bytes, 1,000 apart), a whole page far after it,
+    # and a piece touching the one before it
+    few = layout({0: [(10, 100, 1000, 4)], 3: [(40 * PAGE, PAGE, PAGE, 1),
+                                              (41 * PAGE + 5, 10, 10, 1)]})
+    assert touched_ranges(few, 1 << 30) == [(0, PAGE), (40 * PAGE, 2 * PAGE)]
+    assert touched_ranges(few, 40 * PAGE + 100) == [(0, PAGE), (40 * PAGE, 100)]  # the end
+    scattered = layout({0: [(i * 3 * PAGE, 8, 8, 1) for i in range(5000)]})
+    ranges = touched_ranges(scattered, 1 << 30)
+    assert len(ranges) <= MAX_SPARSE_RANGES
+    covered = [(start, start + size) for start, size in ranges]
+    assert all(any(lo <= i * 3 * PAGE and i * 3 * PAGE + 8 <= hi for lo, hi in covered)
+               for i in range(0, 5000, 7))

@@ -62,6 +62,7 @@ from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import NixlOffer, NixlReader, NixlTransfer, nixl_error
 from weightpub_wire.ratelog import RateLimitedLog
+from weightpub_wire.slice_layout import PAGE, SliceLayout
 
 __all__ = ["FALLBACK_CAUSES", "NixlHolder", "NixlPicker", "NixlSource", "ReadPace",
            "RegisteringAllocator"]
@@ -82,12 +83,37 @@ FALLBACK_CAUSES = (
 )
 _MAX_CAUSES = 16
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
+#: ranges of a sparse staging buffer registered at most (``touched_ranges``)
+MAX_SPARSE_RANGES = 1024
 _READ_BYTES = 16 << 20  # bytes per READ: large enough to stream, small enough to hand back
 _POLL_S = 0.0005  # ``drain``'s poll (closing, dropping a target: not the hot path)
 
 
 def _base(buffer: torch.Tensor) -> torch.Tensor:
     return buffer if buffer._base is None else buffer._base
+
+
+def touched_ranges(layout: SliceLayout, limit: int) -> list[tuple[int, int]]:
+    """The pages a plan's blocks touch as ``(offset, length)`` ranges of the flat buffer,
+    in order, merged where they meet, each ending by ``limit`` (the buffer's end). More
+    than ``MAX_SPARSE_RANGES`` (a plan of many small scattered pieces): ranges closer
+    than a gap are merged too, the gap growing 4x until they fit, so registrations stay
+    few (each is a call into UCX) at the cost of some untouched pages pinned."""
+    extents = sorted((start // PAGE * PAGE, start + (count - 1) * stride + length)
+                     for blocks in layout.blocks.values()
+                     for start, length, stride, count in blocks)
+    gap = 0
+    while True:
+        merged: list[list[int]] = []
+        for low, high in extents:
+            high = min(-(-high // PAGE) * PAGE, limit)
+            if merged and low <= merged[-1][1] + gap:
+                merged[-1][1] = max(merged[-1][1], high)
+            else:
+                merged.append([low, high])
+        if len(merged) <= MAX_SPARSE_RANGES:
+            return [(low, high - low) for low, high in merged if high > low]
+        gap = max(PAGE, 4 * gap)
 
 
 class NixlHolder:
@@ -201,7 +227,10 @@ class NixlSource(ChunkSource):
         rest = [c for c in chunks if c not in taken]
         base = _base(target.buffer)
         try:
-            self.picker.register(base, sparse=sparse is not None)
+            if sparse is None:
+                self.picker.register(base)
+            else:
+                self.picker.register_sparse(sparse)
         except Exception as exc:
             self.fall_back("register", f"registering {base.numel()} bytes of staging: {exc}")
             return list(chunks)
@@ -499,6 +528,7 @@ class NixlPicker:
         self._source: NixlSource | None = None
         self._sizes: dict[int, int] = {}  # staging base address -> bytes registered
         self._gone: list[int] = []  # sparse staging bases dropped, to deregister
+        self._sparse: dict[int, list[tuple[int, int]]] = {}  # sparse base -> ranges registered
         self._unavailable: str | None = None
         self._checked = False  # NIXL imported (seconds) only once a manifest offers it
         self._warn = RateLimitedLog(log)
@@ -588,12 +618,8 @@ class NixlPicker:
         return sum(self.fallback_causes.values())
 
     # -- staging buffers -----------------------------------------------------------------------
-    def register(self, base: torch.Tensor, *, sparse: bool = False) -> None:
-        """Register a pooled staging buffer's whole allocation once. ``sparse``: a slice
-        target's anonymous buffer, which the pool never frees through the allocator
-        (it goes with its last view): deregistered once that base tensor has gone
-        (noted by whichever thread drops it, done here on the client's: the agent
-        is not thread-safe), before anything new is registered at its address."""
+    def register(self, base: torch.Tensor) -> None:
+        """Register a pooled staging buffer's whole allocation once."""
         assert self.reader is not None
         while self._gone:
             self.freed(self._gone.pop())
@@ -601,15 +627,48 @@ class NixlPicker:
         if not self.reader.registered(address, length):
             self.reader.register(address, length)
             self._sizes[address] = length
-            if sparse:
-                weakref.finalize(base, self._gone.append, address)
+
+    def register_sparse(self, target: SparseAssembly) -> None:
+        """Register the pages a slice target's plan touches (``touched_ranges``), not its
+        whole buffer: registering pins pages (RDMA), so registering the version's size
+        would make a sparse buffer resident. Once per buffer (a buffer is reused only for
+        the same plan and layout). The buffer is anonymous memory the pool never frees
+        through the allocator (it goes with its last view): its ranges are deregistered
+        once that base tensor has gone (noted by whichever thread drops it, done here on
+        the client's: the agent is not thread-safe), before anything new is registered
+        at its address."""
+        reader = self.reader
+        assert reader is not None
+        while self._gone:
+            self.freed(self._gone.pop())
+        base = _base(target.buffer)
+        key = base.data_ptr()
+        if key in self._sparse:
+            return
+        start = target.buffer.data_ptr()
+        done: list[tuple[int, int]] = []
+        try:
+            for offset, length in touched_ranges(target.layout, key + base.numel() - start):
+                reader.register(start + offset, length)
+                done.append((start + offset, length))
+        except BaseException:
+            for address, length in done:
+                reader.forget_local(address, length)
+            raise
+        self._sparse[key] = done
+        weakref.finalize(base, self._gone.append, key)
 
     def freed(self, address: int) -> None:
-        """The pool dropped a staging buffer: deregister it."""
+        """The pool dropped a staging buffer (or a sparse one went): deregister it."""
+        ranges = self._sparse.pop(address, [])
         length = self._sizes.pop(address, None)
-        if length is not None and self.reader is not None:
+        if length is not None:
+            ranges.append((address, length))
+        for start, size in ranges:
+            if self.reader is None:
+                break
             try:
-                self.reader.forget_local(address, length)
+                self.reader.forget_local(start, size)
             except Exception as exc:
                 log.warning("nixl: deregistering a staging buffer failed: %s", exc)
 
@@ -650,6 +709,7 @@ class NixlPicker:
             source.close()
         reader, self.reader = self.reader, None
         self._sizes.clear()
+        self._sparse.clear()
         if reader is not None:
             reader.close()
 
