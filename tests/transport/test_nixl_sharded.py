@@ -143,3 +143,51 @@ def test_a_rank_killed_mid_read_never_stages_a_partial_version(
     nixl = status["nixl"]
     assert set(nixl["fallback_causes"]) <= {"transfer", "unreachable", "timeout"}, nixl
     assert set(nixl["rank_fallbacks"]) <= {1}, nixl  # rank 0 was never blamed
+
+
+def test_under_curve_only_an_admitted_subscriber_gets_the_ranks_offers(
+        tmp_path: Any, make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Each rank's offer names its registered memory: it rides the rank's submit on the
+    CURVE collect socket and the coordinator's authenticated PUB/ROUTER only, so an
+    admitted subscriber READs every rank and a stranger never learns an offer (nor a
+    byte). Ranks in this process, both with the trainer's key pair."""
+    from publisher.sharded_publisher import ShardedPublisher
+    from tests.transport.procs import det_weights
+    from weightpub_wire.errors import WeightPubTimeout
+    from weightpub_wire.keys import create_key_pair
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    public, secret = create_key_pair(tmp_path, "trainer")
+    _, replica = create_key_pair(allowed, "replica")
+    _, stranger_key = create_key_pair(tmp_path, "stranger")
+    curve = {"curve_secret_key_file": str(secret), "curve_allowed_clients_dir": str(allowed),
+             "chunk_size": CHUNK, "nixl": True}
+    rank0 = ShardedPublisher("tcp://127.0.0.1:0", rank=0, world_size=2,
+                             coordinator="tcp://127.0.0.1:0",
+                             announce_endpoint="tcp://127.0.0.1:0", **curve)  # type: ignore[arg-type]
+    try:
+        assert rank0.coordinator is not None
+        with ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2,
+                              coordinator=rank0.coordinator.collect_endpoint,
+                              **curve) as rank1:  # type: ignore[arg-type]
+            endpoint = rank0.coordinator.endpoint
+            member = make_sub(endpoint, curve_server_key_file=str(public),
+                              curve_secret_key_file=str(replica), request_timeout=3.0)
+            stranger = make_sub(endpoint, curve_server_key_file=str(public),
+                                curve_secret_key_file=str(stranger_key), request_timeout=3.0)
+            specs: list[Any] = SPECS3[:2]
+            for pub, spec in zip([rank0, rank1], specs, strict=True):
+                pub.publish(det_weights(SEED, 1, [(n, d, tuple(s)) for n, d, s in spec]),
+                            version=1)
+            staged = member.wait_for_version(1, timeout=60)
+            _check(staged, _expected(1, specs))
+            assert staged.data_path == "nixl"
+            with pytest.raises(WeightPubTimeout):
+                stranger.wait_for_version(1, timeout=3)
+            nixl = stranger.status()["nixl"]
+            assert nixl["available"] is None and nixl["bytes_read"] == 0  # never saw one
+            for pub in (rank0, rank1):
+                assert pub.shard.data_stats()["bytes_sent_full"] == 0
+    finally:
+        rank0.close()
