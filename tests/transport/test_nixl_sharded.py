@@ -52,7 +52,9 @@ def _ranks(spawn: Callable[..., Child], specs: list[Any], nixl: list[bool], *,
 def test_every_rank_is_read_over_nixl_bit_exact(
         spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber]) -> None:
     ranks, endpoint = _ranks(spawn, SPECS3, [True, True, True])
-    sub = make_sub(endpoint, request_timeout=3.0)
+    # a window of a few chunks: READs queue behind the posted ones (at most two windows),
+    # and no rank's chunks spill to frames past the window
+    sub = make_sub(endpoint, request_timeout=3.0, window_bytes=4 * CHUNK)
     for version in (1, 2):
         _publish(ranks, version)
         staged = sub.wait_for_version(version, timeout=60)

@@ -212,15 +212,15 @@ class NixlSource(ChunkSource):
                 or isinstance(target, DeltaAssembly) or target.fetch_base:
             return list(chunks)
         sparse = target if isinstance(target, SparseAssembly) else None
-        # while up it takes every chunk it is offered (the serving sources get none); a
-        # slice target's only once it can be verified in place (its sums are here, or the
-        # plan covers the chunk whole). What is beyond ``_cap`` waits in ``queued``,
-        # asked (tracked) but not posted: READs in flight stay bounded, so a holder that
-        # dies mid-version leaves the rest unread (and unstaged), not read ahead of it
-        room = self.ahead() + self._window()
+        # while up it takes every chunk it is offered that an up holder has (the serving
+        # sources get none: a cap here handed a sharded version's later ranks the excess
+        # as frames); a slice target's only once it can be verified in place (its sums
+        # are here, or the plan covers the chunk whole). What is beyond ``_cap`` waits in
+        # ``queued``, asked (tracked) but not posted: READs in flight stay bounded, so a
+        # holder that dies mid-version leaves the rest unread (and unstaged)
         take = [c for c in chunks if c not in self.refused_chunks
                 and (holder := self.holder(c)) is not None and holder.up
-                and (sparse is None or sparse.readable_in_place(c))][:room]
+                and (sparse is None or sparse.readable_in_place(c))]
         if not take:
             return list(chunks)
         taken = set(take)
