@@ -234,3 +234,24 @@ def test_the_coordinators_memory_is_bounded_and_given_back_after_expiry() -> Non
         ctx.term()
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_a_ranks_nixl_offer_is_counted_decoded_and_passed_into_the_union() -> None:
+    """A submit's NIXL offer (issue 31) counts in its decoded bytes (the metadata blob is
+    the bulk) and the coordinator puts it in that rank's ``ShardSource.nixl``; a rank
+    without one has None there."""
+    from weightpub_wire.nixl_link import NixlOffer, NixlRegion
+    from weightpub_wire.shard_submit import decode_submit
+
+    chunk = 1 << 16
+    offer = NixlOffer("rank0-agent", b"m" * 50_000, [NixlRegion(1 << 20, 4 * chunk)])
+    plain = [_big_submit(rank, 1, 4, 2) for rank in range(2)]
+    offered = msgspec.structs.replace(plain[0], nixl=offer)
+    assert decoded_bytes(offered) >= decoded_bytes(plain[0]) + 50_000
+    frame = encode_submit(offered)
+    assert decode_submit(frame, len(frame)).nixl == offer
+    with ShardCoordinator("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", 2) as coord:
+        union = coord._union(1, {0: offered, 1: plain[1]})
+    assert union.shards is not None
+    assert union.shards[0].nixl == offer and union.shards[1].nixl is None
+    assert wire.decode_as(wire.encode(union), wire.Manifest) == union  # travels as it is
