@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ import torch
 from publisher import WeightPublisher
 from subscriber_ext.transport.subscriber_options import SubscriberOptions
 from subscriber_ext.vllm_ext.apply.slice_plan import SlicePlan
-from subscriber_ext.vllm_ext.receive_choice import Layout, checkpoint_layout
+from subscriber_ext.vllm_ext.receive_choice import AUTO_PENDING, Layout, checkpoint_layout
 from subscriber_ext.vllm_ext.slice_receiver import SliceReceiver, layout_key
+from subscriber_ext.vllm_ext.slice_rpcs import SliceRpcs
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.errors import ConfigError
@@ -248,3 +250,55 @@ def test_auto_without_a_layout_decides_at_the_first_version_once() -> None:
         for receiver in receivers.values():
             receiver.close()
         pub.close()
+
+
+class _Worker(SliceRpcs):
+    """The extension's receive choice on a stand-in worker: a TP=2 rank whose model is
+    ``model`` and whose plan needs ``share`` of each tensor (no vLLM, no collective)."""
+
+    def __init__(self, model: str, share: float | None) -> None:
+        parallel = SimpleNamespace(world_size=2, tensor_parallel_size=2,
+                                   pipeline_parallel_size=1)
+        self.vllm_config = SimpleNamespace(parallel_config=parallel,
+                                           model_config=SimpleNamespace(model=model))
+        self.rank = 0
+        self.share = share
+
+    def _wp_plan_for(self, layout: Layout) -> SlicePlan:
+        if self.share is None:
+            raise ValueError("no loader")
+        plan = _half_plan(layout)
+        plan.ranges = {n: [(0, int(plan.sizes[n] * self.share))] for n in plan.sizes}
+        return plan
+
+    def _wp_groups(self) -> list:
+        return []
+
+
+def test_auto_decides_at_start_with_a_layout_and_at_the_first_version_without(
+        tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    layout = _layout(_weights(7, ("a", "b")))
+    save_file(_weights(7, ("a", "b")), str(tmp_path / "model.safetensors"))
+    choice, planned = _Worker(str(tmp_path), 0.5)._wp_choose_receive(WorkerOptions())
+    assert (choice.mode, choice.cause, choice.needed_fraction) == ("slices", "auto", 0.5)
+    assert planned is not None and choice.plan_seconds is not None
+
+    worker = _Worker("Org/hub-name", 0.5)  # no local headers: decided at version 1
+    choice, planned = worker._wp_choose_receive(WorkerOptions())
+    assert (choice.mode, choice.cause, planned) == ("rank", AUTO_PENDING, None)
+    assert worker._wp_decide_receive(layout) is True
+    receive = worker._wp().receive
+    assert receive is not None and receive.status()["mode"] == "slices"
+    assert receive.cause == "auto at the first version" and receive.needed_fraction == 0.5
+    assert receive.plan_seconds is not None and receive.fallbacks == {}
+
+    for share, cause in ((0.95, "this rank needs 0.95x of a version"),
+                         (None, "plan failed: ValueError")):
+        worker = _Worker("Org/hub-name", share)
+        assert worker._wp_choose_receive(WorkerOptions())[0].cause == AUTO_PENDING
+        assert worker._wp_decide_receive(layout) is False
+        receive = worker._wp().receive
+        assert receive is not None and (receive.mode, receive.cause) == ("rank", cause)
+        assert receive.fallbacks == {cause: 1}
