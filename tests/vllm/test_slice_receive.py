@@ -102,6 +102,8 @@ def test_each_rank_fetches_its_own_slices_and_transformers_agrees(sliced):
     for row in table["ranks"]:
         assert 0.3 < row["planned_fraction"] < 0.7 and row["sources"] == ["publisher"], row
         assert 0.3 < row["received"]["fraction"] < 0.7, row
+    print("per rank (planned, received) of the last version: "
+          f"{[(r['planned_fraction'], r['received']['fraction']) for r in table['ranks']]}")
     assert table["received_fraction"] <= 1.15, table
     reports = _wait(lambda: [r for r in pub.fleet() if r.applied_version == version
                              and r.received_fraction is not None] or None, "the shares")
