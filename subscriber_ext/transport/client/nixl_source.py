@@ -72,6 +72,7 @@ class NixlSource(ChunkSource):
     """Reads one version's chunks from its offer; hands back what it cannot read."""
 
     first = True
+    kind = "nixl"  # one-sided reads (its chunks that fall back come as frames, elsewhere)
 
     def __init__(self, picker: NixlPicker, sink: SourceSink, manifest: wire.Manifest,
                  offer: NixlOffer) -> None:
