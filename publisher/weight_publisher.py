@@ -443,7 +443,9 @@ class WeightPublisher:
         return None if self._collective is None else self._collective.status()
 
     def fleet(self) -> list[wire.Report]:
-        """The last report of each subscriber seen recently (staged/applied version, error).
+        """The last report of each subscriber seen recently (staged/applied version, error;
+        for a replica its ``ranks``, ``data_path`` and ``received_fraction``: the share of
+        its applied version it pulled, about 1/TP for a rank fetching its own slices).
 
         With CURVE each report's ``client_key`` is the key its connection authenticated
         with, and a subscriber id belongs to the key that first reported it while its row

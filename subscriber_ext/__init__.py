@@ -22,7 +22,7 @@ from subscriber_ext.transport.client.sync_client import SyncOptions
 from subscriber_ext.transport.staging.assembly import StagedVersion
 from subscriber_ext.transport.subscriber import WeightSubscriber
 from subscriber_ext.transport.subscriber_config import SubscriberConfig
-from subscriber_ext.vllm_ext.llm import WORKER_EXTENSION, wait_until_applied
+from subscriber_ext.vllm_ext.llm import WORKER_EXTENSION, replica_status, wait_until_applied
 from subscriber_ext.vllm_ext.lora.requests import adapter_request
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "WeightSubscriber",
     "adapter_request",
     "keep_fresh",
+    "replica_status",
     "request_version_range",
     "version_range",
     "wait_until_applied",

@@ -10,11 +10,15 @@ has its own pair (``.pytest-running-gw0``): a worker that dies leaves its pair.
 
 ``make test`` runs the suite on pytest-xdist workers (``--dist loadgroup``, whose
 scheduler this file replaces: pytest 9 ignores the ``xdist_group`` renaming of xdist 3.8).
-Every vLLM engine test is in one group, ``ENGINE_TESTS``, so they run
-one after another on one worker (an engine is 2-4 GB; two at once would not fit beside
-the rest), in the order ``tests/vllm/conftest.py`` gives them; every other module goes
-whole to one of the other workers (its module fixtures start once). A test marked
-``vllm`` outside ``ENGINE_TESTS`` stops the collection.
+The vLLM engine tests are in two groups, ``ENGINE_GROUPS``: each runs one after
+another on one worker, in the order ``tests/vllm/conftest.py`` gives them, and the two
+run at the same time (two engines of 1-4 GB each fit this 24 GB box beside the rest;
+one chain alone was the whole run's critical path, 25 of its 25 minutes, with the other
+workers idle for the last 12). Every other module goes whole to one of the other
+workers (its module fixtures start once). The groups go out first, then the modules
+of ``LONG`` (longest first), then the rest in collection order: the scheduler's own
+reorder (most tests first) is turned off. A test marked ``vllm`` outside the groups
+stops the collection.
 """
 
 from __future__ import annotations
@@ -35,12 +39,32 @@ _faults: list[IO[str]] = []
 # engines and children it starts (they inherit this) keep it on loopback
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-#: the tests that start vLLM engines (node id prefixes: a folder, a module, a test): one
-#: xdist group, one worker; with them tests/transport/test_node_staging.py, which asserts
-#: that no process left an entry in /dev/shm (an engine running beside it makes one)
-ENGINE_TESTS = ("tests/vllm/", "tests/rl/test_rl_demo.py", "tests/test_bench_cli.py",
-                "tests/test_bench_scale.py::test_scale_section_with_a_replica",
-                "tests/transport/test_node_staging.py")
+#: the tests that start vLLM engines (node id prefixes: a folder, a module, a test), in
+#: two xdist groups of about equal length on CI (each one worker); the modules that share
+#: an engine (``tests/vllm/conftest.py``) are in one group. The subprocess-heavy ones (the
+#: RL demo, the bench runs) are in the first, with the in-process engines the second
+#: does not take.
+ENGINE_GROUPS: dict[str, tuple[str, ...]] = {
+    "engines-a": (
+        "tests/rl/test_rl_demo.py", "tests/test_bench_cli.py",
+        "tests/test_bench_scale.py::test_scale_section_with_a_replica",
+        "tests/vllm/test_serve.py", "tests/vllm/test_weight_transfer_http.py",
+        "tests/vllm/test_weight_transfer_api.py", "tests/vllm/test_weight_transfer_tp2.py",
+        "tests/vllm/test_prepare.py",
+    ),
+    "engines-b": ("tests/vllm/",),  # every other engine module
+}
+ENGINE_TESTS = tuple(prefix for group in ENGINE_GROUPS.values() for prefix in group)
+
+#: modules without an engine that take over a minute on CI's 2 cores: scheduled right
+#: after the engine groups, so none of them starts last
+LONG = (
+    "tests/test_bench_scale.py", "tests/trainer/test_callback_fsdp.py",
+    "tests/trainer/test_publish_callback.py", "tests/transport/faults/test_fuzz.py",
+    "tests/transport/test_sharded.py", "tests/transport/test_nixl_link.py",
+    "tests/transport/test_streamed_sources.py", "tests/transport/faults/test_soak.py",
+    "tests/trainer/test_trl_callback.py", "tests/test_fleet_sim.py",
+)
 
 
 #: tests without an engine that take tens of seconds on CI's 2 cores (a soak, a benchmark
@@ -60,8 +84,21 @@ SLOW = (
 
 
 def group_of(nodeid: str) -> str:
-    """The xdist group of a test: ``engines``, or its module."""
-    return "engines" if nodeid.startswith(ENGINE_TESTS) else nodeid.split("::", 1)[0]
+    """The xdist group of a test: its engine group (the first whose prefix matches), or
+    its module."""
+    for name, prefixes in ENGINE_GROUPS.items():
+        if nodeid.startswith(prefixes):
+            return name
+    return nodeid.split("::", 1)[0]
+
+
+def _schedule_rank(nodeid: str) -> int:
+    """Engine groups first (in their order), then ``LONG`` (in its order), then the rest."""
+    group = group_of(nodeid)
+    if group in ENGINE_GROUPS:
+        return list(ENGINE_GROUPS).index(group)
+    module = nodeid.split("::", 1)[0]
+    return len(ENGINE_GROUPS) + (LONG.index(module) if module in LONG else len(LONG))
 
 
 @pytest.hookimpl(trylast=True)
@@ -69,6 +106,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not _WORKER:  # a new session: what a worker that died last time left is stale
         for stale in [*ROOT.glob(".pytest-running-gw*"), *ROOT.glob(".pytest-faults-gw*")]:
             stale.unlink(missing_ok=True)
+    config.pluginmanager.register(_ScheduleOrder(), "weightpub-schedule-order")
     _faults.append(FAULTS.open("w"))
     faulthandler.enable(file=_faults[0], all_threads=True)
 
@@ -83,10 +121,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
         if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
-        if item.get_closest_marker("vllm") and group_of(item.nodeid) != "engines":
+        if item.get_closest_marker("vllm") and group_of(item.nodeid) not in ENGINE_GROUPS:
             raise pytest.UsageError(
                 f"{item.nodeid} is marked vllm (it starts an engine): add its module to "
-                "ENGINE_TESTS in tests/conftest.py, so no other engine runs beside it")
+                "ENGINE_GROUPS in tests/conftest.py, so at most two engines run at once")
+
+
+class _ScheduleOrder:
+    """A plugin of its own: a conftest has one ``pytest_collection_modifyitems``, and this
+    one must run last (after ``tests/vllm/conftest.py`` ordered the engine modules)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        items.sort(key=lambda item: _schedule_rank(item.nodeid))  # stable: keeps each order
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -95,6 +142,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # our order (``_schedule_rank``), not test counts
 
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -62,6 +62,7 @@ def test_scale_section_runs_at_a_tiny_size_and_its_rows_are_sane() -> None:
 
 
 @pytest.mark.vllm
+@pytest.mark.timeout(600)  # its engine started in 3 min once, beside the other engine group
 def test_scale_section_with_a_replica_reads_the_engine_tree(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The replica path of the section at its smallest: one one-layer replica, two

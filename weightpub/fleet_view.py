@@ -19,7 +19,7 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.errors import WeightPubTimeout
 
-__all__ = ["fleet_table", "group_line", "printable", "watch_fleet"]
+__all__ = ["fleet_table", "group_line", "printable", "received_cell", "watch_fleet"]
 
 
 def printable(text: str, limit: int = 200, style: str = "") -> Text:
@@ -88,6 +88,12 @@ def shard_line(group: wire.ShardGroup | None) -> Text | None:
     return line
 
 
+def received_cell(fraction: float | None) -> str:
+    """What a subscriber pulled of its applied version: "0.52x" (a rank's slices), "-"
+    when it did not say (an older subscriber, nothing applied yet)."""
+    return "-" if fraction is None else f"{fraction:.2f}x"
+
+
 def fleet_table(reply: wire.StatusReply) -> Group:
     """A header line, the collective group (if any) and a table of the subscribers."""
     header = Text(f"publisher {printable(reply.publisher_id, 12)}  "
@@ -99,7 +105,7 @@ def fleet_table(reply: wire.StatusReply) -> Group:
     table = Table(expand=False)
     for column, justify in (("subscriber", "left"), ("ranks", "left"), ("staged", "right"),
                             ("applied", "right"), ("lag", "right"), ("path", "left"),
-                            ("last error", "left")):
+                            ("received", "right"), ("last error", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for report in sorted(reply.subscribers, key=lambda r: r.subscriber_id):
         lag = max(0, reply.latest_version - report.applied_version)
@@ -110,6 +116,7 @@ def fleet_table(reply: wire.StatusReply) -> Group:
             str(report.applied_version),
             Text(str(lag), style="yellow" if lag else "green"),
             printable(report.data_path or "-", 16),  # how the applied version came
+            received_cell(report.received_fraction),
             printable(report.last_error or "", style="red"),
         )
     lines = [line for line in (memory_line(reply.memory), shard_line(reply.shard_group),

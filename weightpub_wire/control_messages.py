@@ -37,6 +37,7 @@ from weightpub_wire.message_base import (
     Interval,
     Name,
     Rank,
+    ReceivedFraction,
     Seconds,
     Text,
     Version,
@@ -119,6 +120,10 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
     ``ranks``: the replica ranks this subscriber stages for (all ranks of a replica
     on one node share one subscription); empty for a subscriber outside vLLM.
     ``applied_version`` is then the version every one of those ranks runs.
+    ``received_fraction``: the payload bytes this subscriber received for its applied
+    version, as a share of that version (a rank fetching its slices: about 1/TP; node
+    staging: about 1.0; a delta: less); None when unknown (an older subscriber, nothing
+    applied yet, a version that came by a path it does not count).
     """
 
     subscriber_id: Name
@@ -129,6 +134,7 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
     client_key: Annotated[str, Meta(max_length=64)] | None = None
     ranks: Annotated[tuple[Rank, ...], Meta(max_length=MAX_REPORTED_RANKS)] = ()
     data_path: DataPath = ""  # how the applied version's bytes reached the node
+    received_fraction: ReceivedFraction | None = None  # issue 30: of the applied version
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

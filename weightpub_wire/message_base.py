@@ -21,6 +21,7 @@ __all__ = [
     "MAX_CHUNKS_IN_FLIGHT",
     "MAX_CHUNK_SIZE",
     "MAX_CONTROL_BYTES",
+    "MAX_RECEIVED_FRACTION",
     "MIN_CHUNK_SIZE",
     "PROTOCOL_VERSION",
     "TENSOR_ALIGN",
@@ -56,6 +57,10 @@ MAX_CHUNKS_IN_FLIGHT = 1024  # a subscriber's credit, whatever its window (publi
 MAX_REPORTED_RANKS = 1024  # ranks of one replica on one node that one subscriber serves
 Rank = Annotated[int, Meta(ge=0, le=1 << 20)]
 DataPath = Annotated[str, Meta(max_length=16)]
+#: a share of a version's bytes that arrived (retries and whole chunks can exceed 1; the
+#: sender caps it); finite, NaN refused while decoding
+MAX_RECEIVED_FRACTION = 64.0
+ReceivedFraction = Annotated[float, Meta(ge=0.0, le=MAX_RECEIVED_FRACTION)]
 
 
 def _physical_memory() -> int:

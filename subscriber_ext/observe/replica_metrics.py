@@ -107,6 +107,10 @@ class ReplicaCollector(Collector):
         "prepare_budget_bytes": "Bytes this rank's prepared shadows may hold (absent: "
                                 "unbounded)",
         "prepare_held_bytes": "Bytes this rank's prepared shadows hold now",
+        "receive_planned_fraction": "Share of a version this rank's slice plan needs "
+                                    "(absent: no plan, whole versions)",
+        "received_fraction": "Bytes this rank received for its applied version, as a share "
+                             "of that version (absent: unknown, or a node-staging follower)",
     }
 
     def __init__(self, board: StatusBoard) -> None:
@@ -131,6 +135,10 @@ class ReplicaCollector(Collector):
             "weightpub_nixl_fallbacks",
             "Versions (checksum: chunks) offered over NIXL but fetched over ZeroMQ, by cause",
             labels=["rank", "cause"])
+        receive_mode = GaugeMetricFamily(
+            "weightpub_receive_mode_info",
+            "How this rank receives versions (1): slices, node (staging) or rank (whole)",
+            labels=["rank", "mode"])
         path = GaugeMetricFamily("weightpub_data_path_info",
                                  "The data path that delivered the applied version (1)",
                                  labels=["rank", "path"])
@@ -141,6 +149,10 @@ class ReplicaCollector(Collector):
             applied = _number(state.get("applied_version")) or 0.0
             latest = _number(state.get("publisher_latest_version"))
             budget = state.get("prepare_budget") or {}
+            receive: dict[str, Any] = state["receive"] \
+                if isinstance(state.get("receive"), dict) else {}
+            cost: dict[str, Any] = receive["received"] \
+                if isinstance(receive.get("received"), dict) else {}
             values = {
                 "applied_version": applied,
                 "staged_version": _number(state.get("staged_version")) or 0.0,
@@ -148,6 +160,8 @@ class ReplicaCollector(Collector):
                 "versions_behind": None if latest is None else max(0.0, latest - applied),
                 "prepare_budget_bytes": _number(budget.get("limit_bytes")),
                 "prepare_held_bytes": _number(budget.get("held_bytes")),
+                "receive_planned_fraction": _number(receive.get("planned_fraction")),
+                "received_fraction": _number(cost.get("fraction")),
             }
             for name, value in values.items():
                 if value is not None:
@@ -164,6 +178,8 @@ class ReplicaCollector(Collector):
             for cause, count in sorted((state.get("nixl_fallbacks") or {}).items()):
                 if _number(count) is not None:
                     nixl_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
+            if isinstance(receive.get("mode"), str):
+                receive_mode.add_metric([*label, receive["mode"][:16]], 1.0)
             if isinstance(state.get("data_path"), str):
                 path.add_metric([*label, state["data_path"][:16]], 1.0)
             for name, (_, bounds) in HISTOGRAMS.items():
@@ -182,5 +198,6 @@ class ReplicaCollector(Collector):
         yield failures
         yield fallbacks
         yield nixl_fallbacks
+        yield receive_mode
         yield path
         yield from histograms.values()

@@ -293,6 +293,10 @@ class WeightSubscriber:
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
             "data_path": client.report.applied_path or None,  # how the applied version came
+            # what the applied version cost here: payload bytes by source kind, and their
+            # share of the version (None: unknown, e.g. nothing applied yet)
+            "applied_received": None if client.report.applied_bytes is None
+            else client.report.applied_bytes.status(),
             "collective": None if client.collective is None else client.collective.status(),
             "peers": None if client.peering is None else client.peering.stats(),
             # slice fetches (issue 30): the plan, its share of a version, fallbacks by cause

@@ -8,9 +8,13 @@ a model whose tensors are all replicated) one staged copy per node moves fewer b
 ``auto``: slices at more than one rank when every rank's plan needs less than
 ``AUTO_SLICES_BELOW`` of the version, recorded at start from the checkpoint's
 layout; whole otherwise, and whole, with the cause counted, when the plan cannot be
-recorded. What was chosen and why is in ``weight_status()["receive"]``, with what
-planning cost at start (``plan_seconds``: the checkpoint's headers read and this
-rank's plan recorded through vLLM's loaders; None when nothing was planned).
+recorded. Without a checkpoint layout at start (a hub name) ``auto`` decides at the
+first version, once (``AUTO_PENDING`` until then: each rank fetches that version whole
+on its own receiver while it records its plan for the version's layout; then slices,
+or whole for good; later versions are not decided again). What was chosen and why is
+in ``weight_status()["receive"]``, with what planning cost (``plan_seconds``: the
+checkpoint's headers read and this rank's plan recorded through vLLM's loaders, at
+start or at the first version; None when nothing was planned).
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-__all__ = ["AUTO_SLICES_BELOW", "RECEIVE_MODES", "Layout", "ReceiveChoice", "ReceiveMode",
-           "checkpoint_layout"]
+__all__ = ["AUTO_PENDING", "AUTO_SLICES_BELOW", "RECEIVE_MODES", "Layout", "ReceiveChoice",
+           "ReceiveMode", "checkpoint_layout"]
 
 logger = logging.getLogger("weightpub.slices")
 
@@ -33,6 +37,8 @@ ReceiveMode = Literal["auto", "slices", "whole"]
 RECEIVE_MODES: tuple[str, ...] = get_args(ReceiveMode)
 #: auto fetches slices when every rank needs less than this share of a version
 AUTO_SLICES_BELOW = 0.9
+#: ``receive: auto``'s cause while it waits for the first version to decide
+AUTO_PENDING = "no checkpoint layout: decides at the first version"
 #: safetensors dtype names -> the wire's
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
            "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",

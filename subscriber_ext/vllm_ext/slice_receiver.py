@@ -15,6 +15,11 @@ another layout, this receiver records the plan for it (cached by layout) and
 restarts its subscription with it, on its own thread (``weightpub-slice-replan``):
 the new subscription asks for the latest version at once (late join), so nothing
 is missed. A staged version whose layout is not the plan's is never offered.
+
+``receive: auto`` without a checkpoint layout at start decides at the first version
+(``decide``): this receiver fetches it whole on its own subscription while the first
+layout's plan is recorded; then either it slices from then on (replanning for later
+layouts as above) or it stays whole for good: later layouts are not decided again.
 """
 
 from __future__ import annotations
@@ -81,14 +86,19 @@ class SliceReceiver:
     ``plan_for(layout)`` records (or returns the cached) plan of this rank for a
     layout; it may raise, and the receiver then fetches whole versions until the
     next layout (counted in ``status()["replan_failures"]``). ``layout``: the one
-    expected first (None: unknown, the first version tells).
+    expected first (None: unknown, the first version tells). ``decide(layout)``: given,
+    the receiver has not decided yet whether to slice at all (``layout`` must be None):
+    it is asked once, with the first layout seen; False: whole versions for good.
     """
 
     def __init__(self, endpoint: str, *, rank: int, label: str, options: SubscriberOptions,
                  plan_for: Callable[[Layout], SlicePlan],
                  on_version: Callable[[Any], None],
                  on_progress: Callable[[PartialVersion], None] | None = None,
-                 layout: Layout | None = None) -> None:
+                 layout: Layout | None = None,
+                 decide: Callable[[Layout], bool] | None = None) -> None:
+        if decide is not None and layout is not None:
+            raise ValueError("SliceReceiver: decide is for a receiver without a layout yet")
         self.endpoint = endpoint
         self.rank = rank
         self.label = label  # the plan's layout tag: "tp2/rank0"
@@ -107,6 +117,9 @@ class SliceReceiver:
         self.replan_failures = 0
         self.last_replan_error: str | None = None
         self._applied: int | None = None
+        self._decide = decide
+        #: None: not decided yet (``decide``); True: slices; False: whole for good
+        self.slicing: bool | None = None if decide is not None else True
         self._ready = threading.Event()  # a replan waits until the first subscription is ours
         self._subscriber = self._subscribe(layout)
         self._ready.set()
@@ -125,6 +138,7 @@ class SliceReceiver:
             "whole": sorted(plan.whole) if plan else [],
             "replans": self.replans, "replan_failures": self.replan_failures,
             "last_replan_error": self.last_replan_error,
+            "slicing": self.slicing,  # None: decides at the first version (``decide``)
         }
         return out
 
@@ -148,7 +162,7 @@ class SliceReceiver:
         """Subscriber thread: a version starts; another layout needs another plan."""
         layout = manifest_layout(manifest)
         with self._lock:
-            if self._closed or generation != self._generation \
+            if self._closed or self.slicing is False or generation != self._generation \
                     or layout_key(layout) == self._key \
                     or (self._wanted is not None and layout_key(self._wanted)
                         == layout_key(layout)):
@@ -168,6 +182,12 @@ class SliceReceiver:
                 if layout is None or self._closed:
                     self._replanner = None
                     return
+                decide, self._decide = self._decide, None
+            if decide is not None and not self._decided(decide, layout):
+                with self._lock:  # whole for good: the running subscription goes on
+                    self._wanted = None
+                    self._replanner = None
+                return
             try:
                 new = self._subscribe(layout)
             except Exception:
@@ -182,6 +202,16 @@ class SliceReceiver:
             elif applied is not None:  # the publisher's fleet view: what runs here
                 new.mark_applied(applied)
             self.replans += 1
+
+    def _decided(self, decide: Callable[[Layout], bool], layout: Layout) -> bool:
+        """Ask ``decide`` once, with the first layout; anything but True: whole."""
+        try:
+            slicing = decide(layout) is True
+        except Exception:
+            logger.exception("weightpub: rank %d could not decide how to receive", self.rank)
+            slicing = False
+        self.slicing = slicing
+        return slicing
 
     def _subscribe(self, layout: Layout | None) -> WeightSubscriber:
         plan: SlicePlan | None = None

@@ -19,6 +19,7 @@ import torch
 
 from subscriber_ext.vllm_ext.apply.slice_plan import SlicePlan, check_plan, record_plan
 from subscriber_ext.vllm_ext.receive_choice import (
+    AUTO_PENDING,
     AUTO_SLICES_BELOW,
     Layout,
     ReceiveChoice,
@@ -38,6 +39,9 @@ logger = logging.getLogger("weightpub.slices")
 
 #: a manifest's tensor table is bounded by the wire; an RPC caller's is bounded here
 _MAX_ENTRIES = 1 << 20
+#: what a rank without a checkpoint layout contributes to ``auto``'s agreement (above any
+#: plan's share, and above a failed plan's ``inf`` cut to 1e30)
+_NO_LAYOUT = 2e30
 
 
 class SliceRpcs(StateAccess):
@@ -100,7 +104,10 @@ class SliceRpcs(StateAccess):
         """Slices, node staging or one whole subscriber, and the layout to plan first.
 
         ``auto`` runs one tiny all_reduce on vLLM's CPU groups (every rank calls this
-        from the same RPC, with the same options), so every rank chooses alike.
+        from the same RPC, with the same options), so every rank chooses alike. When a
+        rank has no checkpoint layout (a hub name, not a local directory), every rank
+        decides at the first version instead (``AUTO_PENDING``, ``_wp_decide_receive``),
+        each by its own plan, once: no collective can run off vLLM's step loop.
         """
         world = self.vllm_config.parallel_config.world_size
         node = options.node_staging if options.node_staging is not None else world > 1
@@ -115,7 +122,7 @@ class SliceRpcs(StateAccess):
                 return ReceiveChoice(whole, reason), None
         started = time.perf_counter()
         layout = checkpoint_layout(str(self.vllm_config.model_config.model))
-        fraction, cause = math.inf, "no checkpoint layout"
+        fraction, cause = _NO_LAYOUT, "no checkpoint layout"
         if layout is not None:
             try:
                 plan = self._wp_plan_for(layout)
@@ -124,12 +131,16 @@ class SliceRpcs(StateAccess):
             except Exception as exc:  # recording failed: whole versions, counted
                 logger.warning("weightpub: rank %s could not record its slice plan (%s)",
                                self.rank, exc)
-                cause = f"plan failed: {type(exc).__name__}"
+                fraction, cause = math.inf, f"plan failed: {type(exc).__name__}"
         seconds = None if layout is None else round(time.perf_counter() - started, 4)
         if options.receive == "slices":  # no layout yet: the first version tells
-            return ReceiveChoice("slices", cause, None if math.isinf(fraction)
-                                 else round(fraction, 4), plan_seconds=seconds), layout
+            return ReceiveChoice("slices", cause, None if fraction >= _NO_LAYOUT
+                                 else round(fraction, 4),
+                                 plan_seconds=seconds), layout
         worst = self._wp_agree_max(fraction)
+        if worst >= _NO_LAYOUT:  # some rank has no layout: every rank decides at version 1
+            return ReceiveChoice("rank", AUTO_PENDING, None, dict(st.receive_fallbacks),
+                                 None), None
         if worst < AUTO_SLICES_BELOW:
             return ReceiveChoice("slices", "auto", round(fraction, 4),
                                  dict(st.receive_fallbacks), seconds), layout
@@ -139,6 +150,31 @@ class SliceRpcs(StateAccess):
             cause = "another rank could not plan"
         st.receive_fallbacks[cause] = st.receive_fallbacks.get(cause, 0) + 1
         return ReceiveChoice(whole, cause, None, dict(st.receive_fallbacks), seconds), None
+
+    def _wp_decide_receive(self, layout: Layout) -> bool:
+        """``receive: auto`` without a layout at start: the first version's layout is
+        here; slice (True) when this rank's plan needs below ``AUTO_SLICES_BELOW`` of a
+        version, else whole for good (the cause counted). Called once, on the receiver's
+        replan thread; ``weight_status()["receive"]`` then shows the decision."""
+        st = self._wp()
+        started = time.perf_counter()
+        fraction, cause = math.inf, ""
+        try:
+            plan = self._wp_plan_for(layout)
+            fraction = plan.needed_bytes / max(1, plan.total_bytes)
+        except Exception as exc:  # recording failed: whole versions, counted
+            logger.warning("weightpub: rank %s could not record its slice plan (%s)",
+                           self.rank, exc)
+            cause = f"plan failed: {type(exc).__name__}"
+        seconds = round(time.perf_counter() - started, 4)
+        if fraction < AUTO_SLICES_BELOW:
+            st.receive = ReceiveChoice("slices", "auto at the first version",
+                                       round(fraction, 4), dict(st.receive_fallbacks), seconds)
+            return True
+        cause = cause or f"this rank needs {fraction:.2f}x of a version"
+        st.receive_fallbacks[cause] = st.receive_fallbacks.get(cause, 0) + 1
+        st.receive = ReceiveChoice("rank", cause, None, dict(st.receive_fallbacks), seconds)
+        return False
 
     def _wp_agree_max(self, value: float) -> float:
         """The largest ``value`` of every rank of the replica (TP group, then PP group)."""

@@ -43,6 +43,7 @@ from subscriber_ext.vllm_ext.commit.vllm_patches import wrap_execute_model
 from subscriber_ext.vllm_ext.lora.adapter_versions import adapter_version
 from subscriber_ext.vllm_ext.lora.merged import AdapterMerger
 from subscriber_ext.vllm_ext.lora.served import AdapterServer, lora_manager_of
+from subscriber_ext.vllm_ext.receive_choice import AUTO_PENDING
 from subscriber_ext.vllm_ext.rpc_replies import all_ranks_reply
 from subscriber_ext.vllm_ext.seed_rpcs import SeedRpcs
 from subscriber_ext.vllm_ext.slice_receiver import SliceReceiver
@@ -274,8 +275,11 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
         (``auto`` by default: at more than one rank, each rank runs its own subscriber that
         fetches only the bytes its weight loaders read, its slice plan, when every rank
         needs below 0.9x of a version, else whole versions as ``node_staging`` says;
-        ``slices`` / ``whole`` force it; ``weight_status()["receive"]`` says which and
-        why, ``["subscriber"]["slices"]`` this rank's plan; ``receive_choice.py``).
+        ``slices`` / ``whole`` force it; without a local checkpoint's layout ``auto``
+        decides at the first version, once; ``weight_status()["receive"]`` says which and
+        why, this rank's planned share and what its applied version cost it
+        (``receive_table.py``), ``["subscriber"]["slices"]`` this rank's plan;
+        ``receive_choice.py``).
         Everything else is the subscriber's (``WeightSubscriber``'s keywords, e.g.
         ``staging_budget_bytes``, or ``collective=True``: the node joins the
         publisher's collective data path, gloo on CPUs, NCCL / CUDA IPC on this rank's
@@ -318,11 +322,13 @@ class BatchWeightSyncWorkerExtension(SeedRpcs, SliceRpcs, WorkerStatus):
         sub = self._wp_subscriber_options(options.subscriber)
         choice, layout = self._wp_choose_receive(options)
         self._wp().receive = choice
-        if choice.mode == "slices":
+        pending = choice.cause == AUTO_PENDING  # decides at the first version, once
+        if choice.mode == "slices" or pending:
             return SliceReceiver(endpoint, rank=self.rank, label=self._wp_slice_label(),
                                  options=sub, plan_for=self._wp_plan_for,
                                  on_version=self._wp_on_version,
-                                 on_progress=self._wp_on_progress, layout=layout)
+                                 on_progress=self._wp_on_progress, layout=layout,
+                                 decide=self._wp_decide_receive if pending else None)
         node_key = self._wp_node_key(endpoint) if choice.mode == "node" else None
         if node_key is not None:
             return join_node_staging(

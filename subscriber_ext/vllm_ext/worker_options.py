@@ -87,7 +87,9 @@ class WorkerOptions(SubscriberOptions):
                             "read, with its own receiver; whole: whole versions (node "
                             "staging as node_staging says); auto: slices when the replica "
                             "has more than one rank and every rank needs below 0.9x of a "
-                            "version, else whole (weight_status()['receive'] says why)")
+                            "version, else whole; without a local checkpoint's layout it "
+                            "decides at the first version, once (weight_status()['receive'] "
+                            "says which and why, per rank)")
     lora_mode: LoraMode = Field(
         "auto", description="LoRA adapter versions: serve them by name (an engine with "
                             "enable_lora), merge one into the base weights, or auto (serve "

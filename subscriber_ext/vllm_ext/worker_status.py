@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Any
 
+from subscriber_ext.observe.receive_table import rank_receive
 from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_ext.worker_state import StateAccess
 
@@ -77,8 +78,16 @@ class WorkerStatus(StateAccess):
             "nixl_fallbacks": {} if follower else dict(
                 (source.get("nixl") or {}).get("fallback_causes") or {}),
             "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
+            # how this rank receives and what its applied version cost (``receive_table.py``)
+            "receive": self._wp_receive_row(source),
             "metrics": metrics,
         }
+
+    def _wp_receive_row(self, source_status: dict[str, Any] | None) -> dict[str, Any] | None:
+        st = self._wp()
+        if st.receive is None:
+            return None
+        return rank_receive(self.rank, st.receive.status(), source_status)
 
     def _wp_status(self) -> dict[str, Any]:
         st = self._wp()
@@ -124,8 +133,9 @@ class WorkerStatus(StateAccess):
             # the node's NIXL path: versions (or chunks) fetched over ZeroMQ instead, by cause
             "nixl_fallbacks": dict(((source_status or {}).get("nixl") or {})
                                    .get("fallback_causes") or {}),
-            # each rank its own slices, node staging or whole (``receive_choice.py``)
-            "receive": st.receive.status() if st.receive else None,
+            # each rank its own slices, node staging or whole (``receive_choice.py``), with
+            # its plan's share and what the applied version cost it (``receive_table.py``)
+            "receive": self._wp_receive_row(source_status),
             "seed_tensors": st.seed_tensors,
             "seed_pending": sorted(st.seed_pending),
             "subscriber": source_status,

@@ -8,9 +8,10 @@ process maps it or holds its descriptor.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
-__all__ = ["memfd_holders", "our_shm_files", "process_tree", "pss_bytes"]
+__all__ = ["mapped_paths", "memfd_holders", "our_shm_files", "process_tree", "pss_bytes"]
 
 
 def memfd_holders(fragment: str) -> dict[int, set[int]]:
@@ -35,12 +36,43 @@ def memfd_holders(fragment: str) -> dict[int, set[int]]:
     return found
 
 
-def our_shm_files() -> list[str]:
-    """weightpub's own entries in ``/dev/shm`` (slot tables; staging never has one)."""
+#: the named entries an engine makes, with the pid of the process that made it: a slot
+#: table (``weightpub-<pid>-<hex>``) and a front end's status board
+_ENGINE_ENTRY = re.compile(r"weightpub-(?:status-)?(\d+)-")
+
+
+def mapped_paths(prefix: str) -> set[str]:
+    """Paths starting with ``prefix`` that a living process maps or holds open."""
+    found: set[str] = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            for line in (entry / "maps").read_text().splitlines():
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith(prefix):
+                    found.add(parts[5])
+            for fd in (entry / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(prefix):
+                    found.add(target)
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def our_shm_files(foreign_engines: bool = True) -> list[str]:
+    """weightpub's own entries in ``/dev/shm`` (slot tables; staging never has one).
+    ``foreign_engines=False`` leaves out the entries of engines made by processes outside
+    this one's tree (an engine test on another worker makes them while this one runs)."""
     try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith("weightpub"))
+        names = sorted(n for n in os.listdir("/dev/shm") if n.startswith("weightpub"))
     except OSError:
         return []
+    if foreign_engines:
+        return names
+    ours = set(process_tree(os.getpid()))
+    return [n for n in names if not (m := _ENGINE_ENTRY.match(n)) or int(m.group(1)) in ours]
 
 
 def process_tree(root: int) -> list[int]:

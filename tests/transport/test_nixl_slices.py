@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from subscriber_ext import WeightSubscriber
-from tests.transport.procs import Child, as_bytes, det_weights, spec_bytes
+from tests.transport.procs import Child, as_bytes, det_weights, spec_bytes, wait_until
 from tests.transport.test_slice_fetch import SEED, SPEC, WHOLE, half_plan
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("nixl_loopback")]
@@ -73,6 +73,10 @@ def test_each_plan_reads_only_its_slices_over_nixl(
         # its own bytes, twice, and not the version's
         assert nixl["bytes_read"] == 2 * plan["needed_bytes"] < 2 * 0.7 * total
         assert plan["slice_bytes"] == 2 * plan["needed_bytes"] and plan["fallbacks"] == {}
+        sub.mark_applied(2)  # what version 2 cost: its plan, read one-sided
+        wait_until(lambda s=sub: s.status()["applied_received"] is not None, 30,
+                   "applied")
+        assert sub.status()["applied_received"]["by_source"] == {"nixl": plan["needed_bytes"]}
 
 
 def test_a_corrupted_slice_is_refetched_as_a_zeromq_slice(

@@ -64,6 +64,8 @@ def every_message() -> list[wire.Message]:
         wire.Report(subscriber_id="s", staged_version=0, applied_version=0),
         wire.Report(subscriber_id="node", staged_version=4, applied_version=4, ranks=(0, 1)),
         wire.Report(subscriber_id="node", staged_version=4, applied_version=4, data_path="gloo"),
+        wire.Report(subscriber_id="rank1", staged_version=4, applied_version=4, ranks=(1,),
+                    data_path="slices", received_fraction=0.53),
         wire.StatusRequest(req=8),
         wire.StatusReply(req=9, publisher_id="pub-1", started_at=1.5, latest_version=3,
                          versions=(2, 3), subscribers=(report,)),

@@ -122,6 +122,14 @@ def test_complementary_plans_receive_only_their_bytes(
         # its plan per version plus the replies' framing and the sums: small
         assert per_version <= plan.needed_bytes * 1.02 + 16_384, (rank, per_version)
         assert per_version < 0.7 * version_bytes, (rank, per_version / version_bytes)
+        # what the applied version cost it, by source kind: exactly its plan, from the
+        # publisher (in its status and, as a share, in its report)
+        sub.mark_applied(3)
+        wait_until(lambda s=sub: s.status()["applied_received"] is not None, 30,
+                   "applied")
+        cost = sub.status()["applied_received"]
+        assert cost["version"] == 3 and cost["by_source"] == {"publisher": plan.needed_bytes}
+        assert cost["fraction"] == round(plan.needed_bytes / cost["version_bytes"], 4) < 0.7
     together = sum(relay.bytes_down for relay in relays) / 3
     assert together <= 1.15 * version_bytes, together / version_bytes
 
@@ -343,6 +351,10 @@ def test_sharded_trainer_ranks_serve_only_their_part_of_the_plan_as_slices(
     share = sub.status()["slice_plan"]
     assert share["fallbacks"] == {} and share["whole_chunk_bytes"] == 0, share
     assert 2 * plan.needed_bytes <= share["slice_bytes"] < share["version_bytes"] // 2, share
+    sub.mark_applied(2)  # its bytes came from the trainer ranks, counted as theirs
+    wait_until(lambda s=sub: s.status()["applied_received"] is not None, 30,
+                   "applied")
+    assert set(sub.status()["applied_received"]["by_source"]) == {"shard_ranks"}
     sent = [rank.request("status") for rank in ranks]
     parts = [300 * 34, 77 * 40 * 2, 0, 0]  # each rank's part of the plan, per version
     for rank, status in enumerate(sent):

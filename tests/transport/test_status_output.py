@@ -80,3 +80,50 @@ def test_status_shows_host_memory_and_a_shard_groups_missing_ranks(
         out = capsys.readouterr().out
     assert "sharded over 3 trainer ranks" in out and "version 7 waits" in out
     assert "for ranks 0, 2" in out and "1 submit(s) refused" in out
+
+
+def test_reports_carry_each_ranks_received_share_bounded_and_old_reports_still_parse(
+    make_pub: Callable[..., WeightPublisher], capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A sliced rank reports the share of its applied version it received (issue 30);
+    the trainer's fleet view shows it per replica rank. A report without the field (an
+    older subscriber) is filed as before; a bad share (NaN, negative, beyond the bound)
+    is dropped and counted, and the publisher goes on serving."""
+    import msgspec
+
+    pub = make_pub()
+    version = pub.publish({"w": torch.arange(3)})
+    pub.wait_announced(version, timeout=20)
+    fields = {"t": "report", "p": wire.PROTOCOL_VERSION, "staged_version": version,
+              "applied_version": version, "publisher_id": pub.publisher_id}
+    ctx = zmq.Context()
+    peer = RawPeer(ctx, pub.endpoint)
+    try:
+        for rank, share in ((0, 0.5213), (1, 0.5388)):
+            peer.send(wire.Report(subscriber_id=f"host-rank{rank}", staged_version=version,
+                                  applied_version=version, publisher_id=pub.publisher_id,
+                                  ranks=(rank,), data_path="slices", received_fraction=share))
+        peer.send(msgspec.msgpack.encode({**fields, "subscriber_id": "old-node",
+                                          "ranks": [0, 1]}))  # no received_fraction
+        before = pub._server.bad_messages
+        bad = (float("nan"), -0.5, wire.MAX_RECEIVED_FRACTION * 2, "half")
+        for share in bad:
+            peer.send(msgspec.msgpack.encode({**fields, "subscriber_id": "liar",
+                                              "received_fraction": share}))
+        status = peer.call(wire.StatusRequest(req=1))  # handled in order: all seen
+    finally:
+        peer.close()
+        ctx.destroy(linger=0)
+    assert isinstance(status, wire.StatusReply)
+    assert pub._server.bad_messages - before == len(bad)
+    rows = {r.subscriber_id: r for r in pub.fleet()}
+    assert sorted(rows) == ["host-rank0", "host-rank1", "old-node"]
+    assert rows["host-rank0"].received_fraction == 0.5213 and rows["host-rank1"].ranks == (1,)
+    assert rows["old-node"].received_fraction is None and rows["old-node"].ranks == (0, 1)
+    assert cli_main(["status", pub.endpoint]) == 0
+    out = capsys.readouterr().out
+    assert "received" in out and "0.52x" in out and "0.54x" in out
+    assert cli_main(["status", pub.endpoint, "--json"]) == 0
+    shares = {r["subscriber_id"]: r["received_fraction"]
+              for r in json.loads(capsys.readouterr().out)["subscribers"]}
+    assert shares == {"host-rank0": 0.5213, "host-rank1": 0.5388, "old-node": None}

@@ -64,7 +64,9 @@ def test_cpu_share_bound_slows_serving_to_what_fits() -> None:
     bounded_budget = UploadBudget(None, 0.05, window=0.1)
     bounded = _serve(bounded_budget, 2.0)
     assert math.isfinite(bounded_budget.effective_rate)
-    assert bounded <= 0.1 and bounded <= 0.5 * free, (bounded, free)
+    assert bounded <= 0.1, (bounded, free)
+    if free >= 0.2:  # on a saturated box the unbounded loop itself gets little more than that
+        assert bounded <= 0.5 * free, (bounded, free)
     assert bounded_budget.stats()["upload_cpu_share_limit"] == 0.05
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,8 +22,9 @@ import torch
 from publisher import WeightPublisher
 from subscriber_ext.transport.subscriber_options import SubscriberOptions
 from subscriber_ext.vllm_ext.apply.slice_plan import SlicePlan
-from subscriber_ext.vllm_ext.receive_choice import Layout, checkpoint_layout
+from subscriber_ext.vllm_ext.receive_choice import AUTO_PENDING, Layout, checkpoint_layout
 from subscriber_ext.vllm_ext.slice_receiver import SliceReceiver, layout_key
+from subscriber_ext.vllm_ext.slice_rpcs import SliceRpcs
 from subscriber_ext.vllm_ext.worker_options import WorkerOptions
 from weightpub_wire.dtypes import dtype_from_name
 from weightpub_wire.errors import ConfigError
@@ -162,3 +164,141 @@ def test_the_checkpoint_layout_comes_from_safetensors_headers(tmp_path: Path) ->
     assert layout_key([("a", "float32", (1, 2)), ("b", "float32", (3,))]) == \
         layout_key([("b", "float32", (3,)), ("a", "float32", (1, 2))])
     assert layout_key([("a", "float32", (1, 2))]) != layout_key([("a", "float32", (2, 1))])
+
+
+def _applied_status(receiver: SliceReceiver, version: int) -> dict:
+    """The receiver's status once its subscription reports ``version`` applied."""
+    deadline = time.monotonic() + 10
+    while True:
+        status = receiver.status()
+        cost = status.get("applied_received")
+        if cost is not None and cost["version"] == version:
+            return status
+        assert time.monotonic() < deadline, status
+        time.sleep(0.02)
+
+
+def test_auto_without_a_layout_decides_at_the_first_version_once() -> None:
+    """``receive: auto`` with no checkpoint layout: the first version's layout is decided
+    once; slices from then on (a later layout is replanned, not decided again), or
+    whole for good (a later layout neither decided nor planned)."""
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
+    asked: list[str] = []
+    answers = {"slices": True, "whole": False}
+    receivers: dict[str, SliceReceiver] = {}
+    got = {name: _Got() for name in answers}
+    planned: list[str] = []
+
+    def plan_for(layout: Layout) -> SlicePlan:
+        planned.append(layout_key(layout))
+        return _half_plan(layout)
+
+    def decider(name: str):
+        def decide(layout: Layout) -> bool:
+            asked.append(name)
+            return answers[name]
+        return decide
+
+    try:
+        for name in answers:
+            receivers[name] = SliceReceiver(
+                pub.endpoint, rank=0, label="tp2/rank0",
+                options=SubscriberOptions(request_timeout=10.0), plan_for=plan_for,
+                on_version=got[name], decide=decider(name))
+            assert receivers[name].slicing is None
+        first = _weights(5, ("a", "b"))
+        v1 = pub.publish(first)
+        for name in answers:
+            _check_halves(got[name].wait(v1), first)
+        grown = _weights(6, ("a", "b", "c"))  # another layout: nobody decides again
+        v2 = pub.publish(grown)
+        for name in answers:
+            _check_halves(got[name].wait(v2), grown)
+        assert sorted(asked) == ["slices", "whole"], asked
+        for receiver in receivers.values():
+            receiver.mark_applied(v2)
+        sliced, whole = (_applied_status(receivers[name], v2) for name in ("slices", "whole"))
+        assert sliced["slices"]["slicing"] is True and whole["slices"]["slicing"] is False
+        assert sliced["slices"]["needed_fraction"] == 0.5 and sliced["data_path"] == "slices"
+        assert whole["slices"]["needed_fraction"] is None and whole["slices"]["replans"] == 0
+        assert whole["slice_plan"] is None and whole["data_path"] == "zmq"
+        # what v2 cost each: half of it as slices, all of it whole
+        size = sum(t.nbytes for t in grown.values())
+        cost = sliced["applied_received"]
+        assert cost["version"] == v2 and cost["version_bytes"] >= size, cost
+        assert 0.45 < cost["fraction"] < 0.6 and set(cost["by_source"]) == {"publisher"}, cost
+        assert 0.99 < whole["applied_received"]["fraction"] < 1.1, whole["applied_received"]
+        # and the publisher's fleet view has each one's share of v2 (the back-channel report)
+        deadline = time.monotonic() + 10
+        while True:
+            shares = {r.data_path: r.received_fraction for r in pub.fleet()
+                      if r.applied_version == v2 and r.ranks == (0,)}
+            if len(shares) == 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert shares == {"slices": cost["fraction"],
+                          "zmq": whole["applied_received"]["fraction"]}, shares
+        # the sliced one replanned for the grown layout (the decision kept), the whole one
+        # never planned again
+        assert sliced["slices"]["replans"] == 2, sliced["slices"]
+        assert len(set(planned)) == 2, planned
+        with pytest.raises(ValueError, match="decide"):
+            SliceReceiver(pub.endpoint, rank=0, label="x", options=SubscriberOptions(),
+                          plan_for=plan_for, on_version=got["whole"], layout=_layout(first),
+                          decide=decider("whole"))
+    finally:
+        for receiver in receivers.values():
+            receiver.close()
+        pub.close()
+
+
+class _Worker(SliceRpcs):
+    """The extension's receive choice on a stand-in worker: a TP=2 rank whose model is
+    ``model`` and whose plan needs ``share`` of each tensor (no vLLM, no collective)."""
+
+    def __init__(self, model: str, share: float | None) -> None:
+        parallel = SimpleNamespace(world_size=2, tensor_parallel_size=2,
+                                   pipeline_parallel_size=1)
+        self.vllm_config = SimpleNamespace(parallel_config=parallel,
+                                           model_config=SimpleNamespace(model=model))
+        self.rank = 0
+        self.share = share
+
+    def _wp_plan_for(self, layout: Layout) -> SlicePlan:
+        if self.share is None:
+            raise ValueError("no loader")
+        plan = _half_plan(layout)
+        plan.ranges = {n: [(0, int(plan.sizes[n] * self.share))] for n in plan.sizes}
+        return plan
+
+    def _wp_groups(self) -> list:
+        return []
+
+
+def test_auto_decides_at_start_with_a_layout_and_at_the_first_version_without(
+        tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    layout = _layout(_weights(7, ("a", "b")))
+    save_file(_weights(7, ("a", "b")), str(tmp_path / "model.safetensors"))
+    choice, planned = _Worker(str(tmp_path), 0.5)._wp_choose_receive(WorkerOptions())
+    assert (choice.mode, choice.cause, choice.needed_fraction) == ("slices", "auto", 0.5)
+    assert planned is not None and choice.plan_seconds is not None
+
+    worker = _Worker("Org/hub-name", 0.5)  # no local headers: decided at version 1
+    choice, planned = worker._wp_choose_receive(WorkerOptions())
+    assert (choice.mode, choice.cause, planned) == ("rank", AUTO_PENDING, None)
+    assert worker._wp_decide_receive(layout) is True
+    receive = worker._wp().receive
+    assert receive is not None and receive.status()["mode"] == "slices"
+    assert receive.cause == "auto at the first version" and receive.needed_fraction == 0.5
+    assert receive.plan_seconds is not None and receive.fallbacks == {}
+
+    for share, cause in ((0.95, "this rank needs 0.95x of a version"),
+                         (None, "plan failed: ValueError")):
+        worker = _Worker("Org/hub-name", share)
+        assert worker._wp_choose_receive(WorkerOptions())[0].cause == AUTO_PENDING
+        assert worker._wp_decide_receive(layout) is False
+        receive = worker._wp().receive
+        assert receive is not None and (receive.mode, receive.cause) == ("rank", cause)
+        assert receive.fallbacks == {cause: 1}

@@ -21,16 +21,22 @@ SHM = Path("/dev/shm")
 def _remove_vllm_shared_memory_left_behind() -> Iterator[None]:
     """vLLM's CPU shared-memory communicator (TP=2) leaves two 4 MiB ``vllm_dist_*`` files
     per engine in /dev/shm after the engine is gone; a container's 64 MiB /dev/shm fills
-    up. Remove the ones that appeared during this session, once every engine is closed."""
+    up. Remove the ones that appeared during this session, once every engine is closed,
+    unless a living process still maps them (the other engine group's worker runs its
+    engines beside this one: ``tests/conftest.py``)."""
     before = set(SHM.glob("vllm_dist_*")) if SHM.is_dir() else set()
     yield
+    from tests.transport.shm_probe import mapped_paths
+
     from .helpers import SHUTDOWNS
 
     for thread in SHUTDOWNS:  # engines shut down in the background (``shut_down``)
         thread.join(timeout=60)
     if SHM.is_dir():
+        in_use = mapped_paths("/dev/shm/vllm_dist_")
         for path in set(SHM.glob("vllm_dist_*")) - before:
-            path.unlink(missing_ok=True)
+            if str(path) not in in_use:
+                path.unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------ engines shared by modules

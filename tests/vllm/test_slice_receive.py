@@ -6,11 +6,13 @@ of the tiny Qwen2); three versions reach both ranks, each through its own
 receiver: at least two connections carry bytes, none above 0.7x of the versions,
 all together at most 1.15x; every rank's ``data_path`` is ``slices``, the publisher
 sees two subscribers (ranks 0 and 1), and transformers agrees (teacher-forced
-logprobs) after each. The third version leaves ``lm_head`` out: another layout,
-so each rank records a new plan and resubscribes. (b) One rank cut off (the relay
-holds everything down its connections): the other rank stages the version, yet
-neither commits it and the replica keeps serving the previous weights; once the
-rank's slices arrive both switch at one step.
+logprobs) after each; ``replica_status`` has a row per rank with its planned and
+received share of the last version, which each rank's report carries too. The
+third version leaves ``lm_head`` out: another layout, so each rank records a new
+plan and resubscribes. (b) One rank cut off (the relay holds everything down its
+connections): the other rank stages the version, yet neither commits it and the
+replica keeps serving the previous weights; once the rank's slices arrive both
+switch at one step.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import pytest
 import torch
 
-from subscriber_ext import wait_until_applied
+from subscriber_ext import replica_status, wait_until_applied
 from tests.transport.byte_relay import ByteRelay
 
 from .helpers import assert_matches_hf, new_weights
@@ -93,6 +95,19 @@ def test_each_rank_fetches_its_own_slices_and_transformers_agrees(sliced):
                     if len([r for r in pub.fleet() if r.applied_version == version]) == 2
                     else None, "both ranks' reports")
     assert sorted(r.ranks for r in reports) == [(0,), (1,)], reports
+    # per rank, the replica's status and the trainer's fleet view say what each pulled
+    table = _wait(lambda: (t := replica_status(llm)["receive"])["version"] == version and t,
+                  "every rank's cost of the last version")
+    assert table["modes"] == {"slices": 2} and [r["rank"] for r in table["ranks"]] == [0, 1]
+    for row in table["ranks"]:
+        assert 0.3 < row["planned_fraction"] < 0.7 and row["sources"] == ["publisher"], row
+        assert 0.3 < row["received"]["fraction"] < 0.7, row
+    print("per rank (planned, received) of the last version: "
+          f"{[(r['planned_fraction'], r['received']['fraction']) for r in table['ranks']]}")
+    assert table["received_fraction"] <= 1.15, table
+    reports = _wait(lambda: [r for r in pub.fleet() if r.applied_version == version
+                             and r.received_fraction is not None] or None, "the shares")
+    assert all(0.3 < r.received_fraction < 0.7 for r in reports), reports
 
 
 def test_a_rank_whose_slices_are_missing_holds_the_commit(sliced):

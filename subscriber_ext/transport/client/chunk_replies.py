@@ -121,6 +121,7 @@ class ChunkReceiver:
                 digest: int | None, source: ChunkSource, via: object) -> bool:
         """A chunk's bytes are in place: verify, then route on (both kinds of arrival)."""
         self.received_bytes += size
+        target.count_received(source.kind, size)
         self._deltas.count(target, size)
         final = final_bytes(target)
         if not target.verify(chunk, size, digest):

@@ -6,22 +6,57 @@ a version given up, a budget refusal) and each must reach the publisher as
 problem to this part; it keeps the newest one, counts them by class (a fixed,
 small set), and says when a report is due (``interval``, or at once after a change).
 The applied version and its data path, the replica ranks and the data path of
-each recently staged version are reported here too.
+each recently staged version are reported here too, with what the applied version
+cost this subscriber (``VersionBytes``: its payload bytes by source kind; the
+report carries their share of the version, ``Report.received_fraction``).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
 
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import WeightPubError
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["ClientReport"]
+__all__ = ["ClientReport", "VersionBytes"]
 
 log = logging.getLogger("weightpub.subscriber")
 _KEEP_PATHS = 16  # staged versions whose data path is remembered
+
+
+@dataclass(frozen=True, slots=True)
+class VersionBytes:
+    """The payload bytes one version cost this subscriber, by source kind
+    (``chunk_source.SOURCE_KINDS``), against the version's size."""
+
+    version: int
+    version_bytes: int
+    by_source: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(self.by_source.values())
+
+    @property
+    def fraction(self) -> float | None:
+        """Received bytes as a share of the version (None for an empty version)."""
+        if self.version_bytes <= 0:
+            return None
+        return round(self.received_bytes / self.version_bytes, 4)
+
+    def wire_fraction(self) -> float | None:
+        """``fraction`` within the wire's bound (``Report.received_fraction``)."""
+        fraction = self.fraction
+        return None if fraction is None else min(fraction, wire.MAX_RECEIVED_FRACTION)
+
+    def status(self) -> dict[str, Any]:
+        return {"version": self.version, "received_bytes": self.received_bytes,
+                "version_bytes": self.version_bytes, "fraction": self.fraction,
+                "by_source": dict(self.by_source)}
 
 
 class ClientReport:
@@ -38,6 +73,8 @@ class ClientReport:
         self.applied_version = 0
         self.applied_path = ""  # data path of the applied version
         self.staged_paths: OrderedDict[int, str] = OrderedDict()  # newest few versions
+        self.staged_bytes: OrderedDict[int, VersionBytes] = OrderedDict()  # the same few
+        self.applied_bytes: VersionBytes | None = None  # what the applied version cost
         self._dirty = True
         self._next_at = 0.0
 
@@ -79,16 +116,24 @@ class ClientReport:
         self.ranks = tuple(sorted(ranks))
         self._dirty = True
 
-    def staged(self, version: int, data_path: str) -> None:
-        """``version`` is staged, having come by ``data_path`` (reported once applied)."""
+    def staged(self, version: int, data_path: str, cost: VersionBytes | None = None) -> None:
+        """``version`` is staged, having come by ``data_path`` at ``cost`` (both reported
+        once applied)."""
         self.staged_paths[version] = data_path
         while len(self.staged_paths) > _KEEP_PATHS:
             self.staged_paths.popitem(last=False)
+        self.staged_bytes.pop(version, None)
+        if cost is not None:
+            self.staged_bytes[version] = cost
+            while len(self.staged_bytes) > _KEEP_PATHS:
+                self.staged_bytes.popitem(last=False)
         self._dirty = True
 
     def mark_applied(self, version: int, error: WeightPubError | None = None) -> None:
         """``version`` 0 leaves the applied version as it is (e.g. to report an error)."""
         if version:
+            if version != self.applied_version:
+                self.applied_bytes = self.staged_bytes.get(version)
             self.applied_version = version
             self.applied_path = self.staged_paths.get(version, self.applied_path)
         if error is not None:
@@ -98,6 +143,7 @@ class ClientReport:
     def new_instance(self) -> None:
         """Another publisher instance: a version applied from the old one means nothing."""
         self.applied_version = 0
+        self.applied_bytes = None
         self._dirty = True
 
     # -- sending -----------------------------------------------------------------------------
@@ -109,7 +155,9 @@ class ClientReport:
                            applied_version=self.applied_version, last_error=self.last_error,
                            publisher_id=publisher_id,
                            ranks=self.ranks[: wire.MAX_REPORTED_RANKS],
-                           data_path=self.applied_path)
+                           data_path=self.applied_path,
+                           received_fraction=None if self.applied_bytes is None
+                           else self.applied_bytes.wire_fraction())
 
     def sent(self, now: float) -> None:
         self._dirty = False

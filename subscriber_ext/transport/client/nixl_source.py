@@ -165,6 +165,7 @@ class NixlSource(ChunkSource):
     """Reads one version's chunks from its holders; hands back what it cannot read."""
 
     first = True
+    kind = "nixl"  # one-sided reads (its chunks that fall back come as frames, elsewhere)
 
     def __init__(self, picker: NixlPicker, sink: SourceSink, manifest: wire.Manifest,
                  holders: Sequence[NixlHolder | None]) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import zmq
 
@@ -56,6 +57,8 @@ __all__ = ["ShardLinks", "ShardRankSource"]
 
 class ShardRankSource(DealerSource):
     """One DEALER to one trainer rank, and that rank's part of the current target."""
+
+    kind: ClassVar[str] = "shard_ranks"
 
     def __init__(self, dealer: MonitoredDealer, sink: SourceSink, *, chunks_per_request: int,
                  request_timeout: float, limits: wire.Limits,

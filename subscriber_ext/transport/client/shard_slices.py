@@ -27,6 +27,7 @@ range no rank is asked for is named after ``idle_limit``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 from subscriber_ext.transport.client.dealer_source import rank_handshakes
 from subscriber_ext.transport.client.slice_source import CONTROL_TRIES, SliceFetcher, SliceSource
@@ -55,6 +56,8 @@ def rank_plan(plan: SlicePlan, manifest: wire.Manifest, shard: wire.ShardSource)
 
 class RankSliceSource(SliceSource):
     """One trainer rank asked for its part of the plan, in its own chunk ids."""
+
+    kind: ClassVar[str] = "shard_ranks"
 
     def __init__(self, fetcher: SliceFetcher, dealer: MonitoredDealer, sink: SourceSink, *,
                  chunks_per_request: int, request_timeout: float, limits: wire.Limits,

@@ -41,7 +41,7 @@ from typing import Any
 import zmq
 
 from subscriber_ext.transport.client.chunk_replies import ChunkReceiver, discard_rest, within
-from subscriber_ext.transport.client.client_report import ClientReport
+from subscriber_ext.transport.client.client_report import ClientReport, VersionBytes
 from subscriber_ext.transport.client.client_sockets import ClientSockets
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
 from subscriber_ext.transport.client.instance_following import InstanceFollower
@@ -311,7 +311,9 @@ class SyncClient:
             self.requests.clear()
         self.deltas.completed(target, staged)
         self.choice.staged(staged.version)
-        self.report.staged(staged.version, staged.data_path)
+        self.report.staged(staged.version, staged.data_path,
+                           VersionBytes(staged.version, manifest.total_bytes,
+                                        dict(target.received_by)))
         self._notify("target_completed", manifest)
         refused = self.gate.staged()  # a newer version fits: the refusal is history
         if refused is not None:

@@ -379,6 +379,7 @@ class CollectiveMember:
             follower.target_completed(assembly.manifest)
         self.rounds += 1
         self.bytes_received += nbytes
+        assembly.count_received("collective", nbytes)
         version = assembly.manifest.version
         for claimed in [v for v in self._claims if v <= version]:
             del self._claims[claimed]

@@ -60,6 +60,7 @@ class Peering(ChunkSource):
     """One subscriber's peer sharing; every method runs on the subscriber's thread."""
 
     first: ClassVar[bool] = True
+    kind: ClassVar[str] = "peers"
 
     def __init__(self, client: PeerClient, options: PeerOptions,
                  curve: CurveIdentity | None) -> None:

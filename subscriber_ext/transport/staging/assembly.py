@@ -129,6 +129,12 @@ class Assembly:
         self.fetch_base = 0  # FetchRequest.base: 0 = the version's own bytes
         self.data_path = "zmq"  # a collective round sets its backend
         self.attempt = 0  # this reception (``progress.ProgressFeed`` numbers it)
+        #: payload bytes that arrived for this version, by source kind (``SOURCE_KINDS``)
+        self.received_by: dict[str, int] = {}
+
+    def count_received(self, kind: str, nbytes: int) -> None:
+        """``nbytes`` of this version arrived from a source of ``kind`` (status, reports)."""
+        self.received_by[kind] = self.received_by.get(kind, 0) + nbytes
 
     @property
     def done_fraction(self) -> float:

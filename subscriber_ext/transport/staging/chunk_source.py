@@ -72,7 +72,12 @@ from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, WeightPubError
 
-__all__ = ["ChunkSource", "Retry", "SourcePicker", "SourceSink"]
+__all__ = ["SOURCE_KINDS", "ChunkSource", "Retry", "SourcePicker", "SourceSink"]
+
+#: what a version's bytes are counted under (``ChunkSource.kind``; status and reports):
+#: chunk frames over ZeroMQ from the publisher (whole or slices), from trainer ranks
+#: (a sharded version) or from peers; one-sided NIXL reads; a collective round
+SOURCE_KINDS = ("publisher", "shard_ranks", "peers", "nixl", "collective")
 
 #: ``retry(chunk, why, error_type)``: count one more try of ``chunk``; True when the
 #: version was given up (stop working on it)
@@ -103,6 +108,8 @@ class ChunkSource(ABC):
 
     #: True: asked before the serving sources, of what they are about to be asked
     first: ClassVar[bool] = False
+    #: what its bytes are counted under, per version (``Assembly.received_by``; SOURCE_KINDS)
+    kind: ClassVar[str] = "publisher"
 
     @property
     @abstractmethod

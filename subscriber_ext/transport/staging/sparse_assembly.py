@@ -68,6 +68,7 @@ class SparseAssembly(Assembly):
         self.fetch_base = 0  # slices are always of the version's own bytes
         self.data_path = "slices"
         self.attempt = 0
+        self.received_by: dict[str, int] = {}
         #: per touched chunk, xxh3 of its planned bytes (``slice_sums``); None: not yet
         self.sums: dict[int, int] | None = None
         #: the chunks still come whole (the cause, for status); None: as slices
