@@ -130,7 +130,9 @@ def test_a_rank_killed_mid_read_never_stages_a_partial_version(
     big = [SPECS[0], [("layers.1.w", "float32", (512, 256))]]  # rank 1: 32 chunks
     ranks, endpoint = _ranks(spawn, big, [True, True], shard_timeout=1.0)
     paced = paced_reads(CHUNK)  # one chunk per READ, seen done one per 0.3 s
-    sub = make_sub(endpoint, request_timeout=1.0, max_chunk_retries=1, window_bytes=2 * CHUNK)
+    # READs get 2 s (their floor): the first one to a rank sets up its UCX endpoint, slow
+    # on a loaded box, and a rank timed out before the kill would not be read mid-version
+    sub = make_sub(endpoint, request_timeout=2.0, max_chunk_retries=1, window_bytes=2 * CHUNK)
     for child in ranks:
         child.send(cmd="publish", version=1)
     wait_until(lambda: len(paced) >= 3, 60, "a few chunks read one-sided")
