@@ -222,3 +222,33 @@ def test_sharded_ranks_serve_the_deltas_of_their_part_of_the_plan() -> None:
         assert status["slice_plan"]["fallbacks"] == {}
         print(f"sharded wire bytes per version: raw slices {sent[0]}, delta slices {sent[1:]}")
         assert max(sent[1:]) < 0.5 * sent[0], sent
+
+
+def test_a_delta_costlier_than_the_raw_slices_is_given_up_for_them(
+        make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
+        relays: list[ByteRelay]) -> None:
+    """Version 2 shares no byte with 1 (the encoder sends every chunk raw: a whole chunk
+    for half of it planned): the delta is given up once it cost two chunks more than the
+    slices would, fetched as raw slices, and version 3's delta is not tried (paused)."""
+    from tests.transport.procs import det_weights
+
+    pub = make_pub(chunk_size=CHUNK, delta_anchor_every=8)
+    relays.append(ByteRelay.in_front_of(pub.endpoint))
+    plan = half_plan(0, SPEC)
+    sub = make_sub(relays[0].endpoint, slice_plan=plan, window_bytes=2 * CHUNK)
+    sent = []
+    for version in (1, 2, 3):
+        weights = det_weights(SEED, version, SPEC)  # every byte new
+        before = relays[0].bytes_down
+        pub.publish(weights, version=version)
+        staged = sub.wait_for_version(version, timeout=60)
+        check_staged(staged, weights, 0, "slices")
+        staged.release()
+        sent.append(relays[0].bytes_down - before)
+    assert pub.manifest(2).delta is not None and pub.manifest(3).delta is not None
+    share = sub.status()["slice_plan"]
+    assert share["delta_fallbacks"] == {"too_big": 1, "paused": 1}
+    # the raw slices, plus what the delta cost: its slack and the window in flight
+    print(f"raw slices {sent[0]}, a raw-chunk delta given up then slices {sent[1]}")
+    assert sent[1] < sent[0] + plan.needed_bytes // 2 + 6 * CHUNK, sent
+    assert sent[2] < 1.05 * sent[0], sent

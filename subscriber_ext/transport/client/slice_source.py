@@ -24,8 +24,9 @@ delta against it comes as the whole-chunk delta payloads of the chunks the plan
 touches (``fetch`` with ``base``, from the publisher or each trainer rank), decoded
 over the base, applied to the planned bytes only and checked against the version's
 slice sums (``staging/sparse_delta.py``). A delta that is not served, does not decode
-or does not match, or a base that is not in the version's chain, falls back to raw
-slices for that version, counted by cause (``DELTA_FALLBACK_CAUSES``, in
+or does not match, one that costs more bytes than the raw slices (then the next
+``DELTA_PAUSE`` versions too), or a base that is not in the version's chain, falls
+back to raw slices for that version, counted by cause (``DELTA_FALLBACK_CAUSES``, in
 ``status()["slice_plan"]["delta_fallbacks"]``). Peers and the collective path are
 not offered to a sliced subscriber (``slice_plan`` with ``peer_share`` or
 ``collective`` is a ``ConfigError``). Conflation is the client's, as for any target.
@@ -68,8 +69,8 @@ from weightpub_wire.slice_messages import (
 )
 from weightpub_wire.slice_plan import SlicePlan, SliceRuns
 
-__all__ = ["CONTROL_TRIES", "DELTA_FALLBACK_CAUSES", "FALLBACK_CAUSES", "SliceFetcher",
-           "SliceSource", "register_parts"]
+__all__ = ["CONTROL_TRIES", "DELTA_FALLBACK_CAUSES", "DELTA_PAUSE", "FALLBACK_CAUSES",
+           "SliceFetcher", "SliceSource", "register_parts"]
 
 FALLBACK_CAUSES = (
     "no_answer",  # the publisher did not answer the registration (it predates slices)
@@ -86,7 +87,10 @@ DELTA_FALLBACK_CAUSES = (
     "decode",  # a delta payload did not decode
     "checksum",  # the rebuilt planned bytes failed the version's slice sums
     "sums",  # no slice sum to check a rebuilt chunk against (whole chunks came instead)
+    "too_big",  # the delta cost more than the raw slices (raw chunks, a thin plan)
+    "paused",  # a delta offered after a ``too_big``: raw slices for ``DELTA_PAUSE`` versions
 )
+DELTA_PAUSE = 4  # versions fetched as raw slices after a delta that cost more than them
 
 
 def register_parts(plan: SlicePlan, digest: str, req: int) -> list[SliceRegister]:
@@ -395,6 +399,7 @@ class SliceFetcher:
         self.whole_bytes = 0
         self.delta_bytes = 0
         self.delta_fallbacks: Counter[str] = Counter()
+        self._delta_pause = 0  # versions still fetched raw after a ``too_big``
         self._layouts: dict[tuple[str, int], SliceLayout] = {}
 
     @property
@@ -425,7 +430,10 @@ class SliceFetcher:
         """Raw slices, or (``start`` has a base) the plan's bytes rebuilt from deltas."""
         layout = self.layout(manifest)
         self.version_bytes = manifest.total_bytes
-        if start.base is not None:
+        if start.base is not None and self._delta_pause:
+            self._delta_pause -= 1
+            self.count_delta_fallback("paused")
+        elif start.base is not None:
             return SparseDeltaAssembly(manifest, pool, layout, self.digest, start.base,
                                        start.steps, on_bytes=self.delta_received,
                                        on_failed=self.count_delta_fallback)
@@ -439,6 +447,8 @@ class SliceFetcher:
 
     def count_delta_fallback(self, cause: str) -> None:
         self.delta_fallbacks[cause] += 1
+        if cause == "too_big":
+            self._delta_pause = DELTA_PAUSE
 
     def received(self, whole: bool, nbytes: int) -> None:
         """A reply's payload bytes, by form (``SparseAssembly.place``)."""

@@ -17,6 +17,13 @@ checksum where the plan covers the chunk whole), the same check raw slices get; 
 chunk that does not decode or does not match, or a chunk with no sum to check it
 against, fails the delta (``cause``): the client fetches that version as raw slices
 (``SyncClient._delta_failed``), so a wrong byte is never staged.
+
+Bytes: a whole-chunk payload beats the chunk's slice when the plan's share of the
+chunk is above the delta's ratio (about 0.03 between RL steps, so a plan reading an
+eighth of every row still gains 4x); a chunk the encoder sent raw, or a plan that
+touches chunks thinly, costs more than its slice. Such a delta is given up for raw
+slices once it has cost ``LOSS_SLACK_CHUNKS`` chunks more than they would (``too_big``),
+so the loss is bounded by that and what was in flight.
 """
 
 from __future__ import annotations
@@ -31,11 +38,17 @@ from subscriber_ext.transport.staging.assembly import HeldBase, StagedVersion
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.delta_codec import decode_chunk
-from weightpub_wire.errors import ChecksumError, ProtocolError
+from weightpub_wire.errors import ChecksumError, ProtocolError, WeightPubError
 from weightpub_wire.protocol import Manifest
 from weightpub_wire.slice_layout import SliceLayout
 
-__all__ = ["SparseDeltaAssembly"]
+__all__ = ["LOSS_SLACK_CHUNKS", "SparseDeltaAssembly"]
+
+#: a delta that has cost this many chunks more than the raw slices of the same chunks
+#: is given up for raw slices (``too_big``): whole-chunk payloads of chunks the plan
+#: touches thinly, or chunks the encoder sent raw (the delta did not pay), can cost up
+#: to the chunk over the plan's share of it
+LOSS_SLACK_CHUNKS = 2
 
 
 class SparseDeltaAssembly(SparseAssembly):
@@ -46,7 +59,7 @@ class SparseDeltaAssembly(SparseAssembly):
                  on_bytes: Callable[[int], None] | None = None,
                  on_failed: Callable[[str], None] | None = None) -> None:
         """``on_bytes(nbytes)``: each delta payload; ``on_failed(cause)``: a chunk failed
-        the delta ("decode", "checksum" or "sums", counted by the caller)."""
+        the delta ("decode", "checksum", "sums" or "too_big", counted by the caller)."""
         super().__init__(manifest, pool, layout, digest)
         self.base = base
         self.steps = steps
@@ -60,6 +73,11 @@ class SparseDeltaAssembly(SparseAssembly):
         self._on_delta_bytes = on_bytes
         self._on_failed = on_failed
         self.cause: str | None = None  # why the delta failed (None: it did not)
+        #: delta payload bytes so far (every step) against the planned bytes of the same
+        #: chunks (once): past ``LOSS_SLACK_CHUNKS`` chunks more, raw slices are cheaper
+        self.delta_bytes = 0
+        self.planned_bytes = 0
+        self._slack = LOSS_SLACK_CHUNKS * manifest.chunk_size
 
     @property
     def done_fraction(self) -> float:
@@ -73,6 +91,9 @@ class SparseDeltaAssembly(SparseAssembly):
     def place(self, chunk: int, payload: memoryview) -> int | None:
         """Keep the payload (``verify`` decodes it); no digest: the result is checked."""
         self._payload[: len(payload)] = payload
+        self.delta_bytes += len(payload)
+        if self.step == 0:
+            self.planned_bytes += self.layout.sizes[chunk]
         if self._on_delta_bytes is not None:
             self._on_delta_bytes(len(payload))
         return None
@@ -83,6 +104,10 @@ class SparseDeltaAssembly(SparseAssembly):
         if size is None:
             return False
         last = self.step == len(self.steps) - 1
+        if self.delta_bytes > self.planned_bytes + self._slack:
+            return self._fail("too_big", WeightPubError(
+                f"version {self.manifest.version}: the delta has cost {self.delta_bytes} "
+                f"bytes for {self.planned_bytes} planned bytes"))
         if last and not self.readable_in_place(chunk):
             return self._fail("sums", ChecksumError(
                 f"chunk {chunk} of version {self.manifest.version}: no slice sum to check "
@@ -117,7 +142,7 @@ class SparseDeltaAssembly(SparseAssembly):
             self.cursor = 0
         return True
 
-    def _fail(self, cause: str, error: ProtocolError | ChecksumError) -> bool:
+    def _fail(self, cause: str, error: WeightPubError) -> bool:
         if self.cause is None:
             self.cause = cause
             if self._on_failed is not None:
