@@ -252,3 +252,43 @@ def test_a_delta_costlier_than_the_raw_slices_is_given_up_for_them(
     print(f"raw slices {sent[0]}, a raw-chunk delta given up then slices {sent[1]}")
     assert sent[1] < sent[0] + plan.needed_bytes // 2 + 6 * CHUNK, sent
     assert sent[2] < 1.05 * sent[0], sent
+
+
+def test_a_subscriber_that_missed_a_version_rebuilds_through_the_chain(
+        make_pub: Callable[..., WeightPublisher],
+        make_sub: Callable[..., WeightSubscriber]) -> None:
+    """Holding 2 and never hearing of 3, it rebuilds 4 in two delta steps (2 -> 3 -> 4),
+    the second over the planned bytes the first wrote: exact, nothing raw."""
+    pub = make_pub(chunk_size=CHUNK, delta_anchor_every=8)
+    sub = make_sub(pub.endpoint, slice_plan=half_plan(1, SPEC))
+    client = sub._client
+    consider = client.consider
+
+    def deaf(manifest: wire.Manifest, *, confirmed: bool = False) -> None:
+        if manifest.version != 3:
+            consider(manifest, confirmed=confirmed)
+
+    client.consider = deaf  # type: ignore[method-assign]
+    fetcher = sub._slices
+    assert fetcher is not None
+    make = fetcher.assembly
+    steps: list[tuple[tuple[int, int], ...]] = []
+
+    def spy(manifest: wire.Manifest, pool: Any, start: Any) -> Any:
+        steps.append(start.steps)
+        return make(manifest, pool, start)
+
+    fetcher.assembly = spy  # type: ignore[method-assign]
+    for version in (1, 2, 3, 4):
+        weights = drift_weights(SEED, version, SPEC)
+        pub.publish(weights, version=version)
+        pub.wait_announced(version, timeout=30)
+        if version != 3:
+            staged = sub.wait_for_version(version, timeout=60)
+            check_staged(staged, weights, 1, "slices" if version == 1 else "slices+delta")
+            staged.release()
+    assert steps == [(), ((2, 1),), ((3, 2), (4, 3))]
+    status = sub.status()
+    assert (status["versions_full"], status["versions_delta"]) == (1, 2)
+    assert status["slice_plan"]["delta_fallbacks"] == {}
+    assert status["slice_plan"]["slice_bytes"] == half_plan(1, SPEC).needed_bytes
