@@ -224,34 +224,47 @@ def test_sharded_ranks_serve_the_deltas_of_their_part_of_the_plan() -> None:
         assert max(sent[1:]) < 0.5 * sent[0], sent
 
 
-def test_a_delta_costlier_than_the_raw_slices_is_given_up_for_them(
+def test_a_chunk_whose_delta_is_no_smaller_comes_as_its_slice(
         make_pub: Callable[..., WeightPublisher], make_sub: Callable[..., WeightSubscriber],
         relays: list[ByteRelay]) -> None:
-    """Version 2 shares no byte with 1 (the encoder sends every chunk raw: a whole chunk
-    for half of it planned): the delta is given up once it cost two chunks more than the
-    slices would, fetched as raw slices, and version 3's delta is not tried (paused)."""
+    """Versions that share no byte (the encoder sends every chunk raw: a whole chunk for
+    half of it planned). The fetch names the plan, so the publisher sends each such
+    chunk as its slice: version 2 costs what raw slices cost. A publisher that does not
+    know the plan (one before this) sends the raw chunks: version 3's delta is given up
+    once it cost two chunks more than the slices would (``too_big``), fetched as raw
+    slices, and version 4's delta is not tried (``paused``)."""
     from tests.transport.procs import det_weights
 
     pub = make_pub(chunk_size=CHUNK, delta_anchor_every=8)
     relays.append(ByteRelay.in_front_of(pub.endpoint))
     plan = half_plan(0, SPEC)
     sub = make_sub(relays[0].endpoint, slice_plan=plan, window_bytes=2 * CHUNK)
+    serving = pub._server.delta_serving
     sent = []
-    for version in (1, 2, 3):
+    touched = 0
+    for version in (1, 2, 3, 4):
+        if version == 3:
+            assert serving.slice_chunks == touched  # every chunk of version 2, as a slice
+            serving._slice_layouts = None  # as a publisher before plan-aware deltas
         weights = det_weights(SEED, version, SPEC)  # every byte new
         before = relays[0].bytes_down
         pub.publish(weights, version=version)
+        pub.wait_announced(version, timeout=30)
+        manifest = pub.manifest(version)
+        assert (manifest.delta is None) == (version == 1)
+        touched = len(SliceLayout.build(plan, manifest).chunks)
         staged = sub.wait_for_version(version, timeout=60)
-        check_staged(staged, weights, 0, "slices")
+        check_staged(staged, weights, 0, "slices+delta" if version == 2 else "slices")
         staged.release()
         sent.append(relays[0].bytes_down - before)
-    assert pub.manifest(2).delta is not None and pub.manifest(3).delta is not None
     share = sub.status()["slice_plan"]
     assert share["delta_fallbacks"] == {"too_big": 1, "paused": 1}
+    print(f"raw slices {sent[0]}, a raw delta as slices {sent[1]}, a raw delta given up "
+          f"then slices {sent[2]}")
+    assert sent[1] < 1.02 * sent[0], sent
     # the raw slices, plus what the delta cost: its slack and the window in flight
-    print(f"raw slices {sent[0]}, a raw-chunk delta given up then slices {sent[1]}")
-    assert sent[1] < sent[0] + plan.needed_bytes // 2 + 6 * CHUNK, sent
-    assert sent[2] < 1.05 * sent[0], sent
+    assert sent[2] < sent[0] + plan.needed_bytes // 2 + 6 * CHUNK, sent
+    assert sent[3] < 1.05 * sent[0], sent
 
 
 def test_a_subscriber_that_missed_a_version_rebuilds_through_the_chain(

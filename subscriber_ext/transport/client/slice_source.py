@@ -20,10 +20,11 @@ sharded version (``Manifest.shards``): each trainer rank serves its own part of 
 plan (``shard_slices.py``, a ``SliceSource`` per rank). Deltas: a sliced subscriber keeps
 its last staged version (only the plan's bytes, counted in the staging budget as a
 whole subscriber's base is) as its delta base; a version whose manifest offers a
-delta against it comes as the whole-chunk delta payloads of the chunks the plan
-touches (``fetch`` with ``base``, from the publisher or each trainer rank), decoded
-over the base, applied to the planned bytes only and checked against the version's
-slice sums (``staging/sparse_delta.py``). A delta that is not served, does not decode
+delta against it comes as the delta payloads of the chunks the plan touches (``fetch``
+with ``base`` and ``plan``, from the publisher or each trainer rank: a chunk whose
+delta is not shorter than its slice comes as the slice), decoded over the base,
+applied to the planned bytes only and checked against the version's slice sums
+(``staging/sparse_delta.py``). A delta that is not served, does not decode
 or does not match, one that costs more bytes than the raw slices (then the next
 ``DELTA_PAUSE`` versions too), or a base that is not in the version's chain, falls
 back to raw slices for that version, counted by cause (``DELTA_FALLBACK_CAUSES``, in
@@ -246,7 +247,7 @@ class SliceSource(DealerSource):
             if target.fetch_base:  # a delta step: whole-chunk delta payloads
                 return wire.FetchRequest(req=req, publisher_id=publisher,
                                          version=target.fetch_version, chunks=chunks,
-                                         base=target.fetch_base)
+                                         base=target.fetch_base, plan=self.digest)
             if sparse is not None and self._slicing(sparse):
                 return SliceFetch(req=req, publisher_id=publisher, version=version,
                                   digest=self.digest, chunks=chunks)

@@ -7,7 +7,11 @@ offsets. So a whole-chunk delta payload (tiny between RL steps) decoded over a b
 that is right on the planned ranges and anything elsewhere is right on the planned
 ranges; the rest is garbage and never kept. Each payload is decoded into a scratch
 chunk and only its planned bytes are scattered into the sparse staging buffer
-(``SliceLayout.scatter``), so staging still touches only the plan's pages.
+(``SliceLayout.scatter``), so staging still touches only the plan's pages. The fetch
+names the plan (``FetchRequest.plan``): where a chunk's delta would not be shorter than
+the plan's bytes of it, the publisher sends those bytes instead, told apart by their
+size (exactly the planned size; a delta payload it sends is shorter), and they are
+scattered as they came.
 
 Steps: the first reads the held base (a ``SparseAssembly`` staged under the same plan,
 ``HeldBase.plan``), each later one (a subscriber that missed versions of the chain)
@@ -18,12 +22,13 @@ chunk that does not decode or does not match, or a chunk with no sum to check it
 against, fails the delta (``cause``): the client fetches that version as raw slices
 (``SyncClient._delta_failed``), so a wrong byte is never staged.
 
-Bytes: a whole-chunk payload beats the chunk's slice when the plan's share of the
-chunk is above the delta's ratio (about 0.03 between RL steps, so a plan reading an
-eighth of every row still gains 4x); a chunk the encoder sent raw, or a plan that
-touches chunks thinly, costs more than its slice. Such a delta is given up for raw
-slices once it has cost ``LOSS_SLACK_CHUNKS`` chunks more than they would (``too_big``),
-so the loss is bounded by that and what was in flight.
+Bytes: so each chunk costs the smaller of its delta and its slice. A publisher that
+does not know the plan (one before this, or the plan evicted) sends whole-chunk
+payloads only, and a chunk it sent raw, or a plan touching chunks thinly, costs more
+than the slice: such a delta is given up for raw slices once it has cost
+``LOSS_SLACK_CHUNKS`` chunks more than they would (``too_big``), so the loss is
+bounded by that and what was in flight. (A delta payload of exactly the planned size
+from such a publisher is read as a slice, fails the check, and falls back too.)
 """
 
 from __future__ import annotations
@@ -113,19 +118,23 @@ class SparseDeltaAssembly(SparseAssembly):
                 f"chunk {chunk} of version {self.manifest.version}: no slice sum to check "
                 "its rebuilt bytes against"))
         start, span = self.manifest.chunk_span(chunk)
-        source = self._base_array if self.step == 0 else self._array
-        out = self._decoded[:span]
-        cpu = time.thread_time()
-        try:
-            decode_chunk(self._payload[:size], source[start: start + span].data, out.data)
-        except ProtocolError as exc:
-            return self._fail("decode", exc)
-        finally:
-            self.decode_seconds += time.thread_time() - cpu
-        self.layout.scatter(chunk, out, self._array, chunk_start=start)
+        if size == self.layout.sizes[chunk]:  # the plan's bytes of the chunk, as a slice
+            payload = np.frombuffer(self._payload, dtype=np.uint8, count=size)
+            self.layout.scatter(chunk, payload, self._array)
+        else:
+            source = self._base_array if self.step == 0 else self._array
+            out = self._decoded[:span]
+            cpu = time.thread_time()
+            try:
+                decode_chunk(self._payload[:size], source[start: start + span].data, out.data)
+            except ProtocolError as exc:
+                return self._fail("decode", exc)
+            finally:
+                self.decode_seconds += time.thread_time() - cpu
+            self.layout.scatter(chunk, out, self._array, chunk_start=start)
         if last:
             if self.layout.whole(self.manifest, chunk):
-                got = xxhash.xxh3_64_intdigest(out.data)
+                got = xxhash.xxh3_64_intdigest(self.chunk_target(chunk))
                 want: int | None = self.manifest.checksums[chunk]
             else:
                 got = xxhash.xxh3_64_intdigest(self.layout.gather(chunk, self._array).data)
