@@ -244,7 +244,7 @@ class SliceSource(DealerSource):
 
         def request(req: int, batch: list[int]) -> Any:
             chunks = tuple(self.wire_chunk(chunk) for chunk in batch)
-            if target.fetch_base:  # a delta step: whole-chunk delta payloads
+            if target.fetch_base:  # a delta step: delta payloads (slices where not shorter)
                 return wire.FetchRequest(req=req, publisher_id=publisher,
                                          version=target.fetch_version, chunks=chunks,
                                          base=target.fetch_base, plan=self.digest)

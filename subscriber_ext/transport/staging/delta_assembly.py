@@ -13,7 +13,7 @@ checked against the full version's checksum as it is written; only a version
 whose every chunk matched is staged. A payload that does not decode or a
 chunk that does not match makes the caller fetch the version in full instead.
 
-A sliced subscriber (``SyncClient(targets=...)`` whose maker keeps ``delta_bases``)
+A sliced subscriber (``SyncClient(targets=...)`` whose maker names a ``delta_plan``)
 holds its last sparse version the same way (``HeldBase.plan``: only that plan's
 bytes) and rebuilds only those bytes (``sparse_delta.py``); ``start_for`` tells a
 target maker what a version's deltas can start from, or why not.
