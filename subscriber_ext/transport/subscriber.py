@@ -100,10 +100,10 @@ class WeightSubscriber:
     counts the pages the plan touches. A publisher serving deltas: the last staged
     version (its planned pages, counted in the budget) is the base, and a version
     offering a delta against it comes as the deltas of the touched chunks, applied to
-    the planned bytes only and checked against the same sums (``data_path``
-    "slices+delta"; ``transport/staging/sparse_delta.py``). ``status()["slice_plan"]``
-    shows the plan's share and its fallbacks by cause (whole chunks; raw slices
-    instead of a delta).
+    the planned bytes only and checked against the same sums (``data_path`` still
+    "slices", ``versions_delta`` counts it; ``transport/staging/sparse_delta.py``).
+    ``status()["slice_plan"]`` shows the plan's share and its fallbacks by cause
+    (whole chunks; raw slices instead of a delta).
     """
 
     def __init__(

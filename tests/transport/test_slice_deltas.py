@@ -22,7 +22,7 @@ import zmq
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.byte_relay import ByteRelay
-from tests.transport.procs import Child, as_bytes, drift_weights, spec_bytes
+from tests.transport.procs import Child, as_bytes, drift_weights, spec_bytes, wait_until
 from tests.transport.test_slice_fetch import half_plan
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
@@ -37,12 +37,11 @@ SPEC: list[Any] = [["layers.0.qkv.weight", "bfloat16", [256, 1024]],
                    ["layers.0.norm.weight", "float32", [1024]]]
 
 
-def check_staged(staged: Any, want: dict[str, torch.Tensor], rank: int, data_path: str
-                 ) -> None:
+def check_staged(staged: Any, want: dict[str, torch.Tensor], rank: int) -> None:
     """Planned bytes equal the published ones (``want``); the rest reads zeros (never
-    written)."""
+    written). A delta rebuild's ``data_path`` is "slices" too (``Report`` allows no other)."""
     version = staged.version
-    assert staged.data_path == data_path, (version, staged.data_path)
+    assert staged.data_path == "slices", (version, staged.data_path)
     for name, tensor in want.items():
         got = staged.tensors[name]
         if tensor.dim() != 2:
@@ -78,8 +77,8 @@ def test_a_sliced_subscriber_follows_deltas_with_few_bytes_on_the_wire(
         chain = pub.request("publish", version=version, spec=SPEC, drift=True)["delta_chain"]
         assert chain == (None if version == 1 else list(range(1, version)))
         staged = sub.wait_for_version(version, timeout=60)
-        check_staged(staged, drift_weights(SEED, version, SPEC), 0,
-                     "slices" if version == 1 else "slices+delta")
+        check_staged(staged, drift_weights(SEED, version, SPEC), 0)
+        assert sub.status()["versions_delta"] == version - 1  # 1 raw slices, then deltas
         staged.release()
         wire_bytes.append(relays[0].bytes_down - before)
     status = sub.status()
@@ -136,7 +135,7 @@ def test_a_delta_that_fails_falls_back_to_raw_slices_and_stays_exact(
         weights = drift_weights(SEED, version, SPEC)
         pub.publish(weights, version=version)
         staged = sub.wait_for_version(version, timeout=60)
-        check_staged(staged, weights, 1, "slices+delta" if version == 4 else "slices")
+        check_staged(staged, weights, 1)
         staged.release()
     assert spoiled == forms
     status = sub.status()
@@ -145,6 +144,9 @@ def test_a_delta_that_fails_falls_back_to_raw_slices_and_stays_exact(
     assert (status["versions_full"], status["versions_delta"]) == (4, 1)
     assert status["delta_fallbacks"] == 3 and status["delta_base_version"] == 5
     assert "fetching version 5 as raw slices" in str(status["last_error"])
+    sub.mark_applied(4)  # a delta rebuild: its report says "slices" (a Report allows no other)
+    wait_until(lambda: any(r.applied_version == 4 and r.data_path == "slices"
+                           for r in pub.fleet()), 10, "the report of version 4")
 
 
 def test_a_base_the_chain_does_not_name_fetches_raw_slices(
@@ -173,12 +175,12 @@ def test_a_base_the_chain_does_not_name_fetches_raw_slices(
         pub.wait_announced(version, timeout=30)
     staged = sub.wait_for_version(5, timeout=60)
     assert [b.version for b in pub.manifest(5).delta.chain] == [4]  # type: ignore[union-attr]
-    check_staged(staged, weights, 0, "slices")
+    check_staged(staged, weights, 0)
     staged.release()
     weights = drift_weights(SEED, 6, SPEC)
     pub.publish(weights, version=6)
     staged = sub.wait_for_version(6, timeout=60)
-    check_staged(staged, weights, 0, "slices+delta")
+    check_staged(staged, weights, 0)
     status = sub.status()
     assert status["slice_plan"]["delta_fallbacks"] == {"no_base": 1}
     assert (status["versions_full"], status["versions_delta"]) == (2, 2)
@@ -208,7 +210,7 @@ def test_sharded_ranks_serve_the_deltas_of_their_part_of_the_plan() -> None:
             want: dict[str, torch.Tensor] = {}
             for spec in SHARD_SPECS:
                 want.update(drift_weights(SHARD_SEED, version, spec))
-            assert staged.data_path == ("slices" if version == 1 else "slices+delta")
+            assert staged.data_path == "slices"
             got = staged.tensors["layers.0.w"]
             assert torch.equal(as_bytes(got[:, :128]), as_bytes(want["layers.0.w"][:, :128]))
             assert not as_bytes(got[:, 128:]).any()
@@ -254,9 +256,10 @@ def test_a_chunk_whose_delta_is_no_smaller_comes_as_its_slice(
         assert (manifest.delta is None) == (version == 1)
         touched = len(SliceLayout.build(plan, manifest).chunks)
         staged = sub.wait_for_version(version, timeout=60)
-        check_staged(staged, weights, 0, "slices+delta" if version == 2 else "slices")
+        check_staged(staged, weights, 0)
         staged.release()
         sent.append(relays[0].bytes_down - before)
+    assert sub.status()["versions_delta"] == 1  # version 2: every chunk as its slice
     share = sub.status()["slice_plan"]
     assert share["delta_fallbacks"] == {"too_big": 1, "paused": 1}
     print(f"raw slices {sent[0]}, a raw delta as slices {sent[1]}, a raw delta given up "
@@ -298,7 +301,7 @@ def test_a_subscriber_that_missed_a_version_rebuilds_through_the_chain(
         pub.wait_announced(version, timeout=30)
         if version != 3:
             staged = sub.wait_for_version(version, timeout=60)
-            check_staged(staged, weights, 1, "slices" if version == 1 else "slices+delta")
+            check_staged(staged, weights, 1)
             staged.release()
     assert steps == [(), ((2, 1),), ((3, 2), (4, 3))]
     status = sub.status()

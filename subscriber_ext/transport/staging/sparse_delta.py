@@ -70,7 +70,6 @@ class SparseDeltaAssembly(SparseAssembly):
         self.steps = steps
         self.step = 0
         self.fetch_version, self.fetch_base = steps[0]
-        self.data_path = "slices+delta"
         span = min(manifest.chunk_size, manifest.total_bytes)
         self._payload = memoryview(bytearray(span))  # one payload as it came
         self._decoded = np.empty(span, dtype=np.uint8)  # a whole chunk, decoded
