@@ -83,6 +83,10 @@ class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
 
     ``base`` 0 asks for the version's bytes; otherwise for each chunk as a delta
     against that version (the previous link of ``Manifest.delta.chain``).
+    ``plan`` (with ``base``, issue 30): a sliced subscriber's registered slice plan; a
+    chunk whose delta payload is not shorter than the plan's bytes of it comes as those
+    bytes, gathered as a ``slice_fetch`` reply carries them (the reply's size tells the
+    two apart: a delta payload sent is shorter). Empty, or a plan not held: deltas only.
     """
 
     req: U63
@@ -91,6 +95,7 @@ class FetchRequest(_Message, tag="fetch", kw_only=True, frozen=True):
     chunks: Annotated[tuple[Annotated[int, Meta(ge=0, le=MAX_CHUNKS)], ...],
                       Meta(max_length=MAX_CHUNKS_PER_FETCH)]
     base: U63 = 0
+    plan: Annotated[str, Meta(max_length=32, pattern="^([0-9a-f]{32})?$")] = ""
 
 
 ERROR_CODES = ("version_unavailable", "bad_request", "unknown_plan")  # unknown_plan: slices

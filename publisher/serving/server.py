@@ -120,12 +120,13 @@ class ServingThread(threading.Thread):
         self._warn = RateLimitedLog(log)
         self.bad_messages = 0
         self.refused_reports = 0
-        self.delta_serving = DeltaServing(  # answers fetches that name a delta base
-            deltas, store, publisher_id, self._send_to, self._reply_to,
-            max_chunks_per_request=self.limits.max_chunks_per_request)
         self.slice_serving = SliceServing(  # plans, their checksums and their bytes (issue 30)
             store, publisher_id, self._send_to, self._reply_to, limits=self.limits.slices,
             max_chunks_per_request=self.limits.max_chunks_per_request)
+        self.delta_serving = DeltaServing(  # answers fetches that name a delta base
+            deltas, store, publisher_id, self._send_to, self._reply_to,
+            max_chunks_per_request=self.limits.max_chunks_per_request,
+            slice_layouts=self.slice_serving.layout_for)  # a sliced subscriber's deltas
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start_and_wait(self, timeout: float = 10.0) -> None:

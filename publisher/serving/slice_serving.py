@@ -253,6 +253,25 @@ class SliceServing:
         self._entries.move_to_end(key)
         return entry
 
+    def layout_for(self, digest: str, number: int) -> SliceLayout | None:
+        """The plan's layout in held version ``number``, for a delta fetch that names the
+        plan (``FetchRequest.plan``: ``delta_serving.py`` sends a chunk's slice where its
+        delta would not be shorter); None when the plan is not held or does not fit."""
+        held = self._plans.get(digest)
+        version = self._store.get(number)
+        if held is None or version is None or version.failed:
+            return None
+        key = (digest, number)
+        entry = self._entries.get(key)
+        if entry is None or entry.version is not version:
+            try:
+                layout = SliceLayout.build(held[0], version.manifest)
+            except ProtocolError:
+                return None
+            entry = self._entries[key] = _Entry(version, layout)
+            self._evict_entries()
+        return entry.layout
+
     def _evict_entries(self) -> None:
         for key, entry in list(self._entries.items()):
             if self._store.get(key[1]) is not entry.version and not entry.waiters:

@@ -97,8 +97,13 @@ class WeightSubscriber:
     views; bytes outside the plan read as zeros; ``data_path`` "slices", or "nixl" /
     "nixl+zmq" where the manifest offers NIXL: the planned byte ranges are READ
     one-sided and verified against the same sums); the budget
-    counts the pages the plan touches. ``status()["slice_plan"]`` shows the plan's
-    share and its fallbacks (whole chunks) by cause.
+    counts the pages the plan touches. A publisher serving deltas: the last staged
+    version (its planned pages, counted in the budget) is the base, and a version
+    offering a delta against it comes as the deltas of the touched chunks, applied to
+    the planned bytes only and checked against the same sums (``data_path`` still
+    "slices", ``versions_delta`` counts it; ``transport/staging/sparse_delta.py``).
+    ``status()["slice_plan"]`` shows the plan's share and its fallbacks by cause
+    (whole chunks; raw slices instead of a delta).
     """
 
     def __init__(

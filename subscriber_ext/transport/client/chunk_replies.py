@@ -22,7 +22,7 @@ from subscriber_ext.transport.client.fetch_credit import FetchCredit
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener, final_bytes
 from subscriber_ext.transport.staging.chunk_source import ChunkSource
-from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
+from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from weightpub_wire import chunk_frame
 from weightpub_wire.errors import (
     ChecksumError,
@@ -65,7 +65,7 @@ class ChunkReceiver:
                  deltas: DeltaState, listeners: list[ChunkListener], *,
                  target: Callable[[], Assembly | None],
                  complete: Callable[[Assembly], None],
-                 delta_failed: Callable[[DeltaAssembly, WeightPubError], None]) -> None:
+                 delta_failed: Callable[[Assembly, WeightPubError], None]) -> None:
         """``target()``: the version being fetched; ``complete(target)``: every chunk is
         in; ``delta_failed(target, why)``: fetch that version in full instead."""
         self.received_bytes = 0  # data-path bytes accepted into staging
@@ -112,7 +112,7 @@ class ChunkReceiver:
         self._requests.chunk_done(req, request, chunk)
         if chunk not in target.missing:
             return None
-        if isinstance(target, DeltaAssembly) or target.fetch_base:
+        if target.fetch_base:
             return False  # a delta step's bytes are decoded from scratch, never read in place
         return self._landed(target, chunk, version, target.in_place_bytes(chunk), None,
                             source, via)
@@ -126,7 +126,7 @@ class ChunkReceiver:
         final = final_bytes(target)
         if not target.verify(chunk, size, digest):
             self.checksum_failures += 1
-            if isinstance(target, DeltaAssembly):
+            if target.fetch_base:  # a delta step (whole or slices): fetch it raw instead
                 self._delta_failed(target,
                                    target.error or ChecksumError("delta chunk refused"))
                 return False

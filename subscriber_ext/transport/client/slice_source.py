@@ -17,8 +17,18 @@ the message) or refuses it (the plan is bad, too big, or for another model), or
 refuses a fetch for its bounds: whole chunks from the same publisher, still only the
 touched ones, each verified against the manifest and only its planned bytes kept. A
 sharded version (``Manifest.shards``): each trainer rank serves its own part of the
-plan (``shard_slices.py``, a ``SliceSource`` per rank). Deltas: the version's own bytes are
-sliced (a sliced subscriber keeps no delta base). Peers and the collective path are
+plan (``shard_slices.py``, a ``SliceSource`` per rank). Deltas: a sliced subscriber keeps
+its last staged version (only the plan's bytes, counted in the staging budget as a
+whole subscriber's base is) as its delta base; a version whose manifest offers a
+delta against it comes as the delta payloads of the chunks the plan touches (``fetch``
+with ``base`` and ``plan``, from the publisher or each trainer rank: a chunk whose
+delta is not shorter than its slice comes as the slice), decoded over the base,
+applied to the planned bytes only and checked against the version's slice sums
+(``staging/sparse_delta.py``). A delta that is not served, does not decode
+or does not match, one that costs more bytes than the raw slices (then the next
+``DELTA_PAUSE`` versions too), or a base that is not in the version's chain, falls
+back to raw slices for that version, counted by cause (``DELTA_FALLBACK_CAUSES``, in
+``status()["slice_plan"]["delta_fallbacks"]``). Peers and the collective path are
 not offered to a sliced subscriber (``slice_plan`` with ``peer_share`` or
 ``collective`` is a ``ConfigError``). Conflation is the client's, as for any target.
 """
@@ -34,9 +44,10 @@ from typing import Any
 import zmq
 
 from subscriber_ext.transport.client.dealer_source import DealerSource
-from subscriber_ext.transport.staging.assembly import Assembly
+from subscriber_ext.transport.staging.assembly import Assembly, DeltaStart
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
+from subscriber_ext.transport.staging.sparse_delta import SparseDeltaAssembly
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
@@ -59,7 +70,8 @@ from weightpub_wire.slice_messages import (
 )
 from weightpub_wire.slice_plan import SlicePlan, SliceRuns
 
-__all__ = ["CONTROL_TRIES", "FALLBACK_CAUSES", "SliceFetcher", "SliceSource", "register_parts"]
+__all__ = ["CONTROL_TRIES", "DELTA_FALLBACK_CAUSES", "DELTA_PAUSE", "FALLBACK_CAUSES",
+           "SliceFetcher", "SliceSource", "register_parts"]
 
 FALLBACK_CAUSES = (
     "no_answer",  # the publisher did not answer the registration (it predates slices)
@@ -70,6 +82,16 @@ FALLBACK_CAUSES = (
     "evicted",  # the publisher kept dropping the plan (more plans than it holds)
 )
 CONTROL_TRIES = 3  # a registration or sums request asked this often before falling back
+DELTA_FALLBACK_CAUSES = (
+    "no_base",  # the manifest offers a delta, but not against the base held (or none held)
+    "unserved",  # the publisher (a trainer rank) did not serve the delta
+    "decode",  # a delta payload did not decode
+    "checksum",  # the rebuilt planned bytes failed the version's slice sums
+    "sums",  # no slice sum to check a rebuilt chunk against (whole chunks came instead)
+    "too_big",  # the delta cost more than the raw slices (raw chunks, a thin plan)
+    "paused",  # a delta offered after a ``too_big``: raw slices for ``DELTA_PAUSE`` versions
+)
+DELTA_PAUSE = 4  # versions fetched as raw slices after a delta that cost more than them
 
 
 def register_parts(plan: SlicePlan, digest: str, req: int) -> list[SliceRegister]:
@@ -222,6 +244,10 @@ class SliceSource(DealerSource):
 
         def request(req: int, batch: list[int]) -> Any:
             chunks = tuple(self.wire_chunk(chunk) for chunk in batch)
+            if target.fetch_base:  # a delta step: delta payloads (slices where not shorter)
+                return wire.FetchRequest(req=req, publisher_id=publisher,
+                                         version=target.fetch_version, chunks=chunks,
+                                         base=target.fetch_base, plan=self.digest)
             if sparse is not None and self._slicing(sparse):
                 return SliceFetch(req=req, publisher_id=publisher, version=version,
                                   digest=self.digest, chunks=chunks)
@@ -311,6 +337,14 @@ class SliceSource(DealerSource):
     def _on_error(self, error: wire.ErrorReply, mine: bool,
                   target: SparseAssembly | None) -> None:
         table = self._sink.requests
+        if not mine and target is not None and target.fetch_base and error.req in table:
+            # a delta step not served (none held, or the publisher's bounds): the client
+            # fetches the version as raw slices (``SyncClient._delta_failed``)
+            if isinstance(target, SparseDeltaAssembly) and target.cause is None:
+                target.cause = "unserved"
+                self.fetcher.count_delta_fallback("unserved")
+            self._sink.error(error)
+            return
         if error.code == "unknown_plan":  # the publisher forgot it (its LRU): register again
             if target is not None:
                 self.registered.discard(self.publisher_id(target))
@@ -364,7 +398,15 @@ class SliceFetcher:
         self.version_bytes = 0
         self.slice_bytes = 0
         self.whole_bytes = 0
+        self.delta_bytes = 0
+        self.delta_fallbacks: Counter[str] = Counter()
+        self._delta_pause = 0  # versions still fetched raw after a ``too_big``
         self._layouts: dict[tuple[str, int], SliceLayout] = {}
+
+    @property
+    def delta_plan(self) -> str:
+        """The plan its delta bases hold (``TargetMaker``): its own."""
+        return self.digest
 
     # -- the target maker (``SyncClient(targets=...)``) ----------------------------------------
     def layout(self, manifest: wire.Manifest) -> SliceLayout:
@@ -385,10 +427,29 @@ class SliceFetcher:
         except ProtocolError:
             return manifest.total_bytes  # refused by ``assembly`` with the reason
 
-    def assembly(self, manifest: wire.Manifest, pool: BufferPool) -> Assembly:
+    def assembly(self, manifest: wire.Manifest, pool: BufferPool, start: DeltaStart) -> Assembly:
+        """Raw slices, or (``start`` has a base) the plan's bytes rebuilt from deltas."""
         layout = self.layout(manifest)
         self.version_bytes = manifest.total_bytes
+        if start.base is not None and self._delta_pause:
+            self._delta_pause -= 1
+            self.count_delta_fallback("paused")
+        elif start.base is not None:
+            return SparseDeltaAssembly(manifest, pool, layout, self.digest, start.base,
+                                       start.steps, on_bytes=self.delta_received,
+                                       on_failed=self.count_delta_fallback)
+        if start.why == "no_base":
+            self.count_delta_fallback("no_base")
         return SparseAssembly(manifest, pool, layout, self.digest, on_bytes=self.received)
+
+    def delta_received(self, nbytes: int) -> None:
+        """A delta reply's payload bytes (``SparseDeltaAssembly.place``)."""
+        self.delta_bytes += nbytes
+
+    def count_delta_fallback(self, cause: str) -> None:
+        self.delta_fallbacks[cause] += 1
+        if cause == "too_big":
+            self._delta_pause = DELTA_PAUSE
 
     def received(self, whole: bool, nbytes: int) -> None:
         """A reply's payload bytes, by form (``SparseAssembly.place``)."""
@@ -431,6 +492,8 @@ class SliceFetcher:
             else round(self.needed_bytes / self.version_bytes, 4),
             "slice_bytes": self.slice_bytes,
             "whole_chunk_bytes": self.whole_bytes,
+            "delta_bytes": self.delta_bytes,
             "fallbacks": dict(self.fallbacks),
+            "delta_fallbacks": dict(self.delta_fallbacks),
             "last_refusal": self.last_refusal or None,
         }

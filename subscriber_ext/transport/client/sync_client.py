@@ -55,7 +55,7 @@ from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion, T
 from subscriber_ext.transport.staging.budget_gate import BudgetGate
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, SourcePicker, SourceSink
-from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly, DeltaState
+from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from subscriber_ext.transport.staging.request_table import RequestTable, VersionBackoff
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
@@ -86,7 +86,8 @@ class SyncClient:
                  targets: TargetMaker | None = None) -> None:
         """``pickers``: chunk sources of other kinds, asked first (chunk_source.py);
         ``targets``: makes each target instead of a whole ``Assembly`` and sizes it for
-        the budget (a slice plan's ``SparseAssembly``); such targets are never delta bases."""
+        the budget (a slice plan's ``SparseAssembly``); its staged versions are delta bases
+        only if it rebuilds from them (``TargetMaker.delta_plan``)."""
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id
         self.options = options
@@ -97,7 +98,7 @@ class SyncClient:
         self.target: Assembly | None = None  # the version being fetched
         self.targets = targets
         self.deltas = DeltaState()  # the base held for deltas, bytes by path
-        self.deltas.no_bases = targets is not None
+        self.deltas.no_bases = targets is not None and targets.delta_plan is None
         self.gate = BudgetGate(self.pool, self.deltas,  # the staging budget
                                size=None if targets is None else targets.staged_bytes)
         self.requests = RequestTable()  # in flight (also peers', for peering.py); tries
@@ -280,8 +281,12 @@ class SyncClient:
                 self.report.problem(refused)  # never fits: say so; the live weights stay
             return
         try:
-            target = self.targets.assembly(manifest, self.pool) if self.targets is not None \
-                else self.deltas.assembly_for(manifest, self.pool) or Assembly(manifest, self.pool)
+            if self.targets is not None:
+                target = self.targets.assembly(
+                    manifest, self.pool, self.deltas.start_for(manifest, self.targets.delta_plan))
+            else:
+                target = self.deltas.assembly_for(manifest, self.pool) or \
+                    Assembly(manifest, self.pool)
         except (ProtocolError, StagingBudgetError) as exc:  # e.g. a slice plan of another
             # model: say so, stage nothing; tried again after the back-off
             self.report.problem(type(exc)(f"version {manifest.version}: {exc}"))
@@ -341,9 +346,11 @@ class SyncClient:
         self.drop_target()
         self.follower.resync()  # re-ask for the newest version right away
 
-    def _delta_failed(self, target: DeltaAssembly, why: WeightPubError) -> None:
-        """A delta that is not served, does not decode or does not verify: fetch in full."""
-        self.report.bad(type(why)(f"{why}; fetching version {target.manifest.version} in full"))
+    def _delta_failed(self, target: Assembly, why: WeightPubError) -> None:
+        """A delta that is not served, does not decode or does not verify: fetch in full
+        (a sliced target: as raw slices)."""
+        how = "as raw slices" if target.plan is not None else "in full"
+        self.report.bad(type(why)(f"{why}; fetching version {target.manifest.version} {how}"))
         self.deltas.refuse(target)
         self.drop_target()
         self.start_target(target.manifest)
@@ -407,7 +414,8 @@ class SyncClient:
         if error.req not in self.requests:
             return  # a reply to a request we already gave up on
         self.requests.forget(error.req)
-        if isinstance(self.target, DeltaAssembly) and error.version == self.target.fetch_version:
+        if self.target is not None and self.target.fetch_base and \
+                error.version == self.target.fetch_version:
             self._delta_failed(self.target, ProtocolError(f"delta: {error.message}"))
         elif self.target is not None and error.version == self.target.manifest.version:
             kind = VersionUnavailable if error.code == "version_unavailable" else ProtocolError

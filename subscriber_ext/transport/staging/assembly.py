@@ -22,9 +22,11 @@ from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.checksums import chunk_checksum, copy_checksum
 from weightpub_wire.chunk_order import priority_chunks
 from weightpub_wire.dtypes import dtype_from_name
+from weightpub_wire.errors import WeightPubError
 from weightpub_wire.protocol import Manifest
 
-__all__ = ["Assembly", "SharedView", "StagedVersion", "TargetMaker", "tensor_views"]
+__all__ = ["Assembly", "DeltaStart", "HeldBase", "SharedView", "StagedVersion", "TargetMaker",
+           "tensor_views"]
 
 _RELEASED = torch.empty(0, dtype=torch.uint8)
 
@@ -113,8 +115,46 @@ class StagedVersion:
             self._pool.give(buffer)
 
 
+@dataclass(slots=True)
+class HeldBase:
+    """The version deltas can start from: its manifest, digest and bytes (kept by a hold).
+
+    ``plan``: the digest of the slice plan whose bytes alone it holds (a sliced
+    subscriber's sparse version, ``sparse_delta.py``); None: every byte of the version."""
+
+    manifest: Manifest
+    digest: int
+    buffer: torch.Tensor
+    view: memoryview
+    let_go: Callable[[], None]
+    plan: str | None = None
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaStart:
+    """What a version's deltas can start from here (``DeltaState.start_for``): the held
+    base and the steps ``(version, its base)`` from it, or why not (``base`` None)."""
+
+    base: HeldBase | None = None
+    steps: tuple[tuple[int, int], ...] = ()
+    #: None: a delta can start (or the manifest offers none); else why not: "refused"
+    #: (this version's delta failed here already), "no_base" (no base held, or the one
+    #: held is not in the chain, or of another layout or plan)
+    why: str | None = None
+
+
 class Assembly:
     """A version being received: its buffer and which chunks are still missing."""
+
+    #: the slice plan whose bytes alone it receives (``sparse_assembly.py``); None: all
+    plan: str | None = None
+    #: why a delta step refused a chunk, and the CPU its decoding took (delta targets)
+    error: WeightPubError | None = None
+    decode_seconds: float = 0.0
 
     def __init__(self, manifest: Manifest, pool: BufferPool) -> None:
         self.manifest = manifest
@@ -210,8 +250,15 @@ class TargetMaker(Protocol):
         """What staging ``manifest`` costs against the staging budget."""
         ...
 
-    def assembly(self, manifest: Manifest, pool: BufferPool) -> Assembly:
-        """The target for ``manifest`` (``ProtocolError``: it cannot be staged here)."""
+    @property
+    def delta_plan(self) -> str | None:
+        """The slice plan whose staged versions its later targets rebuild from as delta
+        bases (``sparse_delta.py``); None: it keeps no delta base."""
+        ...
+
+    def assembly(self, manifest: Manifest, pool: BufferPool, start: DeltaStart) -> Assembly:
+        """The target for ``manifest`` (``ProtocolError``: it cannot be staged here);
+        ``start``: what a delta could start from (``DeltaState.start_for``)."""
         ...
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from subscriber_ext.transport.staging.assembly import Assembly
-from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from weightpub_wire.protocol import Manifest
 
 __all__ = ["ChunkListener", "final_bytes"]
@@ -38,4 +37,4 @@ class ChunkListener(Protocol):
 def final_bytes(target: Assembly) -> bool:
     """Whether a chunk the target verifies now holds the version's own bytes (a delta
     rebuild's earlier steps hold intermediate versions)."""
-    return not isinstance(target, DeltaAssembly) or target.step == len(target.steps) - 1
+    return not target.fetch_base or target.fetch_version == target.manifest.version

@@ -12,42 +12,28 @@ place, step by step over the whole version. Every chunk of the last step is
 checked against the full version's checksum as it is written; only a version
 whose every chunk matched is staged. A payload that does not decode or a
 chunk that does not match makes the caller fetch the version in full instead.
+
+A sliced subscriber (``SyncClient(targets=...)`` whose maker names a ``delta_plan``)
+holds its last sparse version the same way (``HeldBase.plan``: only that plan's
+bytes) and rebuilds only those bytes (``sparse_delta.py``); ``start_for`` tells a
+target maker what a version's deltas can start from, or why not.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
 
-import torch
-
-from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion
+from subscriber_ext.transport.staging.assembly import Assembly, DeltaStart, HeldBase, StagedVersion
 from weightpub_wire.buffers import BufferPool, byte_view
 from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.delta_codec import decode_chunk, version_digest
 from weightpub_wire.errors import ChecksumError, ProtocolError, WeightPubError
 from weightpub_wire.protocol import Manifest
 
-__all__ = ["DeltaAssembly", "DeltaState", "HeldBase"]
+__all__ = ["DeltaAssembly", "DeltaStart", "DeltaState", "HeldBase"]
 
 _REFUSED_KEEP = 16
-
-
-@dataclass(slots=True)
-class HeldBase:
-    """The version deltas can start from: its manifest, digest and bytes (kept by a hold)."""
-
-    manifest: Manifest
-    digest: int
-    buffer: torch.Tensor
-    view: memoryview
-    let_go: Callable[[], None]
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
 
 
 class DeltaAssembly(Assembly):
@@ -128,7 +114,7 @@ class DeltaState:
         self.base: HeldBase | None = None
         # peer sharing serves the newest staged version from the base: keep it always
         self.keep_newest = False
-        # a client whose targets hold only some bytes (slices): none can be a base
+        # a client whose targets cannot rebuild from a base of theirs: keep none
         self.no_bases = False
         self._refused: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.bytes_received_full = 0
@@ -138,24 +124,34 @@ class DeltaState:
         self.fallbacks = 0
         self.decode_seconds = 0.0
 
-    def assembly_for(self, manifest: Manifest, pool: BufferPool) -> DeltaAssembly | None:
-        """A delta rebuild of ``manifest`` if the held base is in its chain, else None."""
+    def start_for(self, manifest: Manifest, plan: str | None = None) -> DeltaStart:
+        """What ``manifest``'s deltas can start from: the held base (of ``plan``: the
+        slice plan a sparse target receives, None for a whole one) and the steps from it,
+        or why not (``DeltaStart.why``; None too when the manifest offers no delta)."""
         base, info = self.base, manifest.delta
-        refused = (manifest.publisher_id, manifest.version) in self._refused
-        if base is None or info is None or refused:
-            return None
-        if (base.manifest.total_bytes, base.manifest.chunk_size) != \
+        if info is None:
+            return DeltaStart()
+        if (manifest.publisher_id, manifest.version) in self._refused:
+            return DeltaStart(why="refused")
+        if base is None or base.plan != plan or \
+                (base.manifest.total_bytes, base.manifest.chunk_size) != \
                 (manifest.total_bytes, manifest.chunk_size):
-            return None
+            return DeltaStart(why="no_base")
         links = [(link.version, link.digest) for link in info.chain]
         if (base.version, base.digest) not in links:
-            return None
+            return DeltaStart(why="no_base")
         first = links.index((base.version, base.digest))
         versions = [v for v, _ in links[first:]] + [manifest.version]
-        steps = list(zip(versions[1:], versions[:-1], strict=True))
-        return DeltaAssembly(manifest, pool, base, steps)
+        return DeltaStart(base, tuple(zip(versions[1:], versions[:-1], strict=True)))
 
-    def refuse(self, target: DeltaAssembly) -> None:
+    def assembly_for(self, manifest: Manifest, pool: BufferPool) -> DeltaAssembly | None:
+        """A delta rebuild of ``manifest`` if the held base is in its chain, else None."""
+        start = self.start_for(manifest)
+        if start.base is None:
+            return None
+        return DeltaAssembly(manifest, pool, start.base, list(start.steps))
+
+    def refuse(self, target: Assembly) -> None:
         """The delta failed: the next start of this version fetches it in full."""
         self.fallbacks += 1
         self.decode_seconds += target.decode_seconds
@@ -178,7 +174,7 @@ class DeltaState:
         or ask for would double the staging memory (and its first-touch page faults)
         for nothing.
         """
-        if isinstance(target, DeltaAssembly):
+        if target.fetch_base:  # a delta target ends on a delta step
             self.versions_delta += 1
             self.decode_seconds += target.decode_seconds
         else:
@@ -193,7 +189,7 @@ class DeltaState:
             manifest=manifest,
             digest=version_digest(manifest.total_bytes, manifest.chunk_size, manifest.checksums),
             buffer=staged.buffer, view=byte_view(staged.buffer, manifest.total_bytes),
-            let_go=staged.retain())
+            let_go=staged.retain(), plan=target.plan)
 
     def drop_base(self) -> None:
         if self.base is not None:

@@ -15,7 +15,8 @@ publisher's ``slice_sums`` for this plan and version; or the whole chunk (a fall
 a publisher without slices, a trainer rank of a sharded version), checked against
 the manifest's chunk checksum. Either way the digest is taken of the bytes as they
 came, and only the planned bytes are written into place: a version is staged only
-when every touched chunk verified, as for a whole version.
+when every touched chunk verified, as for a whole version. A staged one is the delta
+base of the next version (``sparse_delta.py`` rebuilds only the planned bytes).
 
 A one-sided reader (NIXL, ``client/nixl_source.py``) READs the planned byte ranges
 (``read_pieces``) straight to where they belong, the same offsets in the holder's
@@ -52,6 +53,7 @@ class SparseAssembly(Assembly):
         self.pool = pool
         self.layout = layout
         self.digest = digest  # the plan's, named in every slice request
+        self.plan = digest  # a delta base of this plan once staged (``sparse_delta.py``)
         # reused for the same plan in the same layout: only planned bytes were ever written
         reuse = (digest, manifest.total_bytes, manifest.chunk_size,
                  tuple((t.name, t.offset) for t in manifest.tensors))
@@ -65,7 +67,7 @@ class SparseAssembly(Assembly):
         self.cursor = 0
         self.started = time.monotonic()
         self.fetch_version = manifest.version
-        self.fetch_base = 0  # slices are always of the version's own bytes
+        self.fetch_base = 0  # the version's own bytes (deltas: ``sparse_delta.py``)
         self.data_path = "slices"
         self.attempt = 0
         self.received_by: dict[str, int] = {}
