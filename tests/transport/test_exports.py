@@ -46,8 +46,8 @@ PUBLISHER_ALL = [
 
 SUBSCRIBER_ALL = ["WORKER_EXTENSION", "BatchWeightSyncWorkerExtension", "StagedVersion",
                   "SubscriberConfig", "SyncOptions", "VersionRange", "WeightSubscriber",
-                  "adapter_request", "keep_fresh", "request_version_range", "version_range",
-                  "wait_until_applied"]
+                  "adapter_request", "keep_fresh", "replica_status", "request_version_range",
+                  "version_range", "wait_until_applied"]
 
 WIRE_ALL = ["PROTOCOL_VERSION", "ApplyError", "ChecksumError", "ClosedError", "ConfigError",
             "Manifest", "ProtocolError", "Report", "StagingBudgetError", "TensorEntry",
