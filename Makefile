@@ -12,7 +12,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	$(PY) -m pip install -q -e ".[$(EXTRA),test]"
+	@# no byte-compiling of every installed module (about 100 s of the install on CI's 2
+	@# cores): Python compiles the ones a process imports, once, on first import (~1 s)
+	$(PY) -m pip install -q --no-compile -e ".[$(EXTRA),test]"
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import
 	@# transformers` next to CPU torch; vLLM does not need them for text models.
 	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null

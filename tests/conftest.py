@@ -50,7 +50,7 @@ ENGINE_GROUPS: dict[str, tuple[str, ...]] = {
         "tests/test_bench_scale.py::test_scale_section_with_a_replica",
         "tests/vllm/test_serve.py", "tests/vllm/test_weight_transfer_http.py",
         "tests/vllm/test_weight_transfer_api.py", "tests/vllm/test_weight_transfer_tp2.py",
-        "tests/vllm/test_prepare.py",
+        "tests/vllm/test_prepare.py", "tests/vllm/test_moe_qwen2.py",
     ),
     "engines-b": ("tests/vllm/",),  # every other engine module
 }

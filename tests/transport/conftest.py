@@ -9,6 +9,7 @@ import pytest
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from tests.transport.byte_relay import ByteRelay
 from tests.transport.procs import Child
 
 
@@ -101,3 +102,12 @@ def paced_reads(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[float]]
         return done
 
     return pace
+
+
+@pytest.fixture
+def relays() -> Iterator[list[ByteRelay]]:
+    """Byte-counting relays a test makes (``relays.append(ByteRelay(...))``), closed after."""
+    made: list[ByteRelay] = []
+    yield made
+    for relay in made:
+        relay.close()

@@ -12,7 +12,7 @@ verify or decode, a base the version's chain does not name), each counted by cau
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.byte_relay import ByteRelay
 from tests.transport.procs import Child, as_bytes, drift_weights, spec_bytes, wait_until
-from tests.transport.test_slice_fetch import half_plan
+from tests.transport.test_slice_fetch import assert_planned, half_plan
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.slice_layout import SliceLayout
@@ -35,31 +35,6 @@ CHUNK = 64 << 10
 SPEC: list[Any] = [["layers.0.qkv.weight", "bfloat16", [256, 1024]],
                    ["layers.0.down.weight", "bfloat16", [512, 256]],
                    ["layers.0.norm.weight", "float32", [1024]]]
-
-
-def check_staged(staged: Any, want: dict[str, torch.Tensor], rank: int) -> None:
-    """Planned bytes equal the published ones (``want``); the rest reads zeros (never
-    written). A delta rebuild's ``data_path`` is "slices" too (``Report`` allows no other)."""
-    version = staged.version
-    assert staged.data_path == "slices", (version, staged.data_path)
-    for name, tensor in want.items():
-        got = staged.tensors[name]
-        if tensor.dim() != 2:
-            assert torch.equal(as_bytes(got), as_bytes(tensor)), name
-            continue
-        half = tensor.shape[1] // 2
-        mine, other = slice(rank * half, (rank + 1) * half), slice((1 - rank) * half,
-                                                                   (2 - rank) * half)
-        assert torch.equal(as_bytes(got[:, mine]), as_bytes(tensor[:, mine])), (name, version)
-        assert not as_bytes(got[:, other]).any(), (name, version)
-
-
-@pytest.fixture
-def relays() -> Iterator[list[ByteRelay]]:
-    made: list[ByteRelay] = []
-    yield made
-    for relay in made:
-        relay.close()
 
 
 def test_a_sliced_subscriber_follows_deltas_with_few_bytes_on_the_wire(
@@ -77,7 +52,7 @@ def test_a_sliced_subscriber_follows_deltas_with_few_bytes_on_the_wire(
         chain = pub.request("publish", version=version, spec=SPEC, drift=True)["delta_chain"]
         assert chain == (None if version == 1 else list(range(1, version)))
         staged = sub.wait_for_version(version, timeout=60)
-        check_staged(staged, drift_weights(SEED, version, SPEC), 0)
+        assert_planned(staged, drift_weights(SEED, version, SPEC), 0)
         assert sub.status()["versions_delta"] == version - 1  # 1 raw slices, then deltas
         staged.release()
         wire_bytes.append(relays[0].bytes_down - before)
@@ -135,7 +110,7 @@ def test_a_delta_that_fails_falls_back_to_raw_slices_and_stays_exact(
         weights = drift_weights(SEED, version, SPEC)
         pub.publish(weights, version=version)
         staged = sub.wait_for_version(version, timeout=60)
-        check_staged(staged, weights, 1)
+        assert_planned(staged, weights, 1)
         staged.release()
     assert spoiled == forms
     status = sub.status()
@@ -175,12 +150,12 @@ def test_a_base_the_chain_does_not_name_fetches_raw_slices(
         pub.wait_announced(version, timeout=30)
     staged = sub.wait_for_version(5, timeout=60)
     assert [b.version for b in pub.manifest(5).delta.chain] == [4]  # type: ignore[union-attr]
-    check_staged(staged, weights, 0)
+    assert_planned(staged, weights, 0)
     staged.release()
     weights = drift_weights(SEED, 6, SPEC)
     pub.publish(weights, version=6)
     staged = sub.wait_for_version(6, timeout=60)
-    check_staged(staged, weights, 0)
+    assert_planned(staged, weights, 0)
     status = sub.status()
     assert status["slice_plan"]["delta_fallbacks"] == {"no_base": 1}
     assert (status["versions_full"], status["versions_delta"]) == (2, 2)
@@ -256,7 +231,7 @@ def test_a_chunk_whose_delta_is_no_smaller_comes_as_its_slice(
         assert (manifest.delta is None) == (version == 1)
         touched = len(SliceLayout.build(plan, manifest).chunks)
         staged = sub.wait_for_version(version, timeout=60)
-        check_staged(staged, weights, 0)
+        assert_planned(staged, weights, 0)
         staged.release()
         sent.append(relays[0].bytes_down - before)
     assert sub.status()["versions_delta"] == 1  # version 2: every chunk as its slice
@@ -301,7 +276,7 @@ def test_a_subscriber_that_missed_a_version_rebuilds_through_the_chain(
         pub.wait_announced(version, timeout=30)
         if version != 3:
             staged = sub.wait_for_version(version, timeout=60)
-            check_staged(staged, weights, 1)
+            assert_planned(staged, weights, 1)
             staged.release()
     assert steps == [(), ((2, 1),), ((3, 2), (4, 3))]
     status = sub.status()

@@ -64,8 +64,13 @@ def half_plan(rank: int, spec: list[Any] = SPEC) -> SlicePlan:
 
 def check_staged(staged: Any, version: int, rank: int) -> None:
     """Planned bytes equal the published ones; the rest reads zeros (never written)."""
-    want = det_weights(SEED, version, SPEC)
-    assert staged.data_path == "slices"
+    assert_planned(staged, det_weights(SEED, version, SPEC), rank)
+
+
+def assert_planned(staged: Any, want: dict[str, torch.Tensor], rank: int) -> None:
+    """``staged`` holds ``want``'s bytes where ``half_plan(rank)`` plans them and zeros
+    elsewhere (never written). A delta rebuild's ``data_path`` is "slices" too."""
+    assert staged.data_path == "slices", (staged.version, staged.data_path)
     assert list(staged.tensors) == list(want)
     for name, tensor in want.items():
         got = staged.tensors[name]
@@ -76,16 +81,9 @@ def check_staged(staged: Any, version: int, rank: int) -> None:
         half = tensor.shape[1] // 2
         mine, other = slice(rank * half, (rank + 1) * half), slice((1 - rank) * half,
                                                                    (2 - rank) * half)
-        assert torch.equal(as_bytes(got[:, mine]), as_bytes(tensor[:, mine])), (name, rank)
-        assert not as_bytes(got[:, other]).any(), (name, rank)
-
-
-@pytest.fixture
-def relays() -> Iterator[list[ByteRelay]]:
-    made: list[ByteRelay] = []
-    yield made
-    for relay in made:
-        relay.close()
+        where = (name, rank, staged.version)
+        assert torch.equal(as_bytes(got[:, mine]), as_bytes(tensor[:, mine])), where
+        assert not as_bytes(got[:, other]).any(), where
 
 
 def publish(pub: Child, version: int) -> None:
