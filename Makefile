@@ -12,9 +12,10 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U pip
-	@# no byte-compiling of every installed module (about 100 s of the install on CI's 2
-	@# cores): Python compiles the ones a process imports, once, on first import (~1 s)
-	$(PY) -m pip install -q --no-compile -e ".[$(EXTRA),test]"
+	@# byte-compiled at install (about 100 s of it on 2 cores) and kept so: with
+	@# PYTHONDONTWRITEBYTECODE=1, as on this project's machines, `--no-compile` made every
+	@# process compile vLLM afresh and the suite 1.5x slower (session 11)
+	$(PY) -m pip install -q -e ".[$(EXTRA),test]"
 	@# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import
 	@# transformers` next to CPU torch; vLLM does not need them for text models.
 	-$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null

@@ -54,7 +54,6 @@ ENGINE_GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "engines-b": ("tests/vllm/",),  # every other engine module
 }
-ENGINE_TESTS = tuple(prefix for group in ENGINE_GROUPS.values() for prefix in group)
 
 #: modules without an engine that take over a minute on CI's 2 cores: scheduled right
 #: after the engine groups, so none of them starts last
