@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from vllm.distributed.weight_transfer.factory import (
-    WeightTransferEngineFactory,
-    WeightTransferTrainerFactory,
-)
-from vllm.engine.arg_utils import EngineArgs
-
 from subscriber_ext.vllm_ext.commit import vllm_plugin
 from weightpub_wire.errors import ConfigError
+
+if TYPE_CHECKING:  # vLLM is imported by the tests that run, not at collection (7 s a worker)
+    from vllm.engine.arg_utils import EngineArgs
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -38,6 +34,11 @@ def _first_plugin_load_asks() -> None:
 
 
 def test_backends_register_once_and_a_second_registration_is_refused() -> None:
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
     vllm_plugin.ensure_backends()
     assert vllm_plugin.ensure_backends() is False  # the plugin is idempotent
     with pytest.raises(ConfigError, match="already registered"):
@@ -49,6 +50,8 @@ def test_backends_register_once_and_a_second_registration_is_refused() -> None:
 
 
 def _args(**kw: object) -> EngineArgs:
+    from vllm.engine.arg_utils import EngineArgs
+
     return EngineArgs(model="/nonexistent", **kw)  # type: ignore[arg-type]
 
 

@@ -1,7 +1,8 @@
 """The weightpub trainer backend through vLLM's trainer factory, without any vLLM engine.
 
 A real publisher, a real subscriber, vLLM's own ``ModuleSource``; rank 0 publishes,
-another rank only iterates its source (as FSDP ranks must).
+another rank only iterates its source (as FSDP ranks must). vLLM is imported inside the
+tests: at collection every xdist worker would pay its 7 s.
 """
 
 from __future__ import annotations
@@ -9,13 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
-from vllm.distributed.weight_transfer.base import ModuleSource
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
 from subscriber_ext import WeightSubscriber
-from weightpub.vllm_trainer import WeightpubTrainerInitInfo
 from weightpub_wire.errors import ConfigError
 
 
@@ -27,6 +22,11 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 def test_send_weights_publishes_the_source_each_time() -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightpub.vllm_trainer import WeightpubTrainerInitInfo
+
     model = _model(0)
     engine = WeightTransferTrainerFactory.trainer_init(
         WeightpubTrainerInitInfo(rank=0), client=None, source=ModuleSource(model))
@@ -47,6 +47,11 @@ def test_send_weights_publishes_the_source_each_time() -> None:
 
 
 def test_other_ranks_iterate_without_publishing_and_a_missing_source_is_named() -> None:
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from weightpub.vllm_trainer import WeightpubTrainerInitInfo
+
     walked: list[str] = []
 
     class Counting(ModuleSource):
