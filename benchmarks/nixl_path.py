@@ -271,7 +271,7 @@ def _e2e_relay(upstream: str, nixl: bool) -> None:
                     break
                 except Exception:  # not yet (or closing)
                     continue
-            print("ANNOUNCED", version, time.time(), flush=True)
+            print("ANNOUNCED", version, time.time(), _cpu_self(), flush=True)
 
     threading.Thread(target=announced, daemon=True, name="bench-announced").start()
     sys.stdin.read()
@@ -306,8 +306,8 @@ class _E2ERelay:
         self.holder.stdin.write("go\n")
         self.holder.stdin.flush()
         start, _ = (float(x) for x in _expect(self.holder, "PUBLISHED"))
-        announced = float(_expect(self.relay, "ANNOUNCED")[1])
-        relay_at_announce = _cpu_of(self.relay.pid)
+        _, when, cpu = _expect(self.relay, "ANNOUNCED")
+        announced, relay_at_announce = float(when), float(cpu)  # the relay's own, then
         ends = []
         for reader in self.readers:
             _, end, path = _expect(reader, "DONE")
