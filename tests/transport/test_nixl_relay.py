@@ -68,12 +68,12 @@ def test_subscribers_behind_a_relay_read_its_copy_over_nixl(
     # store-and-forward announces a whole version: one subscriber READs them all; behind
     # a cut-through relay a subscriber joins once the copy is complete (before, frames)
     steady = None if cut_through else closing(WeightSubscriber(relay.endpoint,
-                                                                request_timeout=5.0))
+                                                                request_timeout=10.0))
     for version in (1, 2, 3):
         pub.publish(det_weights(SEED, version, SPEC), version=version)
         _complete(relay, version)
         assert relay.publisher.manifest(version).nixl.agent == _agent(relay)  # type: ignore
-        sub = steady or closing(WeightSubscriber(relay.endpoint, request_timeout=5.0))
+        sub = steady or closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
         staged = sub.wait_for_version(version, timeout=60)
         assert staged.publisher_id == relay.publisher.publisher_id and _exact(staged, version)
         assert staged.data_path == "nixl", sub.status()["nixl"]
@@ -104,7 +104,7 @@ def test_a_relay_registers_each_pool_buffer_once_across_versions(
         seen.append((status["registrations"], status["registered_bytes"]))
     assert seen[1] == seen[-1], seen  # nothing registered after the second buffer was made
     assert seen[-1][0] == 2, seen
-    late = closing(WeightSubscriber(relay.endpoint, request_timeout=5.0))
+    late = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
     staged = late.wait_for_version(5, timeout=60)
     assert _exact(staged, 5) and staged.data_path == "nixl"
 
@@ -116,23 +116,25 @@ def test_a_cut_through_relay_offers_a_version_only_when_its_copy_is_complete(
     pace_replies(relay.subscriber._client, 0.05)  # the relay's own copy takes ~1.5 s
     early = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
     pub.publish(det_weights(SEED, 1, SPEC), version=1)
-    unoffered_while_copying = []
+    seen = []  # (offered, complete): the offer read first, so an offer implies complete
 
     def watch() -> bool:
-        upstream = relay.subscriber.status()
-        if upstream["fetching_version"] == 1:
-            try:
-                unoffered_while_copying.append(relay.publisher.manifest(1).nixl is None)
-            except Exception:
-                pass  # not announced downstream yet
-        return upstream["staged_version"] == 1
+        relayed = relay._open
+        try:
+            offered = relay.publisher.manifest(1).nixl is not None
+        except Exception:
+            return False  # not announced downstream yet
+        assert relayed is not None
+        seen.append((offered, relayed.complete))
+        return relay.subscriber.status()["staged_version"] == 1
 
     wait_until(watch, 60, "the relay's copy of version 1", interval=0.01)
-    assert unoffered_while_copying and all(unoffered_while_copying), unoffered_while_copying
+    assert (False, False) in seen, seen  # announced while its copy was incomplete
+    assert all(complete for offered, complete in seen if offered), seen
     _complete(relay, 1)
     staged = early.wait_for_version(1, timeout=60)  # took the version before the offer
     assert _exact(staged, 1) and staged.data_path == "zmq"
-    late = closing(WeightSubscriber(relay.endpoint, request_timeout=5.0))
+    late = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
     staged = late.wait_for_version(1, timeout=60)
     assert _exact(staged, 1) and staged.data_path == "nixl"
     assert relay.publisher.nixl_status()["unoffered"] == {}  # type: ignore[index]
@@ -162,7 +164,7 @@ def test_a_relayed_version_that_fails_before_its_copy_is_complete_is_never_offer
     status = relay.nixl_status()
     assert status is not None and status["unoffered"] == {"copy": 1}, status
     assert status["offers"] == 1
-    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=5.0))
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
     staged = sub.wait_for_version(2, timeout=60)
     assert _exact(staged, 2) and staged.data_path == "nixl"
 
@@ -178,7 +180,7 @@ def test_a_relay_without_nixl_serves_frames_with_the_cause_counted(
     relay = _relay(pub, closing, cut_through=cut_through)
     monkeypatch.undo()
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=5.0))
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
     for version in (1, 2):
         pub.publish(det_weights(SEED, version, SPEC), version=version)
         staged = sub.wait_for_version(version, timeout=60)
@@ -228,7 +230,7 @@ def test_closing_a_relay_deregisters_its_buffers(
     relay = _relay(pub, closing, cut_through=True)
     pub.publish(det_weights(SEED, 1, SPEC), version=1)
     _complete(relay, 1)
-    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=5.0))
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
     staged = sub.wait_for_version(1, timeout=60)
     assert staged.data_path == "nixl"
     staged.release()
