@@ -119,12 +119,13 @@ def test_a_cut_through_relay_offers_a_version_only_when_its_copy_is_complete(
     seen = []  # (offered, complete): the offer read first, so an offer implies complete
 
     def watch() -> bool:
-        relayed = relay._open
         try:
             offered = relay.publisher.manifest(1).nixl is not None
         except Exception:
             return False  # not announced downstream yet
-        assert relayed is not None
+        relayed = relay._open  # set a moment after the version is in the store
+        if relayed is None:
+            return False
         seen.append((offered, relayed.complete))
         return relay.subscriber.status()["staged_version"] == 1
 
