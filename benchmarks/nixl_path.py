@@ -27,6 +27,19 @@ coordinator), publish on every rank -> staged:
 * ``e2e-shard-zmq``: the same ranks, ``nixl=False`` on the subscriber: frames from
   each rank. Their "holder" CPU is every rank's together.
 
+Behind a relay (``--subscribers N`` subscriber processes, default 2): a publisher
+process (frames to the relay), a store-and-forward relay process (``weightpub.relay``,
+``nixl=True`` downstream: it registers its pool buffers and offers its copy), and N
+subscribers of the relay:
+
+* ``e2e-relay-nixl``: the subscribers READ the relay's copy one-sided;
+* ``e2e-relay-zmq``: the same relay, ``nixl=False`` on the subscribers: frames.
+
+Their "holder" is the relay: ``relay_cpu_s_per_GB`` is its CPU from its announcement
+to the last subscriber staged, over the bytes delivered downstream (N copies);
+``leg_GBps`` the bytes delivered over that time (the upstream leg and the relay's copy
+and hashes are the same work on both paths and are left out).
+
 The reader's destination is allocated once (its first round pays the page faults
 a fresh staging buffer does); the steady state is the median from round 3 on.
 CPU-seconds per GB are user+system time of each side's whole process (NIXL's
@@ -38,6 +51,7 @@ UCX is confined to loopback (``UCX_NET_DEVICES=lo``).
     python benchmarks/nixl_path.py --mib 64 --rounds 3
     python benchmarks/nixl_path.py --paths tcp e2e-nixl e2e-zmq --mib 256
     python benchmarks/nixl_path.py --paths tcp e2e-shard-nixl e2e-shard-zmq --ranks 4
+    python benchmarks/nixl_path.py --paths e2e-relay-nixl e2e-relay-zmq --mib 128
 """
 
 from __future__ import annotations
@@ -237,6 +251,96 @@ class _E2E:
                 proc.wait(timeout=60)
 
 
+def _e2e_relay(upstream: str, nixl: bool) -> None:
+    from weightpub.deployment_config import RelayConfig
+    from weightpub.relay import Relay
+
+    relay = Relay(RelayConfig.model_validate({
+        "upstream": {"endpoint": upstream}, "cut_through": False,
+        "downstream": {"endpoint": "tcp://127.0.0.1:0", "nixl": nixl}}))
+    print("OFFER", relay.endpoint, flush=True)
+    ended = threading.Event()
+
+    def announced() -> None:
+        version = 0
+        while not ended.is_set():
+            version += 1
+            while not ended.is_set():
+                try:
+                    relay.publisher.wait_announced(version, timeout=0.5)
+                    break
+                except Exception:  # not yet (or closing)
+                    continue
+            print("ANNOUNCED", version, time.time(), _cpu_self(), flush=True)
+
+    threading.Thread(target=announced, daemon=True, name="bench-announced").start()
+    sys.stdin.read()
+    ended.set()
+    relay.close()
+
+
+class _E2ERelay:
+    """A publisher, a relay and ``subscribers`` subscriber processes, a version per round."""
+
+    def __init__(self, name: str, nbytes: int, subscribers: int) -> None:
+        self.name = name
+        env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONPATH": str(REPO),
+               "OMP_NUM_THREADS": "1"}
+        me = [sys.executable, __file__]
+        self.holder = _popen([*me, "--role", "e2e-pub", str(nbytes), "0"], env)
+        upstream = _expect(self.holder, "OFFER")[0]
+        self.relay = _popen([*me, "--role", "e2e-relay", upstream, "1"], env)
+        endpoint = _expect(self.relay, "OFFER")[0]
+        nixl = "1" if name == "e2e-relay-nixl" else "0"
+        self.readers = [_popen([*me, "--role", "e2e-sub", endpoint, nixl], env)
+                        for _ in range(subscribers)]
+        for reader in self.readers:
+            _expect(reader, "READY")
+        self.rounds: list[dict[str, float]] = []
+        self.paths: list[str] = []
+
+    def round(self, nbytes: int) -> None:
+        readers_cpu = sum(_cpu_of(r.pid) for r in self.readers)
+        relay_cpu = _cpu_of(self.relay.pid)
+        assert self.holder.stdin is not None
+        self.holder.stdin.write("go\n")
+        self.holder.stdin.flush()
+        start, _ = (float(x) for x in _expect(self.holder, "PUBLISHED"))
+        _, when, cpu = _expect(self.relay, "ANNOUNCED")
+        announced, relay_at_announce = float(when), float(cpu)  # the relay's own, then
+        ends = []
+        for reader in self.readers:
+            _, end, path = _expect(reader, "DONE")
+            ends.append(float(end))
+            self.paths.append(path)
+        relay_end = _cpu_of(self.relay.pid)
+        delivered = nbytes * len(self.readers) / 1e9
+        self.rounds.append({
+            "seconds": max(ends) - start,
+            "announce_s": announced - start,  # publish() -> the relay's manifest out
+            "leg_s": max(ends) - announced,
+            "relay_cpu_s_per_gb": (relay_end - relay_at_announce) / delivered,
+            "relay_round_cpu_s_per_gb": (relay_end - relay_cpu) / (nbytes / 1e9),
+            "reader_cpu_s_per_gb": (sum(_cpu_of(r.pid) for r in self.readers)
+                                    - readers_cpu) / delivered,
+            "holder_cpu_s_per_gb": (relay_end - relay_at_announce) / delivered})
+
+    def steady(self, key: str) -> float:
+        return statistics.median(r[key] for r in self.rounds[STEADY_FROM:] or self.rounds)
+
+    def close(self) -> None:
+        procs = [*self.readers, self.relay, self.holder]
+        for proc in procs:
+            if proc.stdin is not None:
+                proc.stdin.close()  # each ends on EOF
+        for proc in procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=60)
+
+
 class _E2EShard:
     """``ranks`` rank processes (a sharded trainer) and a subscriber, a version per round."""
 
@@ -357,25 +461,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def measure(mib: int, rounds: int, names: list[str], ranks: int = 2) -> dict[str, Any]:
+def measure(mib: int, rounds: int, names: list[str], ranks: int = 2,
+            subscribers: int = 2) -> dict[str, Any]:
     nbytes = mib << 20
     paths: list[Any] = [_E2EShard(name, nbytes, ranks) if name.startswith("e2e-shard-")
+                        else _E2ERelay(name, nbytes, subscribers)
+                        if name.startswith("e2e-relay-")
                         else _E2E(name, nbytes) if name.startswith("e2e-")
                         else _Path(name, nbytes) for name in names]
     try:
         for r in range(rounds):
             for path in paths[r % len(paths):] + paths[:r % len(paths)]:
                 path.round(nbytes)
-        base = next(p for p in paths if p.name == "tcp").steady("seconds")
+        tcp = next((p for p in paths if p.name == "tcp"), None)
+        base = None if tcp is None else tcp.steady("seconds")
         return {"mib": mib, **{p.name: {
             "GBps": round(nbytes / p.steady("seconds") / 1e9, 2),
-            "vs_tcp": round(base / p.steady("seconds"), 2),
+            **({} if base is None else {"vs_tcp": round(base / p.steady("seconds"), 2)}),
+            **({"leg_GBps": round(nbytes * subscribers / p.steady("leg_s") / 1e9, 2),
+                "relay_cpu_s_per_GB": round(p.steady("relay_cpu_s_per_gb"), 3),
+                "relay_round_cpu_s_per_GB": round(p.steady("relay_round_cpu_s_per_gb"), 3)}
+               if isinstance(p, _E2ERelay) else {}),
             "reader_cpu_s_per_GB": round(p.steady("reader_cpu_s_per_gb"), 3),
             "holder_cpu_s_per_GB": round(p.steady("holder_cpu_s_per_gb"), 3),
             "cold_GBps": round(nbytes / p.rounds[0]["seconds"] / 1e9, 2),
             **({"data_paths": sorted(set(p.paths)),
                 "announce_s": round(p.steady("announce_s"), 3)}
-               if isinstance(p, _E2E | _E2EShard) else {})}
+               if isinstance(p, _E2E | _E2EShard | _E2ERelay) else {})}
             for p in paths}}
     finally:
         for path in paths:
@@ -393,6 +505,8 @@ def main() -> None:
                         default=["tcp", "nixl-cma", "nixl-tcp", "e2e-nixl", "e2e-zmq"])
     parser.add_argument("--ranks", type=int, default=2,
                         help="rank processes of the e2e-shard-* paths")
+    parser.add_argument("--subscribers", type=int, default=2,
+                        help="subscriber processes behind the relay (e2e-relay-* paths)")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.role == "holder":
@@ -407,10 +521,12 @@ def main() -> None:
         return _e2e_publisher(int(rest[0]), rest[1] == "1")
     if args.role == "e2e-rank":
         return _e2e_rank(int(rest[0]), int(rest[1]), int(rest[2]), rest[3])
+    if args.role == "e2e-relay":
+        return _e2e_relay(rest[0], rest[1] == "1")
     if args.role == "e2e-sub":
         return _e2e_subscriber(rest[0], rest[1] == "1")
     for mib in args.mib:
-        print(measure(mib, args.rounds, args.paths, args.ranks), flush=True)
+        print(measure(mib, args.rounds, args.paths, args.ranks, args.subscribers), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 from typing import Unpack
 
+import msgspec
 import zmq
 
 from publisher.adapters import AdapterBook, AdapterSpec
@@ -343,6 +344,8 @@ class WeightPublisher:
                                      publisher_id=self.publisher_id, started_at=self.started_at,
                                      model_id=self.model_id)
             self._announced_now(relayed.published)
+        if self._nixl is not None:  # the offer follows once the last chunk is written
+            relayed.when_done(self._relay_offer, self._relay_unoffered)
         return relayed
 
     def wait_announced(self, version: int, timeout: float = 30.0) -> None:
@@ -552,14 +555,40 @@ class WeightPublisher:
         a chunk once it is copied), and hashes may end before the copy: the offer goes
         out with the manifest only when every byte is final, else a fast reader would
         read stale bytes and refetch them as frames (checksum)."""
-        if self._nixl is None or not self._nixl.on:
+        if self._nixl is None:
+            return None
+        if not self._nixl.on:
+            self._nixl.unoffer("off")
             return None
         deadline = time.monotonic() + wait_s
         while snapshot.copied_bytes < snapshot.total_bytes:
             if snapshot.failed or self._closed or time.monotonic() > deadline:
+                self._nixl.unoffer("copy")
                 return None
             time.sleep(0.001)
         return self._nixl.offer(snapshot.buffer, snapshot.total_bytes)
+
+    def _relay_offer(self, relayed: RelayedVersion) -> None:
+        """A relayed version whose copy is complete (``RelayedVersion.on_complete``, on the
+        relay's upstream thread): its manifest gains the NIXL offer of the relay's buffer
+        and is announced again. Downstream subscribers that took the version before get
+        it as frames (a subscriber keeps the manifest it started with); later ones READ."""
+        published = relayed.published
+        if self._nixl is None or self._closed or relayed.failed:
+            return
+        if self._store.get(published.manifest.version) is not published:
+            self._nixl.unoffer("copy")  # superseded or evicted before it was complete
+            return
+        offer = self._nixl.offer(published.buffer, published.manifest.total_bytes)
+        if offer is None:
+            return  # counted by ``offer`` (off, unregistered)
+        published.manifest = msgspec.structs.replace(published.manifest, nixl=offer)
+        self._front.announce()
+
+    def _relay_unoffered(self, relayed: RelayedVersion) -> None:
+        """A relayed version failed before its copy was complete: never offered."""
+        if self._nixl is not None:
+            self._nixl.unoffer("copy" if self._nixl.on else "off")
 
     def _announced_now(self, published: PublishedVersion) -> None:
         number = published.manifest.version

@@ -11,6 +11,12 @@ checksums, so nothing is re-hashed, and downstream subscribers check every
 chunk as always). The time through a relay is about one transfer plus a few
 chunk times, not two transfers. ``cut_through: false`` keeps the old
 store-and-forward (receive the whole version, then ``publish()`` it again).
+
+NIXL (``nixl: true`` downstream): the relay's pool buffers are registered once with
+its own agent and its downstream subscribers READ its copy one-sided; a cut-through
+relay adds the offer to a version's manifest only once its copy is complete
+(``WeightPublisher.relay_version``), before that downstream gets frames. Why a
+version went out unoffered: ``publisher.nixl_status()["unoffered"]``.
 """
 
 from __future__ import annotations

@@ -9,6 +9,12 @@ relay is one transfer plus a few chunk times, not two transfers. The manifest
 keeps the upstream's chunking and checksums (the bytes are the same), so
 nothing is hashed again, and downstream subscribers check every chunk as always.
 
+With NIXL on (``nixl=True`` downstream), the manifest carries no offer while the copy
+is incomplete: a one-sided reader is not held back chunk by chunk as frames are.
+``when_done`` tells the publisher when the last chunk is in (it then adds the offer
+of the relay's registered buffer and announces the manifest again) or that the
+version failed first (counted as unoffered, cause "copy").
+
 Until it is complete or failed, the version pins its buffer
 (``PublishedVersion.pins``): an eviction never hands the buffer to a newer
 version while chunks are still being written into it.
@@ -42,6 +48,8 @@ class RelayedVersion:
         self._lock = threading.Lock()
         self._done = False
         self.written_bytes = 0
+        self._on_complete: Callable[[RelayedVersion], object] | None = None
+        self._on_incomplete: Callable[[RelayedVersion], object] | None = None
         published.pin(self)  # new, not yet in the store: cannot be retired yet
         if self._missing == 0:
             self._release()
@@ -57,6 +65,17 @@ class RelayedVersion:
     @property
     def failed(self) -> bool:
         return self.published.failed
+
+    def when_done(self, on_complete: Callable[[RelayedVersion], object],
+                  on_incomplete: Callable[[RelayedVersion], object]) -> None:
+        """Call ``on_complete`` once every chunk is written (now, if they are), or
+        ``on_incomplete`` if the version fails first; on the thread that ends it."""
+        with self._lock:
+            done, complete = self._done, self._missing == 0 and not self.failed
+            if not done:
+                self._on_complete, self._on_incomplete = on_complete, on_incomplete
+        if done:
+            (on_complete if complete else on_incomplete)(self)
 
     def is_ready(self, chunk: int) -> bool:
         """Whether the chunk's bytes are final (``PublishedVersion.chunk_ready``)."""
@@ -76,8 +95,12 @@ class RelayedVersion:
             self.written_bytes += size
             self._ready[chunk] = 1  # after the bytes: the serving thread reads flag, then bytes
             self._missing -= 1
-            if self._missing == 0:
-                self._release()
+            if self._missing:
+                return
+            self._release()
+            on_complete, self._on_complete, self._on_incomplete = self._on_complete, None, None
+        if on_complete is not None:
+            on_complete(self)
 
     def fail(self) -> None:
         """The upstream version will not be completed: downstream fetches get
@@ -88,7 +111,11 @@ class RelayedVersion:
             if self.published.snapshot is not None:
                 self.published.snapshot.failed = True
             self._release()
+            on_incomplete, self._on_complete, self._on_incomplete = \
+                self._on_incomplete, None, None
         self._on_fail(self.version)
+        if on_incomplete is not None:
+            on_incomplete(self)
 
     def _release(self) -> None:
         self._done = True

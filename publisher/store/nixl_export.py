@@ -16,6 +16,12 @@ snapshot writes over it is refused there and fetched over ZeroMQ frames.
 When NIXL does not import or a registration fails, the path is off for this
 publisher (a WARNING naming the cause, counted in ``off_reason``): manifests carry
 no offer and ZeroMQ frames serve every version, nothing crashes.
+
+A relay (``weightpub.relay``) offers its copy the same way: its pool buffers are
+registered once with the relay's own agent. Every version announced without an
+offer is counted by cause (``unoffered``, ``UNOFFERED_CAUSES``): the path is off,
+the buffer is not registered, or the copy was not complete (a cut-through relay's
+version that failed before its last chunk; a publish whose copy ran past the wait).
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ import torch
 from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.nixl_link import NixlExporter, NixlOffer, NixlRegion, nixl_error
 
-__all__ = ["NixlExport", "RegisteringAllocator"]
+__all__ = ["UNOFFERED_CAUSES", "NixlExport", "RegisteringAllocator"]
+
+#: why a version went out without a NIXL offer (``NixlExport.unoffered``)
+UNOFFERED_CAUSES = (
+    "off",  # NIXL does not run here (missing, agent did not start, a registration failed)
+    "unregistered",  # the version's bytes are not in a registered buffer
+    "copy",  # the copy was not complete (a relayed version failed, a copy ran past the wait)
+)
 
 log = logging.getLogger("weightpub.publisher")
 
@@ -39,6 +52,8 @@ class NixlExport:
     def __init__(self, prefix: str = "weightpub-publisher") -> None:
         self.off_reason = ""  # why the path is off ("" while on)
         self.offers = 0  # manifests that carried an offer
+        self.registrations = 0  # buffers registered (each pool buffer once, whatever the versions)
+        self.unoffered: dict[str, int] = dict.fromkeys(UNOFFERED_CAUSES, 0)
         self._exporter: NixlExporter | None = None
         self._sizes: dict[int, int] = {}  # address -> bytes registered
         self._lock = threading.Lock()
@@ -74,6 +89,7 @@ class NixlExport:
         address, length = buffer.data_ptr(), buffer.numel()
         try:
             exporter.register(address, length)
+            self.registrations += 1
         except Exception as exc:  # pinned-memory limits, UCX refusing the range
             self._off(f"registering a {length}-byte snapshot buffer failed "
                       f"({type(exc).__name__}: {exc})")
@@ -91,28 +107,42 @@ class NixlExport:
             except Exception as exc:
                 log.warning("nixl: deregistering a snapshot buffer failed: %s", exc)
 
+    def unoffer(self, cause: str) -> None:
+        """Count a version announced without an offer (``UNOFFERED_CAUSES``)."""
+        with self._lock:
+            self.unoffered[cause] = self.unoffered.get(cause, 0) + 1
+
     def offer(self, buffer: torch.Tensor, total_bytes: int) -> NixlOffer | None:
-        """The version's bytes in ``buffer`` as one region, or None (off, unregistered)."""
+        """The version's bytes in ``buffer`` as one region, or None (off, unregistered:
+        counted in ``unoffered``)."""
         exporter = self._exporter
-        if exporter is None or self.off_reason or total_bytes == 0:
+        if total_bytes == 0:
+            return None
+        if exporter is None or self.off_reason:
+            self.unoffer("off")
             return None
         address = buffer.data_ptr()
         with self._lock:
             inside = any(start <= address and address + total_bytes <= start + length
                          for start, length in self._sizes.items())
         if not inside:
+            self.unoffer("unregistered")
             return None
         try:
             offer = exporter.offer([NixlRegion(address, total_bytes)])
         except Exception as exc:
             self._off(f"making an offer failed ({type(exc).__name__}: {exc})")
+            self.unoffer("off")
             return None
         self.offers += 1
         return offer
 
     def status(self) -> dict[str, object]:
+        with self._lock:
+            unoffered = {cause: n for cause, n in self.unoffered.items() if n}
         return {"on": self.on, "off_reason": self.off_reason or None,
-                "registered_bytes": self.registered_bytes, "offers": self.offers}
+                "registered_bytes": self.registered_bytes, "offers": self.offers,
+                "registrations": self.registrations, "unoffered": unoffered}
 
     def close(self) -> None:
         exporter, self._exporter = self._exporter, None

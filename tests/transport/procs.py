@@ -522,6 +522,11 @@ def main() -> None:
 
         run_peer(args)
         return
+    if role == "relay":
+        from tests.transport.relay_procs import run_relay
+
+        run_relay(args)
+        return
     if role == "shard_rank":
         from tests.transport.shard_procs import run_shard_rank
 

@@ -22,7 +22,7 @@ __all__ = ["PRELOAD", "forked_child"]
 
 PRELOAD = ["torch", "zmq", "msgspec", "xxhash", "publisher", "publisher.sharded_publisher",
            "subscriber_ext", "tests.transport.procs", "tests.transport.shard_procs",
-           "tests.transport.peer_procs"]
+           "tests.transport.peer_procs", "tests.transport.relay_procs"]
 
 
 def _run_role(role: str, args: dict[str, Any]) -> None:

@@ -1,0 +1,243 @@
+"""NIXL from relays (issue 31): a relay offers its copy of each version over NIXL to the
+subscribers behind it, real NIXL agents on every side (UCX confined to loopback).
+
+What must hold: a downstream subscriber READs bit-exact versions from the relay's own
+agent (``data_path`` "nixl", the relay sends no chunk frame); the relay registers each
+pool buffer once, whatever the versions do, and deregisters on close; a cut-through
+relay offers a version only once its copy is complete (downstream gets frames before
+that); a relay where NIXL cannot run serves frames with the cause counted
+(``nixl_status()["unoffered"]``); a relay killed -9 mid-read stages nothing downstream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from publisher import WeightPublisher
+from subscriber_ext import WeightSubscriber
+from tests.transport.procs import Child, det_weights, digests, pace_replies, wait_until
+from weightpub.deployment_config import RelayConfig
+from weightpub.relay import Relay
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("nixl_loopback")]
+
+SEED = 11
+SPEC = [("w", "float32", [512, 1024]), ("b", "int32", [70_000]), ("e", "uint8", [4_321])]
+CHUNK = 256 << 10
+
+
+def _relay(pub: WeightPublisher, closing: Callable[[Any], Any], *, cut_through: bool,
+           **downstream: Any) -> Relay:
+    return closing(Relay(RelayConfig.model_validate({
+        "upstream": {"endpoint": pub.endpoint}, "cut_through": cut_through,
+        "downstream": {"endpoint": "tcp://127.0.0.1:0", "heartbeat_interval": 0.2,
+                       "nixl": True, **downstream}})))
+
+
+def _exact(staged: Any, version: int) -> bool:
+    return digests(staged.items()) == digests(det_weights(SEED, version, SPEC).items())
+
+
+def _complete(relay: Relay, version: int) -> None:
+    """Wait until the relay holds ``version`` whole (and, with NIXL on, offers it)."""
+    def offered() -> bool:
+        try:
+            return relay.publisher.manifest(version).nixl is not None
+        except Exception:  # not announced yet
+            return False
+
+    wait_until(offered, 60, f"version {version} offered by the relay")
+
+
+def _agent(relay: Relay) -> str:
+    exporter = relay.publisher._nixl._exporter  # type: ignore[union-attr]
+    assert exporter is not None
+    return str(exporter.name)
+
+
+@pytest.mark.parametrize("cut_through", [False, True])
+def test_subscribers_behind_a_relay_read_its_copy_over_nixl(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any],
+        cut_through: bool) -> None:
+    pub = make_pub(chunk_size=CHUNK)  # the trainer offers no NIXL: only the relay does
+    relay = _relay(pub, closing, cut_through=cut_through)
+    # store-and-forward announces a whole version: one subscriber READs them all; behind
+    # a cut-through relay a subscriber joins once the copy is complete (before, frames)
+    steady = None if cut_through else closing(WeightSubscriber(relay.endpoint,
+                                                                request_timeout=10.0))
+    for version in (1, 2, 3):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        _complete(relay, version)
+        assert relay.publisher.manifest(version).nixl.agent == _agent(relay)  # type: ignore
+        sub = steady or closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
+        staged = sub.wait_for_version(version, timeout=60)
+        assert staged.publisher_id == relay.publisher.publisher_id and _exact(staged, version)
+        assert staged.data_path == "nixl", sub.status()["nixl"]
+        staged.release()
+        assert sub.status()["nixl"]["fallbacks"] == 0
+        if sub is not steady:
+            sub.close()  # else it would take the next version as announced: frames
+    assert relay.publisher.data_stats()["bytes_sent_full"] == 0  # every byte one-sided
+    nixl = relay.publisher.nixl_status()
+    assert nixl is not None and nixl["on"] is True and nixl["unoffered"] == {}
+    # keep_versions 1: one pool buffer, registered once and reused for the three versions
+    assert nixl["registrations"] == 1, nixl
+    assert 0 < int(nixl["registered_bytes"]) < 2 * relay.publisher.manifest().total_bytes
+
+
+def test_a_relay_registers_each_pool_buffer_once_across_versions(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any]) -> None:
+    """Two versions kept: the relay's pool makes a second buffer (registered then) and
+    reuses both for later versions without registering anything again."""
+    pub = make_pub(chunk_size=CHUNK)
+    relay = _relay(pub, closing, cut_through=True, keep_versions=2)
+    seen = []
+    for version in range(1, 6):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        _complete(relay, version)
+        status = relay.publisher.nixl_status()
+        assert status is not None
+        seen.append((status["registrations"], status["registered_bytes"]))
+    assert seen[1] == seen[-1], seen  # nothing registered after the second buffer was made
+    assert seen[-1][0] == 2, seen
+    late = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
+    staged = late.wait_for_version(5, timeout=60)
+    assert _exact(staged, 5) and staged.data_path == "nixl"
+
+
+def test_a_cut_through_relay_offers_a_version_only_when_its_copy_is_complete(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any]) -> None:
+    pub = make_pub(chunk_size=CHUNK)
+    relay = _relay(pub, closing, cut_through=True)
+    pace_replies(relay.subscriber._client, 0.05)  # the relay's own copy takes ~1.5 s
+    early = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    seen = []  # (offered, complete): the offer read first, so an offer implies complete
+
+    def watch() -> bool:
+        try:
+            offered = relay.publisher.manifest(1).nixl is not None
+        except Exception:
+            return False  # not announced downstream yet
+        relayed = relay._open  # set a moment after the version is in the store
+        if relayed is None:
+            return False
+        seen.append((offered, relayed.complete))
+        return relay.subscriber.status()["staged_version"] == 1
+
+    wait_until(watch, 60, "the relay's copy of version 1", interval=0.01)
+    assert (False, False) in seen, seen  # announced while its copy was incomplete
+    assert all(complete for offered, complete in seen if offered), seen
+    _complete(relay, 1)
+    staged = early.wait_for_version(1, timeout=60)  # took the version before the offer
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    late = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
+    staged = late.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "nixl"
+    assert relay.publisher.nixl_status()["unoffered"] == {}  # type: ignore[index]
+
+
+def test_a_relayed_version_that_fails_before_its_copy_is_complete_is_never_offered(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any]) -> None:
+    upstream = make_pub(chunk_size=CHUNK, keep_versions=2)
+    for version in (1, 2):
+        upstream.publish(det_weights(SEED, version, SPEC), version=version)
+    upstream.wait_announced(2)
+    relay = make_pub(nixl=True)  # a relay's publisher: relayed versions written in by hand
+    first = relay.relay_version(upstream.manifest(1))
+    held = upstream._store.get(1)
+    assert held is not None
+    for chunk in range(upstream.manifest(1).num_chunks // 2):
+        first.write_chunk(chunk, held.chunk_view(chunk))
+    assert relay.manifest(1).nixl is None
+    first.fail()  # superseded upstream
+    second = relay.relay_version(upstream.manifest(2))
+    held = upstream._store.get(2)
+    assert held is not None
+    for chunk in range(upstream.manifest(2).num_chunks):
+        assert relay.manifest(2).nixl is None  # not before the last chunk
+        second.write_chunk(chunk, held.chunk_view(chunk))
+    assert relay.manifest(2).nixl is not None
+    status = relay.nixl_status()
+    assert status is not None and status["unoffered"] == {"copy": 1}, status
+    assert status["offers"] == 1
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
+    staged = sub.wait_for_version(2, timeout=60)
+    assert _exact(staged, 2) and staged.data_path == "nixl"
+
+
+@pytest.mark.parametrize("cut_through", [True, False])
+def test_a_relay_without_nixl_serves_frames_with_the_cause_counted(
+        monkeypatch: pytest.MonkeyPatch, make_pub: Callable[..., WeightPublisher],
+        closing: Callable[[Any], Any], cut_through: bool) -> None:
+    from publisher.store import nixl_export
+
+    pub = make_pub(chunk_size=CHUNK)
+    monkeypatch.setattr(nixl_export, "nixl_error", lambda: "NIXL is not available (test)")
+    relay = _relay(pub, closing, cut_through=cut_through)
+    monkeypatch.undo()
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
+    for version in (1, 2):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        staged = sub.wait_for_version(version, timeout=60)
+        assert _exact(staged, version) and staged.data_path == "zmq"
+        staged.release()
+    status = relay.publisher.nixl_status()
+    assert status is not None and status["on"] is False and "(test)" in str(
+        status["off_reason"])
+    # every version the relay announced went out unoffered, cause "off" (the relay may
+    # also have copied the upstream's latest when it joined)
+    assert status["unoffered"].get("off", 0) >= 2 and set(status["unoffered"]) == {"off"}
+    assert status["registered_bytes"] == 0 and status["offers"] == 0
+    assert sub.status()["nixl"]["fallbacks"] == 0  # nothing was offered, nothing refused
+
+
+def test_a_relay_killed_mid_read_never_stages_a_partial_version(
+        spawn: Callable[..., Child], make_pub: Callable[..., WeightPublisher],
+        closing: Callable[[Any], Any], paced_reads: Callable[[int], list[float]]) -> None:
+    chunk = 1 << 20
+    pub = make_pub(chunk_size=chunk)
+    relay = spawn("relay", upstream=pub.endpoint, cut_through=True,
+                  downstream={"nixl": True})
+    endpoint = relay.event("ready", timeout=60)["endpoint"]
+    pub.publish({"big": det_weights(SEED, 1, [("big", "uint8", [32 * chunk])])["big"]},
+                version=1)
+    wait_until(lambda: 1 in relay.request("status")["offered"], 60, "the relay's offer")
+    paced = paced_reads(chunk)  # one chunk per READ, seen done one per 0.3 s
+    sub = closing(WeightSubscriber(endpoint, request_timeout=2.0, max_chunk_retries=1,
+                                   window_bytes=2 * chunk))
+    wait_until(lambda: len(paced) >= 1, 60, "a first chunk read one-sided from the relay")
+    relay.kill9()
+    fraction = sub.status()["fetching_fraction"]
+    assert fraction is not None and fraction < 1.0  # killed mid-version
+    wait_until(lambda: sub.status()["nixl"]["fallbacks"] >= 1
+               or sub.status()["fetching_version"] is None, 60,
+               "the dead relay noticed (a READ failed, timed out, or the version given up)")
+    time.sleep(3)  # any late READ, and the ZeroMQ fallback to a dead relay, play out
+    assert sub.latest() is None  # nothing partial was ever staged
+    status = sub.status()
+    assert status["staged_version"] == 0, status
+    assert set(status["nixl"]["fallback_causes"]) <= {"transfer", "unreachable", "timeout"}
+
+
+def test_closing_a_relay_deregisters_its_buffers(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any]) -> None:
+    pub = make_pub(chunk_size=CHUNK)
+    relay = _relay(pub, closing, cut_through=True)
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    _complete(relay, 1)
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0))
+    staged = sub.wait_for_version(1, timeout=60)
+    assert staged.data_path == "nixl"
+    staged.release()
+    exporter = relay.publisher._nixl._exporter  # type: ignore[union-attr]
+    assert exporter is not None and exporter.registered_bytes > 0
+    relay.close()
+    assert exporter.registered_bytes == 0  # NIXL's own handles released
+    status = relay.publisher.nixl_status()
+    assert status is not None and status["registered_bytes"] == 0 and status["on"] is False
