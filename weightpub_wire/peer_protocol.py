@@ -12,7 +12,8 @@ subscriber is the stripe's root, or has no place in the plan yet)::
     DEALER -> ROUTER (publisher)  [ {t: "peer_hello", req, publisher_id, endpoint, version,
                                      plan} ]
     ROUTER -> DEALER              [ {t: "peer_plan", req, publisher_id, started_at, version,
-                                     epoch, stripes, slot, sources, admit, other_plans} ]
+                                     epoch, stripes, slot, sources, admit, other_plans,
+                                     group} ]
     DEALER -> ROUTER (a peer)     the publisher's own ``fetch`` / ``chunk`` / ``error`` frames
                                   (a sliced member: ``slice_fetch``, ``slice_messages.py``)
 
@@ -32,7 +33,8 @@ the member skips a source whose plan is not its own: a tracker before issue 30 d
 not group), and asks them with ``slice_fetch`` (the planned bytes of a chunk, checked
 against the publisher's ``slice_sums``). ``PeerPlan.other_plans`` counts the members
 the tracker holds on other plans (what a member alone on its plan could have shared
-with). Older peers still parse these messages: every new field has a default.
+with; ``group``, the members planned together with it). Older peers still parse
+these messages: every new field has a default.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class PeerPlan(_FromPublisher, tag="peer_plan", kw_only=True, frozen=True):
                        Meta(max_length=MAX_STRIPES)] = ()
     admit: Annotated[tuple[Z85Key, ...], Meta(max_length=MAX_ADMITTED_KEYS)] = ()
     other_plans: Annotated[int, Meta(ge=0, le=1 << 32)] = 0  # members on other plans
+    group: Annotated[int, Meta(ge=0, le=1 << 32)] = 0  # members in this one's plan (it too)
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

@@ -318,7 +318,7 @@ class Tracker:
         return PeerPlan(req=req, publisher_id=self.publisher_id, started_at=self.started_at,
                         version=plan.version, epoch=plan.epoch, stripes=plan.stripes, slot=slot,
                         sources=tuple(chains), admit=tuple(admit)[:MAX_ADMITTED_KEYS],
-                        other_plans=others)
+                        other_plans=others, group=len(plan.slots))
 
 
 def advertised_endpoint(endpoint: str, peer_address: str | None) -> str:
