@@ -168,3 +168,33 @@ def test_kill9_of_the_serving_peer_mid_version_the_other_completes_from_the_publ
     assert [e["version"] for e in fed.events if e.get("event") == "staged"] == [1]
     pub.publish(det_weights(SEED, 2, SPEC), version=2)  # the survivor goes on alone
     staged_ok(fed, 2)
+
+
+def test_a_source_of_another_plan_is_skipped_and_old_peers_still_parse() -> None:
+    """A tracker before issue 30 does not group: the sliced member skips every source
+    whose plan is not its own. Messages without the new fields still decode."""
+    import msgspec
+    import zmq
+
+    from subscriber_ext.transport.peers.chunk_sources import Sources
+    from weightpub_wire.peer_protocol import PeerHello, PeerPlan, PeerSource
+
+    mine = half_plan(0, SPEC).digest()
+    ctx = zmq.Context()
+    sources = Sources(ctx, lambda key: [], window=4, timeout=5.0, max_message_bytes=1 << 20,
+                      on_open=lambda link: None, on_close=lambda link: None, digest=mine)
+    try:
+        chain = (PeerSource("tcp://127.0.0.1:9"), PeerSource("tcp://127.0.0.1:10", "", "b" * 32),
+                 PeerSource("tcp://127.0.0.1:11", "", mine))
+        sources.apply(PeerPlan(req=1, publisher_id="p" * 32, started_at=1.0, version=1,
+                               epoch=1, stripes=1, slot=3, sources=(chain,)), curve=False)
+        assert list(sources.links) == ["tcp://127.0.0.1:11"]
+        assert sources.failures == {"bad_source": 2}
+    finally:
+        sources.close()
+        ctx.term()
+    old = msgspec.json.encode({"t": "peer_hello", "req": 1, "publisher_id": "p" * 32,
+                               "endpoint": "tcp://127.0.0.1:9", "version": 2})
+    assert msgspec.json.decode(old, type=PeerHello).plan == ""
+    with pytest.raises(msgspec.ValidationError, match="plan"):
+        msgspec.json.decode(old[:-1] + b', "plan": "' + b"A" * 32 + b'"}', type=PeerHello)
