@@ -50,8 +50,7 @@ class Setup:
                                               peer_share=peers,
                                               subscriber_id=f"m{index}"))
             if peers:  # one at a time: each takes the next slot
-                wait(lambda s=self.subs[-1], n=index: s.status()["peers"]["slot"] == n,
-                     f"member {index}'s slot")
+                wait(slot_is(self.subs[-1], index), f"member {index}'s slot")
         if peers:  # every member holds the final plan
             last = self.subs[-1]
             wait(lambda: all(s.status()["peers"]["plan_epoch"] ==
@@ -74,6 +73,10 @@ class Setup:
         for sub in self.subs:
             sub.close()
         self.pub.close()
+
+
+def slot_is(sub: WeightSubscriber, slot: int) -> Callable[[], bool]:
+    return lambda: bool(sub.status()["peers"]["slot"] == slot)
 
 
 def wait(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
