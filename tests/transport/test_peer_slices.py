@@ -170,6 +170,29 @@ def test_kill9_of_the_serving_peer_mid_version_the_other_completes_from_the_publ
     staged_ok(fed, 2)
 
 
+def test_curve_between_sliced_members(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+        tmp_path: Any) -> None:
+    """With CURVE, same-plan members authenticate each other with the keys the publisher
+    authenticated them with, as whole-version members do."""
+    from weightpub_wire.keys import create_key_pair
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server_public, server_secret = map(str, create_key_pair(tmp_path, "server"))
+    secrets = [str(create_key_pair(allowed, f"member{i}")[1]) for i in range(2)]
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1, curve_secret_key_file=server_secret,
+                   curve_allowed_clients_dir=str(allowed))
+    first, second = members(spawn, pub, [0, 0], lambda i: {"peer": {
+        "curve_server_key_file": server_public, "curve_secret_key_file": secrets[i]}})
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    for child in (first, second):
+        staged_ok(child, 1)
+    got = status(second)["peers"]
+    assert got["chunks_from_peers"] > 0 and got["peer_failures"].get("checksum", 0) == 0, got
+    assert status(first)["peers"]["served_slices"] == got["chunks_from_peers"]
+
+
 def test_a_source_of_another_plan_is_skipped_and_old_peers_still_parse() -> None:
     """A tracker before issue 30 does not group: the sliced member skips every source
     whose plan is not its own. Messages without the new fields still decode."""
