@@ -44,8 +44,10 @@ set of striped trees per digest (``Plan``, each with its own epoch from one coun
 so a member is only handed peers that hold the same bytes: the ranks of replicas
 with the same layout share with each other, whole-version members with whole-version
 members, and a member alone on its plan fetches from the publisher (``other_plans``
-in its answer counts the members on other plans). ``max_members`` and
-``max_members_per_address`` count all members together.
+in its answer counts the members on other plans). ``max_members`` counts all
+members together; ``max_members_per_address`` counts per plan (a host running one
+TP=8 replica holds 8 sliced members, one per plan: its honest share of each plan is
+its replicas, as for whole-version members; a sybil only ever joins one group).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class TrackerLimits:
     max_members: int = 4096
     member_ttl: float = 4.0  # seconds without a hello before a member is gone
     chain: int = 2  # peers listed per stripe (parent, grandparent), then the publisher
-    max_members_per_address: int = 4  # plaintext members per connecting IP; 0: no bound
+    max_members_per_address: int = 4  # plaintext members per connecting IP (and slice plan)
 
     def __post_init__(self) -> None:
         if self.max_members_per_address < 0:
@@ -207,7 +209,7 @@ class Tracker:
             member = self._members.get(identity)
             if member is None:
                 address = "" if client_key else (peer_address or "local")
-                if self._crowded(address):
+                if self._crowded(address, hello.plan):
                     self.refused_address += 1
                     self._warn.warning("address", f"tracker: {address} has "
                                        f"{self.limits.max_members_per_address} plaintext "
@@ -226,11 +228,12 @@ class Tracker:
         self._maybe_replan(hello.plan, min(hello.version, latest))
         return self._assignment(identity, hello.req)
 
-    def _crowded(self, address: str) -> bool:
+    def _crowded(self, address: str, plan: str) -> bool:
         bound = self.limits.max_members_per_address
         if not address or not bound:
             return False
-        return sum(1 for m in self._members.values() if m.address == address) >= bound
+        return sum(1 for m in self._members.values()
+                   if m.address == address and m.plan == plan) >= bound
 
     # -- the plan ------------------------------------------------------------------------------
     def _expire(self, now: float) -> None:

@@ -188,6 +188,17 @@ def test_members_are_planned_per_slice_plan_and_only_handed_peers_of_their_own()
     assert [s for chain in answers[3].sources for s in chain] == []  # alone: the publisher
     assert any(answers[2].sources)  # a third member of plan a fetches from the other two
     assert tracker.plan_for(a) is not None and len(tracker.plan.slots) == 2
+    # the plaintext bound per address counts per plan: one host's TP=8 replica is 8
+    # members, one per plan (the bound of 4 here would refuse half of it otherwise)
+    bounded = Tracker(TrackerLimits(fanout=2), PUB, 1.0)
+    answers8 = [hello(bounded, f"rank-{r}".encode(), 0, latest=0, now=0.0,
+                      address="10.1.1.1", plan=f"{r:032x}") for r in range(8)]
+    assert bounded.members() == 8 and bounded.refused_address == 0
+    assert all(answer.slot == 0 for answer in answers8)
+    for i in range(5):
+        hello(bounded, f"again-{i}".encode(), 0, latest=0, now=0.0, address="10.1.1.1",
+              port=40000 + i, plan=f"{0:032x}")
+    assert bounded.refused_address == 2  # 4 of plan 0 from this address: one more refused
     # a member whose plan changes leaves its group (skipped at once, gone at the next
     # version); a plan nobody holds any more is forgotten
     hello(tracker, members[3], 2, latest=2, now=0.2, plan=a)
