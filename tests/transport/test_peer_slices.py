@@ -6,7 +6,8 @@ process, so its counters say what left the trainer: ``bytes_sent_slices`` (plann
 bytes) and ``bytes_sent_full`` (whole chunks). Every staged version is checked in the
 child on its planned bytes (zeros elsewhere). With ``peer_fanout=1`` members of one
 plan form a chain (slot 0 from the publisher, slot 1 from slot 0), so a test knows
-who serves whom.
+who serves whom. The last test runs two trainer ranks (``shard_procs.py``): a sharded
+version's slices, shared through the coordinator's tracker.
 """
 
 from __future__ import annotations
@@ -221,3 +222,25 @@ def test_a_source_of_another_plan_is_skipped_and_old_peers_still_parse() -> None
     assert msgspec.json.decode(old, type=PeerHello).plan == ""
     with pytest.raises(msgspec.ValidationError, match="plan"):
         msgspec.json.decode(old[:-1] + b', "plan": "' + b"A" * 32 + b'"}', type=PeerHello)
+
+
+def test_sliced_members_share_a_sharded_trainers_version(spawn: Callable[..., Child]) -> None:
+    """Two trainer ranks (rank 0 runs the coordinator, so the tracker); two members of
+    one plan: the ranks send about one plan per version, the rest comes from the peer."""
+    from tests.transport.test_sharded_peers import _publish, _start
+
+    specs = [SPEC[:2], SPEC[2:]]
+    ranks, peers = _start(spawn, specs, CHUNK, 2, {
+        "slice_rank": 0, "options": {"request_timeout": 10.0, "report_interval": 0.3}})
+    for version in (1, 2):
+        _publish(ranks, version)
+        for child in peers:
+            staged_ok(child, version)
+    sent = [rank.request("status") for rank in ranks]
+    assert sum(s["bytes_sent"] for s in sent) == 0  # no whole chunks
+    planned = sum(s["slice_bytes_sent"] for s in sent)
+    needed = half_plan(0, SPEC).needed_bytes
+    assert planned <= 2 * 1.25 * needed, planned / (2 * needed)  # not 2 members' worth
+    got = [status(child)["peers"] for child in peers]
+    assert sum(g["bytes_from_peers"] for g in got) >= 0.75 * 2 * needed, got
+    assert all(not g["peer_failures"] for g in got), got

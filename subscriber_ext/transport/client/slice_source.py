@@ -31,7 +31,7 @@ back to raw slices for that version, counted by cause (``DELTA_FALLBACK_CAUSES``
 ``status()["slice_plan"]["delta_fallbacks"]``). With ``peer_share`` the client's
 ``Peering`` (a first source) is offered this source's next chunks once the sums are
 in and asks members of the same plan (``peers/peering.py``); raw slices only (not a
-delta step, not a whole-chunk fallback, not a sharded version). The collective path
+delta step, not a whole-chunk fallback; a sharded version too). The collective path
 is not offered to a sliced subscriber (``slice_plan`` with ``collective`` is a
 ``ConfigError``). Conflation is the client's, as for any target.
 """

@@ -29,9 +29,9 @@ plan from its sparse staging (``_slice_lookup``); a whole-chunk ``fetch`` it can
 serve (it holds only planned bytes). A slice from a peer is verified against the
 publisher's sums like one from the publisher; one that fails bans the peer.
 ``other_plan_chunks`` counts the chunks fetched from the publisher while this member
-was alone on its plan and the tracker held members on other plans. Not yet: a
-sliced version of a sharded trainer (each rank serves its part) and deltas come from
-the trainer side only.
+was alone on its plan and the tracker held members on other plans. A sharded
+trainer's sliced version is shared the same way (the coordinator's tracker; chunk ids
+and sums are the union's). Not yet: slices of a delta come from the trainer side only.
 """
 
 from __future__ import annotations
@@ -262,10 +262,9 @@ class Peering(ChunkSource):
         sliced = isinstance(target, SparseAssembly)
         if sliced != bool(self.digest) or (isinstance(target, SparseAssembly) and (
                 target.plan != self.digest or target.sums is None
-                or target.whole_cause is not None or target.manifest.shards is not None)):
-            # slices from peers need the version's sums (and come as slices only): a
-            # sliced version of a sharded trainer, or one falling back to whole chunks,
-            # comes from the trainer side
+                or target.whole_cause is not None)):
+            # slices from peers need the version's sums (and come as slices only): one
+            # falling back to whole chunks comes from the trainer side
             return todo
         key = (target.manifest.publisher_id, target.manifest.version)
         if plan is None or plan.publisher_id != key[0] or not plan.stripes:
