@@ -73,8 +73,8 @@ class PublisherOptions(OptionSet):
     peer_members_per_address: int | None = Field(
         None, ge=0, le=1 << 20, json_schema_extra=unit("members"),
         description="peer sharing without CURVE: plaintext members per connecting IP address "
-                    "(sybil bound; raise it for many replicas behind one NAT address; 0: no "
-                    "bound; None: the limits' tracker bound, 4)")
+                    "and slice plan (sybil bound; raise it for many replicas behind one NAT "
+                    "address; 0: no bound; None: the limits' tracker bound, 4)")
     metrics_port: int | None = Field(
         None, ge=0, le=65535, description="serve Prometheus /metrics here (0: any port)")
     metrics_host: str = Field("127.0.0.1", description="where /metrics listens")

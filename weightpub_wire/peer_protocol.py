@@ -9,10 +9,13 @@ stripe's tree, then the grandparent), and fetches from the first one that
 works, then from the publisher. An empty chain means: from the publisher (this
 subscriber is the stripe's root, or has no place in the plan yet)::
 
-    DEALER -> ROUTER (publisher)  [ {t: "peer_hello", req, publisher_id, endpoint, version} ]
+    DEALER -> ROUTER (publisher)  [ {t: "peer_hello", req, publisher_id, endpoint, version,
+                                     plan} ]
     ROUTER -> DEALER              [ {t: "peer_plan", req, publisher_id, started_at, version,
-                                     epoch, stripes, slot, sources, admit} ]
+                                     epoch, stripes, slot, sources, admit, other_plans,
+                                     group} ]
     DEALER -> ROUTER (a peer)     the publisher's own ``fetch`` / ``chunk`` / ``error`` frames
+                                  (a sliced member: ``slice_fetch``, ``slice_messages.py``)
 
 Peers speak to each other exactly as a subscriber speaks to its publisher
 (``FetchRequest``, ``ChunkHeader``, ``ErrorReply``; the same per-chunk
@@ -21,6 +24,17 @@ subscriber stage bytes the publisher did not announce. With CURVE, each
 source's ``key`` is the public key the publisher authenticated that subscriber
 with (its ZAP ``User-Id``, never a claim of the peer), and ``admit`` lists the
 keys that may fetch from the receiving subscriber.
+
+Sliced members (issue 30): a subscriber that fetches only a slice plan's bytes says
+which plan in ``PeerHello.plan`` (the plan's digest, ``SlicePlan.digest()``; empty: a
+whole-version member). The tracker plans each digest's members apart, so a sliced
+member is only ever handed peers of the same plan (``PeerSource.plan`` says so, and
+the member skips a source whose plan is not its own: a tracker before issue 30 does
+not group), and asks them with ``slice_fetch`` (the planned bytes of a chunk, checked
+against the publisher's ``slice_sums``). ``PeerPlan.other_plans`` counts the members
+the tracker holds on other plans (what a member alone on its plan could have shared
+with; ``group``, the members planned together with it). Older peers still parse
+these messages: every new field has a default.
 """
 
 from __future__ import annotations
@@ -37,6 +51,7 @@ __all__ = [
     "MAX_CHAIN",
     "MAX_STRIPES",
     "PEER_REPLIES",
+    "PlanDigest",
     "PeerHello",
     "PeerPlan",
     "PeerSource",
@@ -48,6 +63,8 @@ MAX_ADMITTED_KEYS = 1024
 # a CurveZMQ public key in Z85 (40 characters of the Z85 alphabet), or "" without CURVE
 _Z85 = r"[0-9A-Za-z.\-:+=^!/*?&<>()\[\]{}@%$#]"
 Z85Key = Annotated[str, Meta(max_length=40, pattern=f"^({_Z85}{{40}})?$")]
+#: a slice plan's digest (32 lowercase hex, ``SlicePlan.digest()``), or "" for whole versions
+PlanDigest = Annotated[str, Meta(max_length=32, pattern="^([0-9a-f]{32})?$")]
 
 
 class PeerHello(_Message, tag="peer_hello", kw_only=True, frozen=True):
@@ -57,19 +74,24 @@ class PeerHello(_Message, tag="peer_hello", kw_only=True, frozen=True):
     wildcard host is replaced by the address the publisher sees it connect
     from). ``version`` is the version it fetches or holds: a new version is
     where the tracker updates its plan. Sent about once a second (liveness).
+    ``plan``: the digest of the slice plan it fetches and serves ("" for whole
+    versions); the tracker plans each digest's members apart.
     """
 
     req: U63
     publisher_id: Name
     endpoint: Text
     version: U63 = 0
+    plan: PlanDigest = ""
 
 
 class PeerSource(msgspec.Struct, frozen=True):
-    """A peer to fetch from: where it serves, and its CURVE public key ("" without CURVE)."""
+    """A peer to fetch from: where it serves, its CURVE public key ("" without CURVE),
+    and the slice plan it holds ("" for whole versions)."""
 
     endpoint: Text
     key: Z85Key = ""
+    plan: PlanDigest = ""
 
 
 class PeerPlan(_FromPublisher, tag="peer_plan", kw_only=True, frozen=True):
@@ -88,6 +110,8 @@ class PeerPlan(_FromPublisher, tag="peer_plan", kw_only=True, frozen=True):
     sources: Annotated[tuple[Annotated[tuple[PeerSource, ...], Meta(max_length=MAX_CHAIN)], ...],
                        Meta(max_length=MAX_STRIPES)] = ()
     admit: Annotated[tuple[Z85Key, ...], Meta(max_length=MAX_ADMITTED_KEYS)] = ()
+    other_plans: Annotated[int, Meta(ge=0, le=1 << 32)] = 0  # members on other plans
+    group: Annotated[int, Meta(ge=0, le=1 << 32)] = 0  # members in this one's plan (it too)
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

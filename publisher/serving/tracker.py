@@ -37,11 +37,23 @@ fleets with more plaintext members on 127.0.0.1 raise it; 0 turns it off. With
 CURVE every member is an authenticated key and the key allow-list is the bound;
 ``admit`` tells each member which keys may fetch from it: those the publisher
 authenticated (``ADMIT_ALL_UP_TO``).
+
+Sliced members (issue 30): each member says which slice plan it fetches and serves
+(``PeerHello.plan``, a digest; "" for whole versions), and the tracker keeps one
+set of striped trees per digest (``Plan``, each with its own epoch from one counter),
+so a member is only handed peers that hold the same bytes: the ranks of replicas
+with the same layout share with each other, whole-version members with whole-version
+members, and a member alone on its plan fetches from the publisher (``other_plans``
+in its answer counts the members on other plans). ``max_members`` counts all
+members together; ``max_members_per_address`` counts per plan (a host running one
+TP=8 replica holds 8 sliced members, one per plan: its honest share of each plan is
+its replicas, as for whole-version members; a sybil only ever joins one group).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from itertools import count
 
@@ -72,7 +84,7 @@ class TrackerLimits:
     max_members: int = 4096
     member_ttl: float = 4.0  # seconds without a hello before a member is gone
     chain: int = 2  # peers listed per stripe (parent, grandparent), then the publisher
-    max_members_per_address: int = 4  # plaintext members per connecting IP; 0: no bound
+    max_members_per_address: int = 4  # plaintext members per connecting IP (and slice plan)
 
     def __post_init__(self) -> None:
         if self.max_members_per_address < 0:
@@ -91,12 +103,15 @@ class _Member:
     last_seen: float
     joined: int
     address: str = ""  # where the publisher sees it connect from ("" with CURVE: not counted)
+    plan: str = ""  # the slice plan's digest it holds ("" for whole versions)
 
 
 class Plan:
     """Striped T-ary trees over a fixed list of members (identities by slot)."""
 
-    def __init__(self, slots: list[bytes], fanout: int, version: int, epoch: int) -> None:
+    def __init__(self, slots: list[bytes], fanout: int, version: int, epoch: int,
+                 digest: str = "") -> None:
+        self.digest = digest  # the slice plan its members hold ("" for whole versions)
         self.slots = slots
         self.version = version
         self.epoch = epoch
@@ -146,7 +161,8 @@ class Tracker:
         self.publisher_id = publisher_id
         self.started_at = started_at
         self._members: dict[bytes, _Member] = {}
-        self._plan = Plan([], limits.fanout, 0, 0)
+        self._plans: dict[str, Plan] = {"": Plan([], limits.fanout, 0, 0)}  # by digest
+        self._per_plan: Counter[str] = Counter()  # members by digest
         self._epochs = count(1)
         self._joined = count()
         self._next_expiry = 0.0
@@ -160,7 +176,12 @@ class Tracker:
 
     @property
     def plan(self) -> Plan:
-        return self._plan
+        """The whole-version members' plan."""
+        return self._plans[""]
+
+    def plan_for(self, digest: str) -> Plan | None:
+        """The plan of the members that hold slice plan ``digest`` ("": whole versions)."""
+        return self._plans.get(digest)
 
     def members(self) -> int:
         return len(self._members)
@@ -188,24 +209,31 @@ class Tracker:
             member = self._members.get(identity)
             if member is None:
                 address = "" if client_key else (peer_address or "local")
-                if self._crowded(address):
+                if self._crowded(address, hello.plan):
                     self.refused_address += 1
                     self._warn.warning("address", f"tracker: {address} has "
                                        f"{self.limits.max_members_per_address} plaintext "
                                        "members already (max_members_per_address); the "
                                        "publisher serves one more")
-                    return self._assignment(identity, hello.req)  # not in the plan: empty
-                member = _Member(endpoint, client_key or "", now, next(self._joined), address)
+                    return self._assignment(identity, hello.req, hello.plan)  # not planned
+                member = _Member(endpoint, client_key or "", now, next(self._joined), address,
+                                 hello.plan)
+                self._per_plan[member.plan] += 1
             self._members[identity] = member
         member.endpoint, member.key, member.last_seen = endpoint, client_key or "", now
-        self._maybe_replan(min(hello.version, latest))
+        if member.plan != hello.plan:  # another plan now (a new layout): it leaves its old
+            self._per_plan[member.plan] -= 1  # group (skipped there as a dead member is)
+            self._per_plan[hello.plan] += 1
+            member.plan = hello.plan
+        self._maybe_replan(hello.plan, min(hello.version, latest))
         return self._assignment(identity, hello.req)
 
-    def _crowded(self, address: str) -> bool:
+    def _crowded(self, address: str, plan: str) -> bool:
         bound = self.limits.max_members_per_address
         if not address or not bound:
             return False
-        return sum(1 for m in self._members.values() if m.address == address) >= bound
+        return sum(1 for m in self._members.values()
+                   if m.address == address and m.plan == plan) >= bound
 
     # -- the plan ------------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
@@ -215,22 +243,34 @@ class Tracker:
         for identity, member in list(self._members.items()):
             if now - member.last_seen > self.limits.member_ttl:
                 del self._members[identity]
+                self._per_plan[member.plan] -= 1
                 log.info("tracker: member %s gone (no hello for %.1fs)", member.endpoint,
                          now - member.last_seen)
 
+        for digest in [d for d in self._plans if d and self._per_plan[d] <= 0]:
+            del self._plans[digest]  # nobody holds this slice plan any more
+            del self._per_plan[digest]
+
     def _rename(self, old: bytes, new: bytes) -> None:
         self._members[new] = self._members.pop(old)
-        plan = self._plan
-        if old in plan.slot_of:  # keep its slot: nothing else in the plan moves
-            plan.slots[plan.slot_of[old]] = new
-            plan.slot_of[new] = plan.slot_of.pop(old)
+        for plan in self._plans.values():
+            if old in plan.slot_of:  # keep its slot: nothing else in the plan moves
+                plan.slots[plan.slot_of[old]] = new
+                plan.slot_of[new] = plan.slot_of.pop(old)
 
-    def _maybe_replan(self, version: int) -> None:
-        plan = self._plan
+    def _in_group(self, identity: bytes, digest: str) -> bool:
+        member = self._members.get(identity)
+        return member is not None and member.plan == digest
+
+    def _maybe_replan(self, digest: str, version: int) -> None:
+        plan = self._plans.get(digest)
+        if plan is None:  # the first member on this slice plan
+            plan = self._plans[digest] = Plan([], self.limits.fanout, 0, 0, digest)
         if version < plan.version or (version == plan.version and plan.version > 0):
             return
-        alive = all(identity in self._members for identity in plan.slots)
-        newcomers = sorted((i for i in self._members if i not in plan.slot_of),
+        alive = all(self._in_group(identity, digest) for identity in plan.slots)
+        newcomers = sorted((i for i, m in self._members.items()
+                            if m.plan == digest and i not in plan.slot_of),
                            key=lambda i: self._members[i].joined)
         if alive and not newcomers:
             plan.version = version
@@ -238,31 +278,40 @@ class Tracker:
         slots = list(plan.slots)
         hole = 0
         while hole < len(slots):  # the last member moves into each hole left by a dead one
-            if slots[hole] in self._members:
+            if self._in_group(slots[hole], digest):
                 hole += 1
                 continue
             last = slots.pop()
             if hole < len(slots):
                 slots[hole] = last
         slots += newcomers
-        self._plan = Plan(slots, self.limits.fanout, version, next(self._epochs))
-        log.info("tracker: plan %d for version %d: %d members, %d stripes", self._plan.epoch,
-                 version, len(slots), self._plan.stripes)
+        if not slots and digest:  # nobody holds this slice plan any more: forget it
+            del self._plans[digest]
+            return
+        plan = self._plans[digest] = Plan(slots, self.limits.fanout, version,
+                                          next(self._epochs), digest)
+        log.info("tracker: plan %d for version %d%s: %d members, %d stripes", plan.epoch,
+                 version, f" (slice plan {digest[:8]})" if digest else "", len(slots),
+                 plan.stripes)
 
-    def _assignment(self, identity: bytes, req: int) -> PeerPlan:
-        plan = self._plan
+    def _assignment(self, identity: bytes, req: int, digest: str = "") -> PeerPlan:
+        member = self._members.get(identity)
+        digest = digest if member is None else member.plan
+        plan = self._plans.get(digest) or Plan([], self.limits.fanout, 0, 0, digest)
+        others = len(self._members) - self._per_plan[digest]
         slot = plan.slot_of.get(identity)
         if slot is None:  # not in this version's plan (joined since): the publisher serves it
             return PeerPlan(req=req, publisher_id=self.publisher_id, started_at=self.started_at,
-                            version=plan.version, epoch=plan.epoch, stripes=0)
+                            version=plan.version, epoch=plan.epoch, stripes=0,
+                            other_plans=others)
         chains = []
         admit: dict[str, None] = {}
         small = len(plan.slots) <= ADMIT_ALL_UP_TO
         for stripe in range(plan.stripes):
             live = [plan.slots[s] for s in plan.ancestors(slot, stripe)
-                    if plan.slots[s] in self._members]
-            chains.append(tuple(PeerSource(self._members[i].endpoint, self._members[i].key)
-                                for i in live[: self.limits.chain]))
+                    if self._in_group(plan.slots[s], digest)]
+            chains.append(tuple(PeerSource(self._members[i].endpoint, self._members[i].key,
+                                           digest) for i in live[: self.limits.chain]))
             below = range(len(plan.slots)) if small else \
                 plan.descendants(slot, stripe, self.limits.chain)
             for s in below:
@@ -271,7 +320,8 @@ class Tracker:
                     admit[member.key] = None
         return PeerPlan(req=req, publisher_id=self.publisher_id, started_at=self.started_at,
                         version=plan.version, epoch=plan.epoch, stripes=plan.stripes, slot=slot,
-                        sources=tuple(chains), admit=tuple(admit)[:MAX_ADMITTED_KEYS])
+                        sources=tuple(chains), admit=tuple(admit)[:MAX_ADMITTED_KEYS],
+                        other_plans=others, group=len(plan.slots))
 
 
 def advertised_endpoint(endpoint: str, peer_address: str | None) -> str:

@@ -103,7 +103,9 @@ class WeightSubscriber:
     the planned bytes only and checked against the same sums (``data_path`` still
     "slices", ``versions_delta`` counts it; ``transport/staging/sparse_delta.py``).
     ``status()["slice_plan"]`` shows the plan's share and its fallbacks by cause
-    (whole chunks; raw slices instead of a delta).
+    (whole chunks; raw slices instead of a delta). With ``peer_share`` it shares its
+    slices with members of the same plan only (``status()["peers"]["plan"]``,
+    ``other_plan_chunks``).
     """
 
     def __init__(

@@ -56,7 +56,8 @@ class SubscriberOptions(SyncSettings, PeerSettings):
         None, json_schema_extra=unit("", python_only=True),
         description="fetch only these bytes of each version (weightpub_wire SlicePlan, "
                     "issue 30): staged into a full-size sparse buffer, data_path 'slices'; "
-                    "not with peer_share or collective")
+                    "with peer_share, shared with peers of the same plan; not with "
+                    "collective")
     _sync: SyncOptions = PrivateAttr()
 
     @field_validator("subscriber_id")
@@ -80,11 +81,10 @@ class SubscriberOptions(SyncSettings, PeerSettings):
     @model_validator(mode="after")
     def _slices_alone(self) -> Self:
         if self.slice_plan is not None:
-            for other in ("peer_share", "collective"):
-                if getattr(self, other):
-                    raise ValueError(
-                        f"slice_plan: given with {other}=True; a sliced subscriber holds only "
-                        f"its planned bytes, which {other} does not serve yet (issue 30)")
+            if self.collective:
+                raise ValueError(
+                    "slice_plan: given with collective=True; a sliced subscriber holds only "
+                    "its planned bytes, which collective does not serve yet (issue 30)")
         return self
 
     def model_post_init(self, context: Any, /) -> None:

@@ -116,8 +116,9 @@ class SliceRpcs(StateAccess):
         if options.receive == "whole":
             return ReceiveChoice(whole, "asked"), None
         if options.receive == "auto":
+            # with peer_share, ranks of the same layout share their slices (peering.py)
             reason = "one rank" if world == 1 else "collective" if options.collective \
-                else "peer_share" if options.peer_share else None
+                else None
             if reason is not None:
                 return ReceiveChoice(whole, reason), None
         started = time.perf_counter()

@@ -105,10 +105,9 @@ class WorkerOptions(SubscriberOptions):
         if self.receive == "slices" and self.node_staging:
             raise ValueError("node_staging: True stages whole versions per node; receive "
                              "'slices' gives every rank its own receiver (choose one)")
-        for other in ("peer_share", "collective"):
-            if self.receive == "slices" and getattr(self, other):
-                raise ValueError(f"receive: 'slices' with {other}=True; a rank's slices are "
-                                 f"not served by {other} yet (receive 'auto' chooses whole)")
+        if self.receive == "slices" and self.collective:
+            raise ValueError("receive: 'slices' with collective=True; a rank's slices are "
+                             "not served by collective yet (receive 'auto' chooses whole)")
         return self
 
     @property

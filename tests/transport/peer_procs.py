@@ -8,6 +8,8 @@ serves (a peer gone bad: its own staging stays correct, what it sends is not).
 stays connected and answers ZMTP heartbeats, so nothing but silence gives it away;
 a SIGSTOP'd member instead loses its connections to heartbeats within seconds and
 leaves the plan at ``member_ttl``); its status then counts the requests it swallowed.
+``slice_rank: r`` makes it a sliced member (issue 30): ``test_slice_fetch.half_plan(r,
+spec)``, each staged version checked on its planned bytes only (``assert_planned``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def _corrupt_what_it_serves() -> None:
 
     def send_chunk(self: Any, client: Any, ask: Any, found: Any) -> bool:
         bad = bytearray(found.data)  # a copy of its own: the staging stays correct
+        # (a slice is a gathered copy already)
         bad[len(bad) // 2] ^= 0xFF
         return bool(original(self, client, ask, peer_server.Served(memoryview(bad), None)))
 
@@ -48,6 +51,17 @@ def _stall_every_request() -> None:
     peer_server.PeerServer._on_request = on_request  # type: ignore[method-assign]
 
 
+def _planned_mismatches(staged: Any, want: dict[str, Any], rank: int) -> list[str]:
+    """[] when ``staged`` holds exactly ``want``'s planned bytes (zeros elsewhere)."""
+    from tests.transport.test_slice_fetch import assert_planned
+
+    try:
+        assert_planned(staged, want, rank)
+    except AssertionError as exc:
+        return [f"planned bytes: {exc}"]
+    return []
+
+
 def run_peer(args: dict[str, Any]) -> None:
     from subscriber_ext import SyncOptions, WeightSubscriber
 
@@ -56,10 +70,16 @@ def run_peer(args: dict[str, Any]) -> None:
     if args.get("stall"):
         _stall_every_request()
     staged_q: queue.Queue[Any] = queue.Queue()
+    rank = args.get("slice_rank")
+    sliced: dict[str, Any] = {}
+    if rank is not None:
+        from tests.transport.test_slice_fetch import half_plan
+
+        sliced["slice_plan"] = half_plan(rank, args["spec"])
     sub = WeightSubscriber(args["endpoint"], options=SyncOptions(**args.get("options", {})),
                            on_version=staged_q.put, peer_share=True,
                            subscriber_id=args.get("name", f"peer-{os.getpid()}"),
-                           **args.get("peer", {}))
+                           **sliced, **args.get("peer", {}))
     _emit(event="ready", pid=os.getpid(), subscriber_id=sub.subscriber_id)
     commands = _commands()
     while True:
@@ -77,11 +97,16 @@ def run_peer(args: dict[str, Any]) -> None:
             staged = staged_q.get(timeout=0.05)
         except queue.Empty:
             continue
-        got = digests(staged.items())
-        want = digests(det_weights(args["seed"], staged.version, args["spec"]).items())
+        want_tensors = det_weights(args["seed"], staged.version, args["spec"])
+        if rank is not None:
+            mismatches = _planned_mismatches(staged, want_tensors, rank)
+        else:
+            got = digests(staged.items())
+            want = digests(want_tensors.items())
+            mismatches = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
         _emit(event="staged", version=staged.version, publisher_id=staged.publisher_id,
-              mismatches=sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k)),
-              fetch_seconds=staged.fetch_seconds)
+              mismatches=mismatches, fetch_seconds=staged.fetch_seconds,
+              data_path=staged.data_path)
         staged.release()
     sub.close()
     _emit(event="closed")

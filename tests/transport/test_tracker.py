@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import zmq
 
@@ -53,10 +54,10 @@ def test_every_member_gets_each_stripe_once_and_uploads_about_one_version(
 
 def hello(tracker: Tracker, who: bytes, version: int, *, latest: int, now: float,
           port: int | None = None, key: str | None = None,
-          address: str = "10.0.0.9") -> PeerPlan:
+          address: str = "10.0.0.9", plan: str = "") -> PeerPlan:
     port = port if port is not None else 20000 + int(who.split(b"-")[1])
     message = PeerHello(req=1, publisher_id=PUB, endpoint=f"tcp://0.0.0.0:{port}",
-                        version=version)
+                        version=version, plan=plan)
     return tracker.hello(who, message, address, key, now, latest)
 
 
@@ -164,3 +165,47 @@ def test_plaintext_members_per_address_are_bounded_curve_members_are_not() -> No
                  port=30005).stripes == 4
     with pytest.raises(ValueError, match="max_members_per_address"):
         TrackerLimits(max_members_per_address=-1)
+
+
+def test_members_are_planned_per_slice_plan_and_only_handed_peers_of_their_own() -> None:
+    """Issue 30: two slice plans and whole-version members, one tracker: each group has
+    trees of its own; a member alone on its plan gets the publisher and ``other_plans``."""
+    tracker = Tracker(TrackerLimits(fanout=2, max_members_per_address=0), PUB, 1.0)
+    a, b = "a" * 32, "b" * 32
+    digests = {0: a, 1: a, 2: a, 3: b, 4: "", 5: ""}
+    members = ids(6)
+    for who, digest in zip(members, digests.values(), strict=True):
+        hello(tracker, who, 1, latest=1, now=0.0, plan=digest)
+    answers = {i: hello(tracker, who, 2, latest=2, now=0.1, plan=digests[i])
+               for i, who in enumerate(members)}
+    endpoint_plan = {f"tcp://10.0.0.9:{20000 + i}": d for i, d in digests.items()}
+    for i, answer in answers.items():
+        named = [source for chain in answer.sources for source in chain]
+        assert all(endpoint_plan[s.endpoint] == digests[i] == s.plan for s in named), i
+        group = sum(1 for d in digests.values() if d == digests[i])
+        assert answer.other_plans == 6 - group, i
+        assert answer.slot < group and answer.stripes == min(2, group), i
+    assert [s for chain in answers[3].sources for s in chain] == []  # alone: the publisher
+    assert any(answers[2].sources)  # a third member of plan a fetches from the other two
+    assert tracker.plan_for(a) is not None and len(tracker.plan.slots) == 2
+    # the plaintext bound per address counts per plan: one host's TP=8 replica is 8
+    # members, one per plan (the bound of 4 here would refuse half of it otherwise)
+    bounded = Tracker(TrackerLimits(fanout=2), PUB, 1.0)
+    answers8 = [hello(bounded, f"rank-{r}".encode(), 0, latest=0, now=0.0,
+                      address="10.1.1.1", plan=f"{r:032x}") for r in range(8)]
+    assert bounded.members() == 8 and bounded.refused_address == 0
+    assert all(answer.slot == 0 for answer in answers8)
+    for i in range(5):
+        hello(bounded, f"again-{i}".encode(), 0, latest=0, now=0.0, address="10.1.1.1",
+              port=40000 + i, plan=f"{0:032x}")
+    assert bounded.refused_address == 2  # 4 of plan 0 from this address: one more refused
+    # a member whose plan changes leaves its group (skipped at once, gone at the next
+    # version); a plan nobody holds any more is forgotten
+    hello(tracker, members[3], 2, latest=2, now=0.2, plan=a)
+    assert hello(tracker, members[2], 2, latest=2, now=0.3, plan=a).other_plans == 2
+    hello(tracker, members[3], 3, latest=3, now=0.5, plan=a)
+    assert len(tracker.plan_for(a).slots) == 4  # type: ignore[union-attr]
+    assert tracker.plan_for(b) is None
+    with pytest.raises(msgspec.ValidationError, match="plan"):
+        msgspec.convert({"t": "peer_hello", "req": 1, "publisher_id": PUB, "endpoint": "x",
+                         "plan": "Z" * 32}, PeerHello)

@@ -146,8 +146,10 @@ def test_receive_option_checks() -> None:
         WorkerOptions.from_keywords(receive="sliced")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="node_staging"):
         WorkerOptions.from_keywords(receive="slices", node_staging=True)
-    with pytest.raises(ConfigError, match="peer_share"):
-        WorkerOptions.from_keywords(receive="slices", peer_share=True)
+    with pytest.raises(ConfigError, match="collective"):
+        WorkerOptions.from_keywords(receive="slices", collective=True)
+    # ranks of the same layout share their slices with peers (issue 30)
+    assert WorkerOptions.from_keywords(receive="slices", peer_share=True).peer_share
 
 
 def test_the_checkpoint_layout_comes_from_safetensors_headers(tmp_path: Path) -> None:

@@ -28,9 +28,12 @@ applied to the planned bytes only and checked against the version's slice sums
 or does not match, one that costs more bytes than the raw slices (then the next
 ``DELTA_PAUSE`` versions too), or a base that is not in the version's chain, falls
 back to raw slices for that version, counted by cause (``DELTA_FALLBACK_CAUSES``, in
-``status()["slice_plan"]["delta_fallbacks"]``). Peers and the collective path are
-not offered to a sliced subscriber (``slice_plan`` with ``peer_share`` or
-``collective`` is a ``ConfigError``). Conflation is the client's, as for any target.
+``status()["slice_plan"]["delta_fallbacks"]``). With ``peer_share`` the client's
+``Peering`` (a first source) is offered this source's next chunks once the sums are
+in and asks members of the same plan (``peers/peering.py``); raw slices only (not a
+delta step, not a whole-chunk fallback; a sharded version too). The collective path
+is not offered to a sliced subscriber (``slice_plan`` with ``collective`` is a
+``ConfigError``). Conflation is the client's, as for any target.
 """
 
 from __future__ import annotations

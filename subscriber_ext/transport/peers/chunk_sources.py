@@ -95,7 +95,9 @@ class Sources:
     def __init__(self, ctx: zmq.Context, hooks_for: Callable[[str], list[SocketHook]], *,
                  window: int, timeout: float, max_message_bytes: int,
                  on_open: Callable[[PeerLink], None], on_close: Callable[[PeerLink], None],
-                 ban_seconds: float = 60.0) -> None:
+                 ban_seconds: float = 60.0, digest: str = "") -> None:
+        """``digest``: the slice plan this subscriber holds ("" for whole versions): a
+        source of another plan is skipped (``other_plan``, a tracker before issue 30)."""
         self.ctx = ctx
         self.hooks_for = hooks_for  # the CURVE client hook for a peer's key (or none)
         self.window = window
@@ -104,6 +106,7 @@ class Sources:
         self.on_open = on_open
         self.on_close = on_close
         self.ban_seconds = ban_seconds
+        self.digest = digest
         self.stall_timeout = stall_timeout(0, timeout)
         self.links: dict[str, PeerLink] = {}
         self.chains: list[list[PeerLink]] = []
@@ -145,6 +148,10 @@ class Sources:
             endpoint = parse_endpoint(source.endpoint, error=ProtocolError)
             if is_wildcard(endpoint) or (endpoint.scheme == "tcp" and not endpoint.port):
                 raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} is not reachable")
+            if source.plan != self.digest:
+                raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} holds slice plan "
+                                    f"{source.plan or '(whole versions)'}, this subscriber "
+                                    f"{self.digest or '(whole versions)'}")
             if curve != bool(source.key):
                 raise ProtocolError(f"peer_plan.sources: {source.endpoint!r} "
                                     f"{'has no' if curve else 'has a'} CURVE key, this "

@@ -6,6 +6,13 @@ received (a chunk only once it matched the manifest's checksum; for a delta
 rebuild, only final bytes) and the newest complete version it holds (the delta
 base a subscriber keeps anyway, so serving costs no extra staging memory).
 
+Slices (issue 30): a sliced subscriber's server also answers ``slice_fetch`` for its
+own plan (``slice_lookup``: the plan's bytes of a chunk gathered back to back out of
+its sparse staging, a copy of only those bytes, exactly what the publisher sends for
+that plan and checked by the asker against the same ``slice_sums``); a plan it does
+not hold gets ``version_unavailable`` at once. Without a ``slice_lookup`` (a
+whole-version member) every ``slice_fetch`` gets that answer.
+
 Cut-through: a request for a chunk not verified yet, or for a version this
 subscriber has not heard of yet, waits and goes out the moment the chunk
 verifies, up to ``defer_timeout``; a version it will not have (conflated past,
@@ -49,9 +56,11 @@ from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.ratelog import RateLimitedLog
+from weightpub_wire.slice_messages import SliceFetch
 from weightpub_wire.sockets import cut_connection, peer_name
 
-__all__ = ["GONE", "WAIT", "Lookup", "PeerServer", "PeerServerLimits", "SendCounts", "Served"]
+__all__ = ["GONE", "WAIT", "Lookup", "PeerServer", "PeerServerLimits", "SendCounts", "Served",
+           "SliceLookup"]
 
 log = logging.getLogger("weightpub.peers")
 
@@ -69,6 +78,9 @@ class Served(NamedTuple):
 
 #: ``lookup(publisher_id, version, chunk)``: the chunk's verified bytes, WAIT or GONE
 Lookup = Callable[[str, int, int], "Served | str"]
+#: ``slice_lookup(publisher_id, version, chunk, digest)``: plan ``digest``'s verified bytes
+#: of the chunk gathered back to back, WAIT or GONE
+SliceLookup = Callable[[str, int, int, str], "Served | str"]
 
 
 class SendCounts(Protocol):
@@ -102,6 +114,7 @@ class _Ask:
     version: int
     chunk: int
     deadline: float
+    digest: str = ""  # a ``slice_fetch``: the plan whose bytes of the chunk are asked
 
 
 @dataclass(slots=True)
@@ -132,11 +145,14 @@ class PeerServer:
     def __init__(self, router: zmq.Socket, lookup: Lookup, budget: UploadBudget,
                  limits: PeerServerLimits,
                  admitted: Callable[[str], bool] | None = None,
-                 sends: SendCounts | None = None) -> None:
+                 sends: SendCounts | None = None,
+                 slice_lookup: SliceLookup | None = None) -> None:
         """``sends``: where sends out of pooled buffers are counted (required once
-        ``lookup`` returns such buffers)."""
+        ``lookup`` returns such buffers); ``slice_lookup``: a sliced subscriber's planned
+        bytes (None: ``slice_fetch`` is answered ``version_unavailable``)."""
         self.router = router
         self.lookup = lookup
+        self.slice_lookup = slice_lookup
         self.budget = budget
         self.limits = limits
         self.admitted = admitted  # CURVE: the request's User-Id must pass
@@ -149,6 +165,7 @@ class PeerServer:
         self._next_forget = 0.0
         self._warn = RateLimitedLog(log)
         self.chunks_served = 0
+        self.slices_served = 0  # of those, a plan's bytes (``slice_fetch``)
         self.bad_requests = 0
         self.unavailable_replies = 0
         self.dropped_clients = 0
@@ -186,7 +203,9 @@ class PeerServer:
                           "publisher's tracker")
                 return
         try:
-            request = wire.decode_as(frames[1].buffer, wire.FetchRequest)
+            request = wire.decode(frames[1].buffer, expect=(wire.FetchRequest, SliceFetch))
+            if not isinstance(request, wire.FetchRequest | SliceFetch):  # pragma: no cover
+                raise ProtocolError("message.t: expected fetch or slice_fetch")
         except ProtocolVersionError as exc:  # say so: the asker then moves on
             self._bad(f"refused a request: {exc}")
             client = self._client(frames[0].bytes, now)
@@ -205,7 +224,8 @@ class PeerServer:
             fd = _srcfd(frames[1])
             if fd is not None:
                 client.fd, client.peer = fd, peer_name(fd)
-        if request.base:
+        digest = request.digest if isinstance(request, SliceFetch) else ""
+        if isinstance(request, wire.FetchRequest) and request.base:
             self._error(client, request.req, "bad_request", request.version,
                         "peers serve full chunks only; deltas come from the publisher")
             return
@@ -218,7 +238,7 @@ class PeerServer:
             return
         deadline = now + self.limits.defer_timeout
         client.pending.extend(_Ask(request.req, request.publisher_id, request.version, chunk,
-                                   deadline) for chunk in request.chunks)
+                                   deadline, digest) for chunk in request.chunks)
         self._dirty = True
 
     def _client(self, identity: bytes, now: float) -> _Client | None:
@@ -280,9 +300,10 @@ class PeerServer:
         index = 0
         while index < len(client.pending):
             ask = client.pending[index]
-            found = self.lookup(ask.publisher_id, ask.version, ask.chunk)
+            found = self._find(ask)
             if found == GONE or (found == WAIT and now >= ask.deadline):
-                why = "is not held here" if found == GONE else \
+                why = ("is not held here" if not ask.digest else
+                       f"is not held here as slices of plan {ask.digest}") if found == GONE else \
                     f"was not verified here within {self.limits.defer_timeout}s"
                 self._error(client, ask.req, "version_unavailable", ask.version,
                             f"chunk {ask.chunk} of version {ask.version} {why}")
@@ -305,6 +326,13 @@ class PeerServer:
             return 0.0
         return math.inf
 
+    def _find(self, ask: _Ask) -> Served | str:
+        if not ask.digest:
+            return self.lookup(ask.publisher_id, ask.version, ask.chunk)
+        if self.slice_lookup is None:
+            return GONE
+        return self.slice_lookup(ask.publisher_id, ask.version, ask.chunk, ask.digest)
+
     def _send_chunk(self, client: _Client, ask: _Ask, found: Served) -> bool:
         """The chunk's header message, then its payload straight from ``found`` (counted
         on its buffer until ZeroMQ lets go of it); False: not now (pipe full, gone)."""
@@ -320,6 +348,7 @@ class PeerServer:
             key = self.sends.send_begin(found.buffer)
         client.owed = (found.data, key)
         self.chunks_served += 1
+        self.slices_served += bool(ask.digest)
         self._pay_owed(client)  # the pipe may be full now: then paid before anything else
         return True
 
@@ -425,7 +454,8 @@ class PeerServer:
         self._warn.warning(text.split(":")[0][:24], text)
 
     def stats(self) -> dict[str, int]:
-        return {"served_chunks": self.chunks_served, "clients": len(self._clients),
+        return {"served_chunks": self.chunks_served, "served_slices": self.slices_served,
+                "clients": len(self._clients),
                 "bad_requests": self.bad_requests, "dropped_clients": self.dropped_clients,
                 "unavailable_replies": self.unavailable_replies,
                 "cut_clients": self.cut_clients, "queued_bytes": self._queued_bytes,

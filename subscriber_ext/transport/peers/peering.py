@@ -20,6 +20,18 @@ key pair (the one the publisher authenticated it with), and admits only the
 keys the tracker lists (ZAP, and again per request). Binding a non-loopback
 address without CURVE needs ``insecure=True``, as for a publisher.
 ``PeerOptions`` and the ``PeerClient`` view live in ``peer_options.py``.
+
+A sliced subscriber (``slice_plan``, issue 30) shares slices: its hello names its
+plan's digest (the tracker plans it only with members of the same plan), it asks its
+peers with ``slice_fetch`` once the version's ``slice_sums`` are in (the slice source
+asks them of the publisher first), and its server answers ``slice_fetch`` for its own
+plan from its sparse staging (``_slice_lookup``); a whole-chunk ``fetch`` it cannot
+serve (it holds only planned bytes). A slice from a peer is verified against the
+publisher's sums like one from the publisher; one that fails bans the peer.
+``other_plan_chunks`` counts the chunks fetched from the publisher while this member
+was alone on its plan and the tracker held members on other plans. A sharded
+trainer's sliced version is shared the same way (the coordinator's tracker; chunk ids
+and sums are the union's). Not yet: slices of a delta come from the trainer side only.
 """
 
 from __future__ import annotations
@@ -27,9 +39,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -41,6 +54,7 @@ from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import final_bytes
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
+from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
@@ -48,6 +62,8 @@ from weightpub_wire.errors import ConfigError, ProtocolError
 from weightpub_wire.peer_protocol import PeerHello, PeerPlan
 from weightpub_wire.reply_reader import read_replies
 from weightpub_wire.security import CurveIdentity, SocketHook, is_local
+from weightpub_wire.slice_layout import SliceLayout
+from weightpub_wire.slice_messages import SliceFetch
 from weightpub_wire.sockets import bind, configure_socket
 
 __all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]  # options: re-exported
@@ -67,6 +83,12 @@ class Peering(ChunkSource):
         self.client = client
         self.options = options
         self.curve = curve
+        targets = getattr(client, "targets", None)
+        #: the slice plan it fetches and serves ("" for whole versions), and where its
+        #: layout in a version comes from (``SliceFetcher.layout``)
+        self.digest: str = (targets.delta_plan or "") if targets is not None else ""
+        self._layouts: Callable[[wire.Manifest], SliceLayout] | None = \
+            getattr(targets, "layout", None) if self.digest else None
         address = options.bind or default_peer_bind(client.endpoint)
         if curve is None and not options.insecure and not is_local(parse_endpoint(address)):
             raise ConfigError(
@@ -90,13 +112,14 @@ class Peering(ChunkSource):
                                    ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
         self.server = PeerServer(router, self._lookup, self.budget, options.server,
                                  self._admitted if curve is not None else None,
-                                 sends=client.pool)
+                                 sends=client.pool,
+                                 slice_lookup=self._slice_lookup if self.digest else None)
         self.sources = Sources(
             client.dealer.context, self._hooks_for, window=options.window_chunks,
             timeout=client.options.request_timeout,
             max_message_bytes=max(chunk_frame.frame_bytes(wire.MAX_CHUNK_SIZE),
                                   client.options.limits.max_control_bytes),
-            on_open=self._watch, on_close=self._unwatch)
+            on_open=self._watch, on_close=self._unwatch, digest=self.digest)
         self.plan: PeerPlan | None = None
         self.disabled: str | None = None  # why the publisher will not give a plan
         self.poller: zmq.Poller | None = None
@@ -106,6 +129,7 @@ class Peering(ChunkSource):
         self._next_hello = 0.0
         self.bytes_from_peers = 0
         self.chunks_from_peers = 0
+        self.other_plan_chunks = 0  # from the publisher, alone on its plan (module text)
         log.info("serving peers on %s", self.endpoint)
 
     def _open_router(self, router: zmq.Socket, address: str) -> str:
@@ -182,7 +206,7 @@ class Peering(ChunkSource):
         req = client.requests.next_id()
         hello = PeerHello(req=req, publisher_id=client.instance, endpoint=self.endpoint,
                           version=target.manifest.version if target is not None
-                          else client.current_version)
+                          else client.current_version, plan=self.digest)
         if client.send(hello):
             self._hello_reqs = {r for r in self._hello_reqs if r > req - 16} | {req}
             self._next_hello = now + self.options.hello_interval
@@ -233,8 +257,15 @@ class Peering(ChunkSource):
         source (the publisher, or a trainer rank)."""
         todo = list(chunks)
         plan = self.plan
-        if self.disabled is not None or isinstance(target, DeltaAssembly):
+        if self.disabled is not None or isinstance(target, DeltaAssembly) or target.fetch_base:
             return todo  # deltas come from the publisher only
+        sliced = isinstance(target, SparseAssembly)
+        if sliced != bool(self.digest) or (isinstance(target, SparseAssembly) and (
+                target.plan != self.digest or target.sums is None
+                or target.whole_cause is not None)):
+            # slices from peers need the version's sums (and come as slices only): one
+            # falling back to whole chunks comes from the trainer side
+            return todo
         key = (target.manifest.publisher_id, target.manifest.version)
         if plan is None or plan.publisher_id != key[0] or not plan.stripes:
             # no place in the plan we hold; one for this version may be on its way
@@ -245,13 +276,18 @@ class Peering(ChunkSource):
             return todo
         in_flight = self.client.requests.peer_in_flight()
         to_peers, to_publisher = self.sources.route(todo, key, in_flight, now)
+        if plan.other_plans and plan.group <= 1:  # alone on its plan: peers hold other bytes
+            self.other_plan_chunks += len(to_publisher)
         per_request = self.client.options.chunks_per_request
         for link, chunks in to_peers.items():
             for start in range(0, len(chunks), per_request):
                 batch = tuple(chunks[start: start + per_request])
                 req = self.client.requests.next_id()
-                request = wire.FetchRequest(req=req, publisher_id=key[0], version=key[1],
-                                            chunks=batch)
+                request: wire.FetchRequest | SliceFetch = \
+                    SliceFetch(req=req, publisher_id=key[0], version=key[1],
+                               digest=self.digest, chunks=batch) if sliced else \
+                    wire.FetchRequest(req=req, publisher_id=key[0], version=key[1],
+                                      chunks=batch)
                 try:
                     link.sock.send(wire.encode(request), zmq.NOBLOCK)
                 except zmq.Again:  # not connected (yet): the timeout decides
@@ -321,8 +357,8 @@ class Peering(ChunkSource):
 
     def _lookup(self, publisher_id: str, version: int, chunk: int) -> Served | str:
         client = self.client
-        if publisher_id != client.instance:
-            return GONE
+        if publisher_id != client.instance or self.digest:
+            return GONE  # (a sliced member holds only its plan's bytes of a chunk)
         target = client.target
         if target is not None and target.manifest.version == version:
             if chunk >= target.manifest.num_chunks:
@@ -343,6 +379,36 @@ class Peering(ChunkSource):
             return WAIT
         return WAIT if version > client.latest_seen else GONE
 
+    def _slice_lookup(self, publisher_id: str, version: int, chunk: int,
+                      digest: str) -> Served | str:
+        """Plan ``digest``'s verified bytes of ``chunk``, gathered back to back (a copy of
+        only those bytes) from the version being received or the staged base."""
+        client = self.client
+        if publisher_id != client.instance or digest != self.digest:
+            return GONE
+        target = client.target
+        if isinstance(target, SparseAssembly) and target.manifest.version == version \
+                and target.plan == digest:
+            if chunk not in target.layout.sizes:
+                return GONE
+            if chunk in target.missing or not final_bytes(target):
+                return WAIT
+            return _gathered(target.layout, chunk, target.view)
+        base = client.deltas.base
+        if base is not None and base.version == version and base.plan == digest \
+                and base.manifest.publisher_id == publisher_id and self._layouts is not None:
+            try:
+                layout = self._layouts(base.manifest)
+            except ProtocolError:
+                return GONE
+            if chunk not in layout.sizes:
+                return GONE
+            return _gathered(layout, chunk, base.view)
+        if any(m is not None and m.version == version for m in (client.queued,
+                                                                client.gate.waiting)):
+            return WAIT
+        return WAIT if version > client.latest_seen else GONE
+
     # -- reporting and closing -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         plan = self.plan
@@ -352,6 +418,9 @@ class Peering(ChunkSource):
             "plan_epoch": None if plan is None else plan.epoch,
             "bytes_from_peers": self.bytes_from_peers,
             "chunks_from_peers": self.chunks_from_peers,
+            "plan": self.digest or None,
+            "other_plans": None if plan is None else plan.other_plans,
+            "other_plan_chunks": self.other_plan_chunks,
             "disabled": self.disabled,
             **self.sources.stats(),
             **self.server.stats(),
@@ -368,3 +437,9 @@ class Peering(ChunkSource):
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def _gathered(layout: SliceLayout, chunk: int, view: memoryview) -> Served:
+    """``chunk``'s planned bytes out of a flat staging view, back to back (a copy)."""
+    out = layout.gather(chunk, np.frombuffer(view, dtype=np.uint8))
+    return Served(memoryview(out.data).cast("B"), None)
