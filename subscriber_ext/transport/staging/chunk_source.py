@@ -77,7 +77,7 @@ __all__ = ["SOURCE_KINDS", "ChunkSource", "Retry", "SourcePicker", "SourceSink"]
 #: what a version's bytes are counted under (``ChunkSource.kind``; status and reports):
 #: chunk frames over ZeroMQ from the publisher (whole or slices), from trainer ranks
 #: (a sharded version) or from peers; one-sided NIXL reads; a collective round
-SOURCE_KINDS = ("publisher", "shard_ranks", "peers", "nixl", "collective")
+SOURCE_KINDS = ("publisher", "shard_ranks", "peers", "nixl", "collective", "stream")
 
 #: ``retry(chunk, why, error_type)``: count one more try of ``chunk``; True when the
 #: version was given up (stop working on it)
@@ -96,11 +96,16 @@ class SourceSink:
     discard_rest: Callable[[int, zmq.Socket], None]  # drop the frames after the first
     #: ``give_up(why)``: the target cannot complete through this source (named in ``why``)
     give_up: Callable[[WeightPubError], None] = lambda why: None
-    #: ``in_place(req, version, chunk, source, via)``: a chunk the source wrote straight
-    #: into ``target.chunk_target(chunk)`` (a one-sided read): verified there, no copy;
-    #: True verified, False refused (``refused`` was told), None stale
-    in_place: Callable[[int, int, int, ChunkSource, Any], bool | None] = \
-        lambda req, version, chunk, source, via: None
+    #: ``in_place(req, version, chunk, source, via, digest)``: a chunk the source wrote
+    #: straight into ``target.chunk_target(chunk)`` (a one-sided read, a stream's
+    #: ``recv_into``): verified there, no copy; ``digest``: its xxh3-64 when the source
+    #: hashed the bytes as they landed (None: hashed there); True verified, False refused
+    #: (``refused`` was told), None stale
+    in_place: Callable[[int, int, int, ChunkSource, Any, int | None], bool | None] = \
+        lambda req, version, chunk, source, via, digest: None
+    #: ``send(message)``: a control message to the publisher over the client's own DEALER
+    #: (a stream source asks its token so); False when it is not connected yet
+    send: Callable[[Any], bool] = lambda message: False
 
 
 class ChunkSource(ABC):
