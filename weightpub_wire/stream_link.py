@@ -158,7 +158,7 @@ def reply_header(status: int, req: int = 0, version: int = 0, chunk: int = 0,
     return _REPLY.pack(REPLY_MAGIC, status, req, version, chunk, size)
 
 
-def parse_reply(data: bytes | memoryview) -> StreamReply:
+def parse_reply(data: bytes | bytearray | memoryview) -> StreamReply:
     """A reply header; ``ProtocolError`` naming the field that is wrong."""
     if len(data) != REPLY_BYTES:
         raise ProtocolError(f"stream reply: {len(data)} header bytes, expected {REPLY_BYTES}")

@@ -353,7 +353,7 @@ class NixlSource(ChunkSource):
                 # said before the chunk verifies: the last one stages the version at once
                 last = self.verified + 1 == needed
                 target.data_path = "nixl" if last else "nixl+zmq"
-                if self.sink.in_place(req, target.fetch_version, chunk, self, self, None):
+                if self.sink.in_place(req, target.fetch_version, chunk, self, self):
                     self.verified += 1
                 else:
                     target.data_path = "nixl+zmq" if self.verified else "zmq"

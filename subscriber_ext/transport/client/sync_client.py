@@ -134,9 +134,7 @@ class SyncClient:
                                bad=lambda exc: self.report.bad(exc),
                                discard_rest=self.discard_rest,
                                give_up=lambda why: self._fail_target(why),
-                               in_place=lambda r, v, c, s, w, d: self.receiver.in_place(
-                                   r, v, c, s, w, d),
-                               send=self.send)
+                               in_place=self._in_place, send=self.send)
         self.publisher_source = PublisherSource(
             self.requests, self.send, chunks_per_request=options.chunks_per_request,
             request_timeout=options.request_timeout)
@@ -406,6 +404,10 @@ class SyncClient:
             self._on_error(message)
         elif isinstance(message, wire.CollectiveReply) and self.collective is not None:
             self.collective.on_reply(self, message)
+
+    def _in_place(self, req: int, version: int, chunk: int, source: ChunkSource, via: Any,
+                  digest: int | None = None) -> bool | None:
+        return self.receiver.in_place(req, version, chunk, source, via, digest)
 
     def discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None:
         discard_rest(self.sockets.dealer if sock is None else sock, more)

@@ -62,7 +62,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import zmq
 
@@ -84,6 +84,13 @@ SOURCE_KINDS = ("publisher", "shard_ranks", "peers", "nixl", "collective", "stre
 Retry = Callable[[int, str, type[WeightPubError]], bool]
 
 
+class InPlace(Protocol):
+    """``SourceSink.in_place``'s signature (``digest`` optional)."""
+
+    def __call__(self, req: int, version: int, chunk: int, source: ChunkSource, via: Any,
+                 digest: int | None = None) -> bool | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SourceSink:
     """What the client gives its sources: the request table and where replies go."""
@@ -101,8 +108,7 @@ class SourceSink:
     #: ``recv_into``): verified there, no copy; ``digest``: its xxh3-64 when the source
     #: hashed the bytes as they landed (None: hashed there); True verified, False refused
     #: (``refused`` was told), None stale
-    in_place: Callable[[int, int, int, ChunkSource, Any, int | None], bool | None] = \
-        lambda req, version, chunk, source, via, digest: None
+    in_place: InPlace = lambda req, version, chunk, source, via, digest=None: None
     #: ``send(message)``: a control message to the publisher over the client's own DEALER
     #: (a stream source asks its token so); False when it is not connected yet
     send: Callable[[Any], bool] = lambda message: False
