@@ -234,8 +234,9 @@ class StreamServer:
         finally:
             for chunk in begun:
                 version.send_end(chunk)
-        self.chunks_sent += len(batch)
-        self.bytes_sent += sum(len(data) for _, data in batch)
+        with self._lock:  # counted from every connection's thread
+            self.chunks_sent += len(batch)
+            self.bytes_sent += sum(len(data) for _, data in batch)
         return True
 
     def _send_all(self, conn: socket.socket, parts: list[memoryview]) -> None:
