@@ -205,3 +205,33 @@ def test_stream_formats_are_bounded_and_name_what_is_wrong() -> None:
         stream_link.parse_reply(stream_link.reply_header(stream_link.UNAVAILABLE, size=5))
     with pytest.raises(ProtocolError, match="header bytes"):
         stream_link.parse_reply(b"short")
+
+
+def test_no_token_or_no_port_costs_frames_with_the_cause_named(
+        closing: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher that never answers the token request (``no_answer``), and one whose
+    port is gone (``connect``): each version still comes whole, over frames."""
+    from publisher.serving import server
+
+    weights = det_weights(7, 1, SPEC)
+    silent = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    monkeypatch.setattr(server.ServingThread, "_stream_token",
+                        lambda self, peers, peer, request: None)
+    sub = _subscriber(closing, silent.endpoint, stream=True, request_timeout=1.0)
+    silent.publish(weights, version=1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert sub.status()["stream"]["fallback_causes"] == {"no_answer": 1}
+    monkeypatch.undo()
+
+    portless = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    stream = portless._stream
+    assert stream is not None
+    stream.close()  # tokens are still handed out; nobody listens on the port any more
+    sub = _subscriber(closing, portless.endpoint, stream=True)
+    portless.publish(weights, version=1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    status = sub.status()["stream"]
+    assert status["fallback_causes"] == {"connect": 1}, status
+    assert str(stream.port) in status["last_error"]
