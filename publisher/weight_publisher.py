@@ -223,7 +223,9 @@ class WeightPublisher:
             log.warning("stream: off (the endpoint %s is not tcp://)", router)
             return None
         try:
-            stream = StreamServer(self._store, router.host)
+            allow = self._front.allow_list
+            stream = StreamServer(self._store, router.host,
+                                  allowed=None if allow is None else allow.allowed)
         except OSError as exc:
             log.warning("stream: off (could not listen at %s: %s)", router.host, exc)
             return None

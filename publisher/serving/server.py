@@ -360,7 +360,7 @@ class ServingThread(threading.Thread):
         elif isinstance(request, PeerHello):
             self._peer_hello(peers, peer, request, frame, client_key)
         elif isinstance(request, StreamTokenRequest):
-            self._stream_token(peers, peer, request)
+            self._stream_token(peers, peer, request, client_key)
         elif isinstance(request, SLICE_REQUESTS):
             self.slice_serving.handle(peer.identity, request, len(frame.buffer))
 
@@ -386,10 +386,12 @@ class ServingThread(threading.Thread):
             return
         peers.reply(peer, wire.encode(plan))
 
-    def _stream_token(self, peers: PeerTable, peer: Peer, request: StreamTokenRequest) -> None:
-        """A one-time token for the stream port, over this (CURVE) connection only."""
+    def _stream_token(self, peers: PeerTable, peer: Peer, request: StreamTokenRequest,
+                      client_key: str | None) -> None:
+        """A one-time token for the stream port, over this (CURVE) connection only, bound to
+        the key it was asked with (revoking the key cuts the stream too)."""
         stream = self.stream
-        token = None if stream is None else stream.issue_token()
+        token = None if stream is None else stream.issue_token(client_key)
         if stream is None or token is None:
             why = "the stream path is off at this publisher" if stream is None else \
                 "too many stream tokens outstanding; try again later"

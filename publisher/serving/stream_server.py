@@ -31,6 +31,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +63,16 @@ class StreamServer:
     """A listening TCP socket, its accept thread and one thread per connection."""
 
     def __init__(self, store: VersionStore, host: str, port: int = 0,
-                 limits: StreamLimits | None = None) -> None:
+                 limits: StreamLimits | None = None,
+                 allowed: Callable[[bytes], bool] | None = None) -> None:
+        """``allowed(z85 key)``: the CURVE allow-list, asked again before every request of
+        a connection whose token was handed to that key (a key revoked meanwhile is cut,
+        as the ROUTER cuts it)."""
         self.store = store
         self.limits = limits or StreamLimits()
-        self._tokens: dict[bytes, float] = {}  # token -> expiry (monotonic)
+        self._allowed = allowed
+        #: token -> (expiry (monotonic), the CURVE key it was handed to, None without CURVE)
+        self._tokens: dict[bytes, tuple[float, str | None]] = {}
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
         self._closed = False
@@ -87,23 +94,27 @@ class StreamServer:
         self._accepter.start()
 
     # -- tokens (called on the serving thread) ----------------------------------------------
-    def issue_token(self) -> bytes | None:
-        """A fresh one-time token; None when ``max_tokens`` are outstanding."""
+    def issue_token(self, client_key: str | None = None) -> bytes | None:
+        """A fresh one-time token for ``client_key`` (the CURVE key it was asked with);
+        None when ``max_tokens`` are outstanding."""
         now = time.monotonic()
         with self._lock:
-            for token, expiry in list(self._tokens.items()):
+            for token, (expiry, _) in list(self._tokens.items()):
                 if expiry < now:
                     del self._tokens[token]
             if len(self._tokens) >= self.limits.max_tokens:
                 return None
             token = os.urandom(stream_link.TOKEN_BYTES)
-            self._tokens[token] = now + self.limits.token_ttl
+            self._tokens[token] = (now + self.limits.token_ttl, client_key)
             return token
 
-    def _take_token(self, token: bytes) -> bool:
+    def _take_token(self, token: bytes) -> tuple[bool, str | None]:
+        """(valid, the key it was handed to); a token is good once."""
         with self._lock:
-            expiry = self._tokens.pop(token, None)
-        return expiry is not None and expiry >= time.monotonic()
+            entry = self._tokens.pop(token, None)
+        if entry is None or entry[0] < time.monotonic():
+            return False, None
+        return True, entry[1]
 
     # -- what is sent (a test may wrap it) ------------------------------------------------------
     def chunk_bytes(self, version: PublishedVersion, chunk: int) -> memoryview:
@@ -145,7 +156,8 @@ class StreamServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.limits.hello_timeout)
             token = stream_link.parse_hello(_read_exact(conn, stream_link.HELLO_BYTES))
-            if not self._take_token(token):
+            valid, client_key = self._take_token(token)
+            if not valid:
                 self.refused += 1
                 self._warn.warning("stream-token", "stream: refused a connection (unknown, "
                                                    "used or expired token)")
@@ -156,6 +168,9 @@ class StreamServer:
             conn.settimeout(_POLL_S)
             while not self._closed:
                 head = _read_exact(conn, stream_link.REQUEST_BYTES, idle=lambda: self._closed)
+                if client_key is not None and self._allowed is not None \
+                        and not self._allowed(client_key.encode()):
+                    raise _Cut(f"CURVE key {client_key} is not in the allow-list any more")
                 request = stream_link.parse_request_head(head)
                 chunks = stream_link.request_chunks(
                     _read_exact(conn, 4 * request.count), request)

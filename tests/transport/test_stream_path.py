@@ -182,6 +182,15 @@ def test_under_curve_only_an_admitted_subscriber_gets_a_token(
     status = pub.stream_status()
     assert status is not None and status["accepted"] == 1 and status["refused"] == 0
     assert pub.data_stats()["bytes_sent_full"] == 0
+    staged.release()
+    # the member's key revoked: its open stream connection is cut at its next request
+    for key_file in allowed.iterdir():
+        key_file.unlink()
+    time.sleep(1.5)  # the allow-list is re-read at most once a second
+    pub.publish(det_weights(7, 2, SPEC), version=2)
+    wait_until(lambda: (pub.stream_status() or {}).get("cut", 0) >= 1, 30,
+               "the revoked key's stream cut")
+    assert member.latest() is not None and member.latest().version == 1
 
 
 def test_stream_formats_are_bounded_and_name_what_is_wrong() -> None:
