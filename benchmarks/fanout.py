@@ -11,6 +11,11 @@ version; medians over the rounds after the warm-up. Target (shared/DESIGN.md):
 deliver(4) / deliver(1) <= 1.5. ``raw4`` is the baseline for fan-out itself: this process
 sends the same bytes on 4 TCP sockets at once (a thread each, ``sendall``) to 4 processes
 that ``recv_into`` a buffer of their own; target: raw4 / 4 >= 0.85 (issue 29).
+The stream groups (issue 29): ``s1`` / ``s4`` are 1 / 4 subscribers with ``stream=True``
+to a publisher with ``stream=True`` (chunks on its plain TCP port, ``sendmsg`` straight
+from the snapshot, ``recv_into`` staging), against ``raw1`` / ``raw4``. Each subscriber
+also reports the CPU-seconds its process spent per version (``time.process_time``),
+shown per GB received.
 
 On one 2-core machine all replicas, the relay and the publisher share the CPU, the memory
 bandwidth and the loopback, so this measures the publisher's cost of serving N subscribers
@@ -20,6 +25,7 @@ own NIC and cores and the trainer's uplink is the bottleneck).
     python benchmarks/fanout.py                    # 256 MiB versions, 6 rounds (~1.5 min)
     python benchmarks/fanout.py --mib 32 --rounds 3    # quick smoke run
     python benchmarks/fanout.py --groups 4,raw4        # only fan-out against raw streams
+    python benchmarks/fanout.py --groups raw1,s1,4,s4,raw4   # the stream path (issue 29)
 """
 
 from __future__ import annotations
@@ -37,17 +43,23 @@ import torch
 
 from weightpub_wire.buffers import byte_view
 
-GROUPS = ("1", "4", "relay4", "raw4")
+GROUPS = ("1", "4", "relay4", "raw4", "raw1", "s1", "s4")
+_FAN = {"1": 1, "4": 4, "relay4": 4, "raw4": 4, "raw1": 1, "s1": 1, "s4": 4}
 
 
-def _subscriber(endpoint: str, versions: int, window_mib: int, conn: Any) -> None:
+def _subscriber(endpoint: str, versions: int, window_mib: int, conn: Any,
+                stream: bool = False) -> None:
     from subscriber_ext import WeightSubscriber
 
-    with WeightSubscriber(endpoint, window_bytes=window_mib << 20) as sub:
+    with WeightSubscriber(endpoint, window_bytes=window_mib << 20, stream=stream) as sub:
         conn.send("ready")
+        cpu = time.process_time()
         for version in range(1, versions + 1):
             staged = sub.wait_for_version(version, timeout=300)
-            conn.send(time.time())  # staged: complete and verified
+            now = time.process_time()
+            # staged: complete and verified; the CPU this process spent on the version
+            conn.send((time.time(), now - cpu, staged.data_path))
+            cpu = now
             staged.release()
 
 
@@ -72,12 +84,13 @@ def _raw_receiver(port: int, nbytes: int, versions: int, conn: Any) -> None:
         conn.send("ready")
         for _ in range(versions):
             got = 0
+            cpu = time.process_time()
             while got < nbytes:
                 n = sock.recv_into(view[got:], nbytes - got)
                 if n == 0:
                     raise ConnectionError("sender closed early")
                 got += n
-            conn.send(time.time())
+            conn.send((time.time(), time.process_time() - cpu, "raw"))
 
 
 class RawGroup:
@@ -102,7 +115,7 @@ class RawGroup:
         for conn in self.conns:
             conn.recv()
 
-    def round(self, weights: dict[str, torch.Tensor]) -> tuple[float, float]:
+    def round(self, weights: dict[str, torch.Tensor]) -> tuple[float, float, float]:
         view = byte_view(weights["w"])
         start = time.time()
         threads = [threading.Thread(target=sock.sendall, args=(view,)) for sock in self.socks]
@@ -111,7 +124,7 @@ class RawGroup:
         for thread in threads:
             thread.join()
         staged = [conn.recv() for conn in self.conns]
-        return max(staged) - start, 0.0
+        return max(s[0] for s in staged) - start, 0.0, sum(s[1] for s in staged)
 
     def close(self) -> None:
         for sock in self.socks:
@@ -124,11 +137,13 @@ class Group:
     """A publisher here and ``n`` subscriber processes (optionally behind a relay)."""
 
     def __init__(self, n: int, relay: bool, versions: int, chunk_mib: int,
-                 window_mib: int) -> None:
+                 window_mib: int, stream: bool = False) -> None:
         from publisher import WeightPublisher
 
         ctx = mp.get_context("spawn")
-        self.pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk_mib << 20)
+        self.stream = stream
+        self.pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk_mib << 20,
+                                   stream=stream)
         endpoint = self.pub.endpoint
         self.relay_conn = None
         if relay:
@@ -140,7 +155,8 @@ class Group:
         self.conns, self.procs = [], []
         for _ in range(n):
             conn, child = mp.Pipe()
-            proc = ctx.Process(target=_subscriber, args=(endpoint, versions, window_mib, child),
+            proc = ctx.Process(target=_subscriber,
+                               args=(endpoint, versions, window_mib, child, stream),
                                daemon=True)
             proc.start()
             self.conns.append(conn)
@@ -148,13 +164,16 @@ class Group:
         for conn in self.conns:
             conn.recv()
 
-    def round(self, weights: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """(publish() start -> last subscriber staged, seconds publish() took)."""
+    def round(self, weights: dict[str, torch.Tensor]) -> tuple[float, float, float]:
+        """(publish() start -> last subscriber staged, seconds publish() took, the
+        subscribers' CPU-seconds on the version)."""
         start = time.time()
         self.pub.publish(weights)
         publish_s = time.time() - start
         staged = [conn.recv() for conn in self.conns]
-        return max(staged) - start, publish_s
+        if self.stream and any(s[2] != "stream" for s in staged):
+            print(f"    (stream group: data paths {[s[2] for s in staged]})", flush=True)
+        return max(s[0] for s in staged) - start, publish_s, sum(s[1] for s in staged)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -181,25 +200,27 @@ def main() -> None:
     weights = {"w": torch.randint(0, 255, (nbytes,), dtype=torch.uint8)}
     t0 = time.perf_counter()
     groups: dict[str, Group | RawGroup] = {
-        name: RawGroup(4, nbytes, versions) if name == "raw4" else
-        Group(4 if name != "1" else 1, name == "relay4", versions, args.chunk_mib,
-              args.window_mib) for name in chosen}
+        name: RawGroup(_FAN[name], nbytes, versions) if name.startswith("raw") else
+        Group(_FAN[name], name == "relay4", versions, args.chunk_mib, args.window_mib,
+              stream=name.startswith("s")) for name in chosen}
     print(f"{args.mib} MiB versions; groups {', '.join(chosen)} started in "
           f"{time.perf_counter() - t0:.1f} s; {args.rounds} rounds (+{args.warmup} warm-up) "
           f"per group, interleaved", flush=True)
     deliver: dict[str, list[float]] = {g: [] for g in chosen}
     publish: dict[str, list[float]] = {g: [] for g in chosen}
+    cpu: dict[str, list[float]] = {g: [] for g in chosen}
     for rnd in range(versions):
         shift = rnd % len(chosen)
         order = chosen[shift:] + chosen[:shift]
         line = []
         for name in order:
             weights["w"][rnd * 8:rnd * 8 + 8] += 1  # a different version each round
-            took, pub_s = groups[name].round(weights)
+            took, pub_s, cpu_s = groups[name].round(weights)
             line.append(f"{name}={took:.3f}s")
             if rnd >= args.warmup:
                 deliver[name].append(took)
                 publish[name].append(pub_s)
+                cpu[name].append(cpu_s / (_FAN[name] * nbytes / 1e9))
         tag = "warm-up" if rnd < args.warmup else f"round {rnd - args.warmup + 1}"
         print(f"  {tag:>8}  " + "  ".join(line), flush=True)
     for group in groups.values():
@@ -208,25 +229,36 @@ def main() -> None:
     ratio = med["4"] / med["1"] if "4" in med else float("nan")
     relay_ratio = med["relay4"] / med["1"] if "relay4" in med else float("nan")
     # per round, raw4's time over 4's (the rounds interleave the two): a same-run ratio
-    raw_ratio = statistics.median(r / w for r, w in zip(deliver["raw4"], deliver["4"],
-                                                         strict=True)) \
-        if "raw4" in med and "4" in med else float("nan")
+    def same_run(raw: str, ours: str) -> float:
+        if raw not in med or ours not in med:
+            return float("nan")
+        return statistics.median(r / w for r, w in zip(deliver[raw], deliver[ours],
+                                                       strict=True))
+
+    raw_ratio = same_run("raw4", "4")
+    ratios = {f"{raw}/{ours}": same_run(raw, ours)
+              for raw, ours in (("raw4", "4"), ("raw4", "s4"), ("raw1", "1"), ("raw1", "s1"))
+              if raw in med and ours in med}
     print(f"\n{'group':<24}{'deliver s (median)':>19}{'min':>8}{'max':>8}{'GB/s out':>10}"
-          f"{'publish() s':>13}")
+          f"{'publish() s':>13}{'sub CPU-s/GB':>14}")
     labels = {"1": "1 subscriber", "4": "4 subscribers", "relay4": "4 behind a relay",
-              "raw4": "4 raw TCP streams"}
+              "raw4": "4 raw TCP streams", "raw1": "1 raw TCP stream",
+              "s1": "1 subscriber, stream", "s4": "4 subscribers, stream"}
     for g in chosen:
-        fan = 1 if g == "1" else 4
+        fan = _FAN[g]
         print(f"{labels[g]:<24}{med[g]:>19.3f}{min(deliver[g]):>8.3f}{max(deliver[g]):>8.3f}"
-              f"{fan * nbytes / med[g] / 1e9:>10.2f}{statistics.median(publish[g]):>13.3f}")
+              f"{fan * nbytes / med[g] / 1e9:>10.2f}{statistics.median(publish[g]):>13.3f}"
+              f"{statistics.median(cpu[g]):>14.2f}")
+    print("same-run ratios (raw time / ours, per round, median): " +
+          ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"ratio 4/1 {ratio:.2f}x (target <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'}); "
           f"relay4/1 {relay_ratio:.2f}x; 4 subscribers vs 4 raw streams {raw_ratio:.2f}x "
           f"(target >= 0.85x: {'met' if raw_ratio >= 0.85 else 'NOT met'})")
     print(orjson.dumps({
         "bench": "fanout", "bytes": nbytes, "rounds": args.rounds, "median_s": med,
         "ratio_4_vs_1": ratio, "ratio_relay4_vs_1": relay_ratio,
-        "ratio_raw4_vs_4": raw_ratio, "target": "<= 1.5",
-        "deliver_s": deliver, "publish_s": publish,
+        "ratio_raw4_vs_4": raw_ratio, "target": "<= 1.5", "same_run_ratios": ratios,
+        "deliver_s": deliver, "publish_s": publish, "sub_cpu_s_per_gb": cpu,
     }).decode())
 
 

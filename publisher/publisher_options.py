@@ -100,6 +100,12 @@ class PublisherOptions(OptionSet):
         False, description="also offer every version for one-sided NIXL reads: snapshot "
                            "buffers registered once (pip install weightpub[nixl]; off with "
                            "a WARNING where NIXL cannot run); ZeroMQ frames stay the fallback")
+    stream: bool = Field(
+        False, description="also serve chunks on a plain TCP port (announced as the "
+                           "manifest's stream_port, same host as the endpoint): sent straight "
+                           "from the snapshot with sendmsg; a subscriber with stream=True "
+                           "presents a one-time token it got over CURVE; the bytes are NOT "
+                           "encrypted; ZeroMQ frames stay the fallback")
     host_budget_bytes: int | None = Field(
         None, ge=1, json_schema_extra=unit("bytes"),
         description="host memory for version snapshots (None: 3/4 of what is available at "
@@ -215,6 +221,7 @@ class PublisherKeywords(TypedDict, total=False):
     collective_host: str | None
     collective_device: str | None
     nixl: bool
+    stream: bool
     host_budget_bytes: int | None
     limits: ServerLimits | None
 

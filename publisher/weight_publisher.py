@@ -36,6 +36,7 @@ from publisher.serving.front import ServingFront
 from publisher.serving.relayed import RelayedVersion, relay_upstream
 from publisher.serving.reports import UNAUTHENTICATED_QUORUM, counts_for, reporters
 from publisher.serving.server import StatusExtras
+from publisher.serving.stream_server import StreamServer
 from publisher.sources.streamed_copy import plan_version
 from publisher.sources.streamed_plan import PublishSource
 from publisher.store.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
@@ -96,6 +97,12 @@ class WeightPublisher:
     registered once, the manifest carries the offer, replicas READ the chunks and verify
     them as they do frames (``publisher.store.nixl_export``); where NIXL cannot run the
     option is off with a WARNING (``nixl_status()``) and ZeroMQ frames serve.
+
+    ``stream=True`` also serves chunks on a plain TCP port at the endpoint's host
+    (``Manifest.stream_port``; ``publisher.serving.stream_server``): a subscriber with
+    ``stream=True`` gets a one-time token over its CURVE connection, presents it there,
+    and receives each chunk by ``sendmsg`` straight from the snapshot. Not encrypted
+    (opt-in on both sides); every chunk is still checked against the manifest.
 
     ``peer_fanout`` (default 4; 0: off) is the number of stripes the tracker splits a
     version into for subscribers started with ``peer_share=True`` (``publisher.serving.tracker``):
@@ -168,6 +175,10 @@ class WeightPublisher:
             if self._nixl is not None:
                 self._nixl.close()
             raise
+        #: the plain-TCP stream port (``stream=True``), tokens handed out by the server
+        self._stream: StreamServer | None = None
+        if options.stream:
+            self._stream = self._start_stream()
         self._announced = threading.Condition()
         self._announced_version = 0
         self._last_snapshot: tuple[int, Snapshot] | None = None  # the newest publish()'s
@@ -206,6 +217,24 @@ class WeightPublisher:
                         "neither encrypted nor authenticated (only join requests pass "
                         "CURVE); use it on a trusted fabric", options.backend)
         return collective
+
+    def _start_stream(self) -> StreamServer | None:
+        router = self._front.router
+        if router.scheme != "tcp":
+            log.warning("stream: off (the endpoint %s is not tcp://)", router)
+            return None
+        try:
+            allow = self._front.allow_list
+            stream = StreamServer(self._store, router.host,
+                                  allowed=None if allow is None else allow.allowed)
+        except OSError as exc:
+            log.warning("stream: off (could not listen at %s: %s)", router.host, exc)
+            return None
+        self._server.stream = stream
+        if not is_local(router):
+            log.warning("stream: chunks on port %d travel unencrypted (only the token "
+                        "passes CURVE); use it on a trusted network", stream.port)
+        return stream
 
     # -- public API ----------------------------------------------------------------------------
     @classmethod
@@ -405,6 +434,8 @@ class WeightPublisher:
             "nixl_registered_bytes": 0 if self._nixl is None else self._nixl.registered_bytes,
             "nixl_offers": 0 if self._nixl is None else self._nixl.offers,
             "nixl_off": 0 if self._nixl is None or not self._nixl.off_reason else 1,
+            # the plain-TCP stream port (``stream=True``): chunk bytes sent there
+            "bytes_sent_stream": 0 if self._stream is None else self._stream.bytes_sent,
         }
 
     def _scratch_bytes(self) -> int:
@@ -440,6 +471,11 @@ class WeightPublisher:
     def nixl_status(self) -> dict[str, object] | None:
         """The NIXL path (``nixl=True``): on, why off, bytes registered, offers; else None."""
         return None if self._nixl is None else self._nixl.status()
+
+    def stream_status(self) -> dict[str, object] | None:
+        """The stream port (``stream=True``): port, connections, tokens refused, bytes
+        sent; else None."""
+        return None if self._stream is None else self._stream.status()
 
     def collective_status(self) -> GroupStatus | None:
         """The collective path's group (backend, epoch, members, rounds), or None."""
@@ -507,6 +543,8 @@ class WeightPublisher:
         self._deltas.close()
         if self._collective is not None:
             self._collective.close()  # bounded by collective_timeout
+        if self._stream is not None:
+            self._stream.close()
         self._front.close()  # the serving thread, the ZAP handler, our own context
         self._store.clear()
         if self._nixl is not None:  # nothing serves from the buffers any more
@@ -541,6 +579,7 @@ class WeightPublisher:
             collective=None if self._collective is None else self._collective.announce(),
             adapters=self._adapters_of.pop(number, None),
             nixl=self._nixl_offer(snapshot),
+            stream_port=None if self._stream is None else self._stream.port,
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)

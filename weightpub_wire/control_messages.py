@@ -45,6 +45,7 @@ from weightpub_wire.message_base import (
     _Message,
 )
 from weightpub_wire.nixl_link import NIXL_PATHS
+from weightpub_wire.stream_link import STREAM_PATHS
 
 __all__ = [
     "CollectivePoll",
@@ -143,7 +144,8 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
-        if self.data_path not in ("", "slices", *DATA_PATHS, *NIXL_PATHS):  # slices: issue 30
+        if self.data_path not in ("", "slices", *DATA_PATHS, *NIXL_PATHS,
+                                  *STREAM_PATHS):  # slices: issue 30
             raise ValueError(f"data_path: unknown data path {self.data_path!r}")
 
 

@@ -151,6 +151,11 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     #: ``total_bytes``, is counted ``bad_offer`` there: the manifest still serves).
     #: It names registered memory: it travels only on PUB/ROUTER (CURVE)
     nixl: NixlOffer | None = None
+    #: the version's chunks may also be fetched on a plain TCP port of the publisher's
+    #: (issue 29, ``weightpub_wire.stream_link``): a subscriber with ``stream=True`` asks
+    #: a one-time token over its DEALER and connects to this port at the ROUTER's host.
+    #: Optional: a subscriber that predates it ignores it; unencrypted, so opt-in
+    stream_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

@@ -31,6 +31,7 @@ from publisher.serving.connections import ConnectionGuard, GuardLimits
 from publisher.serving.delta_serving import DeltaServing
 from publisher.serving.reports import ReportLimits, ReportTable
 from publisher.serving.slice_serving import SliceLimits, SliceServing
+from publisher.serving.stream_server import StreamServer
 from publisher.serving.tracker import Tracker, TrackerLimits
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
@@ -42,6 +43,7 @@ from weightpub_wire.peer_protocol import PeerHello
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.slice_messages import SLICE_REQUESTS
 from weightpub_wire.sockets import bind, configure_socket
+from weightpub_wire.stream_link import StreamToken, StreamTokenRequest
 
 __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerOptions",
            "ServingThread", "SliceLimits", "StatusExtras", "TrackerLimits"]
@@ -49,7 +51,7 @@ __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerO
 log = logging.getLogger("weightpub.publisher")
 _REQUESTS: tuple[type[_Message], ...] = (
     wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report,
-    wire.CollectivePoll, PeerHello, *SLICE_REQUESTS)
+    wire.CollectivePoll, PeerHello, StreamTokenRequest, *SLICE_REQUESTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +116,8 @@ class ServingThread(threading.Thread):
         self.reports = ReportTable(self.limits.reports)
         self.tracker = Tracker(self.limits.tracker, publisher_id, started_at)
         self.peers: PeerTable | None = None
+        #: the plain-TCP stream port (``stream=True``): tokens for it are handed out here
+        self.stream: StreamServer | None = None
         self.guard: ConnectionGuard | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -355,6 +359,8 @@ class ServingThread(threading.Thread):
                 self._warn.warning("report", f"refused a report from {client[:48]}: {refused}")
         elif isinstance(request, PeerHello):
             self._peer_hello(peers, peer, request, frame, client_key)
+        elif isinstance(request, StreamTokenRequest):
+            self._stream_token(peers, peer, request, client_key)
         elif isinstance(request, SLICE_REQUESTS):
             self.slice_serving.handle(peer.identity, request, len(frame.buffer))
 
@@ -379,6 +385,21 @@ class ServingThread(threading.Thread):
             peers.reply(peer, wire.encode(error))
             return
         peers.reply(peer, wire.encode(plan))
+
+    def _stream_token(self, peers: PeerTable, peer: Peer, request: StreamTokenRequest,
+                      client_key: str | None) -> None:
+        """A one-time token for the stream port, over this (CURVE) connection only, bound to
+        the key it was asked with (revoking the key cuts the stream too)."""
+        stream = self.stream
+        token = None if stream is None else stream.issue_token(client_key)
+        if stream is None or token is None:
+            why = "the stream path is off at this publisher" if stream is None else \
+                "too many stream tokens outstanding; try again later"
+            peers.reply(peer, wire.encode(wire.ErrorReply(req=request.req, code="bad_request",
+                                                          message=why)))
+            return
+        peers.reply(peer, wire.encode(StreamToken(req=request.req, token=token,
+                                                  port=stream.port)))
 
     def _collective_reply(self, poll: wire.CollectivePoll, frame: zmq.Frame,
                           client_key: str | None) -> wire.CollectiveReply:

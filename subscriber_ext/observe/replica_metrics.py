@@ -135,6 +135,10 @@ class ReplicaCollector(Collector):
             "weightpub_nixl_fallbacks",
             "Versions (checksum: chunks) offered over NIXL but fetched over ZeroMQ, by cause",
             labels=["rank", "cause"])
+        stream_fallbacks = CounterMetricFamily(
+            "weightpub_stream_fallbacks",
+            "Versions (checksum: chunks) offered on the stream port but fetched over ZeroMQ, "
+            "by cause", labels=["rank", "cause"])
         receive_mode = GaugeMetricFamily(
             "weightpub_receive_mode_info",
             "How this rank receives versions (1): slices, node (staging) or rank (whole)",
@@ -178,6 +182,9 @@ class ReplicaCollector(Collector):
             for cause, count in sorted((state.get("nixl_fallbacks") or {}).items()):
                 if _number(count) is not None:
                     nixl_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
+            for cause, count in sorted((state.get("stream_fallbacks") or {}).items()):
+                if _number(count) is not None:
+                    stream_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
             if isinstance(receive.get("mode"), str):
                 receive_mode.add_metric([*label, receive["mode"][:16]], 1.0)
             if isinstance(state.get("data_path"), str):
@@ -198,6 +205,7 @@ class ReplicaCollector(Collector):
         yield failures
         yield fallbacks
         yield nixl_fallbacks
+        yield stream_fallbacks
         yield receive_mode
         yield path
         yield from histograms.values()

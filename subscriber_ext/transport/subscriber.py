@@ -22,6 +22,7 @@ import zmq
 from subscriber_ext.transport.client.nixl_source import NixlPicker
 from subscriber_ext.transport.client.shard_slices import ShardSlices
 from subscriber_ext.transport.client.slice_source import SliceFetcher
+from subscriber_ext.transport.client.stream_source import StreamPicker
 from subscriber_ext.transport.client.sync_client import SyncClient, SyncOptions
 from subscriber_ext.transport.collective.collective_member import CollectiveMember
 from subscriber_ext.transport.staging.assembly import StagedVersion
@@ -75,6 +76,12 @@ class WeightSubscriber:
     offer NIXL one-sided straight into staging (``transport/client/nixl_source.py``),
     verified like frames; whatever it cannot read comes over ZeroMQ frames, the cause
     counted in ``status()["nixl"]``.
+
+    ``stream=True`` fetches the chunks of versions whose manifests announce a
+    ``stream_port`` on that plain TCP port (``transport/client/stream_source.py``): a
+    one-time token asked over this subscriber's DEALER, the bytes received straight into
+    staging and hashed as they land, each chunk verified as a frame is; NOT encrypted.
+    Whatever fails comes over ZeroMQ frames, the cause counted in ``status()["stream"]``.
 
     ``on_progress`` (optional, runs on the subscriber thread, must return quickly)
     sees each version while it arrives: a ``PartialVersion`` whose ``ready()``
@@ -150,6 +157,10 @@ class WeightSubscriber:
         # rest over ZeroMQ frames; staging buffers registered once, dropped with the pool
         self._nixl = NixlPicker(base.nixl, request_timeout=base.request_timeout,
                                 window_bytes=base.window_bytes)
+        # a manifest with a stream port: chunks on that plain TCP socket (first), the rest
+        # (and whatever fails there) over ZeroMQ frames
+        self._stream = StreamPicker(base.stream, router.host, request_timeout=base.request_timeout,
+                                    window_bytes=base.window_bytes)
         # pinned where CUDA exists, a node's shared segments too (page-locked exactly,
         # weightpub_wire.buffers.page_locked), so the owner rank copies at full PCIe speed
         pool = BufferPool(max_buffers=2, allocator=self._nixl.allocator(allocator),
@@ -170,8 +181,9 @@ class WeightSubscriber:
                                       listeners=[self._nixl,
                                                  *([chunk_listener] if chunk_listener else [])],
                                       pickers=[self._nixl, self._slices, shard_slices]
-                                      if self._slices and shard_slices else [self._nixl],
-                                      targets=self._slices)
+                                      if self._slices and shard_slices
+                                      else [self._nixl, self._stream],
+                                      targets=self._slices, repliers=[self._stream])
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
             self._nixl.close()
             if self._own_context:
@@ -310,6 +322,8 @@ class WeightSubscriber:
             "slice_plan": None if self._slices is None else self._slices.status(),
             # the NIXL path: mode, bytes read one-sided, versions fetched over ZeroMQ by cause
             "nixl": self._nixl.status(),
+            # the stream path: bytes received there, versions' chunks over frames by cause
+            "stream": self._stream.status(),
         }
 
     def close(self) -> None:

@@ -140,6 +140,7 @@ class SubscriberKeywords(TypedDict, total=False):
     collective: bool
     collective_device: str | None
     nixl: bool | None
+    stream: bool
     peer_share: bool
     peer_bind: str | None
     insecure: bool

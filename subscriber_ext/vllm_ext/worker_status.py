@@ -77,6 +77,9 @@ class WorkerStatus(StateAccess):
             # chunks of versions offered over NIXL fetched over ZeroMQ instead, by cause
             "nixl_fallbacks": {} if follower else dict(
                 (source.get("nixl") or {}).get("fallback_causes") or {}),
+            # chunks of versions offered on the stream port fetched as frames, by cause
+            "stream_fallbacks": {} if follower else dict(
+                (source.get("stream") or {}).get("fallback_causes") or {}),
             "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
             # how this rank receives and what its applied version cost (``receive_table.py``)
             "receive": self._wp_receive_row(source),
@@ -133,6 +136,9 @@ class WorkerStatus(StateAccess):
             # the node's NIXL path: versions (or chunks) fetched over ZeroMQ instead, by cause
             "nixl_fallbacks": dict(((source_status or {}).get("nixl") or {})
                                    .get("fallback_causes") or {}),
+            # the node's stream path (``stream=True``): chunks fetched as frames, by cause
+            "stream_fallbacks": dict(((source_status or {}).get("stream") or {})
+                                     .get("fallback_causes") or {}),
             # each rank its own slices, node staging or whole (``receive_choice.py``), with
             # its plan's share and what the applied version cost it (``receive_table.py``)
             "receive": self._wp_receive_row(source_status),

@@ -382,9 +382,12 @@ def run_publisher(args: dict[str, Any]) -> None:
                           model_id=args.get("model_id", "test"),
                           metrics_port=args.get("metrics_port"),
                           delta_anchor_every=args.get("delta_anchor_every", 1),
-                          nixl=bool(args.get("nixl", False)))
+                          nixl=bool(args.get("nixl", False)),
+                          stream=bool(args.get("stream", False)))
     if args.get("nixl_fault"):
         nixl_fault(pub, args["nixl_fault"])
+    if args.get("stream_fault"):
+        stream_fault(pub, args["stream_fault"])
     _emit(event="ready", endpoint=pub.endpoint, publisher_id=pub.publisher_id, pid=os.getpid(),
           metrics_url=pub.metrics.url if pub.metrics is not None else None)
     commands = _commands()
@@ -407,7 +410,7 @@ def run_publisher(args: dict[str, Any]) -> None:
                   delta_chain=None if delta is None else [b.version for b in delta.chain])
         elif cmd == "stats":
             _emit(event="stats", id=command.get("id"), stats=pub.data_stats(),
-                  nixl=pub.nixl_status())
+                  nixl=pub.nixl_status(), stream=pub.stream_status())
         elif cmd == "fleet":
             _emit(event="fleet", id=command.get("id"),
                   reports=[msgspec.to_builtins(r) for r in pub.fleet()])
@@ -452,6 +455,25 @@ def nixl_fault(pub: Any, fault: str) -> None:
         return made
 
     export.offer = offer
+
+
+def stream_fault(pub: Any, fault: str) -> None:
+    """Test-only faults of a publisher's stream port (``tests/transport/test_stream_path.py``):
+    ``corrupt:<chunk>``: that chunk goes out on the stream with one byte flipped (a copy;
+    ZeroMQ frames still serve the real bytes)."""
+    server = pub._stream
+    real = server.chunk_bytes
+    bad = int(fault.split(":")[1])
+
+    def chunk_bytes(version: Any, chunk: int) -> memoryview:
+        data = real(version, chunk)
+        if chunk != bad:
+            return data
+        spoiled = bytearray(data)
+        spoiled[0] ^= 0xFF
+        return memoryview(spoiled)
+
+    server.chunk_bytes = chunk_bytes
 
 
 def run_subscriber(args: dict[str, Any]) -> None:

@@ -100,10 +100,12 @@ class ChunkReceiver:
         self._landed(target, header.chunk, header.version, header.size, digest, source, via)
 
     def in_place(self, req: int, version: int, chunk: int, source: ChunkSource,
-                 via: object) -> bool | None:
-        """A chunk ``source`` wrote straight into the target's buffer (a one-sided read,
-        no frame): verify it there, as ``receive`` does a copied one. True: verified;
-        False: refused (its checksum, or not a full version's bytes); None: stale."""
+                 via: object, digest: int | None = None) -> bool | None:
+        """A chunk ``source`` wrote straight into the target's buffer (a one-sided read, a
+        stream's ``recv_into``; no frame): verify it there, as ``receive`` does a copied
+        one (``digest``: its checksum, taken as the bytes landed; None: taken here). True:
+        verified; False: refused (its checksum, or not a full version's bytes); None:
+        stale."""
         target = self._target()
         request = self._requests.get(req)
         if target is None or request is None or request.source is not via \
@@ -114,7 +116,7 @@ class ChunkReceiver:
             return None
         if target.fetch_base:
             return False  # a delta step's bytes are decoded from scratch, never read in place
-        return self._landed(target, chunk, version, target.in_place_bytes(chunk), None,
+        return self._landed(target, chunk, version, target.in_place_bytes(chunk), digest,
                             source, via)
 
     def _landed(self, target: Assembly, chunk: int, version: int, size: int,

@@ -83,11 +83,15 @@ class SyncClient:
                  pool: BufferPool | None = None, curve: CurveIdentity | None = None,
                  listeners: list[ChunkListener] | None = None,
                  pickers: Sequence[SourcePicker] = (),
-                 targets: TargetMaker | None = None) -> None:
+                 targets: TargetMaker | None = None,
+                 repliers: Sequence[Any] = ()) -> None:
         """``pickers``: chunk sources of other kinds, asked first (chunk_source.py);
         ``targets``: makes each target instead of a whole ``Assembly`` and sizes it for
         the budget (a slice plan's ``SparseAssembly``); its staged versions are delta bases
-        only if it rebuilds from them (``TargetMaker.delta_plan``)."""
+        only if it rebuilds from them (``TargetMaker.delta_plan``); ``repliers``: parts
+        that ask the publisher over this client's DEALER (``SourceSink.send``) and take
+        their replies: ``reply_types`` (decoded too), ``owns(message)``,
+        ``on_reply(message)`` (a stream source's token)."""
         self.endpoint = endpoint
         self.subscriber_id = subscriber_id
         self.options = options
@@ -104,6 +108,8 @@ class SyncClient:
         self.requests = RequestTable()  # in flight (also peers', for peering.py); tries
         self.backoff = VersionBackoff()  # versions given up recently
         self.listeners: list[ChunkListener] = []
+        self.repliers = list(repliers)
+        self._reply_types = tuple(t for r in self.repliers for t in r.reply_types)
         self.report = ClientReport(subscriber_id, options.report_interval)
         self.sockets = ClientSockets(ctx, endpoint, options.request_timeout, options.limits,
                                      socket_hooks or [], self.report)
@@ -128,8 +134,7 @@ class SyncClient:
                                bad=lambda exc: self.report.bad(exc),
                                discard_rest=self.discard_rest,
                                give_up=lambda why: self._fail_target(why),
-                               in_place=lambda r, v, c, s, w: self.receiver.in_place(
-                                   r, v, c, s, w))
+                               in_place=self._in_place, send=self.send)
         self.publisher_source = PublisherSource(
             self.requests, self.send, chunks_per_request=options.chunks_per_request,
             request_timeout=options.request_timeout)
@@ -375,7 +380,8 @@ class SyncClient:
     def on_dealer(self) -> None:
         try:  # a chunk (one frame: header and payload) or a control reply
             message = self.sockets.read_reply(self.options.limits, expect=(
-                wire.LatestReply, wire.ErrorReply, wire.CollectiveReply, *PEER_REPLIES))
+                wire.LatestReply, wire.ErrorReply, wire.CollectiveReply, *PEER_REPLIES,
+                *self._reply_types))
         except ProtocolError as exc:
             self.report.bad(within("bad reply", exc))
             return
@@ -385,6 +391,10 @@ class SyncClient:
         if isinstance(message, tuple):
             self.on_chunk(*message)
             return
+        for replier in self.repliers:
+            if replier.owns(message):
+                replier.on_reply(message)
+                return
         if isinstance(message, (PeerPlan, wire.ErrorReply)) and self.peering is not None \
                 and self.peering.owns(message):
             self.peering.on_reply(message)
@@ -394,6 +404,10 @@ class SyncClient:
             self._on_error(message)
         elif isinstance(message, wire.CollectiveReply) and self.collective is not None:
             self.collective.on_reply(self, message)
+
+    def _in_place(self, req: int, version: int, chunk: int, source: ChunkSource, via: Any,
+                  digest: int | None = None) -> bool | None:
+        return self.receiver.in_place(req, version, chunk, source, via, digest)
 
     def discard_rest(self, more: int, sock: zmq.Socket | None = None) -> None:
         discard_rest(self.sockets.dealer if sock is None else sock, more)

@@ -52,6 +52,11 @@ class SyncSettings(OptionSet):
     nixl: bool | None = Field(
         None, description="read versions one-sided with NIXL when the manifests offer it "
                           "(None: where NIXL imports; False: never, counted as a fallback)")
+    stream: bool = Field(
+        False, description="fetch chunks on the publisher's plain TCP stream port when the "
+                           "manifests announce one (a one-time token asked over the DEALER, "
+                           "bytes received straight into staging; NOT encrypted); any "
+                           "failure falls back to ZeroMQ frames, counted by cause")
 
 
 class SyncOptions(SyncSettings):

@@ -62,7 +62,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import zmq
 
@@ -77,11 +77,18 @@ __all__ = ["SOURCE_KINDS", "ChunkSource", "Retry", "SourcePicker", "SourceSink"]
 #: what a version's bytes are counted under (``ChunkSource.kind``; status and reports):
 #: chunk frames over ZeroMQ from the publisher (whole or slices), from trainer ranks
 #: (a sharded version) or from peers; one-sided NIXL reads; a collective round
-SOURCE_KINDS = ("publisher", "shard_ranks", "peers", "nixl", "collective")
+SOURCE_KINDS = ("publisher", "shard_ranks", "peers", "nixl", "collective", "stream")
 
 #: ``retry(chunk, why, error_type)``: count one more try of ``chunk``; True when the
 #: version was given up (stop working on it)
 Retry = Callable[[int, str, type[WeightPubError]], bool]
+
+
+class InPlace(Protocol):
+    """``SourceSink.in_place``'s signature (``digest`` optional)."""
+
+    def __call__(self, req: int, version: int, chunk: int, source: ChunkSource, via: Any,
+                 digest: int | None = None) -> bool | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +103,15 @@ class SourceSink:
     discard_rest: Callable[[int, zmq.Socket], None]  # drop the frames after the first
     #: ``give_up(why)``: the target cannot complete through this source (named in ``why``)
     give_up: Callable[[WeightPubError], None] = lambda why: None
-    #: ``in_place(req, version, chunk, source, via)``: a chunk the source wrote straight
-    #: into ``target.chunk_target(chunk)`` (a one-sided read): verified there, no copy;
-    #: True verified, False refused (``refused`` was told), None stale
-    in_place: Callable[[int, int, int, ChunkSource, Any], bool | None] = \
-        lambda req, version, chunk, source, via: None
+    #: ``in_place(req, version, chunk, source, via, digest)``: a chunk the source wrote
+    #: straight into ``target.chunk_target(chunk)`` (a one-sided read, a stream's
+    #: ``recv_into``): verified there, no copy; ``digest``: its xxh3-64 when the source
+    #: hashed the bytes as they landed (None: hashed there); True verified, False refused
+    #: (``refused`` was told), None stale
+    in_place: InPlace = lambda req, version, chunk, source, via, digest=None: None
+    #: ``send(message)``: a control message to the publisher over the client's own DEALER
+    #: (a stream source asks its token so); False when it is not connected yet
+    send: Callable[[Any], bool] = lambda message: False
 
 
 class ChunkSource(ABC):

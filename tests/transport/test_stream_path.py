@@ -1,0 +1,246 @@
+"""The stream path end to end (issue 29): a publisher process with ``stream=True``, a
+subscriber here with ``stream=True``, real sockets.
+
+What must hold: versions come bit-exact with every chunk over the plain TCP port (the
+publisher sends no chunk frame) and ``data_path`` says "stream"; whatever stops the
+path (a token refused, corrupt bytes, a publisher killed -9) costs ZeroMQ frames with
+the cause counted, never a wrong or partial version; either side without the option
+keeps to frames; under CURVE only an admitted subscriber gets a token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from publisher import WeightPublisher
+from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client import stream_source
+from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
+from weightpub_wire import stream_link
+from weightpub_wire.errors import ProtocolError
+
+pytestmark = pytest.mark.timeout(120)
+
+SPEC = [("w", "float32", [1024, 1024]), ("b", "int32", [300_000]), ("e", "uint8", [12_345])]
+CHUNK = 1 << 20
+
+
+def _publisher(spawn: Callable[..., Child], **args: Any) -> tuple[Child, str]:
+    child = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=7, chunk_size=CHUNK, **args)
+    return child, child.event("ready", timeout=60)["endpoint"]
+
+
+def _publish(child: Child, version: int) -> None:
+    child.request("publish", timeout=60, version=version, spec=SPEC)
+
+
+def _stats(child: Child) -> dict[str, Any]:
+    return child.request("stats")
+
+
+def _subscriber(closing: Callable[[Any], Any], endpoint: str, **options: Any
+                ) -> WeightSubscriber:
+    return closing(WeightSubscriber(endpoint, **{"request_timeout": 3.0, **options}))
+
+
+def _exact(staged: Any, version: int) -> bool:
+    return digests(staged.items()) == digests(det_weights(7, version, SPEC).items())
+
+
+def test_three_versions_over_the_stream_bit_exact(spawn: Callable[..., Child],
+                                                  closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = _publisher(spawn, stream=True)
+    sub = _subscriber(closing, endpoint, stream=True)
+    for version in (1, 2, 3):
+        _publish(pub, version)
+        staged = sub.wait_for_version(version, timeout=60)
+        assert staged.version == version and _exact(staged, version)
+        assert staged.data_path == "stream"
+        staged.release()
+    stream = sub.status()["stream"]
+    assert stream["fallbacks"] == 0, stream
+    assert stream["state"] == "up" and stream["bytes_received"] >= 3 * spec_bytes(SPEC)
+    stats = _stats(pub)
+    assert stats["stats"]["bytes_sent_full"] == 0  # not one chunk frame
+    assert stats["stats"]["bytes_sent_stream"] == stream["bytes_received"]
+    assert stats["stream"]["accepted"] == 1  # one connection (one token) for all versions
+
+
+def test_a_bad_token_is_refused_counted_and_frames_serve(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stream_source.StreamPicker, "present",
+                        lambda self, token: bytes(b ^ 0x5A for b in token))
+    pub, endpoint = _publisher(spawn, stream=True)
+    sub = _subscriber(closing, endpoint, stream=True)
+    _publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    stream = sub.status()["stream"]
+    assert stream["fallback_causes"] == {"refused": 1}, stream
+    assert "refused" in stream["last_error"]
+    stats = _stats(pub)
+    assert stats["stream"]["refused"] == 1 and stats["stream"]["accepted"] == 0
+    assert stats["stats"]["bytes_sent_stream"] == 0
+    assert stats["stats"]["bytes_sent_full"] >= spec_bytes(SPEC)
+
+
+def test_corrupt_bytes_on_the_stream_are_refetched_over_frames(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = _publisher(spawn, stream=True, stream_fault="corrupt:2")
+    sub = _subscriber(closing, endpoint, stream=True, request_timeout=20.0)
+    _publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1)  # the bad chunk never staged
+    assert staged.data_path == "stream+zmq"
+    status = sub.status()
+    assert status["checksum_failures"] == 1
+    assert status["stream"]["fallback_causes"] == {"checksum": 1}
+    assert _stats(pub)["stats"]["bytes_sent_full"] == CHUNK  # that chunk alone, as a frame
+
+
+def test_a_publisher_killed_mid_stream_never_stages_a_partial_version(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    read = stream_source.StreamSource._read
+
+    def paced(self: stream_source.StreamSource) -> None:
+        time.sleep(0.2)  # one look per 0.2 s: the version takes seconds, the kill lands in it
+        read(self)
+
+    monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
+    monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
+    pub, endpoint = _publisher(spawn, stream=True)
+    sub = closing(WeightSubscriber(endpoint, stream=True, request_timeout=2.0,
+                                   max_chunk_retries=1, window_bytes=2 * CHUNK))
+    pub.send(cmd="publish", id="1", version=1, spec=[("big", "uint8", [32 * CHUNK])])
+    wait_until(lambda: sub.status()["stream"]["bytes_received"] >= CHUNK, 60,
+               "a first chunk over the stream")
+    pub.kill9()
+    fraction = sub.status()["fetching_fraction"]
+    assert fraction is not None and fraction < 1.0  # killed mid-version
+    wait_until(lambda: sub.status()["stream"]["fallbacks"] >= 1, 60,
+               "the dead stream noticed")
+    time.sleep(3)  # the fallback to frames of a dead publisher plays out
+    assert sub.latest() is None  # nothing partial was ever staged
+    status = sub.status()
+    assert status["staged_version"] == 0, status
+    assert set(status["stream"]["fallback_causes"]) <= {"closed", "timeout"}, status
+
+
+def test_either_side_without_the_option_keeps_to_frames(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = _publisher(spawn, stream=True)
+    old = _subscriber(closing, endpoint)  # an old (non-stream) subscriber
+    _publish(pub, 1)
+    staged = old.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert old.status()["stream"] == {**old.status()["stream"], "mode": "off", "fallbacks": 0}
+    stats = _stats(pub)
+    assert stats["stream"]["accepted"] == 0 and stats["stats"]["bytes_sent_stream"] == 0
+
+    plain, plain_endpoint = _publisher(spawn)  # a publisher without the stream port
+    eager = _subscriber(closing, plain_endpoint, stream=True)
+    _publish(plain, 1)
+    staged = eager.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    stream = eager.status()["stream"]
+    assert stream["fallbacks"] == 0 and stream["state"] is None  # nothing was offered
+
+
+def test_under_curve_only_an_admitted_subscriber_gets_a_token(
+        tmp_path: Any, closing: Callable[[Any], Any]) -> None:
+    """The token rides on the authenticated ROUTER only: a subscriber whose key is not
+    admitted never gets one (nor any byte), an admitted one streams."""
+    from weightpub_wire.errors import WeightPubTimeout
+    from weightpub_wire.keys import create_key_pair
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server_public, server_secret = create_key_pair(tmp_path, "server")
+    _, client_secret = create_key_pair(allowed, "client")
+    _, stranger_secret = create_key_pair(tmp_path, "stranger")
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK,
+                                  curve_secret_key_file=str(server_secret),
+                                  curve_allowed_clients_dir=str(allowed)))
+    member = _subscriber(closing, pub.endpoint, stream=True,
+                         curve_server_key_file=str(server_public),
+                         curve_secret_key_file=str(client_secret))
+    stranger = _subscriber(closing, pub.endpoint, stream=True,
+                           curve_server_key_file=str(server_public),
+                           curve_secret_key_file=str(stranger_secret))
+    pub.publish(det_weights(7, 1, SPEC), version=1)
+    staged = member.wait_for_version(1, timeout=60)
+    assert staged.data_path == "stream" and _exact(staged, 1)
+    with pytest.raises(WeightPubTimeout):
+        stranger.wait_for_version(1, timeout=3)
+    assert stranger.status()["stream"]["bytes_received"] == 0
+    status = pub.stream_status()
+    assert status is not None and status["accepted"] == 1 and status["refused"] == 0
+    assert pub.data_stats()["bytes_sent_full"] == 0
+    staged.release()
+    # the member's key revoked: its open stream connection is cut at its next request
+    for key_file in allowed.iterdir():
+        key_file.unlink()
+    time.sleep(1.5)  # the allow-list is re-read at most once a second
+    pub.publish(det_weights(7, 2, SPEC), version=2)
+    wait_until(lambda: (pub.stream_status() or {}).get("cut", 0) >= 1, 30,
+               "the revoked key's stream cut")
+    assert member.latest() is not None and member.latest().version == 1
+
+
+def test_stream_formats_are_bounded_and_name_what_is_wrong() -> None:
+    token = bytes(range(stream_link.TOKEN_BYTES))
+    assert stream_link.parse_hello(stream_link.hello(token)) == token
+    with pytest.raises(ProtocolError, match="magic"):
+        stream_link.parse_hello(b"XXXX" + token)
+    data = stream_link.request(7, 3, [5, 1, 9])
+    head = stream_link.parse_request_head(data[:stream_link.REQUEST_BYTES])
+    assert (head.req, head.version, head.count) == (7, 3, 3)
+    assert stream_link.request_chunks(data[stream_link.REQUEST_BYTES:], head) == (5, 1, 9)
+    huge = bytearray(data[:stream_link.REQUEST_BYTES])
+    huge[4:8] = (1 << 30).to_bytes(4, "little")  # a count refused before any id is read
+    with pytest.raises(ProtocolError, match="count"):
+        stream_link.parse_request_head(bytes(huge))
+    reply = stream_link.parse_reply(stream_link.reply_header(stream_link.OK, 7, 3, 5, 1024))
+    assert (reply.req, reply.version, reply.chunk, reply.size) == (7, 3, 5, 1024)
+    with pytest.raises(ProtocolError, match="status"):
+        stream_link.parse_reply(b"WPsr" + bytes([9]) + bytes(27))
+    with pytest.raises(ProtocolError, match="size"):
+        stream_link.parse_reply(stream_link.reply_header(stream_link.UNAVAILABLE, size=5))
+    with pytest.raises(ProtocolError, match="header bytes"):
+        stream_link.parse_reply(b"short")
+
+
+def test_no_token_or_no_port_costs_frames_with_the_cause_named(
+        closing: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher that never answers the token request (``no_answer``), and one whose
+    port is gone (``connect``): each version still comes whole, over frames."""
+    from publisher.serving import server
+
+    weights = det_weights(7, 1, SPEC)
+    silent = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    monkeypatch.setattr(server.ServingThread, "_stream_token",
+                        lambda self, peers, peer, request: None)
+    sub = _subscriber(closing, silent.endpoint, stream=True, request_timeout=1.0)
+    silent.publish(weights, version=1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert sub.status()["stream"]["fallback_causes"] == {"no_answer": 1}
+    monkeypatch.undo()
+
+    portless = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    stream = portless._stream
+    assert stream is not None
+    stream.close()  # tokens are still handed out; nobody listens on the port any more
+    sub = _subscriber(closing, portless.endpoint, stream=True)
+    portless.publish(weights, version=1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "zmq"
+    status = sub.status()["stream"]
+    assert status["fallback_causes"] == {"connect": 1}, status
+    assert str(stream.port) in status["last_error"]
