@@ -61,10 +61,20 @@ class ModuleInfo:
     classes: dict[str, ClassInfo] = field(default_factory=dict)
 
 
-def module_files() -> list[Path]:
-    """Every module file of the four packages, as on disk."""
-    return sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py")
-                  if "__pycache__" not in p.parts)
+@cache
+def module_files() -> tuple[Path, ...]:
+    """Every module file of the four packages, as on disk (walked once per run)."""
+    return tuple(sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py")
+                        if "__pycache__" not in p.parts))
+
+
+@cache
+def _relative_paths(folders: bool) -> tuple[tuple[Path, str], ...]:
+    """Each module file (``folders``: each package folder) with its path from the
+    repository root, for ``files_ending`` (asked once per path on the page)."""
+    pool = [p.parent for p in module_files() if p.name == "__init__.py"] if folders \
+        else module_files()
+    return tuple((p, p.relative_to(REPO).as_posix()) for p in pool)
 
 
 def dotted(path: Path) -> str:
@@ -174,9 +184,7 @@ def files_ending(suffix: str) -> list[Path]:
     exact = REPO / suffix
     if exact.exists() and exact.is_dir() == want_dir:
         return [exact]
-    pool = [p.parent for p in module_files() if p.name == "__init__.py"] if want_dir \
-        else module_files()
-    return [p for p in pool if p.relative_to(REPO).as_posix().endswith("/" + suffix)]
+    return [p for p, posix in _relative_paths(want_dir) if posix.endswith("/" + suffix)]
 
 
 def _strip_call(span: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import wait_until
+from weightpub.cli import main
 from weightpub.deployment_config import (
     PublisherConfig,
     RelayConfig,
@@ -84,6 +84,8 @@ def test_bad_config_names_the_key(tmp_path, text, expected):
 
 
 def test_check_config_cli_reports_error_without_traceback(tmp_path):
+    """The one real ``python -m weightpub`` process of this module (exit code, stderr);
+    the other commands run ``main`` in process."""
     path = tmp_path / "bad.yaml"
     path.write_text("relay:\n  upstream: {endpoint: 'tcp://h:1'}\n")
     run = subprocess.run([sys.executable, "-m", "weightpub", "check-config", str(path)],
@@ -93,37 +95,37 @@ def test_check_config_cli_reports_error_without_traceback(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_status_cli_lists_versions_and_subscribers():
+def test_status_cli_lists_versions_and_subscribers(capsys):
     with WeightPublisher("tcp://127.0.0.1:0") as pub:
         version = pub.publish({"w": torch.ones(8)})
         with WeightSubscriber(pub.endpoint, report_interval=0.2) as sub:
             sub.wait_for_version(version, timeout=20)
             pub.wait_for_subscribers(version, 1, applied=False, timeout=20)
-            run = subprocess.run([sys.executable, "-m", "weightpub", "status", pub.endpoint,
-                                  "--json"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    status = json.loads(run.stdout)
+            code = main(["status", pub.endpoint, "--json"])
+    run = capsys.readouterr()
+    assert code == 0, run.err
+    status = json.loads(run.out)
     assert status["latest_version"] == version
     assert [s["staged_version"] for s in status["subscribers"]] == [version]
 
 
 @pytest.mark.timeout(60)
-def test_status_watch_redraws_the_fleet_table():
+def test_status_watch_redraws_the_fleet_table(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
     with WeightPublisher("tcp://127.0.0.1:0") as pub:
         version = pub.publish({"w": torch.ones(8)})
         with WeightSubscriber(pub.endpoint, report_interval=0.2, subscriber_id="replica-a") as sub:
             sub.wait_for_version(version, timeout=20)
             sub.mark_applied(0, "boom \x1b[2J\x1b]0;pwned\x07")  # error text is free-form
             wait_until(lambda: any(r.last_error for r in pub.fleet()), 20, "the error report")
-            run = subprocess.run([sys.executable, "-m", "weightpub", "status", pub.endpoint,
-                                  "--watch", "--count", "3", "--interval", "0.1"],
-                                 capture_output=True, text=True, timeout=60,
-                                 env={**os.environ, "COLUMNS": "120"})
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.count("latest version 1") >= 1
-    assert "subscriber" in run.stdout and "lag" in run.stdout
-    assert "replica-a" in run.stdout and "boom" in run.stdout
-    assert "\x1b[2J" not in run.stdout and "\x1b]0" not in run.stdout  # escapes stripped
+            code = main(["status", pub.endpoint, "--watch", "--count", "3",
+                         "--interval", "0.1"])
+    run = capsys.readouterr()
+    assert code == 0, run.err
+    assert run.out.count("latest version 1") >= 1
+    assert "subscriber" in run.out and "lag" in run.out
+    assert "replica-a" in run.out and "boom" in run.out
+    assert "\x1b[2J" not in run.out and "\x1b]0" not in run.out  # escapes stripped
 
 
 def test_subscriber_id_with_control_characters_is_refused_at_once():
@@ -131,12 +133,9 @@ def test_subscriber_id_with_control_characters_is_refused_at_once():
         WeightSubscriber("tcp://127.0.0.1:9", subscriber_id="a\x1b[2Jb")
 
 
-def test_status_cli_times_out_cleanly():
-    run = subprocess.run([sys.executable, "-m", "weightpub", "status",
-                          "tcp://127.0.0.1:9", "--timeout", "0.5"],
-                         capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2
-    assert "no status reply" in run.stderr
+def test_status_cli_times_out_cleanly(capsys):
+    assert main(["status", "tcp://127.0.0.1:9", "--timeout", "0.5"]) == 2
+    assert "no status reply" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

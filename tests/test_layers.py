@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -74,12 +75,19 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports(path: Path) -> list[tuple[str, int]]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed, once per run (every check below reads the same trees)."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
+def imports(path: Path) -> tuple[tuple[str, int], ...]:
     """Every imported module (absolute, relative resolved) with its line."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: list[tuple[str, int]] = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found.extend((alias.name, node.lineno) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -94,9 +102,10 @@ def imports(path: Path) -> list[tuple[str, int]]:
                 candidate = f"{base}.{alias.name}"
                 if _source_of(candidate) is not None:
                     found.append((candidate, node.lineno))
-    return found
+    return tuple(found)
 
 
+@functools.cache
 def _source_of(module: str) -> Path | None:
     path = REPO.joinpath(*module.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
@@ -119,7 +128,7 @@ def test_every_module_has_a_layer() -> None:
         group(module_name(path))  # raises ValueError on an unplaced module
 
 
-def violations(here: str, found: list[tuple[str, int]]) -> list[str]:
+def violations(here: str, found: Sequence[tuple[str, int]]) -> list[str]:
     """What is wrong with module ``here`` importing ``found``."""
     my_group, my_layer = group(here)
     banned = {lib for prefix, libs in FORBIDDEN.items()
@@ -201,11 +210,6 @@ def test_the_publisher_is_in_sub_packages() -> None:
 #: every Python file of the repository's own code (tests and benchmarks too)
 ALL_SOURCES = sorted(p for top in (*PACKAGES, "tests", "benchmarks")
                      for p in (REPO / top).rglob("*.py"))
-
-
-@functools.cache
-def _tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(), str(path))
 
 
 def test_dtypes_are_looked_up_only_through_the_allow_list() -> None:

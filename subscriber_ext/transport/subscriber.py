@@ -45,6 +45,13 @@ __all__ = ["WeightSubscriber"]
 
 log = logging.getLogger("weightpub.subscriber")
 
+#: how long ``close()`` waits for the subscriber thread to end. It ends within a
+#: poll once poked, unless it is inside a consumer's ``on_version`` callback, which
+#: nothing can interrupt; past this wait ``close()`` returns anyway (without
+#: ``ctx.term()``, which would block until the callback returns), so a stuck callback
+#: never hangs the caller's shutdown. Long enough for a loaded machine's slow poll.
+CLOSE_WAIT_SECONDS = 10.0
+
 
 class WeightSubscriber:
     """Follow a ``WeightPublisher`` at ``endpoint`` and stage each new version.
@@ -336,11 +343,12 @@ class WeightSubscriber:
         if self._client.collective is not None:
             self._client.collective.close()  # bounded: the next keepalive ends its wait
         self._poke()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=CLOSE_WAIT_SECONDS)
         if self._thread.is_alive():
             # stuck in an on_version callback: ctx.term() would wait for it forever; the
             # thread closes its own sockets when the callback returns
-            log.warning("subscriber thread still busy after 10s; closing without waiting")
+            log.warning("subscriber thread still busy after %ss; closing without waiting",
+                        CLOSE_WAIT_SECONDS)
             return
         if self._own_context:
             self._ctx.term()

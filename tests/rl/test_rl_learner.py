@@ -108,7 +108,8 @@ def test_bad_demo_options_are_refused_before_anything_starts(capsys) -> None:
 
 
 def test_an_actor_that_cannot_start_is_reported_with_its_error(tmp_path) -> None:
-    """A real actor process whose engine cannot load the model: the learner names it."""
+    """A real actor process that cannot load the model (it says so before importing
+    vLLM): the learner names it, and the actor's error."""
     from weightpub.demos.rl_pool import ActorPool
     from weightpub_wire.errors import WeightPubError
 
@@ -116,5 +117,6 @@ def test_an_actor_that_cannot_start_is_reported_with_its_error(tmp_path) -> None
                    log_dir=tmp_path, seed=0, prompts_per_batch=1, group_size=2,
                    credit=1) as pool:
         pool.start()
-        with pytest.raises(WeightPubError, match="actor0 (failed|exited)"):
+        with pytest.raises(WeightPubError, match="actor0 (failed|exited)") as info:
             pool.wait_ready(timeout=120)
+    assert "no-such-model" in str(info.value)

@@ -52,7 +52,7 @@ def test_trainer_publishes_every_n_steps_and_the_last_version_is_the_trained_mod
     from transformers import Trainer
 
     with WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2) as pub:
-        sub = Child("subscriber", {"endpoint": pub.endpoint})
+        sub = Child("subscriber", {"endpoint": pub.endpoint}, forked=True)
         try:
             sub.event("ready", 60)
             model = tiny_model()

@@ -31,7 +31,7 @@ def test_sft_trainer_publishes_and_the_subscriber_gets_the_trained_model(tmp_pat
 
     texts = [" ".join(f"w{(i * 7 + j) % 60}" for j in range(8)) for i in range(16)]
     with WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2) as pub:
-        sub = Child("subscriber", {"endpoint": pub.endpoint})
+        sub = Child("subscriber", {"endpoint": pub.endpoint}, forked=True)
         try:
             sub.event("ready", 60)
             callback = PublishCallback(pub, every_n_steps=2)

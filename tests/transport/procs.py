@@ -71,7 +71,8 @@ def det_bytes(key: int, nbytes: int) -> torch.Tensor:
     x.bitwise_xor_(x >> 29)
     x.mul_(_MUL2)
     x.bitwise_xor_(x >> 32)
-    return x.view(torch.uint8)[:nbytes].clone()
+    raw = x.view(torch.uint8)
+    return raw if words * 8 == nbytes else raw[:nbytes].clone()  # no copy when whole words
 
 
 def det_tensor(seed: int, version: int, name: str, dtype: torch.dtype,

@@ -50,11 +50,10 @@ def _expected() -> np.ndarray:
     return (np.arange(SIZE, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
 
 
-@pytest.fixture
-def holder(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[subprocess.Popen, NixlOffer]]:
+def _start_holder() -> tuple[subprocess.Popen, NixlOffer]:
+    """A holder process of ``SIZE`` known bytes, and its offer (UCX on loopback)."""
     assert nixl_error() is None, nixl_error()  # a test dependency: installed in CI
     env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(size=SIZE)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
@@ -63,15 +62,43 @@ def holder(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[subprocess.Popen, 
         while not line.startswith("OFFER "):  # NIXL logs to stdout too
             line = proc.stdout.readline()
             assert line, "the holder printed no offer"
-        yield proc, decode_offer(bytes.fromhex(line.split()[1]))
+        return proc, decode_offer(bytes.fromhex(line.split()[1]))
+    except BaseException:
+        _stop_holder(proc)
+        raise
+
+
+def _stop_holder(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def shared_holder() -> Iterator[NixlOffer]:
+    """One holder for the tests that only read it (each with a reader of its own)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("UCX_NET_DEVICES", "lo")
+        proc, offer = _start_holder()
+        try:
+            yield offer
+        finally:
+            _stop_holder(proc)
+
+
+@pytest.fixture
+def holder(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[subprocess.Popen, NixlOffer]]:
+    """A holder of the test's own (it may kill it)."""
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    proc, offer = _start_holder()
+    try:
+        yield proc, offer
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        _stop_holder(proc)
 
 
-def test_ranges_are_read_one_sided_into_registered_memory(holder) -> None:
-    _, offer = holder
+def test_ranges_are_read_one_sided_into_registered_memory(shared_holder: NixlOffer) -> None:
+    offer = shared_holder
     want = _expected()
     dest = np.zeros(SIZE, dtype=np.uint8)
     reader = NixlReader("test-reader")
@@ -90,8 +117,8 @@ def test_ranges_are_read_one_sided_into_registered_memory(holder) -> None:
         reader.close()
 
 
-def test_bad_offers_and_reads_are_refused_before_any_transfer(holder) -> None:
-    _, offer = holder
+def test_bad_offers_and_reads_are_refused_before_any_transfer(shared_holder: NixlOffer) -> None:
+    offer = shared_holder
     for data, match in ((b"\x93garbage", "nixl offer"),
                         (msgspec.msgpack.encode({"agent": "", "metadata": b"x", "regions": []}),
                          "nixl offer"),

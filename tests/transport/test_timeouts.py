@@ -10,6 +10,7 @@ import pytest
 
 from publisher import ClosedError, WeightPublisher, WeightPubTimeout
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport import subscriber as subscriber_module
 from tests.transport.procs import det_weights, free_port, pace_replies, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -97,8 +98,12 @@ def test_close_mid_transfer_is_prompt_and_leaves_no_threads(
     assert all(t.daemon for t in ours)
 
 
-def test_close_returns_while_on_version_callback_is_stuck() -> None:
-    """close() is bounded (10 s join) even when a consumer's callback never returns."""
+def test_close_returns_while_on_version_callback_is_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """close() is bounded (``CLOSE_WAIT_SECONDS``, 0.5 s here) even when a consumer's
+    callback never returns."""
+    monkeypatch.setattr(subscriber_module, "CLOSE_WAIT_SECONDS", 0.5)
     stuck = threading.Event()
     release = threading.Event()
 

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
-
-from subscriber_ext.observe.replica_metrics import ReplicaCollector
 from subscriber_ext.observe.status_board import StatusBoard
+from tests.unit.scrape import scrape
 
 
 def test_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
     board = StatusBoard(tmp_path)
     board.write(0, {"rank": 0, "collective_fallbacks": {"join_timeout": 2, "checksum": 1}})
     board.write(1, {"rank": 1, "collective_fallbacks": {}})  # a follower: its owner counts
-    registry = CollectorRegistry()
-    registry.register(ReplicaCollector(board))
-    text = generate_latest(registry).decode()
+    text = scrape(board)
     assert 'weightpub_collective_fallbacks_total{cause="join_timeout",rank="0"} 2.0' in text
     assert 'weightpub_collective_fallbacks_total{cause="checksum",rank="0"} 1.0' in text
     assert 'rank="1"' not in "".join(line for line in text.splitlines()
@@ -26,9 +22,7 @@ def test_nixl_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
     board = StatusBoard(tmp_path)
     board.write(0, {"rank": 0, "nixl_fallbacks": {"transfer": 1, "off": 3},
                     "data_path": "nixl+zmq"})
-    registry = CollectorRegistry()
-    registry.register(ReplicaCollector(board))
-    text = generate_latest(registry).decode()
+    text = scrape(board)
     assert 'weightpub_nixl_fallbacks_total{cause="transfer",rank="0"} 1.0' in text
     assert 'weightpub_nixl_fallbacks_total{cause="off",rank="0"} 3.0' in text
     assert 'weightpub_data_path_info{path="nixl+zmq",rank="0"} 1.0' in text

@@ -7,13 +7,11 @@ owner and follower; the collector turns the rows into /metrics gauges.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, generate_latest
-
 from subscriber_ext.observe.receive_table import rank_receive, receive_table
-from subscriber_ext.observe.replica_metrics import ReplicaCollector
 from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_ext.llm import replica_status
 from subscriber_ext.vllm_ext.receive_choice import ReceiveChoice
+from tests.unit.scrape import scrape
 
 CHOICE = ReceiveChoice("slices", "auto", 0.54, {}, 0.12).status()
 
@@ -83,9 +81,7 @@ def test_metrics_show_each_ranks_mode_plan_and_share(tmp_path) -> None:
     board.write(1, {"rank": 1, "receive": {"mode": "rank", "planned_fraction": None,
                                            "received": None}})
     board.write(2, {"rank": 2, "receive": "garbage"})  # a bad file never breaks a scrape
-    registry = CollectorRegistry()
-    registry.register(ReplicaCollector(board))
-    text = generate_latest(registry).decode()
+    text = scrape(board)
     assert 'weightpub_receive_mode_info{mode="slices",rank="0"} 1.0' in text
     assert 'weightpub_receive_mode_info{mode="rank",rank="1"} 1.0' in text
     assert 'weightpub_receive_planned_fraction{rank="0"} 0.5312' in text

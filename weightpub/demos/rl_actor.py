@@ -16,6 +16,7 @@ import random
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ import zmq
 
 from weightpub.demos import rl_messages as msg
 from weightpub.demos.rl_task import ANSWER_LEN, sample_prompts
+from weightpub_wire.errors import ConfigError
 
 __all__ = ["ActorConfig", "run_actor"]
 
@@ -44,6 +46,8 @@ class ActorConfig(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def _start_engine(cfg: ActorConfig) -> Any:
+    if not (Path(cfg.model_dir) / "config.json").is_file():  # before vLLM's import (seconds)
+        raise ConfigError(f"no model to load at {cfg.model_dir} (no config.json there)")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpus
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if cfg.quiet:

@@ -15,14 +15,18 @@ chunk that does not match makes the caller fetch the version in full instead.
 
 A sliced subscriber (``SyncClient(targets=...)`` whose maker names a ``delta_plan``)
 holds its last sparse version the same way (``HeldBase.plan``: only that plan's
-bytes) and rebuilds only those bytes (``sparse_delta.py``); ``start_for`` tells a
-target maker what a version's deltas can start from, or why not.
+bytes) and rebuilds only those bytes (``sparse_delta.py``); both rebuilds share
+``DeltaRebuild``'s skeleton. ``start_for`` tells a target maker what a version's
+deltas can start from, or why not.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
 
 from subscriber_ext.transport.staging.assembly import Assembly, DeltaStart, HeldBase, StagedVersion
 from weightpub_wire.buffers import BufferPool, byte_view
@@ -31,28 +35,126 @@ from weightpub_wire.delta_codec import decode_chunk, version_digest
 from weightpub_wire.errors import ChecksumError, ProtocolError, WeightPubError
 from weightpub_wire.protocol import Manifest
 
-__all__ = ["DeltaAssembly", "DeltaStart", "DeltaState", "HeldBase"]
+__all__ = ["DeltaAssembly", "DeltaRebuild", "DeltaStart", "DeltaState", "HeldBase"]
 
 _REFUSED_KEEP = 16
 
 
-class DeltaAssembly(Assembly):
-    """A version rebuilt from ``base`` through ``steps`` ((version, its base) per delta fetched).
+class DeltaRebuild(Assembly):
+    """The skeleton of a version rebuilt from ``base`` through ``steps`` ((version, its
+    base) per delta fetched): each payload is received into ``payload`` (``place``),
+    decoded over the source's chunk (the base on the first step, the bytes the previous
+    step wrote after it) into ``decode_target``, then kept (``keep``: where the decoded
+    bytes go, and on the last step their check). ``error`` says why a chunk was refused.
 
-    Payloads are received into one scratch chunk, decoded into the staging
-    buffer, and (last step) checked. ``error`` says why a chunk was refused.
-    """
+    A subclass calls ``_start_rebuild`` after its own ``Assembly`` set-up and overrides
+    ``keep`` (and ``decode_target`` where the chunk is decoded in place, not in
+    ``scratch``)."""
 
-    def __init__(self, manifest: Manifest, pool: BufferPool, base: HeldBase,
-                 steps: list[tuple[int, int]]) -> None:
-        super().__init__(manifest, pool)
+    base: HeldBase
+    steps: Sequence[tuple[int, int]]
+    step: int
+    payload: memoryview  # one payload as it came
+    scratch: memoryview  # a whole chunk, decoded (empty where decoded in place)
+
+    def _start_rebuild(self, base: HeldBase, steps: Sequence[tuple[int, int]], *,
+                       scratch: bool) -> None:
+        """Hold ``base`` and ``steps``, and the payload (and decode ``scratch``) chunks."""
         self.base = base
         self.steps = steps
         self.step = 0
         self.fetch_version, self.fetch_base = steps[0]
-        self.scratch = memoryview(bytearray(min(manifest.chunk_size, manifest.total_bytes)))
-        self.error: WeightPubError | None = None
-        self.decode_seconds = 0.0
+        span = min(self.manifest.chunk_size, self.manifest.total_bytes)
+        self.payload = memoryview(bytearray(span))
+        self.scratch = np.empty(span if scratch else 0, dtype=np.uint8).data
+
+    @property
+    def last_step(self) -> bool:
+        return self.step == len(self.steps) - 1
+
+    def step_chunks(self) -> set[int]:
+        """What each step fetches (every chunk here; a plan's touched chunks sparse)."""
+        return set(range(self.manifest.num_chunks))
+
+    def place(self, chunk: int, payload: memoryview) -> int | None:
+        """Copy a delta payload into ``payload`` (``verify`` decodes it); no digest: the
+        rebuilt bytes are checked, not the payload."""
+        self.payload[: len(payload)] = payload
+        return None
+
+    def admit(self, chunk: int, size: int | None) -> bool:
+        """Whether the payload placed for ``chunk`` may be decoded (refusing says why)."""
+        return True
+
+    def decode_target(self, chunk: int) -> memoryview:
+        """Where ``chunk`` is decoded to: a scratch chunk (``keep`` takes it from there)."""
+        return self.scratch[: self.manifest.chunk_span(chunk)[1]]
+
+    def decoded(self, chunk: int, payload: memoryview) -> memoryview | None:
+        """``payload`` decoded over the source's chunk (None: it did not decode)."""
+        start, span = self.manifest.chunk_span(chunk)
+        out = self.decode_target(chunk)
+        source = (self.base.view if self.step == 0 else self.view)[start: start + span]
+        cpu = time.thread_time()
+        try:
+            decode_chunk(payload, source, out)
+        except ProtocolError as exc:
+            self.refuse("decode", exc)
+            return None
+        finally:
+            self.decode_seconds += time.thread_time() - cpu
+        return out
+
+    def keep(self, chunk: int, decoded: memoryview) -> bool:
+        """Put ``chunk``'s ``decoded`` bytes where they belong; on the last step check
+        them (False, after ``refuse``: they do not match)."""
+        raise NotImplementedError
+
+    def refuse(self, cause: str, error: WeightPubError) -> bool:
+        """A chunk failed the delta (``cause``: "decode", "checksum", ...): False."""
+        self.error = error
+        return False
+
+    def verify(self, chunk: int, size: int | None = None, digest: int | None = None) -> bool:
+        """Decode the payload placed for ``chunk`` (``size`` bytes; None: a whole chunk)
+        and keep it; ``digest`` (of the payload) is never given: the rebuilt bytes are
+        checked. The last chunk of a step that is not the last starts the next one."""
+        if not self.admit(chunk, size):
+            return False
+        span = self.manifest.chunk_span(chunk)[1]
+        decoded = self.decoded(chunk, self.payload[: span if size is None else size])
+        if decoded is None or not self.keep(chunk, decoded):
+            return False
+        self.missing.discard(chunk)
+        if not self.missing and not self.last_step:  # the next delta of the chain
+            self.step += 1
+            self.fetch_version, self.fetch_base = self.steps[self.step]
+            self.missing = self.step_chunks()
+            self.cursor = 0
+        return True
+
+    def abandon(self) -> None:
+        self._release_rebuild()
+        super().abandon()
+
+    def finish(self) -> StagedVersion:
+        self._release_rebuild()
+        return super().finish()
+
+    def _release_rebuild(self) -> None:
+        self.payload.release()
+        self.scratch.release()
+
+
+class DeltaAssembly(DeltaRebuild):
+    """A whole version rebuilt from ``base`` through ``steps`` (``DeltaRebuild``): each
+    chunk is decoded straight into the staging buffer and, on the last step, checked
+    against the manifest's checksum."""
+
+    def __init__(self, manifest: Manifest, pool: BufferPool, base: HeldBase,
+                 steps: list[tuple[int, int]]) -> None:
+        super().__init__(manifest, pool)
+        self._start_rebuild(base, steps, scratch=False)
 
     @property
     def done_fraction(self) -> float:
@@ -61,50 +163,23 @@ class DeltaAssembly(Assembly):
         return 1.0 if total == 0 else done / total
 
     def chunk_target(self, chunk: int) -> memoryview:
-        return self.scratch[: self.manifest.chunk_span(chunk)[1]]
+        return self.payload[: self.manifest.chunk_span(chunk)[1]]
 
     def accepts(self, chunk: int, size: int) -> bool:
         return size <= self.manifest.chunk_span(chunk)[1]
 
-    def place(self, chunk: int, payload: memoryview) -> int | None:
-        """Copy a delta payload into ``scratch`` (``verify`` decodes it into place)."""
-        self.chunk_target(chunk)[: len(payload)] = payload
-        return None
-
-    def verify(self, chunk: int, size: int | None = None, digest: int | None = None) -> bool:
-        """Decode the payload in ``scratch`` into place; check it on the last step
-        (``digest`` is of the payload, never given here: the rebuilt bytes are checked)."""
+    def decode_target(self, chunk: int) -> memoryview:
+        """In place: the chunk of the staging buffer (a later step reads it there)."""
         start, span = self.manifest.chunk_span(chunk)
-        out = self.view[start: start + span]
-        source = self.base.view[start: start + span] if self.step == 0 else out
-        cpu = time.thread_time()
-        try:
-            decode_chunk(self.scratch[: span if size is None else size], source, out)
-        except ProtocolError as exc:
-            self.error = exc
-            return False
-        finally:
-            self.decode_seconds += time.thread_time() - cpu
-        if self.step == len(self.steps) - 1 and \
-                chunk_checksum(out) != self.manifest.checksums[chunk]:
-            self.error = ChecksumError(f"chunk {chunk} of version {self.manifest.version} rebuilt "
-                                       f"from base {self.base.version} fails its checksum")
-            return False
-        self.missing.discard(chunk)
-        if not self.missing and self.step < len(self.steps) - 1:  # next delta of the chain
-            self.step += 1
-            self.fetch_version, self.fetch_base = self.steps[self.step]
-            self.missing = set(range(self.manifest.num_chunks))
-            self.cursor = 0
+        return self.view[start: start + span]
+
+    def keep(self, chunk: int, decoded: memoryview) -> bool:
+        """Already in place; checked on the last step."""
+        if self.last_step and chunk_checksum(decoded) != self.manifest.checksums[chunk]:
+            return self.refuse("checksum", ChecksumError(
+                f"chunk {chunk} of version {self.manifest.version} rebuilt "
+                f"from base {self.base.version} fails its checksum"))
         return True
-
-    def abandon(self) -> None:
-        self.scratch.release()
-        super().abandon()
-
-    def finish(self) -> StagedVersion:
-        self.scratch.release()
-        return super().finish()
 
 
 class DeltaState:

@@ -33,17 +33,16 @@ from such a publisher is read as a slice, fails the check, and falls back too.)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
 import xxhash
 
-from subscriber_ext.transport.staging.assembly import HeldBase, StagedVersion
+from subscriber_ext.transport.staging.assembly import HeldBase
+from subscriber_ext.transport.staging.delta_assembly import DeltaRebuild
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire.buffers import BufferPool
-from weightpub_wire.delta_codec import decode_chunk
-from weightpub_wire.errors import ChecksumError, ProtocolError, WeightPubError
+from weightpub_wire.errors import ChecksumError, WeightPubError
 from weightpub_wire.protocol import Manifest
 from weightpub_wire.slice_layout import SliceLayout
 
@@ -56,8 +55,9 @@ __all__ = ["LOSS_SLACK_CHUNKS", "SparseDeltaAssembly"]
 LOSS_SLACK_CHUNKS = 2
 
 
-class SparseDeltaAssembly(SparseAssembly):
-    """One plan's bytes of a version rebuilt from ``base`` through ``steps`` (module text)."""
+class SparseDeltaAssembly(DeltaRebuild, SparseAssembly):
+    """One plan's bytes of a version rebuilt from ``base`` through ``steps`` (module text;
+    the skeleton is ``DeltaRebuild``'s, the staging buffer ``SparseAssembly``'s)."""
 
     def __init__(self, manifest: Manifest, pool: BufferPool, layout: SliceLayout, digest: str,
                  base: HeldBase, steps: tuple[tuple[int, int], ...], *,
@@ -66,14 +66,7 @@ class SparseDeltaAssembly(SparseAssembly):
         """``on_bytes(nbytes)``: each delta payload; ``on_failed(cause)``: a chunk failed
         the delta ("decode", "checksum", "sums" or "too_big", counted by the caller)."""
         super().__init__(manifest, pool, layout, digest)
-        self.base = base
-        self.steps = steps
-        self.step = 0
-        self.fetch_version, self.fetch_base = steps[0]
-        span = min(manifest.chunk_size, manifest.total_bytes)
-        self._payload = memoryview(bytearray(span))  # one payload as it came
-        self._decoded = np.empty(span, dtype=np.uint8)  # a whole chunk, decoded
-        self._base_array = np.frombuffer(base.view, dtype=np.uint8)
+        self._start_rebuild(base, steps, scratch=True)
         self._on_delta_bytes = on_bytes
         self._on_failed = on_failed
         self.cause: str | None = None  # why the delta failed (None: it did not)
@@ -89,12 +82,15 @@ class SparseDeltaAssembly(SparseAssembly):
         done = len(self.layout.chunks) * (self.step + 1) - len(self.missing)
         return 1.0 if total == 0 else done / total
 
+    def step_chunks(self) -> set[int]:
+        return set(self.layout.chunks)
+
     def accepts(self, chunk: int, size: int) -> bool:
         return chunk in self.layout.sizes and 0 < size <= self.manifest.chunk_span(chunk)[1]
 
     def place(self, chunk: int, payload: memoryview) -> int | None:
-        """Keep the payload (``verify`` decodes it); no digest: the result is checked."""
-        self._payload[: len(payload)] = payload
+        """Keep the payload (``verify`` decodes it) and count its bytes."""
+        super().place(chunk, payload)
         self.delta_bytes += len(payload)
         if self.step == 0:
             self.planned_bytes += self.layout.sizes[chunk]
@@ -102,36 +98,38 @@ class SparseDeltaAssembly(SparseAssembly):
             self._on_delta_bytes(len(payload))
         return None
 
-    def verify(self, chunk: int, size: int | None = None, digest: int | None = None) -> bool:
-        """Decode the payload over the base's chunk, keep its planned bytes, and on the
-        last step check them (``size`` None: read in place, which a delta never is)."""
+    def admit(self, chunk: int, size: int | None) -> bool:
+        """Not read in place (``size`` None: a delta never is), not past the loss slack,
+        and on the last step a sum to check the rebuilt bytes against."""
         if size is None:
             return False
-        last = self.step == len(self.steps) - 1
         if self.delta_bytes > self.planned_bytes + self._slack:
-            return self._fail("too_big", WeightPubError(
+            return self.refuse("too_big", WeightPubError(
                 f"version {self.manifest.version}: the delta has cost {self.delta_bytes} "
                 f"bytes for {self.planned_bytes} planned bytes"))
-        if last and not self.readable_in_place(chunk):
-            return self._fail("sums", ChecksumError(
+        if self.last_step and not self.readable_in_place(chunk):
+            return self.refuse("sums", ChecksumError(
                 f"chunk {chunk} of version {self.manifest.version}: no slice sum to check "
                 "its rebuilt bytes against"))
-        start, span = self.manifest.chunk_span(chunk)
-        if size == self.layout.sizes[chunk]:  # the plan's bytes of the chunk, as a slice
-            payload = np.frombuffer(self._payload, dtype=np.uint8, count=size)
-            self.layout.scatter(chunk, payload, self._array)
+        return True
+
+    def decoded(self, chunk: int, payload: memoryview) -> memoryview | None:
+        """A payload of exactly the planned size is the plan's bytes of the chunk, sent
+        as a slice: kept as it came; any other is decoded over the whole chunk."""
+        if len(payload) == self.layout.sizes[chunk]:
+            return payload
+        return super().decoded(chunk, payload)
+
+    def keep(self, chunk: int, decoded: memoryview) -> bool:
+        """Scatter the planned bytes into staging (``decoded``: the slice, or the whole
+        chunk); on the last step check them against the slice sum (or the checksum)."""
+        data = np.frombuffer(decoded, dtype=np.uint8)
+        if len(decoded) == self.layout.sizes[chunk]:  # the slice (or a chunk covered whole)
+            self.layout.scatter(chunk, data, self._array)
         else:
-            source = self._base_array if self.step == 0 else self._array
-            out = self._decoded[:span]
-            cpu = time.thread_time()
-            try:
-                decode_chunk(self._payload[:size], source[start: start + span].data, out.data)
-            except ProtocolError as exc:
-                return self._fail("decode", exc)
-            finally:
-                self.decode_seconds += time.thread_time() - cpu
-            self.layout.scatter(chunk, out, self._array, chunk_start=start)
-        if last:
+            self.layout.scatter(chunk, data, self._array,
+                                chunk_start=self.manifest.chunk_span(chunk)[0])
+        if self.last_step:
             if self.layout.whole(self.manifest, chunk):
                 got = xxhash.xxh3_64_intdigest(self.chunk_target(chunk))
                 want: int | None = self.manifest.checksums[chunk]
@@ -139,34 +137,14 @@ class SparseDeltaAssembly(SparseAssembly):
                 got = xxhash.xxh3_64_intdigest(self.layout.gather(chunk, self._array).data)
                 want = None if self.sums is None else self.sums.get(chunk)
             if got != want:
-                return self._fail("checksum", ChecksumError(
+                return self.refuse("checksum", ChecksumError(
                     f"chunk {chunk} of version {self.manifest.version} rebuilt from base "
                     f"{self.base.version} fails its slice checksum"))
-        self.missing.discard(chunk)
-        if not self.missing and not last:  # the next delta of the chain
-            self.step += 1
-            self.fetch_version, self.fetch_base = self.steps[self.step]
-            self.missing = set(self.layout.chunks)
-            self.cursor = 0
         return True
 
-    def _fail(self, cause: str, error: WeightPubError) -> bool:
+    def refuse(self, cause: str, error: WeightPubError) -> bool:
         if self.cause is None:
             self.cause = cause
             if self._on_failed is not None:
                 self._on_failed(cause)
-        self.error = error
-        return False
-
-    def abandon(self) -> None:
-        self._release_scratch()
-        super().abandon()
-
-    def finish(self) -> StagedVersion:
-        self._release_scratch()
-        return super().finish()
-
-    def _release_scratch(self) -> None:
-        self._payload.release()
-        self._decoded = np.empty(0, dtype=np.uint8)
-        self._base_array = np.empty(0, dtype=np.uint8)
+        return super().refuse(cause, error)
