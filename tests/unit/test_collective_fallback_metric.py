@@ -33,9 +33,7 @@ def test_stream_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
     board = StatusBoard(tmp_path)
     board.write(0, {"rank": 0, "stream_fallbacks": {"refused": 2, "checksum": 1},
                     "data_path": "stream+zmq"})
-    registry = CollectorRegistry()
-    registry.register(ReplicaCollector(board))
-    text = generate_latest(registry).decode()
+    text = scrape(board)
     assert 'weightpub_stream_fallbacks_total{cause="refused",rank="0"} 2.0' in text
     assert 'weightpub_stream_fallbacks_total{cause="checksum",rank="0"} 1.0' in text
     assert 'weightpub_data_path_info{path="stream+zmq",rank="0"} 1.0' in text
