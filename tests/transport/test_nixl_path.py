@@ -21,44 +21,27 @@ import torch
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client import nixl_source
-from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
+from tests.transport.data_path_cases import (
+    CHUNK,
+    SPEC,
+    child_stats,
+    exact,
+    publish,
+    start_publisher,
+    subscriber,
+)
+from tests.transport.procs import Child, det_weights, spec_bytes, wait_until
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("nixl_loopback")]
 
-SPEC = [("w", "float32", [1024, 1024]), ("b", "int32", [300_000]), ("e", "uint8", [12_345])]
-CHUNK = 1 << 20
-
-
-def _publisher(spawn: Callable[..., Child], **args: Any) -> tuple[Child, str]:
-    child = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=7, chunk_size=CHUNK, **args)
-    return child, child.event("ready", timeout=60)["endpoint"]
-
-
-def _publish(child: Child, version: int) -> None:
-    child.request("publish", timeout=60, version=version, spec=SPEC)
-
-
-def _stats(child: Child) -> dict[str, Any]:
-    return child.request("stats")
-
-
-def _subscriber(closing: Callable[[Any], Any], endpoint: str, **options: Any
-                ) -> WeightSubscriber:
-    return closing(WeightSubscriber(endpoint, **{"request_timeout": 3.0, **options}))
-
-
-def _exact(staged: Any, version: int) -> bool:
-    return digests(staged.items()) == digests(det_weights(7, version, SPEC).items())
-
-
 def test_three_versions_over_nixl_bit_exact(spawn: Callable[..., Child],
                                             closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = _publisher(spawn, nixl=True)
-    sub = _subscriber(closing, endpoint)
+    pub, endpoint = start_publisher(spawn, nixl=True)
+    sub = subscriber(closing, endpoint)
     for version in (1, 2, 3):
-        _publish(pub, version)
+        publish(pub, version)
         staged = sub.wait_for_version(version, timeout=60)
-        assert staged.version == version and _exact(staged, version)
+        assert staged.version == version and exact(staged, version)
         assert staged.data_path == "nixl"
         staged.release()
     status = sub.status()
@@ -69,7 +52,7 @@ def test_three_versions_over_nixl_bit_exact(spawn: Callable[..., Child],
     assert nixl["bytes_read"] >= 3 * total
     assert 0 < nixl["registered_bytes"] <= 2 * (total + 4096)  # staging reused, not per version
     assert status["data_path"] is None or status["data_path"] == "nixl"
-    stats = _stats(pub)
+    stats = child_stats(pub)
     assert stats["stats"]["bytes_sent_full"] == 0  # not one chunk frame: every byte one-sided
     assert stats["stats"]["nixl_offers"] == 3
     # one snapshot buffer (keep_versions 1), registered once and reused for each version
@@ -79,15 +62,15 @@ def test_three_versions_over_nixl_bit_exact(spawn: Callable[..., Child],
 
 def test_a_subscriber_with_nixl_off_counts_it_and_fetches_frames(
         spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = _publisher(spawn, nixl=True)
-    sub = _subscriber(closing, endpoint, nixl=False)
-    _publish(pub, 1)
+    pub, endpoint = start_publisher(spawn, nixl=True)
+    sub = subscriber(closing, endpoint, nixl=False)
+    publish(pub, 1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert exact(staged, 1) and staged.data_path == "zmq"
     nixl = sub.status()["nixl"]
     assert nixl["mode"] == "off" and nixl["fallback_causes"].get("off", 0) >= 1
     assert nixl["registered_bytes"] == 0 and nixl["bytes_read"] == 0
-    assert _stats(pub)["stats"]["bytes_sent_full"] >= spec_bytes(SPEC)
+    assert child_stats(pub)["stats"]["bytes_sent_full"] >= spec_bytes(SPEC)
 
 
 @pytest.mark.parametrize(("fault", "named"), [("lie", "someone-else"),
@@ -95,11 +78,11 @@ def test_a_subscriber_with_nixl_off_counts_it_and_fetches_frames(
 def test_an_offer_that_lies_or_does_not_fit_is_refused(
         spawn: Callable[..., Child], closing: Callable[[Any], Any], fault: str,
         named: str) -> None:
-    pub, endpoint = _publisher(spawn, nixl=True, nixl_fault=fault)
-    sub = _subscriber(closing, endpoint)
-    _publish(pub, 1)
+    pub, endpoint = start_publisher(spawn, nixl=True, nixl_fault=fault)
+    sub = subscriber(closing, endpoint)
+    publish(pub, 1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert exact(staged, 1) and staged.data_path == "zmq"
     nixl = sub.status()["nixl"]
     assert nixl["fallback_causes"] == {"bad_offer": 1}, nixl
     assert named in nixl["last_error"]
@@ -107,18 +90,18 @@ def test_an_offer_that_lies_or_does_not_fit_is_refused(
 
 def test_a_corrupted_region_is_refused_and_refetched_over_frames(
         spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = _publisher(spawn, nixl=True, nixl_fault="corrupt:2")
+    pub, endpoint = start_publisher(spawn, nixl=True, nixl_fault="corrupt:2")
     # READs get longer than the usual 3 s: on a loaded box a slow READ falls back as
     # "timeout" (counted, correct) and hides the checksum fallback this test is about
-    sub = _subscriber(closing, endpoint, request_timeout=20.0)
-    _publish(pub, 1)
+    sub = subscriber(closing, endpoint, request_timeout=20.0)
+    publish(pub, 1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1)  # the bad chunk never staged
+    assert exact(staged, 1)  # the bad chunk never staged
     assert staged.data_path == "nixl+zmq"
     status = sub.status()
     assert status["checksum_failures"] == 1
     assert status["nixl"]["fallback_causes"] == {"checksum": 1}
-    assert _stats(pub)["stats"]["bytes_sent_full"] == CHUNK  # that chunk alone, as a frame
+    assert child_stats(pub)["stats"]["bytes_sent_full"] == CHUNK  # that chunk alone, as a frame
 
 
 def test_nixl_missing_on_either_side_costs_frames_not_a_crash(
@@ -132,21 +115,21 @@ def test_nixl_missing_on_either_side_costs_frames_not_a_crash(
         pub = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK))
     assert "nixl: off for this publisher" in caplog.text and "(test)" in caplog.text
     assert pub.data_stats()["nixl_off"] == 1
-    sub = _subscriber(closing, pub.endpoint)
+    sub = subscriber(closing, pub.endpoint)
     pub.publish(weights, version=1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert pub.manifest(1).nixl is None and staged.data_path == "zmq" and _exact(staged, 1)
+    assert pub.manifest(1).nixl is None and staged.data_path == "zmq" and exact(staged, 1)
     assert sub.status()["nixl"]["fallbacks"] == 0  # nothing was offered
     monkeypatch.undo()
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
 
     offering = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK))
     monkeypatch.setattr(nixl_source, "nixl_error", lambda: "NIXL is not available (test)")
-    without = _subscriber(closing, offering.endpoint)
+    without = subscriber(closing, offering.endpoint)
     offering.publish(weights, version=1)
     staged = without.wait_for_version(1, timeout=60)
     assert offering.manifest(1).nixl is not None
-    assert staged.data_path == "zmq" and _exact(staged, 1)
+    assert staged.data_path == "zmq" and exact(staged, 1)
     nixl = without.status()["nixl"]
     assert nixl["available"] is False and nixl["fallback_causes"] == {"missing": 1}
 
@@ -155,7 +138,7 @@ def test_a_publisher_killed_mid_read_never_stages_a_partial_version(
         spawn: Callable[..., Child], closing: Callable[[Any], Any],
         paced_reads: Callable[[int], list[float]]) -> None:
     paced = paced_reads(CHUNK)  # one chunk per READ, seen done one per 0.3 s
-    pub, endpoint = _publisher(spawn, nixl=True)
+    pub, endpoint = start_publisher(spawn, nixl=True)
     sub = closing(WeightSubscriber(endpoint, request_timeout=2.0, max_chunk_retries=1,
                                    window_bytes=2 * CHUNK))
     pub.send(cmd="publish", id="1", version=1, spec=[("big", "uint8", [32 * CHUNK])])
@@ -189,13 +172,13 @@ def test_under_curve_only_an_admitted_subscriber_gets_the_offer(
     pub = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK,
                                   curve_secret_key_file=str(server_secret),
                                   curve_allowed_clients_dir=str(allowed)))
-    member = _subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
+    member = subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
                          curve_secret_key_file=str(client_secret))
-    stranger = _subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
+    stranger = subscriber(closing, pub.endpoint, curve_server_key_file=str(server_public),
                            curve_secret_key_file=str(stranger_secret))
     pub.publish(det_weights(7, 1, SPEC), version=1)
     staged = member.wait_for_version(1, timeout=60)
-    assert staged.data_path == "nixl" and _exact(staged, 1)
+    assert staged.data_path == "nixl" and exact(staged, 1)
     with pytest.raises(WeightPubTimeout):
         stranger.wait_for_version(1, timeout=3)
     nixl = stranger.status()["nixl"]

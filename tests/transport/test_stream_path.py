@@ -19,52 +19,35 @@ import pytest
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client import stream_source
-from tests.transport.procs import Child, det_weights, digests, spec_bytes, wait_until
+from tests.transport.data_path_cases import (
+    CHUNK,
+    SPEC,
+    child_stats,
+    exact,
+    publish,
+    start_publisher,
+    subscriber,
+)
+from tests.transport.procs import Child, det_weights, spec_bytes, wait_until
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(120)
 
-SPEC = [("w", "float32", [1024, 1024]), ("b", "int32", [300_000]), ("e", "uint8", [12_345])]
-CHUNK = 1 << 20
-
-
-def _publisher(spawn: Callable[..., Child], **args: Any) -> tuple[Child, str]:
-    child = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=7, chunk_size=CHUNK, **args)
-    return child, child.event("ready", timeout=60)["endpoint"]
-
-
-def _publish(child: Child, version: int) -> None:
-    child.request("publish", timeout=60, version=version, spec=SPEC)
-
-
-def _stats(child: Child) -> dict[str, Any]:
-    return child.request("stats")
-
-
-def _subscriber(closing: Callable[[Any], Any], endpoint: str, **options: Any
-                ) -> WeightSubscriber:
-    return closing(WeightSubscriber(endpoint, **{"request_timeout": 3.0, **options}))
-
-
-def _exact(staged: Any, version: int) -> bool:
-    return digests(staged.items()) == digests(det_weights(7, version, SPEC).items())
-
-
 def test_three_versions_over_the_stream_bit_exact(spawn: Callable[..., Child],
                                                   closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = _publisher(spawn, stream=True)
-    sub = _subscriber(closing, endpoint, stream=True)
+    pub, endpoint = start_publisher(spawn, stream=True)
+    sub = subscriber(closing, endpoint, stream=True)
     for version in (1, 2, 3):
-        _publish(pub, version)
+        publish(pub, version)
         staged = sub.wait_for_version(version, timeout=60)
-        assert staged.version == version and _exact(staged, version)
+        assert staged.version == version and exact(staged, version)
         assert staged.data_path == "stream"
         staged.release()
     stream = sub.status()["stream"]
     assert stream["fallbacks"] == 0, stream
     assert stream["state"] == "up" and stream["bytes_received"] >= 3 * spec_bytes(SPEC)
-    stats = _stats(pub)
+    stats = child_stats(pub)
     assert stats["stats"]["bytes_sent_full"] == 0  # not one chunk frame
     assert stats["stats"]["bytes_sent_stream"] == stream["bytes_received"]
     assert stats["stream"]["accepted"] == 1  # one connection (one token) for all versions
@@ -75,15 +58,15 @@ def test_a_bad_token_is_refused_counted_and_frames_serve(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stream_source.StreamPicker, "present",
                         lambda self, token: bytes(b ^ 0x5A for b in token))
-    pub, endpoint = _publisher(spawn, stream=True)
-    sub = _subscriber(closing, endpoint, stream=True)
-    _publish(pub, 1)
+    pub, endpoint = start_publisher(spawn, stream=True)
+    sub = subscriber(closing, endpoint, stream=True)
+    publish(pub, 1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert exact(staged, 1) and staged.data_path == "zmq"
     stream = sub.status()["stream"]
     assert stream["fallback_causes"] == {"refused": 1}, stream
     assert "refused" in stream["last_error"]
-    stats = _stats(pub)
+    stats = child_stats(pub)
     assert stats["stream"]["refused"] == 1 and stats["stream"]["accepted"] == 0
     assert stats["stats"]["bytes_sent_stream"] == 0
     assert stats["stats"]["bytes_sent_full"] >= spec_bytes(SPEC)
@@ -91,16 +74,16 @@ def test_a_bad_token_is_refused_counted_and_frames_serve(
 
 def test_corrupt_bytes_on_the_stream_are_refetched_over_frames(
         spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = _publisher(spawn, stream=True, stream_fault="corrupt:2")
-    sub = _subscriber(closing, endpoint, stream=True, request_timeout=20.0)
-    _publish(pub, 1)
+    pub, endpoint = start_publisher(spawn, stream=True, stream_fault="corrupt:2")
+    sub = subscriber(closing, endpoint, stream=True, request_timeout=20.0)
+    publish(pub, 1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1)  # the bad chunk never staged
+    assert exact(staged, 1)  # the bad chunk never staged
     assert staged.data_path == "stream+zmq"
     status = sub.status()
     assert status["checksum_failures"] == 1
     assert status["stream"]["fallback_causes"] == {"checksum": 1}
-    assert _stats(pub)["stats"]["bytes_sent_full"] == CHUNK  # that chunk alone, as a frame
+    assert child_stats(pub)["stats"]["bytes_sent_full"] == CHUNK  # that chunk alone, as a frame
 
 
 def test_a_publisher_killed_mid_stream_never_stages_a_partial_version(
@@ -114,7 +97,7 @@ def test_a_publisher_killed_mid_stream_never_stages_a_partial_version(
 
     monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
     monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
-    pub, endpoint = _publisher(spawn, stream=True)
+    pub, endpoint = start_publisher(spawn, stream=True)
     sub = closing(WeightSubscriber(endpoint, stream=True, request_timeout=2.0,
                                    max_chunk_retries=1, window_bytes=2 * CHUNK))
     pub.send(cmd="publish", id="1", version=1, spec=[("big", "uint8", [32 * CHUNK])])
@@ -134,20 +117,20 @@ def test_a_publisher_killed_mid_stream_never_stages_a_partial_version(
 
 def test_either_side_without_the_option_keeps_to_frames(
         spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = _publisher(spawn, stream=True)
-    old = _subscriber(closing, endpoint)  # an old (non-stream) subscriber
-    _publish(pub, 1)
+    pub, endpoint = start_publisher(spawn, stream=True)
+    old = subscriber(closing, endpoint)  # an old (non-stream) subscriber
+    publish(pub, 1)
     staged = old.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert exact(staged, 1) and staged.data_path == "zmq"
     assert old.status()["stream"] == {**old.status()["stream"], "mode": "off", "fallbacks": 0}
-    stats = _stats(pub)
+    stats = child_stats(pub)
     assert stats["stream"]["accepted"] == 0 and stats["stats"]["bytes_sent_stream"] == 0
 
-    plain, plain_endpoint = _publisher(spawn)  # a publisher without the stream port
-    eager = _subscriber(closing, plain_endpoint, stream=True)
-    _publish(plain, 1)
+    plain, plain_endpoint = start_publisher(spawn)  # a publisher without the stream port
+    eager = subscriber(closing, plain_endpoint, stream=True)
+    publish(plain, 1)
     staged = eager.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert exact(staged, 1) and staged.data_path == "zmq"
     stream = eager.status()["stream"]
     assert stream["fallbacks"] == 0 and stream["state"] is None  # nothing was offered
 
@@ -167,15 +150,15 @@ def test_under_curve_only_an_admitted_subscriber_gets_a_token(
     pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK,
                                   curve_secret_key_file=str(server_secret),
                                   curve_allowed_clients_dir=str(allowed)))
-    member = _subscriber(closing, pub.endpoint, stream=True,
+    member = subscriber(closing, pub.endpoint, stream=True,
                          curve_server_key_file=str(server_public),
                          curve_secret_key_file=str(client_secret))
-    stranger = _subscriber(closing, pub.endpoint, stream=True,
+    stranger = subscriber(closing, pub.endpoint, stream=True,
                            curve_server_key_file=str(server_public),
                            curve_secret_key_file=str(stranger_secret))
     pub.publish(det_weights(7, 1, SPEC), version=1)
     staged = member.wait_for_version(1, timeout=60)
-    assert staged.data_path == "stream" and _exact(staged, 1)
+    assert staged.data_path == "stream" and exact(staged, 1)
     with pytest.raises(WeightPubTimeout):
         stranger.wait_for_version(1, timeout=3)
     assert stranger.status()["stream"]["bytes_received"] == 0
@@ -226,10 +209,10 @@ def test_no_token_or_no_port_costs_frames_with_the_cause_named(
     silent = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
     monkeypatch.setattr(server.ServingThread, "_stream_token",
                         lambda self, peers, peer, request: None)
-    sub = _subscriber(closing, silent.endpoint, stream=True, request_timeout=1.0)
+    sub = subscriber(closing, silent.endpoint, stream=True, request_timeout=1.0)
     silent.publish(weights, version=1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert exact(staged, 1) and staged.data_path == "zmq"
     assert sub.status()["stream"]["fallback_causes"] == {"no_answer": 1}
     monkeypatch.undo()
 
@@ -237,10 +220,10 @@ def test_no_token_or_no_port_costs_frames_with_the_cause_named(
     stream = portless._stream
     assert stream is not None
     stream.close()  # tokens are still handed out; nobody listens on the port any more
-    sub = _subscriber(closing, portless.endpoint, stream=True)
+    sub = subscriber(closing, portless.endpoint, stream=True)
     portless.publish(weights, version=1)
     staged = sub.wait_for_version(1, timeout=60)
-    assert _exact(staged, 1) and staged.data_path == "zmq"
+    assert exact(staged, 1) and staged.data_path == "zmq"
     status = sub.status()["stream"]
     assert status["fallback_causes"] == {"connect": 1}, status
     assert str(stream.port) in status["last_error"]
