@@ -329,16 +329,7 @@ class _E2ERelay:
         return statistics.median(r[key] for r in self.rounds[STEADY_FROM:] or self.rounds)
 
     def close(self) -> None:
-        procs = [*self.readers, self.relay, self.holder]
-        for proc in procs:
-            if proc.stdin is not None:
-                proc.stdin.close()  # each ends on EOF
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=60)
+        _end_all([*self.readers, self.relay, self.holder])
 
 
 class _E2EShard:
@@ -386,16 +377,7 @@ class _E2EShard:
         return statistics.median(r[key] for r in self.rounds[STEADY_FROM:] or self.rounds)
 
     def close(self) -> None:
-        procs = [self.reader, *reversed(self.ranks)]
-        for proc in procs:
-            if proc.stdin is not None:
-                proc.stdin.close()  # each ends on EOF
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=60)
+        _end_all([self.reader, *reversed(self.ranks)])
 
 
 class _Path:
@@ -445,6 +427,19 @@ class _Path:
 def _popen(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                             env=env)
+
+
+def _end_all(procs: list[subprocess.Popen[str]]) -> None:
+    """Each child ends on EOF of its stdin; one that does not within 60 s is killed."""
+    for proc in procs:
+        if proc.stdin is not None:
+            proc.stdin.close()
+    for proc in procs:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=60)
 
 
 def _expect(proc: subprocess.Popen[str], tag: str) -> list[str]:
