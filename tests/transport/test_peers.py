@@ -91,9 +91,10 @@ def test_many_sources_bit_exact_and_the_trainer_sends_each_chunk_once(
 
 
 def _chain(spawn: Callable[..., Child], pub: WeightPublisher,
-           middle: dict[str, Any]) -> list[Child]:
-    """Three members in a chain; the middle one uploads at 16 Mbit/s (or as ``middle`` says)."""
-    return join(spawn, pub, 3, BIG, lambda i: {"peer": {"upload_mbit": 16}, **middle}
+           middle: dict[str, Any], upload_mbit: int = 16) -> list[Child]:
+    """Three members in a chain; the middle one uploads at ``upload_mbit`` (16 Mbit/s:
+    1.6 s for ``BIG``) and as ``middle`` says."""
+    return join(spawn, pub, 3, BIG, lambda i: {"peer": {"upload_mbit": upload_mbit}, **middle}
                 if i == 1 else {}, timeout=2.0)
 
 
@@ -102,7 +103,10 @@ def test_a_bad_peer_costs_a_retry_from_another_source_never_the_version(
     make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child], fault: str,
 ) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
-    first, middle, last = _chain(spawn, pub, {"corrupt": True} if fault == "corrupt" else {})
+    # a strike mid-transfer needs a window the polls below see on a loaded box (CI: 1.6 s
+    # at 16 Mbit/s was once missed): 4 Mbit/s gives 6 s
+    first, middle, last = _chain(spawn, pub, {"corrupt": True} if fault == "corrupt" else {},
+                                 16 if fault == "corrupt" else 4)
     pub.publish(det_weights(SEED, 1, BIG), version=1)
     staged_ok(first, 1)
     if fault != "corrupt":  # strike while the last member is being fed by the middle one
