@@ -142,7 +142,7 @@ class StreamServer:
                 if not full:
                     self._conns[conn.fileno()] = conn
             if full:
-                self.turned_away += 1
+                self.turned_away += 1  # the accept thread's own
                 self._warn.warning("stream-full", "stream: turned a connection away "
                                                   f"({self.limits.max_connections} open)")
                 conn.close()
@@ -158,12 +158,14 @@ class StreamServer:
             token = stream_link.parse_hello(_read_exact(conn, stream_link.HELLO_BYTES))
             valid, client_key = self._take_token(token)
             if not valid:
-                self.refused += 1
+                with self._lock:  # every connection's thread counts
+                    self.refused += 1
                 self._warn.warning("stream-token", "stream: refused a connection (unknown, "
                                                    "used or expired token)")
                 conn.sendall(stream_link.reply_header(stream_link.REFUSED))
                 return
-            self.accepted += 1
+            with self._lock:  # every connection's thread counts
+                self.accepted += 1
             conn.sendall(stream_link.reply_header(stream_link.ACCEPTED))
             conn.settimeout(_POLL_S)
             while not self._closed:
@@ -178,10 +180,12 @@ class StreamServer:
         except (EOFError, ConnectionError, TimeoutError):
             pass  # the subscriber went (or never said hello in time)
         except ProtocolError as exc:
-            self.cut += 1
+            with self._lock:  # every connection's thread counts
+                self.cut += 1
             self._warn.warning("stream-bad", f"stream: cut a subscriber: {exc}")
         except _Cut as exc:
-            self.cut += 1
+            with self._lock:  # every connection's thread counts
+                self.cut += 1
             self._warn.warning("stream-cut", f"stream: cut a subscriber: {exc}")
         except OSError as exc:
             if not self._closed:
