@@ -33,6 +33,8 @@ class PublisherFigures:
     served_bytes: int
     fleet: list[Report]
     served_delta_bytes: int = 0  # the part of ``served_bytes`` sent as deltas
+    #: the stream port's counters (``StreamServer.status()``), None when ``stream`` is off
+    stream: dict[str, int] | None = None
 
 
 class PublisherCollector(Collector):
@@ -66,6 +68,35 @@ class PublisherCollector(Collector):
         yield GaugeMetricFamily("weightpub_publisher_slowest_subscriber_lag_versions",
                                 "Versions the slowest subscriber's applied version is behind",
                                 lag)
+        if f.stream is not None:
+            yield from _stream_families(f.stream)
+
+
+def _stream_families(stream: dict[str, int]) -> Iterator[Metric]:
+    """The plain-TCP stream port (``stream=True``, issue 29): bytes and chunks sent there,
+    connections by outcome, tokens by outcome, connections open now."""
+    yield CounterMetricFamily("weightpub_publisher_stream_bytes",
+                              "Chunk bytes sent on the plain-TCP stream port",
+                              stream["bytes_sent"])
+    yield CounterMetricFamily("weightpub_publisher_stream_chunks",
+                              "Chunks sent on the plain-TCP stream port", stream["chunks_sent"])
+    yield GaugeMetricFamily("weightpub_publisher_stream_open_connections",
+                            "Connections to the stream port open now", stream["connections"])
+    connections = CounterMetricFamily(
+        "weightpub_publisher_stream_connections",
+        "Connections to the stream port by outcome: accepted (a good token), refused (a bad, "
+        "used or expired token), turned_away (max_connections), cut (a bad hello or request, "
+        "stalled, a revoked key)", labels=["outcome"])
+    for outcome in ("accepted", "refused", "turned_away", "cut"):
+        connections.add_metric([outcome], stream[outcome])
+    yield connections
+    tokens = CounterMetricFamily(
+        "weightpub_publisher_stream_tokens",
+        "Stream tokens asked over the ROUTER, by outcome: issued, or denied (too many "
+        "outstanding)", labels=["outcome"])
+    tokens.add_metric(["issued"], stream["tokens_issued"])
+    tokens.add_metric(["denied"], stream["tokens_denied"])
+    yield tokens
 
 
 class MetricsServer:

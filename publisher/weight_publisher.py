@@ -473,8 +473,8 @@ class WeightPublisher:
         return None if self._nixl is None else self._nixl.status()
 
     def stream_status(self) -> dict[str, object] | None:
-        """The stream port (``stream=True``): port, connections, tokens refused, bytes
-        sent; else None."""
+        """The stream port (``stream=True``): port, connections open, accepted, refused,
+        turned away and cut; bytes and chunks sent; tokens issued and denied; else None."""
         return None if self._stream is None else self._stream.status()
 
     def collective_status(self) -> GroupStatus | None:
@@ -530,7 +530,8 @@ class WeightPublisher:
         return PublisherFigures(latest_version=self._announced_version,
                                 versions_published=self._versions_published,
                                 served_bytes=self._server.served_bytes + delta_bytes,
-                                served_delta_bytes=delta_bytes, fleet=self.fleet())
+                                served_delta_bytes=delta_bytes, fleet=self.fleet(),
+                                stream=None if self._stream is None else self._stream.status())
 
     def close(self) -> None:
         """Stop threads and close sockets; idempotent."""

@@ -70,6 +70,20 @@ def memory_line(memory: wire.HostMemory | None) -> Text | None:
     return line
 
 
+def stream_line(stream: wire.StreamPort | None) -> Text | None:
+    """The publisher's plain-TCP stream port (``stream=True``): connections, tokens, bytes."""
+    if stream is None:
+        return None
+    line = Text(f"stream port {stream.port}: {stream.connections} open, {stream.accepted} "
+                f"accepted, {stream.refused} refused, {stream.turned_away} turned away, "
+                f"{stream.cut} cut; {stream.bytes_sent / (1 << 20):.1f} MiB in "
+                f"{stream.chunks_sent} chunks sent; tokens {stream.tokens_issued} issued, "
+                f"{stream.tokens_denied} denied")
+    if stream.refused or stream.cut or stream.tokens_denied:
+        line.stylize("yellow")
+    return line
+
+
 def shard_line(group: wire.ShardGroup | None) -> Text | None:
     """A shard coordinator: its ranks, the versions still collecting and what was dropped."""
     if group is None:
@@ -120,7 +134,8 @@ def fleet_table(reply: wire.StatusReply) -> Group:
             printable(report.last_error or "", style="red"),
         )
     lines = [line for line in (memory_line(reply.memory), shard_line(reply.shard_group),
-                               group_line(reply.collective)) if line is not None]
+                               group_line(reply.collective), stream_line(reply.stream))
+             if line is not None]
     return Group(header, *lines, table)
 
 

@@ -58,6 +58,7 @@ __all__ = [
     "PendingShards",
     "Report",
     "ShardGroup",
+    "StreamPort",
     "StatusReply",
     "StatusRequest",
 ]
@@ -170,6 +171,21 @@ class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
     nixl_off_reason: ErrorText = ""
 
 
+class StreamPort(msgspec.Struct, frozen=True, kw_only=True):
+    """A publisher's plain-TCP stream port (``stream=True``, issue 29): counters since start."""
+
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    connections: U63 = 0  # open now
+    accepted: U63 = 0  # connections that presented a good token
+    refused: U63 = 0  # a bad, used or expired token
+    turned_away: U63 = 0  # past ``max_connections``
+    cut: U63 = 0  # stalled, bad requests, a revoked key
+    bytes_sent: U64 = 0  # chunk bytes sent on the port
+    chunks_sent: U64 = 0
+    tokens_issued: U63 = 0  # handed out over the ROUTER
+    tokens_denied: U63 = 0  # asked for while too many were outstanding
+
+
 class PendingShards(msgspec.Struct, frozen=True):
     """A sharded version still collecting: the ranks whose shard is in, for how long."""
 
@@ -206,6 +222,8 @@ class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     bytes_sent_slices: U64 = 0
     slice_plans: U63 = 0
     slice_held_bytes: U64 = 0
+    #: the plain-TCP stream port (``stream=True``), None when off
+    stream: StreamPort | None = None
 
 POLL_STATES = ("free", "joining", "member", "leaving")
 REPLY_STATES = ("off", "idle", "waiting", "forming", "active", "refused")

@@ -78,6 +78,7 @@ from weightpub_wire.control_messages import (  # noqa: F401 - ERROR_CODES.. re-e
     ShardGroup,
     StatusReply,
     StatusRequest,
+    StreamPort,
 )
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.manifest import (
@@ -156,6 +157,7 @@ __all__ = [
     "ShardSource",
     "StatusReply",
     "StatusRequest",
+    "StreamPort",
     "TensorEntry",
     "decode",
     "decode_as",

@@ -421,6 +421,7 @@ class ServingThread(threading.Thread):
             memory=extras.memory, shard_group=extras.shard_group,
             bytes_sent_slices=self.slice_serving.bytes_sent,
             slice_plans=self.slice_serving.plans, slice_held_bytes=self.slice_serving.held_bytes,
+            stream=None if self.stream is None else self.stream.wire_status(),
         )
 
     def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:

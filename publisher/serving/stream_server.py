@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from publisher.store.version_store import PublishedVersion, VersionStore
+from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.ratelog import RateLimitedLog
@@ -83,6 +84,8 @@ class StreamServer:
         self.refused = 0  # hellos with a bad, used or expired token
         self.turned_away = 0  # connections past max_connections
         self.cut = 0  # subscribers cut (stalled, bad requests)
+        self.tokens_issued = 0  # handed out over the ROUTER
+        self.tokens_denied = 0  # asked for while ``max_tokens`` were outstanding
         bind_host = "0.0.0.0" if host in ("*", "") else host
         self._listener = socket.create_server((bind_host, port), backlog=128,
                                               family=socket.AF_INET6 if ":" in bind_host
@@ -103,7 +106,9 @@ class StreamServer:
                 if expiry < now:
                     del self._tokens[token]
             if len(self._tokens) >= self.limits.max_tokens:
+                self.tokens_denied += 1
                 return None
+            self.tokens_issued += 1
             token = os.urandom(stream_link.TOKEN_BYTES)
             self._tokens[token] = (now + self.limits.token_ttl, client_key)
             return token
@@ -121,9 +126,19 @@ class StreamServer:
         return version.chunk_view(chunk)
 
     def status(self) -> dict[str, Any]:
-        return {"port": self.port, "connections": len(self._conns), "accepted": self.accepted,
-                "refused": self.refused, "turned_away": self.turned_away, "cut": self.cut,
-                "bytes_sent": self.bytes_sent, "chunks_sent": self.chunks_sent}
+        """Counters since start: connections open now, accepted (a good token), refused (a
+        bad, used or expired one), turned away (``max_connections``), cut (stalled, bad
+        requests, a revoked key); chunk bytes sent; tokens handed out and denied."""
+        with self._lock:
+            return {"port": self.port, "connections": len(self._conns),
+                    "accepted": self.accepted, "refused": self.refused,
+                    "turned_away": self.turned_away, "cut": self.cut,
+                    "bytes_sent": self.bytes_sent, "chunks_sent": self.chunks_sent,
+                    "tokens_issued": self.tokens_issued, "tokens_denied": self.tokens_denied}
+
+    def wire_status(self) -> wire.StreamPort:
+        """``status()`` as a status reply carries it (``weightpub status``)."""
+        return wire.StreamPort(**self.status())
 
     # -- threads --------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -141,8 +156,9 @@ class StreamServer:
                 full = len(self._conns) >= self.limits.max_connections
                 if not full:
                     self._conns[conn.fileno()] = conn
+                else:
+                    self.turned_away += 1
             if full:
-                self.turned_away += 1  # the accept thread's own
                 self._warn.warning("stream-full", "stream: turned a connection away "
                                                   f"({self.limits.max_connections} open)")
                 conn.close()

@@ -122,6 +122,10 @@ class ReplicaCollector(Collector):
                   for name, text in self.GAUGES.items()}
         received = CounterMetricFamily("weightpub_received_bytes",
                                        "Bytes received on the data path", labels=["rank"])
+        stream_received = CounterMetricFamily(
+            "weightpub_stream_received_bytes",
+            "Bytes of those received on the publisher's plain-TCP stream port (stream=True)",
+            labels=["rank"])
         commits = CounterMetricFamily("weightpub_commits", "Versions committed",
                                       labels=["rank"])
         failures = CounterMetricFamily("weightpub_failures",
@@ -171,6 +175,9 @@ class ReplicaCollector(Collector):
                 if value is not None:
                     gauges[name].add_metric(label, value)
             received.add_metric(label, _number(state.get("received_bytes")) or 0.0)
+            stream_bytes = _number(state.get("stream_received_bytes"))
+            if stream_bytes is not None:
+                stream_received.add_metric(label, stream_bytes)
             metrics = state.get("metrics") or {}
             commits.add_metric(label, _number(metrics.get("commits")) or 0.0)
             for reason, count in sorted((metrics.get("failures") or {}).items()):
@@ -201,6 +208,7 @@ class ReplicaCollector(Collector):
                 histograms[name].add_metric(label, buckets, _number(data.get("sum")) or 0.0)
         yield from gauges.values()
         yield received
+        yield stream_received
         yield commits
         yield failures
         yield fallbacks

@@ -318,6 +318,8 @@ class WeightSubscriber:
             client.gate.waiting.version,
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
+            # of those, bytes kept beside the staged versions (a peer server's slices)
+            "staging_cache_bytes": client.pool.side_bytes,
             "data_path": client.report.applied_path or None,  # how the applied version came
             # what the applied version cost here: payload bytes by source kind, and their
             # share of the version (None: unknown, e.g. nothing applied yet)

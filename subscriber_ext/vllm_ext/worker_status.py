@@ -80,6 +80,9 @@ class WorkerStatus(StateAccess):
             # chunks of versions offered on the stream port fetched as frames, by cause
             "stream_fallbacks": {} if follower else dict(
                 (source.get("stream") or {}).get("fallback_causes") or {}),
+            # chunk bytes that came over the stream port (the part of received_bytes)
+            "stream_received_bytes": 0 if follower else
+            (source.get("stream") or {}).get("bytes_received", 0),
             "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
             # how this rank receives and what its applied version cost (``receive_table.py``)
             "receive": self._wp_receive_row(source),

@@ -245,3 +245,75 @@ def test_sliced_members_share_a_sharded_trainers_version(spawn: Callable[..., Ch
     got = [status(child)["peers"] for child in peers]
     assert sum(g["bytes_from_peers"] for g in got) >= 0.75 * 2 * needed, got
     assert all(not g["peer_failures"] for g in got), got
+
+
+def _ask_slice(ctx: Any, endpoint: str, fetch: Any) -> bytes:
+    """One ``slice_fetch`` of one chunk on a DEALER of its own: the payload it got."""
+    import zmq
+
+    from weightpub_wire import chunk_frame
+    from weightpub_wire import protocol as wire
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 20_000)
+    try:
+        sock.connect(endpoint)
+        sock.send(wire.encode(fetch))
+        header = chunk_frame.parse(sock.recv())
+        assert (header.version, header.chunk) == (fetch.version, fetch.chunks[0]), header
+        payload = sock.recv()
+        assert len(payload) == header.size
+        return payload
+    finally:
+        sock.close()
+
+
+def test_a_slice_asked_again_is_served_from_the_cache_counted_in_the_staging_budget(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+    """A sliced member gathers a slice once: the second ask of it is a hit (no gather),
+    its bytes show in the member's staging bytes, and a newer version drops them."""
+    import numpy as np
+    import zmq
+
+    from tests.transport.procs import as_bytes
+    from weightpub_wire.slice_layout import SliceLayout
+    from weightpub_wire.slice_messages import SliceFetch
+
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    (member,) = members(spawn, pub, [0])
+    weights = det_weights(SEED, 1, SPEC)
+    pub.publish(weights, version=1)
+    staged_ok(member, 1)
+    before = status(member)
+    assert before["peers"]["slice_cache_misses"] == 0 == before["staging_cache_bytes"]
+    manifest = pub.manifest(1)
+    plan = half_plan(0, SPEC)
+    layout = SliceLayout.build(plan, manifest)
+    flat = np.zeros(manifest.total_bytes, dtype=np.uint8)
+    for entry in manifest.tensors:
+        flat[entry.offset: entry.offset + entry.nbytes] = \
+            as_bytes(weights[entry.name]).reshape(-1).numpy()
+    chunk = max(layout.sizes, key=lambda c: layout.sizes[c])
+    want = bytes(layout.gather(chunk, flat))
+    ctx = zmq.Context()
+    try:
+        got = [_ask_slice(ctx, before["peers"]["endpoint"],
+                          SliceFetch(req=req, publisher_id=before["publisher_id"], version=1,
+                                     digest=plan.digest(), chunks=(chunk,)))
+               for req in (1, 2)]
+    finally:
+        ctx.term()
+    assert got == [want, want]
+    after = status(member)
+    peers = after["peers"]
+    assert (peers["slice_cache_misses"], peers["slice_cache_hits"]) == (1, 1), peers
+    assert peers["served_slices"] == 2
+    assert peers["slice_cache_bytes"] == len(want) == after["staging_cache_bytes"]
+    assert peers["slice_cache_bytes"] <= peers["slice_cache_max_bytes"]
+    assert after["staging_bytes"] >= before["staging_bytes"] + len(want)
+    pub.publish(det_weights(SEED, 2, SPEC), version=2)
+    staged_ok(member, 2)
+    wait_until(lambda: status(member)["staging_cache_bytes"] == 0, 10,
+               "version 1's slices to leave the cache")
+    assert status(member)["peers"]["slice_cache_bytes"] == 0

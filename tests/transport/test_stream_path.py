@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from publisher import WeightPublisher
+from publisher.serving.stream_server import StreamLimits
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client import stream_source
 from tests.transport.data_path_cases import (
@@ -29,14 +30,23 @@ from tests.transport.data_path_cases import (
     subscriber,
 )
 from tests.transport.procs import Child, det_weights, spec_bytes, wait_until
+from tests.transport.test_metrics import scrape
+from weightpub.cli import main as cli_main
+from weightpub.status import fetch_status
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
 
 pytestmark = pytest.mark.timeout(120)
 
 def test_three_versions_over_the_stream_bit_exact(spawn: Callable[..., Child],
-                                                  closing: Callable[[Any], Any]) -> None:
-    pub, endpoint = start_publisher(spawn, stream=True)
+                                                  closing: Callable[[Any], Any],
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    pub = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=7, chunk_size=CHUNK,
+                stream=True, metrics_port=0)
+    ready = pub.event("ready", timeout=60)
+    endpoint = ready["endpoint"]
+    before = scrape(ready["metrics_url"])
+    assert before[("weightpub_publisher_stream_bytes_total", ())] == 0
     sub = subscriber(closing, endpoint, stream=True)
     for version in (1, 2, 3):
         publish(pub, version)
@@ -51,6 +61,23 @@ def test_three_versions_over_the_stream_bit_exact(spawn: Callable[..., Child],
     assert stats["stats"]["bytes_sent_full"] == 0  # not one chunk frame
     assert stats["stats"]["bytes_sent_stream"] == stream["bytes_received"]
     assert stats["stream"]["accepted"] == 1  # one connection (one token) for all versions
+    assert stats["stream"]["tokens_issued"] == 1 and stats["stream"]["connections"] == 1
+    # the same counters in ``weightpub status`` and in the publisher's /metrics
+    reply = fetch_status(endpoint).stream
+    assert reply is not None and reply.port > 0
+    assert (reply.accepted, reply.tokens_issued, reply.bytes_sent, reply.chunks_sent) == (
+        1, 1, stream["bytes_received"], stats["stream"]["chunks_sent"])
+    assert cli_main(["status", endpoint]) == 0
+    out = capsys.readouterr().out
+    assert f"stream port {reply.port}: 1 open, 1 accepted, 0 refused" in out
+    assert "tokens 1 issued, 0 denied" in out
+    after = scrape(ready["metrics_url"])
+    assert after[("weightpub_publisher_stream_bytes_total", ())] == stream["bytes_received"]
+    assert after[("weightpub_publisher_stream_chunks_total", ())] == reply.chunks_sent
+    assert after[("weightpub_publisher_stream_connections_total",
+                  (("outcome", "accepted"),))] == 1
+    assert after[("weightpub_publisher_stream_tokens_total", (("outcome", "issued"),))] == 1
+    assert after[("weightpub_publisher_stream_open_connections", ())] == 1
 
 
 def test_a_bad_token_is_refused_counted_and_frames_serve(
@@ -68,6 +95,9 @@ def test_a_bad_token_is_refused_counted_and_frames_serve(
     assert "refused" in stream["last_error"]
     stats = child_stats(pub)
     assert stats["stream"]["refused"] == 1 and stats["stream"]["accepted"] == 0
+    assert stats["stream"]["tokens_issued"] == 1
+    reply = fetch_status(endpoint).stream
+    assert reply is not None and (reply.refused, reply.accepted, reply.bytes_sent) == (1, 0, 0)
     assert stats["stats"]["bytes_sent_stream"] == 0
     assert stats["stats"]["bytes_sent_full"] >= spec_bytes(SPEC)
 
@@ -201,8 +231,9 @@ def test_stream_formats_are_bounded_and_name_what_is_wrong() -> None:
 
 def test_no_token_or_no_port_costs_frames_with_the_cause_named(
         closing: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A publisher that never answers the token request (``no_answer``), and one whose
-    port is gone (``connect``): each version still comes whole, over frames."""
+    """A publisher that never answers the token request (``no_answer``), one with too many
+    tokens out (denied: ``refused``), and one whose port is gone (``connect``): each
+    version still comes whole, over frames, and the publisher counts what it did."""
     from publisher.serving import server
 
     weights = det_weights(7, 1, SPEC)
@@ -215,6 +246,23 @@ def test_no_token_or_no_port_costs_frames_with_the_cause_named(
     assert exact(staged, 1) and staged.data_path == "zmq"
     assert sub.status()["stream"]["fallback_causes"] == {"no_answer": 1}
     monkeypatch.undo()
+
+    crowded = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK,
+                                      metrics_port=0))
+    assert crowded._stream is not None
+    crowded._stream.limits = StreamLimits(max_tokens=0)  # every token asked is denied
+    sub = subscriber(closing, crowded.endpoint, stream=True)
+    crowded.publish(weights, version=1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert exact(staged, 1) and staged.data_path == "zmq"
+    status = sub.status()["stream"]
+    assert status["fallback_causes"] == {"refused": 1} and "outstanding" in status["last_error"]
+    counters = crowded.stream_status()
+    assert counters is not None and counters["tokens_denied"] == 1
+    assert counters["tokens_issued"] == 0 and counters["accepted"] == 0
+    assert crowded.metrics is not None
+    samples = scrape(crowded.metrics.url)
+    assert samples[("weightpub_publisher_stream_tokens_total", (("outcome", "denied"),))] == 1
 
     portless = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
     stream = portless._stream

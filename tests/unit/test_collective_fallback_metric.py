@@ -32,8 +32,12 @@ def test_stream_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
     """Issue 29: chunks offered on the stream port but fetched over ZeroMQ, by cause."""
     board = StatusBoard(tmp_path)
     board.write(0, {"rank": 0, "stream_fallbacks": {"refused": 2, "checksum": 1},
-                    "data_path": "stream+zmq"})
+                    "data_path": "stream+zmq", "received_bytes": 4096,
+                    "stream_received_bytes": 3072})
+    board.write(1, {"rank": 1})  # a worker that predates the counter: no series
     text = scrape(board)
+    assert 'weightpub_stream_received_bytes_total{rank="0"} 3072.0' in text
+    assert 'weightpub_stream_received_bytes_total{rank="1"}' not in text
     assert 'weightpub_stream_fallbacks_total{cause="refused",rank="0"} 2.0' in text
     assert 'weightpub_stream_fallbacks_total{cause="checksum",rank="0"} 1.0' in text
     assert 'weightpub_data_path_info{path="stream+zmq",rank="0"} 1.0' in text
