@@ -25,7 +25,9 @@ versions of one publisher instance.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -51,7 +53,8 @@ log = logging.getLogger("weightpub.subscriber")
 FALLBACK_CAUSES = (
     "refused",  # the token was refused (at the port, or no token was handed out)
     "no_answer",  # no token came back over the DEALER within request_timeout
-    "connect",  # the stream port could not be reached
+    "connect",  # the stream port could not be reached (refused, unreachable)
+    "connect_timeout",  # the connect did not complete within request_timeout
     "closed",  # the connection ended (publisher gone, cut)
     "bad_reply",  # a reply header that does not parse or answers nothing asked
     "checksum",  # a chunk that came over the stream failed its checksum
@@ -74,8 +77,10 @@ class StreamSource(ChunkSource):
         self.manifest: wire.Manifest | None = None
         self.target: Assembly | None = None
         self.sock: socket.socket | None = None
-        self.state = "idle"  # idle -> token -> hello -> up; any failure: back to idle
-        self.since = 0.0  # when the token was asked (``no_answer``)
+        #: idle -> token -> connect -> hello -> up; any failure: back to idle
+        self.state = "idle"
+        self.since = 0.0  # when the token was asked (``no_answer``), the connect begun
+        self._token = b""  # presented once the connect completes
         self.token_req = 0
         self.peer: tuple[str, int] | None = None  # (publisher_id, port) connected to
         self.down = False  # this version's chunks are not taken any more (a fallback)
@@ -154,6 +159,11 @@ class StreamSource(ChunkSource):
         if self.state == "token" and now - self.since > self.picker.request_timeout:
             self.fall_back("no_answer", f"no stream token within "
                                         f"{self.picker.request_timeout}s")
+        elif self.state == "connect":
+            if now - self.since > self.picker.request_timeout:
+                self.fall_back("connect_timeout", f"{self.picker.host}:{self._port()}: not "
+                                                  "connected within "
+                                                  f"{self.picker.request_timeout}s")
         elif self.mine and self._in_flight() and \
                 now - self.last_progress > self.picker.request_timeout:
             self.fall_back("timeout", f"no byte for {now - self.last_progress:.1f}s with "
@@ -168,13 +178,21 @@ class StreamSource(ChunkSource):
 
     def register(self, poller: zmq.Poller) -> None:
         self._poller = poller
-        if self.sock is not None:
-            poller.register(self.sock.fileno(), zmq.POLLIN)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Poll the socket's fd: writable while the connect is under way, then readable."""
+        if self._poller is not None and self.sock is not None:
+            self._poller.register(self.sock.fileno(), zmq.POLLOUT if self.state == "connect"
+                                  else zmq.POLLIN)
 
     def on_events(self, events: dict[Any, int], now: float) -> None:
         # a plain socket is polled (and reported) by its file descriptor
         if self.sock is not None and self.sock.fileno() in events:
-            self._read()
+            if self.state == "connect":
+                self._connected()
+            else:
+                self._read()
 
     def arrived(self, via: Any, size: int, now: float) -> None:
         self.verified += 1
@@ -213,22 +231,47 @@ class StreamSource(ChunkSource):
             self.fall_back("bad_reply", f"token for port {message.port}, the manifest says "
                                         f"{manifest.stream_port}")
             return
+        # a non-blocking connect: the client's thread never waits on it (its completion is
+        # polled; ``expire`` ends it after request_timeout as ``connect_timeout``)
         try:
-            sock = socket.create_connection((self.picker.host, message.port),
-                                            timeout=self.picker.request_timeout)
+            family, kind, proto, _, address = socket.getaddrinfo(
+                self.picker.host, message.port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
         except OSError as exc:
             self.fall_back("connect", f"{self.picker.host}:{message.port}: {exc}")
             return
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
+        error = sock.connect_ex(address)
         self.sock = sock
         self.peer = (manifest.publisher_id, message.port)
-        if self._poller is not None:
-            self._poller.register(sock.fileno(), zmq.POLLIN)
+        self._token = message.token
+        self.state, self.since = "connect", time.monotonic()
+        if error not in (0, errno.EINPROGRESS):
+            self.fall_back("connect", f"{self.picker.host}:{message.port}: "
+                                      f"{os.strerror(error)}")
+            return
+        self._watch()
+        if error == 0:
+            self._connected()
+
+    def _connected(self) -> None:
+        """The connect ended: present the token, or fall back naming why it failed."""
+        assert self.sock is not None
+        error = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            self.fall_back("connect", f"{self.picker.host}:{self._port()}: "
+                                      f"{os.strerror(error)}")
+            return
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.state = "hello"
+        self._watch()
         self.last_progress = time.monotonic()
-        self.outbox += stream_link.hello(self.picker.present(message.token))
+        self.outbox += stream_link.hello(self.picker.present(self._token))
+        self._token = b""
         self._flush()
+
+    def _port(self) -> int:
+        return 0 if self.peer is None else self.peer[1]
 
     def disconnect(self) -> None:
         sock, self.sock = self.sock, None
@@ -241,6 +284,7 @@ class StreamSource(ChunkSource):
             sock.close()
         self.peer = None
         self.state = "idle"
+        self._token = b""
         self.outbox.clear()
         self._head_pos = 0
         self._reply = None
