@@ -42,6 +42,13 @@ frames, counted per rank (``subscriber_ext/transport/client/nixl_source.py``). T
 offer names registered memory: it travels on the collect socket (CURVE, the
 trainer's key) and the coordinator's PUB/ROUTER (CURVE), never elsewhere.
 
+Stream (``stream=True`` on a rank): the rank's own ``WeightPublisher`` serves its
+shard's chunks on a plain TCP port of its own (``publisher.serving.stream_server``),
+announced in the rank's ``ShardSource.stream_port``; a subscriber with
+``stream=True`` asks that rank for a one-time token over its DEALER to the rank and
+receives the range there, falling back to frames per rank
+(``subscriber_ext/transport/client/shard_links.py``).
+
 Peers: the coordinator runs the tracker (rank 0's ``peer_fanout``); a
 ``peer_share=True`` subscriber asks its peers for the stripes the plan gives
 them, in the union's chunk numbering, and the ranks for the rest, falling back
@@ -297,7 +304,7 @@ class ShardedPublisher:
                                  total_bytes=manifest.total_bytes, tensors=manifest.tensors,
                                  checksums=manifest.checksums, model_id=manifest.model_id,
                                  delta=manifest.delta, deltas_follow=manifest.deltas_follow,
-                                 nixl=manifest.nixl)
+                                 nixl=manifest.nixl, stream_port=manifest.stream_port)
             try:
                 self._dealer.send(encode_submit(submit), flags=zmq.NOBLOCK)
             except zmq.Again:

@@ -371,7 +371,9 @@ class WeightPublisher:
             self._next_version = number + 1
             relayed = relay_upstream(upstream, number, snapshot, self._store, self._deltas,
                                      publisher_id=self.publisher_id, started_at=self.started_at,
-                                     model_id=self.model_id)
+                                     model_id=self.model_id,
+                                     stream_port=None if self._stream is None
+                                     else self._stream.port)
             self._announced_now(relayed.published)
         if self._nixl is not None:  # the offer follows once the last chunk is written
             relayed.when_done(self._relay_offer, self._relay_unoffered)

@@ -17,6 +17,12 @@ its own agent and its downstream subscribers READ its copy one-sided; a cut-thro
 relay adds the offer to a version's manifest only once its copy is complete
 (``WeightPublisher.relay_version``), before that downstream gets frames. Why a
 version went out unoffered: ``publisher.nixl_status()["unoffered"]``.
+
+Stream (``stream: true``, issue 29): upstream, the relay receives on the trainer's
+plain-TCP stream port (chunks still reach the cut-through as they verify); downstream,
+it serves its copy on a stream port of its own, announced in every manifest it makes
+(a cut-through version's chunks are sent there once written in). Each hop falls back
+to frames by itself.
 """
 
 from __future__ import annotations

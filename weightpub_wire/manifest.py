@@ -103,7 +103,11 @@ class ShardSource(msgspec.Struct, frozen=True):
     ``i * chunk_size``, i.e. the union's chunk ``first_chunk + i``), as the rank made it
     for its own manifest; None where the rank offers none (frames only, for its range).
     It travelled rank -> coordinator on the CURVE-authenticated collect socket and goes
-    on only in the manifest (PUB/ROUTER, CURVE)."""
+    on only in the manifest (PUB/ROUTER, CURVE).
+
+    ``stream_port``: the rank's plain-TCP stream port (``stream=True`` there), at the
+    host of ``endpoint``; a subscriber with ``stream=True`` asks that rank for a token
+    over its DEALER to ``endpoint`` (``weightpub_wire.stream_link``). None: frames only."""
 
     rank: Annotated[int, Meta(ge=0, le=MAX_SHARDS)]
     endpoint: Text
@@ -111,6 +115,7 @@ class ShardSource(msgspec.Struct, frozen=True):
     first_chunk: U63
     num_chunks: U63
     nixl: NixlOffer | None = None
+    stream_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
 
 class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):

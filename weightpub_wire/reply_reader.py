@@ -14,6 +14,7 @@ the caller, which decides what it means for that source.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -24,17 +25,19 @@ from weightpub_wire.errors import ProtocolError
 __all__ = ["decode_reply", "read_replies"]
 
 
-def decode_reply(frame: zmq.Frame, more: int,
-                 limits: wire.Limits) -> chunk_frame.ChunkHeader | wire.ErrorReply:
+def decode_reply(frame: zmq.Frame, more: int, limits: wire.Limits,
+                 others: tuple[type, ...] = ()) -> Any:
     """A reply a publisher's DEALER would accept: a one-frame chunk
-    (``weightpub_wire.chunk_frame``) or an ``error``; ``ProtocolError`` otherwise."""
+    (``weightpub_wire.chunk_frame``), an ``error`` or one of ``others`` (message types the
+    caller asked for, e.g. a stream token); ``ProtocolError`` otherwise."""
     if chunk_frame.is_chunk(frame.buffer):
         header = chunk_frame.parse(frame.buffer)
         if more:
             raise ProtocolError(f"chunk {header.chunk}: more frames follow a one-frame reply")
         return header
-    message = wire.decode(frame.buffer, expect=(wire.ErrorReply,), limits=limits)
-    if not isinstance(message, wire.ErrorReply):  # pragma: no cover
+    expect = (wire.ErrorReply, *others)
+    message = wire.decode(frame.buffer, expect=expect, limits=limits)
+    if not isinstance(message, expect):  # pragma: no cover
         raise ProtocolError("message.t: expected chunk or error")
     return message
 
@@ -44,14 +47,17 @@ def read_replies(sock: zmq.Socket, limits: wire.Limits, *, most: int,
                  discard_rest: Callable[[int, zmq.Socket], None],
                  on_chunk: Callable[[chunk_frame.ChunkHeader, zmq.Frame], None],
                  on_error: Callable[[wire.ErrorReply], None],
-                 on_bad: Callable[[ProtocolError], None]) -> None:
+                 on_bad: Callable[[ProtocolError], None],
+                 others: tuple[type, ...] = (),
+                 on_other: Callable[[Any], None] | None = None) -> None:
     """Read up to ``most`` replies waiting on ``sock`` (never blocks).
 
     ``on_chunk(header, frame)``: a chunk (its payload still in ``frame``: behind the
     header, or the whole frame after a ``FOLLOWS`` header, ``chunk_frame.payload``);
     ``pairing``: this socket's header whose payload message is due;
     ``on_error(reply)``: an ``error`` reply; ``on_bad(exc)``: a reply that does not
-    decode. ``discard_rest(more, sock)`` drops what follows the first frame."""
+    decode. ``discard_rest(more, sock)`` drops what follows the first frame.
+    ``on_other(message)``: a message of one of ``others``."""
     for _ in range(most):
         try:
             first = sock.recv(zmq.NOBLOCK, copy=False)
@@ -68,7 +74,7 @@ def read_replies(sock: zmq.Socket, limits: wire.Limits, *, most: int,
             on_chunk(header, first)
             continue
         try:
-            message = decode_reply(first, more, limits)
+            message = decode_reply(first, more, limits, others)
         except ProtocolError as exc:
             discard_rest(more, sock)
             on_bad(exc)
@@ -80,4 +86,7 @@ def read_replies(sock: zmq.Socket, limits: wire.Limits, *, most: int,
                 on_chunk(message, first)
             continue
         discard_rest(more, sock)
-        on_error(message)
+        if isinstance(message, wire.ErrorReply):
+            on_error(message)
+        elif on_other is not None:
+            on_other(message)

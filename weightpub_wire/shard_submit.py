@@ -53,7 +53,8 @@ class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
     ``Manifest.delta``, digests over its own checksums); ``deltas_follow``: it serves
     deltas at all (``publisher.sharding.shard_deltas`` makes the union's from every rank's).
     ``nixl``: the rank's NIXL offer of this shard (its own ``Manifest.nixl``), passed on
-    in the union's ``ShardSource.nixl``."""
+    in the union's ``ShardSource.nixl``; ``stream_port``: the rank's plain-TCP stream
+    port (its own ``Manifest.stream_port``), passed on in ``ShardSource.stream_port``."""
 
     rank: Rank
     world_size: Annotated[int, Meta(ge=1, le=MAX_SHARDS)]
@@ -68,6 +69,7 @@ class ShardSubmit(_Message, tag="shard_submit", kw_only=True, frozen=True):
     delta: DeltaInfo | None = None
     deltas_follow: bool = False
     nixl: NixlOffer | None = None
+    stream_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)

@@ -124,12 +124,15 @@ class RelayedVersion:
 
 def relay_upstream(upstream: wire.Manifest, number: int, snapshot: Snapshot,
                    store: VersionStore, deltas: DeltaPublisher, *, publisher_id: str,
-                   started_at: float, model_id: str) -> RelayedVersion:
+                   started_at: float, model_id: str,
+                   stream_port: int | None = None) -> RelayedVersion:
     """Store ``upstream`` as this instance's version ``number`` in ``snapshot``'s (empty)
     buffer, ready to be announced (``WeightPublisher.relay_version``).
 
     The manifest keeps the upstream's tensors, chunking and checksums; deltas against
     the previous version are planned now and encoded chunk by chunk as chunks arrive.
+    ``stream_port``: this instance's stream port (``stream=True``), where its chunks are
+    served too once written (``stream_server`` waits for a chunk not yet in).
     """
     total = upstream.total_bytes
     previous = store.latest()
@@ -139,7 +142,8 @@ def relay_upstream(upstream: wire.Manifest, number: int, snapshot: Snapshot,
         publisher_id=publisher_id, started_at=started_at, version=number,
         created_at=upstream.created_at, model_id=model_id or upstream.model_id,
         chunk_size=upstream.chunk_size, total_bytes=total, tensors=upstream.tensors,
-        checksums=upstream.checksums, delta=delta, deltas_follow=deltas.enabled)
+        checksums=upstream.checksums, delta=delta, deltas_follow=deltas.enabled,
+        stream_port=stream_port)
     published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer,
                                  view=byte_view(snapshot.buffer, total), snapshot=snapshot)
     relayed = RelayedVersion(published, (upstream.publisher_id, upstream.version),

@@ -466,7 +466,7 @@ class ShardCoordinator:
                                             publisher_id=shard.publisher_id,
                                             first_chunk=offset // chunk_size,
                                             num_chunks=len(shard.checksums),
-                                            nixl=shard.nixl))
+                                            nixl=shard.nixl, stream_port=shard.stream_port))
             tensors += [wire.TensorEntry(name=e.name, dtype=e.dtype, shape=e.shape,
                                          offset=e.offset + offset, nbytes=e.nbytes)
                         for e in shard.tensors if e.name != SHARD_PAD]

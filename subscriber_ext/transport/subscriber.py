@@ -196,6 +196,8 @@ class WeightSubscriber:
             if self._own_context:
                 self._ctx.term()
             raise
+        if shard_slices is None:  # a sharded trainer's ranks' stream ports (stream=True)
+            self._client.shards.stream = self._stream
         if shard_slices is not None:  # a rank refusing this client's key: last_error at once
             shard_slices.on_handshake = self._client.sockets.link_handshake
         if base.collective:

@@ -6,7 +6,8 @@ the test can recompute every byte; rank 0 also runs the coordinator and says
 where subscribers and the other ranks dial it. ``die_serving: V`` makes the rank
 SIGKILL itself when it is about to send its first chunk of version V; ``no_slices``
 makes it drop slice requests, as a rank from before issue 30 does; ``nixl`` offers
-its shard for one-sided NIXL reads (``test_nixl_sharded.py``).
+its shard for one-sided NIXL reads (``test_nixl_sharded.py``); ``stream`` serves it on
+a plain-TCP stream port of its own (``test_stream_sharded.py``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def run_shard_rank(args: dict[str, Any]) -> None:
         world_size=args["world_size"], coordinator=args.get("coordinator", "tcp://127.0.0.1:0"),
         announce_endpoint=args.get("announce_endpoint"), chunk_size=args["chunk_size"],
         shard_timeout=args.get("shard_timeout", 30.0), heartbeat_interval=0.2,
-        nixl=bool(args.get("nixl", False)))
+        nixl=bool(args.get("nixl", False)), stream=bool(args.get("stream", False)))
     if args.get("no_slices"):
         pub.shard._server.slice_serving.handle = lambda *a: None  # type: ignore[method-assign]
     coordinator = pub.coordinator
@@ -90,6 +91,7 @@ def run_shard_rank(args: dict[str, Any]) -> None:
                   bytes_sent=pub.shard.data_stats()["bytes_sent_full"],
                   slice_bytes_sent=pub.shard.data_stats()["bytes_sent_slices"],
                   nixl=pub.shard.nixl_status(),
+                  stream=pub.shard.stream_status(),
                   shard_total=pub.shard.manifest(pub.latest_version).total_bytes
                   if pub.latest_version else 0,
                   announced=None if coordinator is None else coordinator.latest_version,

@@ -10,6 +10,7 @@ keeps to frames; under CURVE only an admitted subscriber gets a token.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -275,3 +276,51 @@ def test_no_token_or_no_port_costs_frames_with_the_cause_named(
     status = sub.status()["stream"]
     assert status["fallback_causes"] == {"connect": 1}, status
     assert str(stream.port) in status["last_error"]
+
+
+def _unanswered(port: int) -> list[socket.socket]:
+    """A listener on ``port`` that never accepts, its accept queue filled: Linux drops any
+    further SYN there, so a connect to it neither completes nor fails (it hangs until
+    the connecting side gives up). Returns the sockets to close."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(0)
+    held = [listener]
+    for _ in range(16):
+        probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        probe.settimeout(0.5)
+        held.append(probe)
+        try:
+            probe.connect(("127.0.0.1", port))
+        except TimeoutError:
+            return held  # this one hangs: so will the subscriber's
+    for sock in held:
+        sock.close()
+    raise AssertionError(f"port {port} kept accepting connects (accept queue never full)")
+
+
+def test_a_connect_that_never_completes_is_bounded_and_named(
+        closing: Callable[[Any], Any]) -> None:
+    """The stream port's accept queue full (SYNs dropped): the subscriber's connect is
+    polled, never waited on, and given up after request_timeout as ``connect_timeout``;
+    the version comes whole over frames and the subscriber keeps serving meanwhile."""
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    stream = pub._stream
+    assert stream is not None
+    stream.close()  # tokens are still handed out for its port, where nobody answers now
+    held = _unanswered(stream.port)
+    try:
+        sub = subscriber(closing, pub.endpoint, stream=True)  # request_timeout 3 s
+        pub.publish(det_weights(7, 1, SPEC), version=1)
+        wait_until(lambda: sub.status()["stream"]["state"] == "connect", 30,
+                   "the connect under way (polled: it shows in status meanwhile)")
+        staged = sub.wait_for_version(1, timeout=60)
+        assert exact(staged, 1) and staged.data_path == "zmq"
+        status = sub.status()["stream"]
+        assert status["fallback_causes"] == {"connect_timeout": 1}, status
+        assert f"{stream.port}: not connected within 3.0s" in status["last_error"]
+        assert stream.tokens_issued == 1 and stream.accepted == 0
+    finally:
+        for sock in held:
+            sock.close()

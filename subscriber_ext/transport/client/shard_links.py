@@ -23,6 +23,12 @@ for ``request_timeout`` (a range no link serves) is given up by ``FetchCredit``'
 ``IdleWatch``, naming the ranks whose chunks are missing (``idle_limit``). Either way
 ``last_error`` says so and the next version is followed.
 
+Stream (``stream=True`` here and at a rank): a rank whose ``ShardSource`` has a
+``stream_port`` gets a ``StreamSource`` of its own (``stream_source.py``, a first
+source taking that rank's range only), which asks its one-time token over this rank's
+DEALER (the reply is read here and handed to it) and receives the range on the
+rank's port; whatever fails there falls back to this rank's frames, counted per rank.
+
 CURVE: every link gets the client's socket hooks (``curve_server_key_file``,
 ``curve_secret_key_file``): all ranks of a sharded trainer serve with the one
 trainer key pair, so the publisher's public key authenticates each rank too, and
@@ -39,9 +45,10 @@ from typing import ClassVar
 import zmq
 
 from subscriber_ext.transport.client.dealer_source import DealerSource, rank_handshakes
+from subscriber_ext.transport.client.stream_source import StreamPicker, StreamSource
 from subscriber_ext.transport.staging.assembly import Assembly
-from subscriber_ext.transport.staging.chunk_source import Retry, SourceSink
-from weightpub_wire import chunk_frame
+from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
+from weightpub_wire import chunk_frame, stream_link
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, TransportError, WeightPubTimeout
 from weightpub_wire.monitored_dealer import (
@@ -72,6 +79,7 @@ class ShardRankSource(DealerSource):
         self.num_chunks = 0
         self.publisher_id = ""
         self.cursor = 0  # chunks below first_chunk + cursor are in (the target's)
+        self.stream: StreamSource | None = None  # this rank's stream port, when offered
         self._fetching: tuple[weakref.ref[Assembly], int, int] | None = None
 
     @property
@@ -149,12 +157,25 @@ class ShardRankSource(DealerSource):
                                             size=header.size, follows=header.follows)
             self._sink.chunk(union, frame, self, self)
 
+        def error(reply: wire.ErrorReply) -> None:
+            stream = self.stream
+            if stream is not None and stream.owns(reply):  # no token: frames serve
+                stream.on_reply(reply)
+            else:
+                sink.error(reply)
+
+        def other(message: stream_link.StreamToken) -> None:
+            stream = self.stream
+            if stream is not None and stream.owns(message):
+                stream.on_reply(message)  # else a token nobody waits for: dropped
+
         sink = self._sink
         read_replies(self.sock, self.limits, most=256, pairing=self.pairing,
                      discard_rest=sink.discard_rest,
-                     on_chunk=chunk, on_error=sink.error,
+                     on_chunk=chunk, on_error=error,
                      on_bad=lambda exc: sink.bad(
-                         ProtocolError(f"shard {self.endpoint}: bad reply: {exc}")))
+                         ProtocolError(f"shard {self.endpoint}: bad reply: {exc}")),
+                     others=(stream_link.StreamToken,), on_other=other)
 
 
 class ShardLinks:
@@ -174,16 +195,19 @@ class ShardLinks:
         self._on_handshake = on_handshake
         self.hooks = list(hooks)
         self.links: dict[str, ShardRankSource] = {}
+        #: the ranks' stream sources (set by the subscriber when ``stream=True``)
+        self.stream: StreamPicker | None = None
         self._following: wire.Manifest | None = None
 
-    def __call__(self, manifest: wire.Manifest,
-                 sink: SourceSink) -> list[ShardRankSource] | None:
-        """The picker (``SourcePicker``): the ranks of a sharded manifest, else None;
-        ``sink``: the client's (replies arrive renumbered into the union's chunk ids)."""
+    def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
+        """The picker (``SourcePicker``): the ranks of a sharded manifest (their stream
+        sources first, where offered), else None; ``sink``: the client's (replies arrive
+        renumbered into the union's chunk ids)."""
         if manifest.shards is None:
             return None
         self.follow(manifest, sink)
-        return list(self.links.values())
+        streams = [link.stream for link in self.links.values() if link.stream is not None]
+        return [*streams, *self.links.values()]
 
     def follow(self, manifest: wire.Manifest, sink: SourceSink) -> None:
         """Links for every rank ``manifest`` names (the others closed), set to its ranges."""
@@ -200,6 +224,10 @@ class ShardLinks:
             if endpoint not in wanted:
                 link.close()
         self.links = wanted
+        streams = {} if self.stream is None else self.stream.follow_ranks(
+            manifest, {endpoint: link.send for endpoint, link in wanted.items()}, sink)
+        for endpoint, link in wanted.items():
+            link.stream = streams.get(endpoint)
 
     def _open(self, endpoint: str, sink: SourceSink) -> ShardRankSource:
         dealer = MonitoredDealer(self.ctx, endpoint, hooks=self.hooks, events=LINK_EVENTS,

@@ -25,10 +25,13 @@ versions of one publisher instance.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -40,10 +43,11 @@ from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
+from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["FALLBACK_CAUSES", "StreamPicker", "StreamSource"]
+__all__ = ["FALLBACK_CAUSES", "StreamPicker", "StreamRoute", "StreamSource"]
 
 log = logging.getLogger("weightpub.subscriber")
 
@@ -51,7 +55,8 @@ log = logging.getLogger("weightpub.subscriber")
 FALLBACK_CAUSES = (
     "refused",  # the token was refused (at the port, or no token was handed out)
     "no_answer",  # no token came back over the DEALER within request_timeout
-    "connect",  # the stream port could not be reached
+    "connect",  # the stream port could not be reached (refused, unreachable)
+    "connect_timeout",  # the connect did not complete within request_timeout
     "closed",  # the connection ended (publisher gone, cut)
     "bad_reply",  # a reply header that does not parse or answers nothing asked
     "checksum",  # a chunk that came over the stream failed its checksum
@@ -60,6 +65,24 @@ FALLBACK_CAUSES = (
 _MAX_CAUSES = 16
 _READ_BUDGET = 64 << 20  # bytes read per ``on_events`` (the client's loop turns between)
 _SCRATCH = 1 << 20  # where bytes nobody waits for any more are read and dropped
+_MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRoute:
+    """Where a source's chunks come from: the stream ``port`` at ``host`` of publisher
+    instance ``publisher_id``, which serves the version's chunks ``[first_chunk,
+    first_chunk + num_chunks)`` numbered as its own from 0 (a sharded trainer's ``rank``;
+    a publisher serves them all from 0). ``send`` asks for the token over the DEALER
+    to that publisher or rank (False: not sent, asked again at the next top-up)."""
+
+    host: str
+    port: int
+    publisher_id: str
+    first_chunk: int
+    num_chunks: int
+    send: Callable[[Any], bool]
+    rank: int | None = None
 
 
 class StreamSource(ChunkSource):
@@ -72,10 +95,13 @@ class StreamSource(ChunkSource):
         self.picker = picker
         self.sink = sink
         self.manifest: wire.Manifest | None = None
+        self.route: StreamRoute | None = None
         self.target: Assembly | None = None
         self.sock: socket.socket | None = None
-        self.state = "idle"  # idle -> token -> hello -> up; any failure: back to idle
-        self.since = 0.0  # when the token was asked (``no_answer``)
+        #: idle -> token -> connect -> hello -> up; any failure: back to idle
+        self.state = "idle"
+        self.since = 0.0  # when the token was asked (``no_answer``), the connect begun
+        self._token = b""  # presented once the connect completes
         self.token_req = 0
         self.peer: tuple[str, int] | None = None  # (publisher_id, port) connected to
         self.down = False  # this version's chunks are not taken any more (a fallback)
@@ -92,25 +118,27 @@ class StreamSource(ChunkSource):
         self._reply: stream_link.StreamReply | None = None
         self._dest: memoryview | None = None
         self._pos = 0
+        self._chunk = 0  # the union's number of the chunk being read
         self._hasher = xxhash.xxh3_64()
         self._scratch = memoryview(bytearray(_SCRATCH))
 
     @property
     def label(self) -> str:
-        return "stream"
+        rank = None if self.route is None else self.route.rank
+        return "stream" if rank is None else f"stream of trainer rank {rank}"
 
-    def follow(self, manifest: wire.Manifest) -> None:
+    def follow(self, manifest: wire.Manifest, route: StreamRoute) -> None:
         """A new manifest: per-version state starts over; the connection stays if it is to
         the same publisher instance and port."""
         if self.manifest is manifest:
             return
         self.manifest = manifest
+        self.route = route
         self.target = None
         self.down = False
         self.given_back = set()
         self.verified = 0
-        if self.peer is not None and self.peer != (manifest.publisher_id,
-                                                    manifest.stream_port):
+        if self.peer is not None and self.peer != (route.publisher_id, route.port):
             self.disconnect()
 
     # -- the ChunkSource interface ------------------------------------------------------------
@@ -130,7 +158,10 @@ class StreamSource(ChunkSource):
         if self.down or target.manifest is not self.manifest or target.fetch_base \
                 or isinstance(target, (DeltaAssembly, SparseAssembly)):
             return list(chunks)
-        take = [c for c in chunks if c not in self.given_back]
+        route = self.route
+        assert route is not None
+        end = route.first_chunk + route.num_chunks
+        take = [c for c in chunks if route.first_chunk <= c < end and c not in self.given_back]
         if not take:
             return list(chunks)
         if self.state == "idle" and not self._ask_token(now):
@@ -154,6 +185,11 @@ class StreamSource(ChunkSource):
         if self.state == "token" and now - self.since > self.picker.request_timeout:
             self.fall_back("no_answer", f"no stream token within "
                                         f"{self.picker.request_timeout}s")
+        elif self.state == "connect":
+            if now - self.since > self.picker.request_timeout:
+                self.fall_back("connect_timeout", f"{self._host()}:{self._port()}: not "
+                                                  "connected within "
+                                                  f"{self.picker.request_timeout}s")
         elif self.mine and self._in_flight() and \
                 now - self.last_progress > self.picker.request_timeout:
             self.fall_back("timeout", f"no byte for {now - self.last_progress:.1f}s with "
@@ -168,13 +204,21 @@ class StreamSource(ChunkSource):
 
     def register(self, poller: zmq.Poller) -> None:
         self._poller = poller
-        if self.sock is not None:
-            poller.register(self.sock.fileno(), zmq.POLLIN)
+        self._watch()
+
+    def _watch(self) -> None:
+        """Poll the socket's fd: writable while the connect is under way, then readable."""
+        if self._poller is not None and self.sock is not None:
+            self._poller.register(self.sock.fileno(), zmq.POLLOUT if self.state == "connect"
+                                  else zmq.POLLIN)
 
     def on_events(self, events: dict[Any, int], now: float) -> None:
         # a plain socket is polled (and reported) by its file descriptor
         if self.sock is not None and self.sock.fileno() in events:
-            self._read()
+            if self.state == "connect":
+                self._connected()
+            else:
+                self._read()
 
     def arrived(self, via: Any, size: int, now: float) -> None:
         self.verified += 1
@@ -183,16 +227,22 @@ class StreamSource(ChunkSource):
     def refused(self, via: Any, chunk: int, why: str, now: float) -> bool:
         """A chunk that came here failed its checksum: frames bring it (no try counted)."""
         self.given_back.add(chunk)
-        self.picker.count("checksum", why, self.manifest)
+        self.count("checksum", why)
         return True
 
     def close(self) -> None:
+        """Closed for good (its rank gone from the manifest, the client closing): what it
+        asked is forgotten, so frames may ask it."""
+        self.sink.requests.drop(self)
+        self.mine.clear()
+        self.queued.clear()
         self.disconnect()
 
     # -- the token and the connection ---------------------------------------------------------
     def _ask_token(self, now: float) -> bool:
         self.token_req = self.sink.requests.next_id()
-        if not self.sink.send(stream_link.StreamTokenRequest(req=self.token_req)):
+        assert self.route is not None
+        if not self.route.send(stream_link.StreamTokenRequest(req=self.token_req)):
             return False  # not connected yet: the next top-up asks again
         self.state, self.since = "token", now
         return True
@@ -203,32 +253,60 @@ class StreamSource(ChunkSource):
 
     def on_reply(self, message: Any) -> None:
         """The token (or an error instead) came back over the DEALER: connect."""
-        manifest = self.manifest
-        if isinstance(message, wire.ErrorReply) or manifest is None:
+        manifest, route = self.manifest, self.route
+        if isinstance(message, wire.ErrorReply) or manifest is None or route is None:
             self.fall_back("refused", f"no stream token: "
                                       f"{getattr(message, 'message', 'no manifest')}")
             return
         assert isinstance(message, stream_link.StreamToken)
-        if message.port != manifest.stream_port:
+        if message.port != route.port:
             self.fall_back("bad_reply", f"token for port {message.port}, the manifest says "
-                                        f"{manifest.stream_port}")
+                                        f"{route.port}")
             return
+        # a non-blocking connect: the client's thread never waits on it (its completion is
+        # polled; ``expire`` ends it after request_timeout as ``connect_timeout``)
         try:
-            sock = socket.create_connection((self.picker.host, message.port),
-                                            timeout=self.picker.request_timeout)
+            family, kind, proto, _, address = socket.getaddrinfo(
+                route.host, message.port, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, kind, proto)
         except OSError as exc:
-            self.fall_back("connect", f"{self.picker.host}:{message.port}: {exc}")
+            self.fall_back("connect", f"{route.host}:{message.port}: {exc}")
             return
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
+        error = sock.connect_ex(address)
         self.sock = sock
-        self.peer = (manifest.publisher_id, message.port)
-        if self._poller is not None:
-            self._poller.register(sock.fileno(), zmq.POLLIN)
+        self.peer = (route.publisher_id, message.port)
+        self._token = message.token
+        self.state, self.since = "connect", time.monotonic()
+        if error not in (0, errno.EINPROGRESS):
+            self.fall_back("connect", f"{route.host}:{message.port}: "
+                                      f"{os.strerror(error)}")
+            return
+        self._watch()
+        if error == 0:
+            self._connected()
+
+    def _connected(self) -> None:
+        """The connect ended: present the token, or fall back naming why it failed."""
+        assert self.sock is not None
+        error = self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            self.fall_back("connect", f"{self._host()}:{self._port()}: "
+                                      f"{os.strerror(error)}")
+            return
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.state = "hello"
+        self._watch()
         self.last_progress = time.monotonic()
-        self.outbox += stream_link.hello(self.picker.present(message.token))
+        self.outbox += stream_link.hello(self.picker.present(self._token))
+        self._token = b""
         self._flush()
+
+    def _port(self) -> int:
+        return 0 if self.peer is None else self.peer[1]
+
+    def _host(self) -> str:
+        return "" if self.route is None else self.route.host
 
     def disconnect(self) -> None:
         sock, self.sock = self.sock, None
@@ -241,6 +319,7 @@ class StreamSource(ChunkSource):
             sock.close()
         self.peer = None
         self.state = "idle"
+        self._token = b""
         self.outbox.clear()
         self._head_pos = 0
         self._reply = None
@@ -248,7 +327,7 @@ class StreamSource(ChunkSource):
 
     def fall_back(self, cause: str, why: str) -> None:
         """Give every chunk asked here back to frames; take no more of this version."""
-        self.picker.count(cause, why, self.manifest)
+        self.count(cause, why)
         self.disconnect()
         self.down = True
         self.queued.clear()
@@ -257,10 +336,15 @@ class StreamSource(ChunkSource):
                 self.sink.requests.forget(req)
         self.mine.clear()
 
+    def count(self, cause: str, why: str) -> None:
+        self.picker.count(cause, why, self.manifest,
+                          rank=None if self.route is None else self.route.rank)
+
     def _send_queued(self) -> None:
+        first = 0 if self.route is None else self.route.first_chunk
         for req, version, chunks in self.queued:
-            if req in self.sink.requests:
-                self.outbox += stream_link.request(req, version, chunks)
+            if req in self.sink.requests:  # the publisher's (or the rank's) own numbers
+                self.outbox += stream_link.request(req, version, [c - first for c in chunks])
         self.queued.clear()
         self._flush()
 
@@ -320,8 +404,10 @@ class StreamSource(ChunkSource):
             self.fall_back("bad_reply", f"a {reply.status_name} reply before the stream was "
                                         "accepted, or twice")
             return
+        # the union's number (a sharded trainer's rank numbers its own range from 0)
+        chunk = reply.chunk + (0 if self.route is None else self.route.first_chunk)
         asked = self.mine.get(reply.req)  # None: a request forgotten here (stale), dropped
-        if asked is not None and reply.chunk not in asked:
+        if asked is not None and chunk not in asked:
             self.fall_back("bad_reply", f"a reply to request {reply.req} chunk "
                                         f"{reply.chunk}, which was not asked there")
             return
@@ -335,15 +421,16 @@ class StreamSource(ChunkSource):
         request = self.sink.requests.get(reply.req)
         target = self.target
         if request is not None and target is not None and manifest is not None \
-                and reply.chunk in request.chunks and reply.version == target.fetch_version:
-            if reply.size != manifest.chunk_span(reply.chunk)[1]:
-                self.fall_back("bad_reply", f"chunk {reply.chunk}: {reply.size} bytes, the "
-                                            f"manifest says {manifest.chunk_span(reply.chunk)[1]}")
+                and chunk in request.chunks and reply.version == target.fetch_version:
+            if reply.size != manifest.chunk_span(chunk)[1]:
+                self.fall_back("bad_reply", f"chunk {chunk}: {reply.size} bytes, the "
+                                            f"manifest says {manifest.chunk_span(chunk)[1]}")
                 return
-            self._dest = target.chunk_target(reply.chunk)
+            self._dest = target.chunk_target(chunk)
         else:
             self._dest = None  # nobody waits for it any more: read and dropped
         self._reply = reply
+        self._chunk = chunk
         self._pos = 0
         self._hasher.reset()
         if reply.size == 0:
@@ -372,12 +459,12 @@ class StreamSource(ChunkSource):
         target, manifest = self.target, self.manifest
         if dest is None or target is None or manifest is None:
             return
-        last = self.verified + 1 == manifest.num_chunks
-        target.data_path = "stream" if last else "stream+zmq"
-        verified = self.sink.in_place(reply.req, reply.version, reply.chunk, self, self,
+        done = self.picker.verified(manifest)  # this version's, over every rank's stream
+        target.data_path = "stream" if done + 1 == manifest.num_chunks else "stream+zmq"
+        verified = self.sink.in_place(reply.req, reply.version, self._chunk, self, self,
                                       self._hasher.intdigest())
         if not verified:
-            target.data_path = "stream+zmq" if self.verified else "zmq"
+            target.data_path = "stream+zmq" if done else "zmq"
 
 
 class StreamPicker:
@@ -391,9 +478,12 @@ class StreamPicker:
         self.request_timeout = request_timeout
         self.window_bytes = window_bytes
         self.fallback_causes: dict[str, int] = {}
+        self.rank_fallbacks: dict[int, int] = {}  # sharded: fallbacks per trainer rank
         self.last_error: str | None = None
         self.bytes_received = 0
-        self.source: StreamSource | None = None
+        self.source: StreamSource | None = None  # the publisher's port
+        #: a sharded trainer's ranks' ports, by the rank's endpoint (``shard_links.py``)
+        self.ranks: dict[str, StreamSource] = {}
         self._warn = RateLimitedLog(log)
 
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
@@ -404,8 +494,41 @@ class StreamPicker:
             return None
         if self.source is None:
             self.source = StreamSource(self, sink)
-        self.source.follow(manifest)
+        self.source.follow(manifest, StreamRoute(
+            host=self.host, port=manifest.stream_port, publisher_id=manifest.publisher_id,
+            first_chunk=0, num_chunks=manifest.num_chunks, send=sink.send))
         return [self.source]
+
+    def follow_ranks(self, manifest: wire.Manifest, senders: dict[str, Callable[[Any], bool]],
+                     sink: SourceSink) -> dict[str, StreamSource]:
+        """A sharded manifest's ranks with a ``stream_port``: a source each (by the rank's
+        endpoint), which asks its token over ``senders[endpoint]`` (the rank's own
+        DEALER, ``shard_links.py``) and takes that rank's range; the sources of ranks gone
+        (or without a port now) are closed. Empty when the option is off."""
+        wanted: dict[str, StreamSource] = {}
+        shards = manifest.shards if self.mode and manifest.shards is not None else ()
+        for shard in shards:
+            if shard.stream_port is None or not shard.num_chunks \
+                    or shard.endpoint not in senders or shard.endpoint in wanted:
+                continue
+            source = self.ranks.get(shard.endpoint) or StreamSource(self, sink)
+            source.follow(manifest, StreamRoute(
+                host=parse_endpoint(shard.endpoint).host, port=shard.stream_port,
+                publisher_id=shard.publisher_id, first_chunk=shard.first_chunk,
+                num_chunks=shard.num_chunks, send=senders[shard.endpoint], rank=shard.rank))
+            wanted[shard.endpoint] = source
+        for endpoint, source in self.ranks.items():
+            if endpoint not in wanted:
+                source.close()
+        self.ranks = wanted
+        return dict(wanted)
+
+    def _sources(self) -> list[StreamSource]:
+        return [s for s in (self.source, *list(self.ranks.values())) if s is not None]
+
+    def verified(self, manifest: wire.Manifest) -> int:
+        """Chunks of ``manifest`` verified after coming over any of its streams."""
+        return sum(s.verified for s in self._sources() if s.manifest is manifest)
 
     def window(self, manifest: wire.Manifest | None) -> int:
         if manifest is None:
@@ -426,26 +549,43 @@ class StreamPicker:
         if self.source is not None:
             self.source.on_reply(message)
 
-    def count(self, cause: str, why: str, manifest: wire.Manifest | None) -> None:
+    def count(self, cause: str, why: str, manifest: wire.Manifest | None,
+              rank: int | None = None) -> None:
+        """A fallback to frames by ``cause``; a sharded trainer's ``rank`` is counted in
+        ``rank_fallbacks`` too and named in ``last_error``."""
         if cause in self.fallback_causes or len(self.fallback_causes) < _MAX_CAUSES:
             self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
+        if rank is not None and (rank in self.rank_fallbacks
+                                 or len(self.rank_fallbacks) < _MAX_RANKS):
+            self.rank_fallbacks[rank] = self.rank_fallbacks.get(rank, 0) + 1
         version = 0 if manifest is None else manifest.version
-        self.last_error = f"version {version}: {why} ({cause})"[:1024]
+        whose = "" if rank is None else f"trainer rank {rank}: "
+        self.last_error = f"version {version}: {whose}{why} ({cause})"[:1024]
         self._warn.warning(f"stream:{cause}", f"stream: {self.last_error}; fetching over "
                                               "ZeroMQ frames")
 
     def status(self) -> dict[str, Any]:
+        """Read from any thread: ``state`` is the publisher port's, or a sharded trainer's
+        ranks' when they all agree ("mixed" when not; ``rank_states`` each)."""
         source = self.source
+        ranks = {s.route.rank: s.state for s in list(self.ranks.values())
+                 if s.route is not None and s.route.rank is not None}
+        states = set(ranks.values())
+        state = source.state if source is not None else \
+            None if not states else states.pop() if len(states) == 1 else "mixed"
         return {
             "mode": "on" if self.mode else "off",
-            "state": None if source is None else source.state,
+            "state": state,
+            "rank_states": dict(sorted(ranks.items())),
             "bytes_received": self.bytes_received,
             "fallbacks": sum(self.fallback_causes.values()),
             "fallback_causes": dict(self.fallback_causes),
+            "rank_fallbacks": dict(self.rank_fallbacks),
             "last_error": self.last_error,
         }
 
     def close(self) -> None:
-        source, self.source = self.source, None
-        if source is not None:
+        sources = self._sources()
+        self.source, self.ranks = None, {}
+        for source in sources:
             source.close()
