@@ -579,7 +579,7 @@ class WeightPublisher:
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
             adapters=self._adapters_of.pop(number, None),
-            nixl=self._nixl_offer(snapshot),
+            nixl=self._nixl_offer(snapshot, number),
             stream_port=None if self._stream is None else self._stream.port,
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
@@ -588,7 +588,8 @@ class WeightPublisher:
         self._deltas.start(published, previous)  # in the background, after the announcement
         self._announced_now(published)
 
-    def _nixl_offer(self, snapshot: Snapshot, wait_s: float = 60.0) -> NixlOffer | None:
+    def _nixl_offer(self, snapshot: Snapshot, number: int,
+                    wait_s: float = 60.0) -> NixlOffer | None:
         """The version's NIXL offer, once its copy is done (None: off, or not in time).
 
         A one-sided reader is not held back per chunk as frames are (the server sends
@@ -606,7 +607,8 @@ class WeightPublisher:
                 self._nixl.unoffer("copy")
                 return None
             time.sleep(0.001)
-        return self._nixl.offer(snapshot.buffer, snapshot.total_bytes)
+        return self._nixl.offer(snapshot.buffer, snapshot.total_bytes,
+                                claims=self._store.claims(snapshot.buffer), version=number)
 
     def _relay_offer(self, relayed: RelayedVersion) -> None:
         """A relayed version whose copy is complete (``RelayedVersion.on_complete``, on the
@@ -619,7 +621,8 @@ class WeightPublisher:
         if self._store.get(published.manifest.version) is not published:
             self._nixl.unoffer("copy")  # superseded or evicted before it was complete
             return
-        offer = self._nixl.offer(published.buffer, published.manifest.total_bytes)
+        offer = self._nixl.offer(published.buffer, published.manifest.total_bytes,
+                                 claims=published.claims, version=published.manifest.version)
         if offer is None:
             return  # counted by ``offer`` (off, unregistered)
         published.manifest = msgspec.structs.replace(published.manifest, nixl=offer)
