@@ -466,7 +466,8 @@ class WeightPublisher:
             withdrawn_version=0 if self.withdrawn is None else self.withdrawn[0],
             withdrawn_reason="" if self.withdrawn is None else self.withdrawn[1],
             nixl_registered_bytes=0 if self._nixl is None else self._nixl.registered_bytes,
-            nixl_off_reason="" if self._nixl is None else self._nixl.off_reason))
+            nixl_off_reason="" if self._nixl is None else self._nixl.off_reason),
+            nixl=None if self._nixl is None else self._nixl.wire_status())
 
     def nixl_status(self) -> dict[str, object] | None:
         """The NIXL path (``nixl=True``): on, why off, bytes registered, offers; else None."""
@@ -531,7 +532,8 @@ class WeightPublisher:
                                 versions_published=self._versions_published,
                                 served_bytes=self._server.served_bytes + delta_bytes,
                                 served_delta_bytes=delta_bytes, fleet=self.fleet(),
-                                stream=None if self._stream is None else self._stream.status())
+                                stream=None if self._stream is None else self._stream.status(),
+                                nixl=None if self._nixl is None else self._nixl.status())
 
     def close(self) -> None:
         """Stop threads and close sockets; idempotent."""

@@ -36,6 +36,7 @@ import numpy
 import torch
 
 from publisher.store.buffer_claims import REGION, BufferClaims
+from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.nixl_link import NixlClaims, NixlExporter, NixlOffer, NixlRegion, nixl_error
 
@@ -187,6 +188,14 @@ class NixlExport:
         return {"on": self.on, "off_reason": self.off_reason or None,
                 "registered_bytes": self.registered_bytes, "offers": self.offers,
                 "registrations": self.registrations, "unoffered": unoffered}
+
+    def wire_status(self) -> wire.NixlHolding:
+        """``status()`` as a status reply carries it (``weightpub status``)."""
+        with self._lock:
+            unoffered = tuple((cause, n) for cause, n in self.unoffered.items() if n)
+        return wire.NixlHolding(on=self.on, registrations=self.registrations,
+                                registered_bytes=self.registered_bytes, offers=self.offers,
+                                unoffered=unoffered[:16])
 
     def close(self) -> None:
         exporter, self._exporter = self._exporter, None
