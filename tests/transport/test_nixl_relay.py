@@ -241,3 +241,53 @@ def test_closing_a_relay_deregisters_its_buffers(
     assert exporter.registered_bytes == 0  # NIXL's own handles released
     status = relay.publisher.nixl_status()
     assert status is not None and status["registered_bytes"] == 0 and status["on"] is False
+
+
+def test_a_relay_under_curve_on_both_sides_offers_nixl_only_to_admitted_subscribers(
+        tmp_path: Any, closing: Callable[[Any], Any]) -> None:
+    """The relay's offer names its registered memory: it rides only on the relay's own
+    authenticated PUB/ROUTER, so an admitted subscriber READs bit-exact from the relay's
+    agent and one whose key is not admitted gets no manifest, no offer, not a byte. The
+    trainer is CURVE too (the relay is a client admitted there) and offers NIXL itself:
+    the relay READs its copy one-sided over the authenticated control plane."""
+    from weightpub_wire.errors import WeightPubTimeout
+    from weightpub_wire.keys import create_key_pair
+
+    up_allowed, down_allowed = tmp_path / "up_allowed", tmp_path / "down_allowed"
+    up_allowed.mkdir()
+    down_allowed.mkdir()
+    up_public, up_secret = create_key_pair(tmp_path, "trainer")
+    _, relay_client_secret = create_key_pair(up_allowed, "relay_client")
+    relay_public, relay_secret = create_key_pair(tmp_path, "relay")
+    _, member_secret = create_key_pair(down_allowed, "member")
+    _, stranger_secret = create_key_pair(tmp_path, "stranger")
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK,
+                                  heartbeat_interval=0.2, curve_secret_key_file=str(up_secret),
+                                  curve_allowed_clients_dir=str(up_allowed)))
+    relay = closing(Relay(RelayConfig.model_validate({
+        "upstream": {"endpoint": pub.endpoint, "curve_server_key_file": str(up_public),
+                     "curve_secret_key_file": str(relay_client_secret)},
+        "cut_through": False,
+        "downstream": {"endpoint": "tcp://127.0.0.1:0", "heartbeat_interval": 0.2,
+                       "nixl": True, "curve_secret_key_file": str(relay_secret),
+                       "curve_allowed_clients_dir": str(down_allowed)}})))
+    member = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0,
+                                      curve_server_key_file=str(relay_public),
+                                      curve_secret_key_file=str(member_secret)))
+    stranger = closing(WeightSubscriber(relay.endpoint, request_timeout=3.0,
+                                        curve_server_key_file=str(relay_public),
+                                        curve_secret_key_file=str(stranger_secret)))
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    _complete(relay, 1)
+    assert relay.publisher.manifest(1).nixl.agent == _agent(relay)  # type: ignore[union-attr]
+    staged = member.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "nixl", member.status()["nixl"]
+    assert relay.subscriber.status()["nixl"]["bytes_read"] > 0  # the relay READ the trainer
+    assert pub.data_stats()["bytes_sent_full"] == 0
+    assert relay.publisher.data_stats()["bytes_sent_full"] == 0  # every byte one-sided
+    with pytest.raises(WeightPubTimeout):
+        stranger.wait_for_version(1, timeout=3)
+    status = stranger.status()
+    assert status["publisher_latest_version"] in (0, None), status  # no manifest came
+    assert status["nixl"]["available"] is None and status["nixl"]["bytes_read"] == 0
+    assert status["handshake_failures"] >= 1, status  # refused by the relay's CURVE

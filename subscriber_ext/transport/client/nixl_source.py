@@ -20,8 +20,12 @@ everything below is per holder, counted per rank too (``rank_fallbacks``).
 
 After a transfer error, a timeout or an unreachable offer the source stops taking
 that holder's chunks for that version (the next version's offer is tried afresh;
-other ranks' reads go on); a chunk that fails its checksum (a torn read of a
-buffer being overwritten) is never read over NIXL again for that version. A
+other ranks' reads go on); a chunk that fails its checksum is never read over NIXL
+again for that version. Where the holder reused its buffer for a newer version
+under the READ (``keep_versions`` 1: the reads are one-sided, the holder does not
+wait for them), the torn chunk is told from a corrupt one by the holder's claims
+words (``NixlClaims``, READ for that chunk then): ``reused``, counted once, and the
+holder is not READ again for the version (its other chunks are being overwritten). A
 version whose chunks all came one-sided is staged with ``data_path`` "nixl", one
 with some over ZeroMQ "nixl+zmq".
 
@@ -80,7 +84,10 @@ FALLBACK_CAUSES = (
     "checksum",  # a chunk read one-sided failed its checksum (torn or corrupted region)
     "register",  # a staging buffer could not be registered
     "unoffered",  # a sharded trainer's rank offers no NIXL (off or missing there)
+    "reused",  # the holder reused the version's buffer for a newer one under a READ
 )
+#: most seconds a refused chunk's claims READ may take (``NixlSource._newer``)
+CLAIMS_TIMEOUT_S = 5.0
 _MAX_CAUSES = 16
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
 #: ranges of a sparse staging buffer registered at most (``touched_ranges``)
@@ -121,7 +128,7 @@ class NixlHolder:
     trainer rank (its ``ShardSource`` range, chunk ``first_chunk + i`` at ``i *
     chunk_size`` of its region)."""
 
-    __slots__ = ("base", "first_chunk", "num_chunks", "offer", "rank", "up")
+    __slots__ = ("base", "first_chunk", "num_chunks", "offer", "rank", "reused", "up")
 
     def __init__(self, offer: NixlOffer, first_chunk: int, num_chunks: int, chunk_size: int,
                  rank: int | None = None) -> None:
@@ -131,6 +138,7 @@ class NixlHolder:
         self.base = first_chunk * chunk_size  # the union's offset of the region's byte 0
         self.rank = rank  # None: not sharded
         self.up = True  # False after a failure: its rest of the version goes to ZeroMQ
+        self.reused = False  # its buffer was reused for a newer version under a READ
 
 
 class _Read:
@@ -398,11 +406,47 @@ class NixlSource(ChunkSource):
         return False
 
     def refused(self, via: Any, chunk: int, why: str, now: float) -> bool:
+        """A chunk READ here failed its checksum: it goes to the serving sources. Counted
+        as ``reused`` when the holder's buffer now holds a newer version there (the holder
+        recycled it under the READ; its other chunks will be torn too, so the holder
+        falls back for the rest of the version, counted once), else as ``checksum``."""
         self.refused_chunks.add(chunk)
         holder = self.holder(chunk)
+        if holder is not None and holder.reused:
+            return True  # counted once, when the holder fell back
+        newer = None if holder is None else self._newer(holder, chunk)
+        if holder is not None and newer is not None:
+            holder.reused = True
+            if holder.up:
+                self.fall_back("reused", f"chunk {chunk} was overwritten by version {newer} "
+                                         "while it was read (the holder reused its buffer)",
+                               holder)
+            else:
+                self.picker.count("reused", f"chunk {chunk}: overwritten by version {newer}",
+                                  version=self.manifest.version, rank=holder.rank)
+            return True
         self.picker.count("checksum", why, version=self.manifest.version, once=False,
                           rank=None if holder is None else holder.rank)
         return True  # not a try: the chunk goes to the serving sources
+
+    def _newer(self, holder: NixlHolder, chunk: int) -> int | None:
+        """The newer version the holder's buffer was claimed by over ``chunk`` (READ from
+        its claims words, ``NixlClaims``; a claim is stored before its write and never
+        undone, so a torn read shows there now), or None: not reused, or not known (no
+        claims offered, or they could not be read: bounded by ``CLAIMS_TIMEOUT_S``)."""
+        reader, claims = self.picker.reader, holder.offer.claims
+        if reader is None or claims is None:
+            return None
+        start, size = self.manifest.chunk_span(chunk)
+        start -= holder.base
+        try:
+            newest = reader.newest_claim(holder.offer, start, start + size,
+                                         timeout=min(self.picker.request_timeout,
+                                                     CLAIMS_TIMEOUT_S))
+        except (ProtocolError, TransportError) as exc:
+            log.info("nixl: reading the claims of chunk %d: %s", chunk, exc)
+            return None
+        return newest if newest is not None and newest > claims.version else None
 
     def fall_back(self, cause: str, why: str, holder: NixlHolder | None = None) -> None:
         """Stop reading this version one-sided from ``holder`` (None: from every one);
