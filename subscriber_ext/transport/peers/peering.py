@@ -450,7 +450,8 @@ class Peering(ChunkSource):
         out = layout.gather(key[3], np.frombuffer(view, dtype=np.uint8))
         if cache is None:
             return Served(memoryview(out.data).cast("B"), None)
-        return Served(cache.put(key, out), None)
+        plan = self.plan  # more than one other member of the plan may ask for it
+        return Served(cache.put(key, out, keep=plan is not None and plan.group > 2), None)
 
     # -- reporting and closing -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
