@@ -304,3 +304,72 @@ def test_auto_decides_at_start_with_a_layout_and_at_the_first_version_without(
         receive = worker._wp().receive
         assert receive is not None and (receive.mode, receive.cause) == ("rank", cause)
         assert receive.fallbacks == {cause: 1}
+
+
+def test_what_the_applied_version_cost_survives_a_replan() -> None:
+    """A replan replaces the subscription: the applied version's cost (``received``) and
+    the costs of versions the old one staged go with it, so status never shows None for
+    a version applied here, whichever subscription staged it."""
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
+    got = _Got()
+    first = _weights(1, ("a", "b"))
+    receiver = SliceReceiver(pub.endpoint, rank=1, label="tp2/rank1",
+                             options=SubscriberOptions(request_timeout=10.0),
+                             plan_for=_half_plan, on_version=got, layout=_layout(first))
+
+    def received(version: int) -> dict:
+        def now() -> dict | None:
+            out = receiver.status()["applied_received"]
+            return out if out and out["version"] == version else None
+        deadline = time.monotonic() + 10
+        while now() is None:
+            assert time.monotonic() < deadline, receiver.status()["applied_received"]
+            time.sleep(0.05)
+        return now() or {}
+
+    try:
+        v1 = pub.publish(first)
+        got.wait(v1)
+        receiver.mark_applied(v1)
+        before = received(v1)
+        assert before["fraction"] == 0.5 and before["by_source"] == {"publisher": 65536}
+        v2 = pub.publish(_weights(2, ("a", "b", "c")))  # another layout: a replan
+        got.wait(v2)
+        status = receiver.status()
+        assert status["slices"]["replans"] == 1
+        assert status["applied_received"] == before and status["applied_version"] == v1
+        assert status["data_path"] == "slices"
+        v3 = pub.publish(_weights(3, ("a",)))  # a replan again, v2 not applied yet
+        got.wait(v3)
+        assert receiver.status()["slices"]["replans"] == 2
+        receiver.mark_applied(v2)  # staged by the replaced subscription
+        assert received(v2)["fraction"] == 0.5
+        assert receiver.status()["data_path"] == "slices"
+        receiver.mark_applied(v3)
+        assert received(v3)["version_bytes"] == 64 * 256 * 4
+    finally:
+        receiver.close()
+        pub.close()
+
+
+def test_an_adopted_record_is_kept_for_its_instance_only() -> None:
+    from subscriber_ext.transport.client.client_report import ClientReport, VersionBytes
+
+    old = ClientReport("old", interval=1.0)
+    old.staged(4, "slices", VersionBytes(4, 100, {"peers": 50}))
+    old.mark_applied(4)
+    carry = old.carried("inst-a")
+    same, other = ClientReport("new", interval=1.0), ClientReport("new", interval=1.0)
+    for report in (same, other):
+        report.adopt(carry)
+        assert report.applied_version == 4 and report.applied_bytes == carry.applied_bytes
+    same.new_instance("inst-a")  # its first contact: the instance the record is of
+    other.new_instance("inst-b")  # another instance: version 4 means nothing there
+    assert (same.applied_version, same.applied_path) == (4, "slices")
+    assert same.applied_bytes is not None and same.applied_bytes.fraction == 0.5
+    assert other.applied_version == 0 and other.applied_bytes is None
+    told_first = ClientReport("new", interval=1.0)
+    told_first.mark_applied(4)  # told before the record came: no cost known yet
+    assert told_first.applied_bytes is None
+    told_first.adopt(carry)
+    assert told_first.applied_bytes == carry.applied_bytes
