@@ -373,3 +373,79 @@ def test_an_adopted_record_is_kept_for_its_instance_only() -> None:
     assert told_first.applied_bytes is None
     told_first.adopt(carry)
     assert told_first.applied_bytes == carry.applied_bytes
+
+
+def test_ranks_deciding_differently_at_the_first_version_still_commit_together() -> None:
+    """``receive: auto`` without a layout decides per rank at the first version, with no
+    agreement: one rank may slice while another stays whole. Why nothing breaks: such a
+    rank never joins node staging (pending, every rank runs its own ``SliceReceiver``;
+    deciding whole keeps that subscription, ``_wp_decide_receive`` never answers
+    "node": see the test above), and the commit is agreed on the versions every rank
+    holds, whatever brought them (``RankAgreement`` over a real gloo group here). A
+    rank that replans to slices and is late holds the commit; each rank applies what
+    its own loaders read."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from subscriber_ext.vllm_ext.commit.coordinator import CommitCoordinator
+    from subscriber_ext.vllm_ext.commit.strategies import RankAgreement
+    from tests.unit.test_commit_coordinator import TwoRanks
+
+    store = dist.HashStore()
+    groups: list = [None, None]
+    TwoRanks._both(lambda r: groups.__setitem__(r, dist.ProcessGroupGloo(
+        store, r, 2, datetime.timedelta(seconds=10))))
+    applied: list[list[dict[str, torch.Tensor]]] = [[], []]
+    coords = [CommitCoordinator(lambda tensors, r=r: applied[r].append(
+        {n: t.clone() for n, t in tensors.items()}), RankAgreement([groups[r]], keep=2), keep=2)
+        for r in range(2)]
+    held_back: list = []  # rank 0's version 2, offered when the test says (a slow rank)
+
+    def on_version(rank: int):
+        def offer(staged) -> None:
+            if rank == 0 and staged.version == 2:
+                held_back.append(staged)
+                return
+            coords[rank].offer(staged)
+        return offer
+
+    def commit() -> list:
+        out: list = [None, None]
+        TwoRanks._both(lambda r: out.__setitem__(r, coords[r].commit_pending()))
+        return out
+
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
+    receivers = [SliceReceiver(pub.endpoint, rank=r, label=f"tp2/rank{r}",
+                               options=SubscriberOptions(request_timeout=10.0),
+                               plan_for=_half_plan, on_version=on_version(r),
+                               decide=lambda layout, r=r: r == 0)  # rank 0 slices
+                 for r in range(2)]
+    try:
+        weights = {1: _weights(8, ("a", "b")), 2: _weights(9, ("a", "b"))}
+        pub.publish(weights[1], version=1)
+        wait = time.monotonic() + 30
+        while not all(c.staged_version() == 1 for c in coords):
+            assert time.monotonic() < wait, [c.staged_version() for c in coords]
+            time.sleep(0.02)
+        assert [r.slicing for r in receivers] == [True, False]  # decided differently
+        assert commit() == [1, 1]
+        pub.publish(weights[2], version=2)
+        while not (coords[1].staged_version() == 2 and held_back):
+            assert time.monotonic() < wait + 30, coords[1].staged_version()
+            time.sleep(0.02)
+        assert commit() == [1, 1]  # rank 0 (sliced) does not hold 2 yet: nobody moves
+        coords[0].offer(held_back.pop())
+        assert commit() == [2, 2]
+        for version, (sliced, whole) in ((1, (applied[0][0], applied[1][0])),
+                                         (2, (applied[0][1], applied[1][1]))):
+            _check_halves({n: t.view(-1)[: t.numel() // 2] for n, t in sliced.items()},
+                          weights[version])
+            assert all(torch.equal(whole[n], t) for n, t in weights[version].items())
+        assert [c.applied_data_path for c in coords] == ["slices", "zmq"]
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        for coord in coords:
+            coord.close()
+        pub.close()
