@@ -289,7 +289,13 @@ class WeightSubscriber:
         applied version, what it cost and its recently staged versions' costs
         (``ClientReport.adopt``), then ``applied`` (the newest version applied) if newer.
         A rank's slice receiver resubscribing with a new plan calls it."""
-        carry = old._client.report.carried(old._client.instance)
+        try:
+            carry = old._client.report.carried(old._client.instance)
+        except RuntimeError as exc:  # its thread outlived close() and changed the record
+            log.warning("the replaced subscription's record was not carried over (%s)", exc)
+            if applied:
+                self.mark_applied(applied)
+            return
         self._call(lambda client: client.report.adopt(carry, applied))
 
     def set_ranks(self, ranks: tuple[int, ...]) -> None:
