@@ -286,6 +286,20 @@ class WeightSubscriber:
         problem = ApplyError(error) if isinstance(error, str) else error
         self._call(lambda client: client.mark_applied(version, problem))
 
+    def carry_from(self, old: WeightSubscriber, applied: int | None = None) -> None:
+        """This subscription replaces ``old`` (closed first): take over its record of the
+        applied version, what it cost and its recently staged versions' costs
+        (``ClientReport.adopt``), then ``applied`` (the newest version applied) if newer.
+        A rank's slice receiver resubscribing with a new plan calls it."""
+        try:
+            carry = old._client.report.carried(old._client.instance)
+        except RuntimeError as exc:  # its thread outlived close() and changed the record
+            log.warning("the replaced subscription's record was not carried over (%s)", exc)
+            if applied:
+                self.mark_applied(applied)
+            return
+        self._call(lambda client: client.report.adopt(carry, applied))
+
     def set_ranks(self, ranks: tuple[int, ...]) -> None:
         """The replica ranks this subscription stages for (in the report to the publisher)."""
         self._call(lambda client: client.set_ranks(tuple(ranks)))

@@ -32,6 +32,19 @@ def test_a_second_ask_is_a_hit_and_the_bytes_are_counted_in_the_pool() -> None:
     assert pool.side_bytes == pool.held_bytes == cache.nbytes == 4 * KIB
 
 
+def test_a_slice_only_one_peer_wants_is_kept_once_it_is_asked_again() -> None:
+    pool = BufferPool(pinned=False, budget_bytes=1 << 20)
+    cache = SliceCache(64 * KIB, pool)
+    key = ("p", 1, "plan", 3)
+    cache.put(key, slice_of(3), keep=False)  # one other member of the plan: it asks once
+    assert len(cache) == 0 == pool.side_bytes and cache.get(key) is None
+    cache.put(key, slice_of(3), keep=False)  # asked again (a re-ask, another asker)
+    assert cache.get(key) is not None and pool.side_bytes == 4 * KIB
+    cache.keep([])
+    cache.put(key, slice_of(3), keep=False)  # forgotten with its version
+    assert len(cache) == 0
+
+
 def test_the_cache_never_exceeds_its_bound_and_drops_the_least_recently_used() -> None:
     pool = BufferPool(pinned=False, budget_bytes=1 << 20)
     cache = SliceCache(10 * KIB, pool)

@@ -27,12 +27,14 @@ peers with ``slice_fetch`` once the version's ``slice_sums`` are in (the slice s
 asks them of the publisher first), and its server answers ``slice_fetch`` for its own
 plan from its sparse staging (``_slice_lookup``: each slice gathered once, then served
 from ``slice_cache.py``, whose bytes count in the staging budget); a whole-chunk
-``fetch`` it cannot serve (it holds only planned bytes). A slice from a peer is verified against the
-publisher's sums like one from the publisher; one that fails bans the peer.
-``other_plan_chunks`` counts the chunks fetched from the publisher while this member
-was alone on its plan and the tracker held members on other plans. A sharded
+``fetch`` it cannot serve (it holds only planned bytes). A slice from a peer is
+verified against the publisher's sums like one from the publisher; one that fails bans
+the peer. ``other_plan_chunks`` counts the chunks fetched from the publisher while this
+member was alone on its plan and the tracker held members on other plans. A sharded
 trainer's sliced version is shared the same way (the coordinator's tracker; chunk ids
-and sums are the union's). Not yet: slices of a delta come from the trainer side only.
+and sums are the union's). Not yet: slices of a delta come from the trainer side only
+(raw slices from peers instead would not pay: ``docs/benchmarks.md``, peers sharing
+slices).
 """
 
 from __future__ import annotations
@@ -450,7 +452,8 @@ class Peering(ChunkSource):
         out = layout.gather(key[3], np.frombuffer(view, dtype=np.uint8))
         if cache is None:
             return Served(memoryview(out.data).cast("B"), None)
-        return Served(cache.put(key, out), None)
+        plan = self.plan  # more than one other member of the plan may ask for it
+        return Served(cache.put(key, out, keep=plan is not None and plan.group > 2), None)
 
     # -- reporting and closing -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

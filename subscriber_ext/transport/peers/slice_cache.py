@@ -6,12 +6,18 @@ only those bytes (about 1 ms/MiB of CPU). The server looks a chunk up again on e
 pass while the asking client's pipe is full, and every same-plan peer asks for the same
 slices, so without a cache one slice is gathered many times.
 
-What is kept: the gathered bytes, keyed by (publisher, version, plan, chunk), least
-recently used first out. They are only ever verified bytes (the lookup gathers a chunk
-once it matched its sums), and a version's bytes never change while it is held, so an
-entry is right as long as its version is held; ``keep`` drops the entries of every other
-version (the member calls it when a version starts, completes or is dropped) and the
-lookup serves an entry only for a version it still holds.
+What is kept: a slice more than one ask may want. The member says whether more than one
+other member of its plan may ask it (``put(keep=True)``: the tracker's group of the plan
+is above two); else a slice is kept only once it is asked again (a re-ask, or another
+asker), the keys of slices gathered once being remembered (no bytes). Keeping every
+slice in a pair of members costs about a tenth more serving CPU (kept arrays are pages
+the allocator cannot reuse) for no hit. The gathered bytes are keyed by (publisher,
+version, plan, chunk), least recently used first out. They are only ever verified bytes
+(the lookup gathers a chunk once it matched its sums), and a version's bytes never
+change while it is held, so an entry is right as long as its version is held; ``keep``
+drops the entries of every other version (the member calls it when a version starts,
+completes or is dropped) and the lookup serves an entry only for a version it still
+holds.
 
 Bounds: ``max_bytes`` (and ``max_entries``); every kept byte is counted in the
 subscriber's staging budget (``BufferPool.hold``): a slice the budget has no room for is
@@ -47,6 +53,7 @@ class SliceCache:
         self.max_entries = max_entries
         self.pool = pool
         self._entries: OrderedDict[SliceKey, np.ndarray] = OrderedDict()
+        self._seen: OrderedDict[SliceKey, None] = OrderedDict()  # gathered once, not kept
         self.nbytes = 0
         self.hits = 0
         self.misses = 0  # each one a gather
@@ -63,10 +70,17 @@ class SliceCache:
         self.hits += 1
         return memoryview(data.data).cast("B")
 
-    def put(self, key: SliceKey, data: np.ndarray) -> memoryview:
-        """Keep freshly gathered ``data`` (contiguous uint8) if it fits; its bytes."""
+    def put(self, key: SliceKey, data: np.ndarray, keep: bool = True) -> memoryview:
+        """Keep freshly gathered ``data`` (contiguous uint8) if it fits and ``keep`` (more
+        than one ask may want it) or it was gathered before; its bytes."""
         view = memoryview(data.data).cast("B")
         size = data.nbytes
+        if not keep and key not in self._seen:
+            self._seen[key] = None
+            while len(self._seen) > self.max_entries:
+                self._seen.popitem(last=False)
+            return view
+        self._seen.pop(key, None)
         if key in self._entries or size > self.max_bytes:
             self.not_kept += key not in self._entries
             return view
@@ -85,10 +99,13 @@ class SliceCache:
         held = set(versions)
         for key in [k for k in self._entries if (k[0], k[1]) not in held]:
             self._evict(key)
+        for key in [k for k in self._seen if (k[0], k[1]) not in held]:
+            del self._seen[key]
 
     def clear(self) -> None:
         for key in list(self._entries):
             self._evict(key)
+        self._seen.clear()
 
     def shed(self) -> None:
         """The pool needs the room for staging (``BufferPool.shed``)."""
