@@ -374,10 +374,38 @@ class WeightPublisher:
                                      model_id=self.model_id,
                                      stream_port=None if self._stream is None
                                      else self._stream.port)
+            early = self._early_offer(relayed)
             self._announced_now(relayed.published)
-        if self._nixl is not None:  # the offer follows once the last chunk is written
+        if self._nixl is not None and not early:  # the offer follows once the copy is done
             relayed.when_done(self._relay_offer, self._relay_unoffered)
         return relayed
+
+    def _early_offer(self, relayed: RelayedVersion) -> bool:
+        """``nixl_cut_through``: offer the relayed version now with a readiness map (the
+        buffer's registered words, one per chunk, each set to the version's number after
+        that chunk's bytes are in: ``RelayedVersion.on_written``). False when not asked
+        for, or the words or the offer could not be made (the offer then follows the
+        copy as without it)."""
+        nixl, published = self._nixl, relayed.published
+        if nixl is None or not self.options.nixl_cut_through or not nixl.on:
+            return False
+        words = nixl.ready_words(published.buffer)
+        manifest = published.manifest
+        if words is None or manifest.num_chunks > len(words):
+            return False
+        number = manifest.version
+
+        def written(chunk: int) -> None:
+            words[chunk] = number
+
+        relayed.on_written = written
+        offer = nixl.offer(published.buffer, manifest.total_bytes, claims=published.claims,
+                           version=number, ready=words, chunk_size=manifest.chunk_size)
+        if offer is None:
+            relayed.on_written = None
+            return False
+        published.manifest = msgspec.structs.replace(manifest, nixl=offer)
+        return True
 
     def wait_announced(self, version: int, timeout: float = 30.0) -> None:
         """Block until ``version`` has been hashed and announced (useful in scripts/tests)."""

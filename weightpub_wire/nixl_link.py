@@ -84,6 +84,10 @@ class NixlOffer(msgspec.Struct, frozen=True):
     regions: Annotated[list[NixlRegion], msgspec.Meta(max_length=MAX_REGIONS)]
     mem_type: Annotated[str, msgspec.Meta(pattern="^(DRAM|VRAM)$")] = "DRAM"
     claims: NixlClaims | None = None
+    #: a version offered before its copy is complete (a cut-through relay's): per chunk
+    #: (``region`` is the chunk size) the version whose bytes are final there; a reader
+    #: READs a chunk only once its word holds ``version`` (``NixlReader.ready_chunks``)
+    ready: NixlClaims | None = None
 
 
 _decoder = msgspec.msgpack.Decoder(NixlOffer)
@@ -182,13 +186,13 @@ class NixlExporter:
             self._agent.deregister_memory(handle)
 
     def offer(self, regions: Sequence[NixlRegion], mem_type: str = "DRAM",
-              claims: NixlClaims | None = None) -> NixlOffer:
+              claims: NixlClaims | None = None, ready: NixlClaims | None = None) -> NixlOffer:
         """The regions with the agent's metadata as it is now: it carries the remote keys
         of every buffer registered so far, so an offer made before a registration does
         not reach the new buffer (the reader adds the agent again when it changes)."""
         with self._lock:
             metadata = bytes(self._agent.get_agent_metadata())
-        return NixlOffer(self.name, metadata, list(regions), mem_type, claims)
+        return NixlOffer(self.name, metadata, list(regions), mem_type, claims, ready)
 
     @property
     def registered_bytes(self) -> int:
@@ -301,11 +305,29 @@ class NixlReader:
         claims = offer.claims
         if claims is None or stop <= start:
             return None
-        first, last = start // claims.region, -(-stop // claims.region)
-        if last * 8 > claims.length:
-            raise ProtocolError(f"nixl offer: claims of {claims.length} bytes do not cover "
-                                f"[{start}, {stop}) at {claims.region} bytes a word")
-        count = last - first
+        first = start // claims.region
+        words = self._read_words(offer, claims, first, -(-stop // claims.region) - first,
+                                 timeout)
+        return int(words.max())
+
+    def ready_mask(self, offer: NixlOffer, first: int, count: int, *,
+                   timeout: float) -> numpy.ndarray:
+        """Which of chunks ``first`` .. ``first + count - 1`` (of the offer's region 0) are
+        final now, READ from the offer's readiness map (``NixlOffer.ready``); all of
+        them when it has none. ``TransportError`` as ``read``; ``ProtocolError`` when
+        the map does not cover them."""
+        ready = offer.ready
+        if ready is None:
+            return numpy.ones(max(count, 0), dtype=bool)
+        return self._read_words(offer, ready, first, count, timeout) >= ready.version
+
+    def _read_words(self, offer: NixlOffer, where: NixlClaims, first: int, count: int,
+                    timeout: float) -> numpy.ndarray:
+        """Words ``first`` .. ``first + count - 1`` of ``where`` (the offer's agent's),
+        READ now into this reader's own registered landing."""
+        if first < 0 or count <= 0 or (first + count) * 8 > where.length:
+            raise ProtocolError(f"nixl offer: words of {where.length} bytes do not cover "
+                                f"[{first}, {first + count}) (one per {where.region} bytes)")
         if self._words is None or len(self._words) < count:
             if self._words is not None:
                 self.forget_local(self._words.ctypes.data, self._words.nbytes)
@@ -313,9 +335,9 @@ class NixlReader:
             self.register(self._words.ctypes.data, self._words.nbytes)
         words = self._words
         probe = NixlOffer(offer.agent, offer.metadata,
-                          [NixlRegion(claims.address, claims.length)], "DRAM")
+                          [NixlRegion(where.address, where.length)], "DRAM")
         self.read(probe, [(0, first * 8, words.ctypes.data, count * 8)], timeout=timeout)
-        return int(words[:count].max())
+        return words[:count]
 
     def start(self, offer: NixlOffer,
               pieces: Iterable[tuple[int, int, int, int]]) -> NixlTransfer | None:

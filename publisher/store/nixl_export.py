@@ -38,6 +38,7 @@ import torch
 from publisher.store.buffer_claims import REGION, BufferClaims
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, HostAllocator
+from weightpub_wire.message_base import MIN_CHUNK_SIZE
 from weightpub_wire.nixl_link import NixlClaims, NixlExporter, NixlOffer, NixlRegion, nixl_error
 
 __all__ = ["UNOFFERED_CAUSES", "NixlExport", "RegisteringAllocator"]
@@ -64,6 +65,8 @@ class NixlExport:
         self._sizes: dict[int, int] = {}  # address -> bytes registered
         #: buffer address -> its claims words, registered (``offer``), held while registered
         self._words: dict[int, numpy.ndarray] = {}
+        #: buffer address -> (the buffer, its readiness words), registered (``ready_words``)
+        self._ready: dict[int, tuple[torch.Tensor, numpy.ndarray]] = {}
         self._lock = threading.Lock()
         error = nixl_error()
         if error is not None:
@@ -110,14 +113,16 @@ class NixlExport:
         with self._lock:
             length = self._sizes.pop(address, None)
             words = self._words.pop(address, None)
+            ready = self._ready.pop(address, None)
         exporter = self._exporter
         if exporter is None:
             return
         try:
             if length is not None:
                 exporter.forget(address, length)
-            if words is not None:
-                exporter.forget(words.ctypes.data, words.nbytes)
+            for each in (words, None if ready is None else ready[1]):
+                if each is not None:
+                    exporter.forget(each.ctypes.data, each.nbytes)
         except Exception as exc:
             log.warning("nixl: deregistering a snapshot buffer failed: %s", exc)
 
@@ -127,11 +132,15 @@ class NixlExport:
             self.unoffered[cause] = self.unoffered.get(cause, 0) + 1
 
     def offer(self, buffer: torch.Tensor, total_bytes: int, *,
-              claims: BufferClaims | None = None, version: int = 0) -> NixlOffer | None:
+              claims: BufferClaims | None = None, version: int = 0,
+              ready: numpy.ndarray | None = None, chunk_size: int = 0) -> NixlOffer | None:
         """The version's bytes in ``buffer`` as one region, or None (off, unregistered:
         counted in ``unoffered``). With the buffer's ``claims`` the offer also carries
         their words (registered once per buffer), so a reader tells a buffer reused for a
-        newer version under its READ (``reused``) from corrupt bytes (``NixlClaims``)."""
+        newer version under its READ (``reused``) from corrupt bytes (``NixlClaims``).
+        With ``ready`` (``ready_words``: a cut-through relay's version offered before its
+        copy is complete) it carries the readiness map: chunk ``i``'s bytes are final
+        once word ``i`` holds ``version``."""
         exporter = self._exporter
         if total_bytes == 0:
             return None
@@ -146,8 +155,11 @@ class NixlExport:
             self.unoffer("unregistered")
             return None
         try:
-            offer = exporter.offer([NixlRegion(address, total_bytes)],
-                                   claims=self._claims(buffer, claims, version))
+            offer = exporter.offer(
+                [NixlRegion(address, total_bytes)],
+                claims=self._claims(buffer, claims, version),
+                ready=None if ready is None
+                else NixlClaims(ready.ctypes.data, ready.nbytes, chunk_size, version))
         except Exception as exc:
             self._off(f"making an offer failed ({type(exc).__name__}: {exc})")
             self.unoffer("off")
@@ -182,6 +194,35 @@ class NixlExport:
                 self._words[key] = words
         return NixlClaims(words.ctypes.data, words.nbytes, REGION, version)
 
+    def ready_words(self, buffer: torch.Tensor) -> numpy.ndarray | None:
+        """The buffer's readiness words (int64, one per chunk at the smallest chunk size,
+        zero when made), registered once per buffer; None when off or UCX refuses them.
+        A writer stores a version's number in word ``i`` after chunk ``i``'s bytes: an
+        older version's number left there reads as not ready."""
+        exporter = self._exporter
+        if exporter is None or self.off_reason:
+            return None
+        base = buffer if buffer._base is None else buffer._base
+        key = base.data_ptr()
+        with self._lock:
+            held = self._ready.get(key)
+        if held is not None and held[0] is base:
+            return held[1]
+        words = numpy.zeros(max(1, -(-base.numel() // MIN_CHUNK_SIZE)), dtype="<i8")
+        try:
+            if held is not None:
+                exporter.forget(held[1].ctypes.data, held[1].nbytes)
+            exporter.register(words.ctypes.data, words.nbytes)
+        except Exception as exc:
+            log.warning("nixl: registering a readiness map failed, versions are offered "
+                        "once complete: %s", exc)
+            with self._lock:
+                self._ready.pop(key, None)
+            return None
+        with self._lock:
+            self._ready[key] = (base, words)
+        return words
+
     def status(self) -> dict[str, object]:
         with self._lock:
             unoffered = {cause: n for cause, n in self.unoffered.items() if n}
@@ -202,6 +243,7 @@ class NixlExport:
         with self._lock:
             self._sizes.clear()
             self._words.clear()
+            self._ready.clear()
         if exporter is not None:
             exporter.close()
 
