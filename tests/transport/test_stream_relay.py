@@ -9,6 +9,7 @@ reach the subscriber behind the relay bit-exact with every byte on a stream at b
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,19 @@ def test_both_hops_of_a_relay_stream_bit_exact(
     assert upstream["bytes_received"] == downstream["bytes_received"] == total
     for publisher in (pub, relay.publisher):  # the trainer, then the relay: no chunk frame
         assert publisher.data_stats()["bytes_sent_full"] == 0
-        counters = publisher.stream_status()
-        assert counters is not None and counters["bytes_sent"] == total, counters
+        counters = sent_counters(publisher, total)
+        assert counters["bytes_sent"] == total, counters
         assert counters["accepted"] == 1 and counters["refused"] == counters["cut"] == 0
+
+
+def sent_counters(publisher: WeightPublisher, total: int) -> dict[str, Any]:
+    """The stream counters once ``total`` bytes are counted sent, or after 10 s: a
+    connection's thread adds a batch once ``sendmsg`` returns, which can be after the
+    subscriber staged it."""
+    deadline = time.monotonic() + 10
+    while True:
+        counters = publisher.stream_status()
+        assert counters is not None
+        if counters["bytes_sent"] >= total or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.01)

@@ -17,7 +17,7 @@ import pytest
 
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client import stream_source
-from tests.transport.procs import Child
+from tests.transport.procs import Child, wait_until
 from tests.transport.test_sharded import SPECS, _check, _expected, _publish, _start_ranks
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,6 +42,9 @@ def test_every_rank_streams_its_range_bit_exact(
     assert stream["state"] == "up" and stream["rank_states"] == {0: "up", 1: "up"}
     assert stream["bytes_received"] == 2 * staged.manifest.total_bytes
     for rank in ranks:
+        # a connection's thread counts a batch once sendmsg returns: maybe after it was staged
+        wait_until(lambda rank=rank: rank.request("status")["stream"]["bytes_sent"]
+                   >= 2 * rank.request("status")["shard_total"], 10, "a rank to count its sends")
         status = rank.request("status")
         assert status["bytes_sent"] == 0, status  # not one chunk frame from any rank
         assert status["stream"]["accepted"] == 1  # one connection for both versions
