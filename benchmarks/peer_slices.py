@@ -12,8 +12,15 @@ share the members got from peers, and publish -> every member staged, peers /
 without (median of the rounds). Load on a shared box moves the times; the bytes do
 not move.
 
+The slice cache (``--cache``): N members of one plan with peers, the server's cache of
+gathered slices on in one setup and off (``slice_cache_bytes`` 0) in the other, rounds
+interleaved: the serving CPU per GB served (``upload_cpu_s``: the peer ROUTER's I/O
+thread plus the serving work on the subscriber thread, ``upload_serve_cpu_s`` the
+latter alone, where the gathers run), cache hits and misses, on / off as ratios.
+
     python benchmarks/peer_slices.py                 # ~40 MB, N = 2 and 4, 5 rounds
     python benchmarks/peer_slices.py --tiny          # smoke run
+    python benchmarks/peer_slices.py --cache --members 4
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from weightpub_wire.slice_plan import SlicePlan  # noqa: E402
 class Setup:
     """A publisher and N members of one plan, with or without peers."""
 
-    def __init__(self, plan: SlicePlan, members: int, peers: bool, chunk_size: int) -> None:
+    def __init__(self, plan: SlicePlan, members: int, peers: bool, chunk_size: int,
+                 cache: bool = True) -> None:
         self.pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk_size,
                                    heartbeat_interval=0.5, peer_fanout=4 if peers else 0,
                                    peer_members_per_address=0)
@@ -49,6 +57,10 @@ class Setup:
             self.subs.append(WeightSubscriber(self.pub.endpoint, slice_plan=plan,
                                               peer_share=peers,
                                               subscriber_id=f"m{index}"))
+            if not cache:  # the server gathers every slice it serves, every time
+                peering = self.subs[-1]._client.peering
+                assert peering is not None and peering.slice_cache is not None
+                peering.slice_cache.max_bytes = 0
             if peers:  # one at a time: each takes the next slot
                 wait(slot_is(self.subs[-1], index), f"member {index}'s slot")
         if peers:  # every member holds the final plan
@@ -68,6 +80,15 @@ class Setup:
     def from_peers(self) -> int:
         return sum(sub.status()["peers"]["bytes_from_peers"] for sub in self.subs) \
             if self.peers else 0
+
+    def serving(self) -> tuple[float, float, int, int, int]:
+        """Over the members: (serving CPU s, of it on the subscriber thread, bytes
+        served, cache hits, cache misses)."""
+        got = [sub.status()["peers"] for sub in self.subs]
+        return (sum(g["upload_cpu_s"] for g in got), sum(g["upload_serve_cpu_s"] for g in got),
+                sum(g["payload_bytes_sent"] for g in got),
+                sum(g["slice_cache_hits"] for g in got),
+                sum(g["slice_cache_misses"] for g in got))
 
     def close(self) -> None:
         for sub in self.subs:
@@ -111,12 +132,39 @@ def measure(members: int, plan: SlicePlan, shape: tuple[int, int, int], rounds: 
         alone.close()
 
 
+def measure_cache(members: int, plan: SlicePlan, shape: tuple[int, int, int], rounds: int,
+                  chunk: int) -> None:
+    cached, bare = Setup(plan, members, True, chunk), Setup(plan, members, True, chunk, False)
+    try:
+        for version in range(1, rounds + 1):
+            weights = model(*shape, version)
+            for setup in (cached, bare) if version % 2 else (bare, cached):
+                setup.round(weights, version)
+        print(f"N={members} members of one plan with peers, {rounds} rounds, slice cache:")
+        per_gb = {}
+        for name, setup in (("on", cached), ("off", bare)):
+            cpu, serve, sent, hits, misses = setup.serving()
+            gb = max(sent, 1) / 1e9
+            per_gb[name] = (cpu / gb, serve / gb)
+            print(f"  {name:3s}: served {sent / 1e6:.1f} MB, serving CPU {cpu / gb:.3f} s/GB "
+                  f"(subscriber thread {serve / gb:.3f} s/GB), cache hits {hits}, "
+                  f"misses (gathers) {misses}")
+        on, off = per_gb["on"], per_gb["off"]
+        print(f"  on / off: serving CPU per GB {on[0] / max(off[0], 1e-9):.2f}x, on the "
+              f"subscriber thread {on[1] / max(off[1], 1e-9):.2f}x")
+    finally:
+        cached.close()
+        bare.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--chunk-mib", type=float, default=1.0)
     parser.add_argument("--members", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--cache", action="store_true",
+                        help="compare the server's slice cache on and off instead")
     args = parser.parse_args()
     shape = (128, 2, 1000) if args.tiny else (512, 4, 8192)
     rounds = 2 if args.tiny else args.rounds
@@ -127,7 +175,7 @@ def main() -> None:
     print(f"version: {version_bytes / 1e6:.1f} MB, plan {plan.needed_bytes / 1e6:.1f} MB "
           f"({plan.needed_bytes / version_bytes:.3f}x), chunks of {chunk >> 10} KiB")
     for members in args.members:
-        measure(members, plan, shape, rounds, chunk)
+        (measure_cache if args.cache else measure)(members, plan, shape, rounds, chunk)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from publisher.store.nixl_export import UNOFFERED_CAUSES
 from weightpub_wire.errors import TransportError
 from weightpub_wire.protocol import Report
 
@@ -35,6 +36,8 @@ class PublisherFigures:
     served_delta_bytes: int = 0  # the part of ``served_bytes`` sent as deltas
     #: the stream port's counters (``StreamServer.status()``), None when ``stream`` is off
     stream: dict[str, int] | None = None
+    #: the NIXL offers (``NixlExport.status()``), None when ``nixl`` is off
+    nixl: dict[str, object] | None = None
 
 
 class PublisherCollector(Collector):
@@ -70,6 +73,40 @@ class PublisherCollector(Collector):
                                 lag)
         if f.stream is not None:
             yield from _stream_families(f.stream)
+        if f.nixl is not None:
+            yield from _nixl_families(f.nixl)
+
+
+def _nixl_families(nixl: dict[str, object]) -> Iterator[Metric]:
+    """The NIXL offers (``nixl=True``, issue 31): whether on, buffers and bytes registered,
+    offers made, versions announced without one by cause (every cause, 0 included)."""
+    yield GaugeMetricFamily("weightpub_publisher_nixl_on",
+                            "1 while versions are offered for one-sided NIXL reads, 0 when "
+                            "the path is off (NIXL missing, a registration failed)",
+                            1 if nixl["on"] else 0)
+    yield CounterMetricFamily("weightpub_publisher_nixl_registrations",
+                              "Snapshot buffers registered with NIXL (each pool buffer once)",
+                              _int(nixl["registrations"]))
+    yield GaugeMetricFamily("weightpub_publisher_nixl_registered_bytes",
+                            "Bytes of snapshot buffers registered with NIXL now",
+                            _int(nixl["registered_bytes"]))
+    yield CounterMetricFamily("weightpub_publisher_nixl_offers",
+                              "Manifests announced with a NIXL offer", _int(nixl["offers"]))
+    unoffered = nixl["unoffered"]
+    assert isinstance(unoffered, dict)
+    family = CounterMetricFamily(
+        "weightpub_publisher_nixl_unoffered",
+        "Versions announced without a NIXL offer, by cause: off (NIXL does not run here), "
+        "unregistered (the bytes are not in a registered buffer), copy (the copy was not "
+        "complete)", labels=["cause"])
+    for cause in dict.fromkeys((*UNOFFERED_CAUSES, *unoffered)):
+        family.add_metric([cause], _int(unoffered.get(cause, 0)))
+    yield family
+
+
+def _int(value: object) -> int:
+    assert isinstance(value, int)
+    return value
 
 
 def _stream_families(stream: dict[str, int]) -> Iterator[Metric]:

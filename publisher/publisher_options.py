@@ -100,6 +100,11 @@ class PublisherOptions(OptionSet):
         False, description="also offer every version for one-sided NIXL reads: snapshot "
                            "buffers registered once (pip install weightpub[nixl]; off with "
                            "a WARNING where NIXL cannot run); ZeroMQ frames stay the fallback")
+    nixl_cut_through: bool = Field(
+        False, description="with nixl, a cut-through relay offers each version at once with "
+                           "a per-chunk readiness map (registered words a reader READs before "
+                           "a chunk), so downstream READs overlap the relay's upstream copy; "
+                           "off: the offer follows once the copy is complete")
     stream: bool = Field(
         False, description="also serve chunks on a plain TCP port (announced as the "
                            "manifest's stream_port, same host as the endpoint): sent straight "
@@ -221,6 +226,7 @@ class PublisherKeywords(TypedDict, total=False):
     collective_host: str | None
     collective_device: str | None
     nixl: bool
+    nixl_cut_through: bool
     stream: bool
     host_budget_bytes: int | None
     limits: ServerLimits | None

@@ -374,10 +374,38 @@ class WeightPublisher:
                                      model_id=self.model_id,
                                      stream_port=None if self._stream is None
                                      else self._stream.port)
+            early = self._early_offer(relayed)
             self._announced_now(relayed.published)
-        if self._nixl is not None:  # the offer follows once the last chunk is written
+        if self._nixl is not None and not early:  # the offer follows once the copy is done
             relayed.when_done(self._relay_offer, self._relay_unoffered)
         return relayed
+
+    def _early_offer(self, relayed: RelayedVersion) -> bool:
+        """``nixl_cut_through``: offer the relayed version now with a readiness map (the
+        buffer's registered words, one per chunk, each set to the version's number after
+        that chunk's bytes are in: ``RelayedVersion.on_written``). False when not asked
+        for, or the words or the offer could not be made (the offer then follows the
+        copy as without it)."""
+        nixl, published = self._nixl, relayed.published
+        if nixl is None or not self.options.nixl_cut_through or not nixl.on:
+            return False
+        words = nixl.ready_words(published.buffer)
+        manifest = published.manifest
+        if words is None or manifest.num_chunks > len(words):
+            return False
+        number = manifest.version
+
+        def written(chunk: int) -> None:
+            words[chunk] = number
+
+        relayed.on_written = written
+        offer = nixl.offer(published.buffer, manifest.total_bytes, claims=published.claims,
+                           version=number, ready=words, chunk_size=manifest.chunk_size)
+        if offer is None:
+            relayed.on_written = None
+            return False
+        published.manifest = msgspec.structs.replace(manifest, nixl=offer)
+        return True
 
     def wait_announced(self, version: int, timeout: float = 30.0) -> None:
         """Block until ``version`` has been hashed and announced (useful in scripts/tests)."""
@@ -468,7 +496,8 @@ class WeightPublisher:
             withdrawn_version=0 if self.withdrawn is None else self.withdrawn[0],
             withdrawn_reason="" if self.withdrawn is None else self.withdrawn[1],
             nixl_registered_bytes=0 if self._nixl is None else self._nixl.registered_bytes,
-            nixl_off_reason="" if self._nixl is None else self._nixl.off_reason))
+            nixl_off_reason="" if self._nixl is None else self._nixl.off_reason),
+            nixl=None if self._nixl is None else self._nixl.wire_status())
 
     def nixl_status(self) -> dict[str, object] | None:
         """The NIXL path (``nixl=True``): on, why off, bytes registered, offers; else None."""
@@ -533,7 +562,8 @@ class WeightPublisher:
                                 versions_published=self._versions_published,
                                 served_bytes=self._server.served_bytes + delta_bytes,
                                 served_delta_bytes=delta_bytes, fleet=self.fleet(),
-                                stream=None if self._stream is None else self._stream.status())
+                                stream=None if self._stream is None else self._stream.status(),
+                                nixl=None if self._nixl is None else self._nixl.status())
 
     def close(self) -> None:
         """Stop threads and close sockets; idempotent."""
@@ -581,7 +611,7 @@ class WeightPublisher:
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
             adapters=self._adapters_of.pop(number, None),
-            nixl=self._nixl_offer(snapshot),
+            nixl=self._nixl_offer(snapshot, number),
             stream_port=None if self._stream is None else self._stream.port,
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
@@ -590,7 +620,8 @@ class WeightPublisher:
         self._deltas.start(published, previous)  # in the background, after the announcement
         self._announced_now(published)
 
-    def _nixl_offer(self, snapshot: Snapshot, wait_s: float = 60.0) -> NixlOffer | None:
+    def _nixl_offer(self, snapshot: Snapshot, number: int,
+                    wait_s: float = 60.0) -> NixlOffer | None:
         """The version's NIXL offer, once its copy is done (None: off, or not in time).
 
         A one-sided reader is not held back per chunk as frames are (the server sends
@@ -608,7 +639,8 @@ class WeightPublisher:
                 self._nixl.unoffer("copy")
                 return None
             time.sleep(0.001)
-        return self._nixl.offer(snapshot.buffer, snapshot.total_bytes)
+        return self._nixl.offer(snapshot.buffer, snapshot.total_bytes,
+                                claims=self._store.claims(snapshot.buffer), version=number)
 
     def _relay_offer(self, relayed: RelayedVersion) -> None:
         """A relayed version whose copy is complete (``RelayedVersion.on_complete``, on the
@@ -621,7 +653,8 @@ class WeightPublisher:
         if self._store.get(published.manifest.version) is not published:
             self._nixl.unoffer("copy")  # superseded or evicted before it was complete
             return
-        offer = self._nixl.offer(published.buffer, published.manifest.total_bytes)
+        offer = self._nixl.offer(published.buffer, published.manifest.total_bytes,
+                                 claims=published.claims, version=published.manifest.version)
         if offer is None:
             return  # counted by ``offer`` (off, unregistered)
         published.manifest = msgspec.structs.replace(published.manifest, nixl=offer)

@@ -84,6 +84,23 @@ def stream_line(stream: wire.StreamPort | None) -> Text | None:
     return line
 
 
+def nixl_line(nixl: wire.NixlHolding | None) -> Text | None:
+    """The NIXL offers of a publisher or relay (``nixl=True``): buffers registered, offers,
+    versions announced without one by cause (why it is off: the host memory line)."""
+    if nixl is None:
+        return None
+    line = Text(f"nixl {'on' if nixl.on else 'off'}: {nixl.registrations} buffer(s) "
+                f"registered ({nixl.registered_bytes / (1 << 20):.1f} MiB), {nixl.offers} "
+                "offer(s)")
+    if nixl.unoffered:
+        line.append("; unoffered: ", style="yellow")
+        line.append_text(printable(", ".join(f"{cause}={count}" for cause, count
+                                             in nixl.unoffered), 200, style="yellow"))
+    if not nixl.on:
+        line.stylize("yellow")
+    return line
+
+
 def shard_line(group: wire.ShardGroup | None) -> Text | None:
     """A shard coordinator: its ranks, the versions still collecting and what was dropped."""
     if group is None:
@@ -134,7 +151,8 @@ def fleet_table(reply: wire.StatusReply) -> Group:
             printable(report.last_error or "", style="red"),
         )
     lines = [line for line in (memory_line(reply.memory), shard_line(reply.shard_group),
-                               group_line(reply.collective), stream_line(reply.stream))
+                               group_line(reply.collective), stream_line(reply.stream),
+                               nixl_line(reply.nixl))
              if line is not None]
     return Group(header, *lines, table)
 

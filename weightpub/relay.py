@@ -15,8 +15,10 @@ store-and-forward (receive the whole version, then ``publish()`` it again).
 NIXL (``nixl: true`` downstream): the relay's pool buffers are registered once with
 its own agent and its downstream subscribers READ its copy one-sided; a cut-through
 relay adds the offer to a version's manifest only once its copy is complete
-(``WeightPublisher.relay_version``), before that downstream gets frames. Why a
-version went out unoffered: ``publisher.nixl_status()["unoffered"]``.
+(``WeightPublisher.relay_version``), before that downstream gets frames; with
+``nixl_cut_through: true`` downstream it offers each version at once with a per-chunk
+readiness map, so downstream READs overlap its upstream copy. Why a version went out
+unoffered: ``publisher.nixl_status()["unoffered"]``.
 
 Stream (``stream: true``, issue 29): upstream, the relay receives on the trainer's
 plain-TCP stream port (chunks still reach the cut-through as they verify); downstream,

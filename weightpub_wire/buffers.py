@@ -35,6 +35,13 @@ send ended; then it goes where it was going (kept for reuse or released). So a n
 version never lands in bytes still on their way to a peer, and the budget counts
 each buffer once, as long as it lives. The sender bounds the wait: a reader that
 does not read is cut (``subscriber_ext/transport/peers/peer_server.py``).
+
+Bytes beside the buffers: memory a caller keeps of its own next to the staged versions (a
+peer server's cache of gathered slices, ``subscriber_ext/transport/peers/slice_cache.py``)
+is counted against the same budget with ``hold``/``unhold`` (``held_bytes`` includes
+it; ``side_bytes`` says how much). ``hold`` refuses what does not fit instead of waiting,
+and ``room_for`` calls ``shed`` (the holder gives its bytes back) before a version would
+have to wait for them.
 """
 
 from __future__ import annotations
@@ -173,6 +180,10 @@ class BufferPool:
         #: data_ptr -> (buffer, bytes): given back (buffer) or forgotten (None) while sends
         #: were counted; counted as held, never handed out, until the last one ends
         self._draining: dict[int, tuple[torch.Tensor | None, int]] = {}
+        self._side = 0  # bytes held beside the buffers (``hold``)
+        #: gives the bytes beside the buffers back (``unhold``) when a buffer needs the room;
+        #: called by ``room_for``, on the thread that calls it
+        self.shed: Callable[[], None] | None = None
         self._lock = threading.Lock()
 
     # -- accounting ------------------------------------------------------------------------
@@ -185,7 +196,33 @@ class BufferPool:
     def _held_locked(self) -> int:
         return sum(self._out.values()) + sum(b.numel() for b in self._free) + \
             sum(counted for _, counted in self._sparse_free.values()) + \
-            sum(nbytes for _, nbytes in self._draining.values())
+            sum(nbytes for _, nbytes in self._draining.values()) + self._side
+
+    # -- bytes beside the buffers ----------------------------------------------------------
+    def hold(self, nbytes: int) -> bool:
+        """Count ``nbytes`` the caller keeps beside the buffers against the budget; False
+        (nothing counted) when they do not fit now."""
+        if nbytes < 0:
+            raise ValueError(f"hold: {nbytes} bytes")
+        with self._lock:
+            if self.budget_bytes is not None and \
+                    self._held_locked() + nbytes > self.budget_bytes:
+                return False
+            self._side += nbytes
+            return True
+
+    def unhold(self, nbytes: int) -> None:
+        """``nbytes`` counted by ``hold`` are given back."""
+        with self._lock:
+            if not 0 <= nbytes <= self._side:
+                raise ValueError(f"unhold: {nbytes} bytes, {self._side} held")
+            self._side -= nbytes
+
+    @property
+    def side_bytes(self) -> int:
+        """Bytes counted by ``hold`` and not given back (included in ``held_bytes``)."""
+        with self._lock:
+            return self._side
 
     # -- sends without a copy --------------------------------------------------------------
     def send_begin(self, buf: torch.Tensor) -> int:
@@ -246,12 +283,17 @@ class BufferPool:
             raise StagingBudgetError(
                 f"{nbytes} bytes ({_gib(nbytes)}) of staging needed, more than the budget "
                 f"of {budget} bytes ({_gib(budget)}; {self._budget_name})")
-        dropped: list[int] = []
+        outside = 0 if self._outside is None else self._outside()
         with self._lock:
             if self._best_free_locked(nbytes, self.will_pin(nbytes)) is not None:
                 return True
+            shed = self.shed if self._side and \
+                self._held_locked() + outside + nbytes > budget else None
+        if shed is not None:
+            shed()  # bytes beside the buffers go before idle buffers do
+        dropped: list[int] = []
+        with self._lock:
             self._free.sort(key=lambda b: b.numel())
-            outside = 0 if self._outside is None else self._outside()
             while self._sparse_free and self._held_locked() + outside + nbytes > budget:
                 key = next(iter(self._sparse_free))
                 dropped.append(self._sparse_free.pop(key)[0].data_ptr())

@@ -57,6 +57,7 @@ __all__ = [
     "LatestRequest",
     "PendingShards",
     "Report",
+    "NixlHolding",
     "ShardGroup",
     "StreamPort",
     "StatusReply",
@@ -171,6 +172,18 @@ class HostMemory(msgspec.Struct, frozen=True, kw_only=True):
     nixl_off_reason: ErrorText = ""
 
 
+class NixlHolding(msgspec.Struct, frozen=True, kw_only=True):
+    """A publisher's or relay's NIXL offers (``nixl=True``, issue 31): counters since start."""
+
+    on: bool = False  # offering now (False: off, the reason in ``HostMemory.nixl_off_reason``)
+    registrations: U63 = 0  # snapshot buffers registered (each pool buffer once)
+    registered_bytes: U64 = 0
+    offers: U63 = 0  # manifests that carried an offer
+    #: versions announced without an offer, by cause (off, unregistered, copy)
+    unoffered: Annotated[tuple[tuple[Annotated[str, Meta(max_length=32)], U63], ...],
+                         Meta(max_length=16)] = ()
+
+
 class StreamPort(msgspec.Struct, frozen=True, kw_only=True):
     """A publisher's plain-TCP stream port (``stream=True``, issue 29): counters since start."""
 
@@ -224,6 +237,8 @@ class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     slice_held_bytes: U64 = 0
     #: the plain-TCP stream port (``stream=True``), None when off
     stream: StreamPort | None = None
+    #: the NIXL offers (``nixl=True``), None when off
+    nixl: NixlHolding | None = None
 
 POLL_STATES = ("free", "joining", "member", "leaving")
 REPLY_STATES = ("off", "idle", "waiting", "forming", "active", "refused")

@@ -31,10 +31,11 @@ from collections.abc import Iterable, Sequence
 from typing import Annotated, Any
 
 import msgspec
+import numpy
 
 from weightpub_wire.errors import ProtocolError, TransportError
 
-__all__ = ["NIXL_PATHS", "NixlExporter", "NixlOffer", "NixlReader", "NixlRegion",
+__all__ = ["NIXL_PATHS", "NixlClaims", "NixlExporter", "NixlOffer", "NixlReader", "NixlRegion",
            "NixlTransfer", "decode_offer", "encode_offer", "nixl_error"]
 
 #: NIXL's Python package on CPU-only and CUDA 12 hosts (the umbrella ``nixl`` pulls CUDA wheels)
@@ -59,13 +60,34 @@ class NixlRegion(msgspec.Struct, array_like=True, frozen=True):
     device: Annotated[int, msgspec.Meta(ge=0, le=1 << 16)] = 0
 
 
+class NixlClaims(msgspec.Struct, array_like=True, frozen=True):
+    """Where a holder keeps, per ``region`` bytes of the offered buffer, the number of the
+    version whose write reached them last (``publisher.store.buffer_claims``: little-endian
+    int64 words in host memory, registered with the holder's agent). A claim is stored
+    before its write and never undone, so a reader whose chunk failed its checksum READs
+    the chunk's words: one above ``version`` means the buffer was reused for a newer
+    version under the read (``reused``), not that the bytes were corrupt."""
+
+    address: _U64
+    length: Annotated[int, msgspec.Meta(ge=8, le=1 << 40)]  # bytes of words
+    region: Annotated[int, msgspec.Meta(ge=4096, le=1 << 40)]  # buffer bytes per word
+    version: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # the offered version's
+
+
 class NixlOffer(msgspec.Struct, frozen=True):
-    """What a reader needs to READ a holder's regions: its agent and the regions."""
+    """What a reader needs to READ a holder's regions: its agent and the regions (and,
+    optionally, where to tell a reused buffer from a corrupt one: ``claims``; readers
+    that predate it ignore it)."""
 
     agent: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME)]
     metadata: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_METADATA)]
     regions: Annotated[list[NixlRegion], msgspec.Meta(max_length=MAX_REGIONS)]
     mem_type: Annotated[str, msgspec.Meta(pattern="^(DRAM|VRAM)$")] = "DRAM"
+    claims: NixlClaims | None = None
+    #: a version offered before its copy is complete (a cut-through relay's): per chunk
+    #: (``region`` is the chunk size) the version whose bytes are final there; a reader
+    #: READs a chunk only once its word holds ``version`` (``NixlReader.ready_chunks``)
+    ready: NixlClaims | None = None
 
 
 _decoder = msgspec.msgpack.Decoder(NixlOffer)
@@ -163,13 +185,14 @@ class NixlExporter:
         if handle is not None:
             self._agent.deregister_memory(handle)
 
-    def offer(self, regions: Sequence[NixlRegion], mem_type: str = "DRAM") -> NixlOffer:
+    def offer(self, regions: Sequence[NixlRegion], mem_type: str = "DRAM",
+              claims: NixlClaims | None = None, ready: NixlClaims | None = None) -> NixlOffer:
         """The regions with the agent's metadata as it is now: it carries the remote keys
         of every buffer registered so far, so an offer made before a registration does
         not reach the new buffer (the reader adds the agent again when it changes)."""
         with self._lock:
             metadata = bytes(self._agent.get_agent_metadata())
-        return NixlOffer(self.name, metadata, list(regions), mem_type)
+        return NixlOffer(self.name, metadata, list(regions), mem_type, claims, ready)
 
     @property
     def registered_bytes(self) -> int:
@@ -204,6 +227,7 @@ class NixlReader:
         self._starts: list[tuple[int, int]] = []  # ``_local``'s keys, sorted (``_into``)
         self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # (mem_type, device)
         self._remotes: dict[str, tuple[str, bytes]] = {}  # agent -> (NIXL's name, metadata)
+        self._words: numpy.ndarray | None = None  # ``newest_claim``'s landing, registered
 
     def register(self, address: int, length: int, *, mem_type: str = "DRAM",
                  device: int = 0) -> None:
@@ -272,6 +296,48 @@ class NixlReader:
         finally:
             self.release(transfer)
         return transfer.nbytes
+
+    def newest_claim(self, offer: NixlOffer, start: int, stop: int, *,
+                     timeout: float) -> int | None:
+        """The newest version claimed over bytes ``[start, stop)`` of the offer's region 0,
+        READ from its claims words now (``NixlClaims``); None when the offer has none.
+        ``TransportError`` as ``read``; ``ProtocolError`` when the words are not there."""
+        claims = offer.claims
+        if claims is None or stop <= start:
+            return None
+        first = start // claims.region
+        words = self._read_words(offer, claims, first, -(-stop // claims.region) - first,
+                                 timeout)
+        return int(words.max())
+
+    def ready_mask(self, offer: NixlOffer, first: int, count: int, *,
+                   timeout: float) -> numpy.ndarray:
+        """Which of chunks ``first`` .. ``first + count - 1`` (of the offer's region 0) are
+        final now, READ from the offer's readiness map (``NixlOffer.ready``); all of
+        them when it has none. ``TransportError`` as ``read``; ``ProtocolError`` when
+        the map does not cover them."""
+        ready = offer.ready
+        if ready is None:
+            return numpy.ones(max(count, 0), dtype=bool)
+        return self._read_words(offer, ready, first, count, timeout) >= ready.version
+
+    def _read_words(self, offer: NixlOffer, where: NixlClaims, first: int, count: int,
+                    timeout: float) -> numpy.ndarray:
+        """Words ``first`` .. ``first + count - 1`` of ``where`` (the offer's agent's),
+        READ now into this reader's own registered landing."""
+        if first < 0 or count <= 0 or (first + count) * 8 > where.length:
+            raise ProtocolError(f"nixl offer: words of {where.length} bytes do not cover "
+                                f"[{first}, {first + count}) (one per {where.region} bytes)")
+        if self._words is None or len(self._words) < count:
+            if self._words is not None:
+                self.forget_local(self._words.ctypes.data, self._words.nbytes)
+            self._words = numpy.zeros(max(count, 512), dtype="<i8")
+            self.register(self._words.ctypes.data, self._words.nbytes)
+        words = self._words
+        probe = NixlOffer(offer.agent, offer.metadata,
+                          [NixlRegion(where.address, where.length)], "DRAM")
+        self.read(probe, [(0, first * 8, words.ctypes.data, count * 8)], timeout=timeout)
+        return words[:count]
 
     def start(self, offer: NixlOffer,
               pieces: Iterable[tuple[int, int, int, int]]) -> NixlTransfer | None:
@@ -376,3 +442,4 @@ class NixlReader:
         self._local = {}
         self._kinds = {}
         self._starts = []
+        self._words = None

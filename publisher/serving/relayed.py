@@ -13,7 +13,10 @@ With NIXL on (``nixl=True`` downstream), the manifest carries no offer while the
 is incomplete: a one-sided reader is not held back chunk by chunk as frames are.
 ``when_done`` tells the publisher when the last chunk is in (it then adds the offer
 of the relay's registered buffer and announces the manifest again) or that the
-version failed first (counted as unoffered, cause "copy").
+version failed first (counted as unoffered, cause "copy"). With ``nixl_cut_through``
+the offer goes out with the first announcement and carries a readiness map instead:
+``on_written`` stores the version's number in chunk ``i``'s registered word after its
+bytes, and a reader READs a chunk only once its word says so.
 
 Until it is complete or failed, the version pins its buffer
 (``PublishedVersion.pins``): an eviction never hands the buffer to a newer
@@ -50,6 +53,8 @@ class RelayedVersion:
         self.written_bytes = 0
         self._on_complete: Callable[[RelayedVersion], object] | None = None
         self._on_incomplete: Callable[[RelayedVersion], object] | None = None
+        #: told each chunk once its bytes are in (a NIXL readiness map: ``nixl_cut_through``)
+        self.on_written: Callable[[int], object] | None = None
         published.pin(self)  # new, not yet in the store: cannot be retired yet
         if self._missing == 0:
             self._release()
@@ -94,6 +99,8 @@ class RelayedVersion:
             self.published.view[start: start + size] = data
             self.written_bytes += size
             self._ready[chunk] = 1  # after the bytes: the serving thread reads flag, then bytes
+            if self.on_written is not None:
+                self.on_written(chunk)  # after the bytes too: a one-sided reader's flag
             self._missing -= 1
             if self._missing:
                 return

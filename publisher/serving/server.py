@@ -75,6 +75,7 @@ class StatusExtras:
 
     memory: wire.HostMemory | None = None
     shard_group: wire.ShardGroup | None = None
+    nixl: wire.NixlHolding | None = None  # the NIXL offers (``nixl=True``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +423,7 @@ class ServingThread(threading.Thread):
             bytes_sent_slices=self.slice_serving.bytes_sent,
             slice_plans=self.slice_serving.plans, slice_held_bytes=self.slice_serving.held_bytes,
             stream=None if self.stream is None else self.stream.wire_status(),
+            nixl=extras.nixl,
         )
 
     def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:

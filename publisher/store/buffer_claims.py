@@ -106,6 +106,12 @@ class BufferClaims:
             self._sending[start // REGION: -(-stop // REGION)] -= 1
 
     @property
+    def words(self) -> numpy.ndarray:
+        """The version per region (int64, one word per ``REGION`` bytes), as a holder offers
+        them to one-sided readers (``NixlClaims``): they tell a reused buffer by them."""
+        return self._versions
+
+    @property
     def sends_in_flight(self) -> int:
         """Region-sends ZeroMQ holds (a test and a status read it)."""
         return int(self._sending.sum())

@@ -11,7 +11,10 @@ The announce then offers the version's bytes where they are: one region, the
 snapshot buffer, chunk ``i`` at ``i * chunk_size`` (the flat layout; headers are
 not in the buffer, protocol 4 sends them apart). A reader verifies every chunk
 against the manifest's checksums, so a chunk read while the copy or a newer
-snapshot writes over it is refused there and fetched over ZeroMQ frames.
+snapshot writes over it is refused there and fetched over ZeroMQ frames. The offer
+also names the buffer's claims words (``buffer_claims.py``, registered once per
+buffer beside it): a reader whose chunk failed READs them, and a newer version there
+means the buffer was reused under its READ (its cause ``reused``, not ``checksum``).
 
 When NIXL does not import or a registration fails, the path is off for this
 publisher (a WARNING naming the cause, counted in ``off_reason``): manifests carry
@@ -29,10 +32,14 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy
 import torch
 
+from publisher.store.buffer_claims import REGION, BufferClaims
+from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, HostAllocator
-from weightpub_wire.nixl_link import NixlExporter, NixlOffer, NixlRegion, nixl_error
+from weightpub_wire.message_base import MIN_CHUNK_SIZE
+from weightpub_wire.nixl_link import NixlClaims, NixlExporter, NixlOffer, NixlRegion, nixl_error
 
 __all__ = ["UNOFFERED_CAUSES", "NixlExport", "RegisteringAllocator"]
 
@@ -56,6 +63,10 @@ class NixlExport:
         self.unoffered: dict[str, int] = dict.fromkeys(UNOFFERED_CAUSES, 0)
         self._exporter: NixlExporter | None = None
         self._sizes: dict[int, int] = {}  # address -> bytes registered
+        #: buffer address -> its claims words, registered (``offer``), held while registered
+        self._words: dict[int, numpy.ndarray] = {}
+        #: buffer address -> (the buffer, its readiness words), registered (``ready_words``)
+        self._ready: dict[int, tuple[torch.Tensor, numpy.ndarray]] = {}
         self._lock = threading.Lock()
         error = nixl_error()
         if error is not None:
@@ -101,20 +112,35 @@ class NixlExport:
         """The pool dropped a buffer: deregister it before its memory can go."""
         with self._lock:
             length = self._sizes.pop(address, None)
-        if length is not None and self._exporter is not None:
-            try:
-                self._exporter.forget(address, length)
-            except Exception as exc:
-                log.warning("nixl: deregistering a snapshot buffer failed: %s", exc)
+            words = self._words.pop(address, None)
+            ready = self._ready.pop(address, None)
+        exporter = self._exporter
+        if exporter is None:
+            return
+        try:
+            if length is not None:
+                exporter.forget(address, length)
+            for each in (words, None if ready is None else ready[1]):
+                if each is not None:
+                    exporter.forget(each.ctypes.data, each.nbytes)
+        except Exception as exc:
+            log.warning("nixl: deregistering a snapshot buffer failed: %s", exc)
 
     def unoffer(self, cause: str) -> None:
         """Count a version announced without an offer (``UNOFFERED_CAUSES``)."""
         with self._lock:
             self.unoffered[cause] = self.unoffered.get(cause, 0) + 1
 
-    def offer(self, buffer: torch.Tensor, total_bytes: int) -> NixlOffer | None:
+    def offer(self, buffer: torch.Tensor, total_bytes: int, *,
+              claims: BufferClaims | None = None, version: int = 0,
+              ready: numpy.ndarray | None = None, chunk_size: int = 0) -> NixlOffer | None:
         """The version's bytes in ``buffer`` as one region, or None (off, unregistered:
-        counted in ``unoffered``)."""
+        counted in ``unoffered``). With the buffer's ``claims`` the offer also carries
+        their words (registered once per buffer), so a reader tells a buffer reused for a
+        newer version under its READ (``reused``) from corrupt bytes (``NixlClaims``).
+        With ``ready`` (``ready_words``: a cut-through relay's version offered before its
+        copy is complete) it carries the readiness map: chunk ``i``'s bytes are final
+        once word ``i`` holds ``version``."""
         exporter = self._exporter
         if total_bytes == 0:
             return None
@@ -129,13 +155,73 @@ class NixlExport:
             self.unoffer("unregistered")
             return None
         try:
-            offer = exporter.offer([NixlRegion(address, total_bytes)])
+            offer = exporter.offer(
+                [NixlRegion(address, total_bytes)],
+                claims=self._claims(buffer, claims, version),
+                ready=None if ready is None
+                else NixlClaims(ready.ctypes.data, ready.nbytes, chunk_size, version))
         except Exception as exc:
             self._off(f"making an offer failed ({type(exc).__name__}: {exc})")
             self.unoffer("off")
             return None
         self.offers += 1
         return offer
+
+    def _claims(self, buffer: torch.Tensor, claims: BufferClaims | None,
+                version: int) -> NixlClaims | None:
+        """Register ``claims``' words with the buffer (once; again if the pool made a new
+        buffer at the same address) and describe them; None without (or when UCX refuses
+        them: the offer goes without, a torn read is then counted as ``checksum``)."""
+        exporter = self._exporter
+        if claims is None or exporter is None:
+            return None
+        base = buffer if buffer._base is None else buffer._base
+        key, words = base.data_ptr(), claims.words
+        with self._lock:
+            held = self._words.get(key)
+        if held is not words:
+            try:
+                if held is not None:
+                    exporter.forget(held.ctypes.data, held.nbytes)
+                exporter.register(words.ctypes.data, words.nbytes)
+            except Exception as exc:
+                log.warning("nixl: registering a buffer's claims failed, offers go without "
+                            "them: %s", exc)
+                with self._lock:
+                    self._words.pop(key, None)
+                return None
+            with self._lock:
+                self._words[key] = words
+        return NixlClaims(words.ctypes.data, words.nbytes, REGION, version)
+
+    def ready_words(self, buffer: torch.Tensor) -> numpy.ndarray | None:
+        """The buffer's readiness words (int64, one per chunk at the smallest chunk size,
+        zero when made), registered once per buffer; None when off or UCX refuses them.
+        A writer stores a version's number in word ``i`` after chunk ``i``'s bytes: an
+        older version's number left there reads as not ready."""
+        exporter = self._exporter
+        if exporter is None or self.off_reason:
+            return None
+        base = buffer if buffer._base is None else buffer._base
+        key = base.data_ptr()
+        with self._lock:
+            held = self._ready.get(key)
+        if held is not None and held[0] is base:
+            return held[1]
+        words = numpy.zeros(max(1, -(-base.numel() // MIN_CHUNK_SIZE)), dtype="<i8")
+        try:
+            if held is not None:
+                exporter.forget(held[1].ctypes.data, held[1].nbytes)
+            exporter.register(words.ctypes.data, words.nbytes)
+        except Exception as exc:
+            log.warning("nixl: registering a readiness map failed, versions are offered "
+                        "once complete: %s", exc)
+            with self._lock:
+                self._ready.pop(key, None)
+            return None
+        with self._lock:
+            self._ready[key] = (base, words)
+        return words
 
     def status(self) -> dict[str, object]:
         with self._lock:
@@ -144,10 +230,20 @@ class NixlExport:
                 "registered_bytes": self.registered_bytes, "offers": self.offers,
                 "registrations": self.registrations, "unoffered": unoffered}
 
+    def wire_status(self) -> wire.NixlHolding:
+        """``status()`` as a status reply carries it (``weightpub status``)."""
+        with self._lock:
+            unoffered = tuple((cause, n) for cause, n in self.unoffered.items() if n)
+        return wire.NixlHolding(on=self.on, registrations=self.registrations,
+                                registered_bytes=self.registered_bytes, offers=self.offers,
+                                unoffered=unoffered[:16])
+
     def close(self) -> None:
         exporter, self._exporter = self._exporter, None
         with self._lock:
             self._sizes.clear()
+            self._words.clear()
+            self._ready.clear()
         if exporter is not None:
             exporter.close()
 

@@ -286,6 +286,20 @@ class WeightSubscriber:
         problem = ApplyError(error) if isinstance(error, str) else error
         self._call(lambda client: client.mark_applied(version, problem))
 
+    def carry_from(self, old: WeightSubscriber, applied: int | None = None) -> None:
+        """This subscription replaces ``old`` (closed first): take over its record of the
+        applied version, what it cost and its recently staged versions' costs
+        (``ClientReport.adopt``), then ``applied`` (the newest version applied) if newer.
+        A rank's slice receiver resubscribing with a new plan calls it."""
+        try:
+            carry = old._client.report.carried(old._client.instance)
+        except RuntimeError as exc:  # its thread outlived close() and changed the record
+            log.warning("the replaced subscription's record was not carried over (%s)", exc)
+            if applied:
+                self.mark_applied(applied)
+            return
+        self._call(lambda client: client.report.adopt(carry, applied))
+
     def set_ranks(self, ranks: tuple[int, ...]) -> None:
         """The replica ranks this subscription stages for (in the report to the publisher)."""
         self._call(lambda client: client.set_ranks(tuple(ranks)))
@@ -320,6 +334,8 @@ class WeightSubscriber:
             client.gate.waiting.version,
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
+            # of those, bytes kept beside the staged versions (a peer server's slices)
+            "staging_cache_bytes": client.pool.side_bytes,
             "data_path": client.report.applied_path or None,  # how the applied version came
             # what the applied version cost here: payload bytes by source kind, and their
             # share of the version (None: unknown, e.g. nothing applied yet)

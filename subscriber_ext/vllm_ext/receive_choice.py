@@ -11,7 +11,12 @@ layout; whole otherwise, and whole, with the cause counted, when the plan cannot
 recorded. Without a checkpoint layout at start (a hub name) ``auto`` decides at the
 first version, once (``AUTO_PENDING`` until then: each rank fetches that version whole
 on its own receiver while it records its plan for the version's layout; then slices,
-or whole for good; later versions are not decided again). What was chosen and why is
+or whole for good; later versions are not decided again). Each rank decides by its own
+plan, without agreement (no collective can run off vLLM's step loop), so one rank may
+slice while another stays whole. That breaks nothing: while pending no rank joins node
+staging (each runs its own receiver, and staying whole keeps it), and the commit is
+agreed on the versions every rank holds, whatever brought them: a rank late after its
+replan holds it (``tests/unit/test_slice_receiver.py`` pins both). What was chosen and why is
 in ``weight_status()["receive"]``, with what planning cost (``plan_seconds``: the
 checkpoint's headers read and this rank's plan recorded through vLLM's loaders, at
 start or at the first version; None when nothing was planned).

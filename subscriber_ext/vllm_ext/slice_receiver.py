@@ -199,8 +199,8 @@ class SliceReceiver:
             old.close()
             if closed:
                 new.close()
-            elif applied is not None:  # the publisher's fleet view: what runs here
-                new.mark_applied(applied)
+            else:  # what runs here, and what the versions the old one staged cost
+                new.carry_from(old, applied)
             self.replans += 1
 
     def _decided(self, decide: Callable[[Layout], bool], layout: Layout) -> bool:

@@ -443,10 +443,10 @@ def nixl_fault(pub: Any, fault: str) -> None:
         exporter.register(shadow.data_ptr(), total)
         return exporter.offer([NixlRegion(shadow.data_ptr(), total)])
 
-    def offer(buffer: torch.Tensor, total: int) -> Any:
-        if fault.startswith("corrupt:"):
+    def offer(buffer: torch.Tensor, total: int, **claims: Any) -> Any:
+        if fault.startswith("corrupt:"):  # no claims: the shadow is never reused
             return corrupted(buffer, total, int(fault.split(":")[1]))
-        made = real_offer(buffer, total)
+        made = real_offer(buffer, total, **claims)
         if fault == "lie" and made is not None:
             return NixlOffer("someone-else", made.metadata, made.regions, made.mem_type)
         if fault == "short" and made is not None:

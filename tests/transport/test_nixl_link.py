@@ -23,6 +23,7 @@ import pytest
 
 from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import (
+    NixlClaims,
     NixlOffer,
     NixlReader,
     NixlRegion,
@@ -146,6 +147,17 @@ def test_bad_offers_and_reads_are_refused_before_any_transfer(shared_holder: Nix
         assert np.array_equal(dest, _expected()[:1024])
         assert encode_offer(decode_offer(encode_offer(offer))) == encode_offer(offer)
         assert NixlRegion(1, 2) == NixlRegion(1, 2, 0)
+        # claims words (a reused buffer told from a corrupt one): bounded when decoded,
+        # refused before any READ when they do not cover the bytes asked about
+        claimed = msgspec.structs.replace(offer, claims=NixlClaims(4096, 16, 65536, 3))
+        assert decode_offer(encode_offer(claimed)) == claimed
+        assert reader.newest_claim(offer, 0, 10, timeout=5) is None  # none offered
+        with pytest.raises(ProtocolError, match="do not cover"):
+            reader.newest_claim(claimed, 65536, 3 * 65536, timeout=5)
+        for bad in ([4096, 16, 512, 3], [4096, 0, 65536, 3], [-1, 16, 65536, 3]):
+            with pytest.raises(ProtocolError, match="nixl offer"):
+                decode_offer(msgspec.msgpack.encode(
+                    {"agent": "a", "metadata": b"x", "regions": [], "claims": bad}))
     finally:
         reader.close()
 

@@ -241,3 +241,124 @@ def test_closing_a_relay_deregisters_its_buffers(
     assert exporter.registered_bytes == 0  # NIXL's own handles released
     status = relay.publisher.nixl_status()
     assert status is not None and status["registered_bytes"] == 0 and status["on"] is False
+
+
+def test_a_relay_under_curve_on_both_sides_offers_nixl_only_to_admitted_subscribers(
+        tmp_path: Any, closing: Callable[[Any], Any]) -> None:
+    """The relay's offer names its registered memory: it rides only on the relay's own
+    authenticated PUB/ROUTER, so an admitted subscriber READs bit-exact from the relay's
+    agent and one whose key is not admitted gets no manifest, no offer, not a byte. The
+    trainer is CURVE too (the relay is a client admitted there) and offers NIXL itself:
+    the relay READs its copy one-sided over the authenticated control plane."""
+    from weightpub_wire.errors import WeightPubTimeout
+    from weightpub_wire.keys import create_key_pair
+
+    up_allowed, down_allowed = tmp_path / "up_allowed", tmp_path / "down_allowed"
+    up_allowed.mkdir()
+    down_allowed.mkdir()
+    up_public, up_secret = create_key_pair(tmp_path, "trainer")
+    _, relay_client_secret = create_key_pair(up_allowed, "relay_client")
+    relay_public, relay_secret = create_key_pair(tmp_path, "relay")
+    _, member_secret = create_key_pair(down_allowed, "member")
+    _, stranger_secret = create_key_pair(tmp_path, "stranger")
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", nixl=True, chunk_size=CHUNK,
+                                  heartbeat_interval=0.2, curve_secret_key_file=str(up_secret),
+                                  curve_allowed_clients_dir=str(up_allowed)))
+    relay = closing(Relay(RelayConfig.model_validate({
+        "upstream": {"endpoint": pub.endpoint, "curve_server_key_file": str(up_public),
+                     "curve_secret_key_file": str(relay_client_secret)},
+        "cut_through": False,
+        "downstream": {"endpoint": "tcp://127.0.0.1:0", "heartbeat_interval": 0.2,
+                       "nixl": True, "curve_secret_key_file": str(relay_secret),
+                       "curve_allowed_clients_dir": str(down_allowed)}})))
+    member = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0,
+                                      curve_server_key_file=str(relay_public),
+                                      curve_secret_key_file=str(member_secret)))
+    stranger = closing(WeightSubscriber(relay.endpoint, request_timeout=3.0,
+                                        curve_server_key_file=str(relay_public),
+                                        curve_secret_key_file=str(stranger_secret)))
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    _complete(relay, 1)
+    assert relay.publisher.manifest(1).nixl.agent == _agent(relay)  # type: ignore[union-attr]
+    staged = member.wait_for_version(1, timeout=60)
+    assert _exact(staged, 1) and staged.data_path == "nixl", member.status()["nixl"]
+    assert relay.subscriber.status()["nixl"]["bytes_read"] > 0  # the relay READ the trainer
+    assert pub.data_stats()["bytes_sent_full"] == 0
+    assert relay.publisher.data_stats()["bytes_sent_full"] == 0  # every byte one-sided
+    with pytest.raises(WeightPubTimeout):
+        stranger.wait_for_version(1, timeout=3)
+    status = stranger.status()
+    assert status["publisher_latest_version"] in (0, None), status  # no manifest came
+    assert status["nixl"]["available"] is None and status["nixl"]["bytes_read"] == 0
+    assert status["handshake_failures"] >= 1, status  # refused by the relay's CURVE
+
+
+def test_a_cut_through_relay_with_a_readiness_map_is_read_while_it_copies(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nixl_cut_through``: the relay offers a version with its first announcement and a
+    per-chunk readiness map; downstream READs each chunk once the map says it is final,
+    so READs overlap the relay's upstream copy, and no chunk is READ before its bytes
+    are in (no checksum failure, no frame)."""
+    from weightpub_wire.nixl_link import NixlReader, NixlTransfer
+
+    pub = make_pub(chunk_size=CHUNK)
+    relay = _relay(pub, closing, cut_through=True, nixl_cut_through=True)
+    pace_replies(relay.subscriber._client, 0.05)  # the relay's own copy takes ~1 s
+    seen: list[bool] = []  # per data READ seen done downstream: the relay's copy complete?
+    poll = NixlReader.poll
+
+    def watched(self: NixlReader, transfer: NixlTransfer) -> bool:
+        done = poll(self, transfer)
+        opened = relay._open
+        if done and transfer.nbytes > 4096 and opened is not None:  # not a map's READ
+            seen.append(opened.complete)
+        return done
+
+    monkeypatch.setattr(NixlReader, "poll", watched)
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=10.0, window_bytes=CHUNK))
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    staged = sub.wait_for_version(1, timeout=60)
+    nixl = sub.status()["nixl"]
+    assert _exact(staged, 1) and staged.data_path == "nixl", nixl
+    assert nixl["fallbacks"] == 0 and sub.status()["checksum_failures"] == 0, nixl
+    assert False in seen and seen[-1] is True, seen  # READs done while the copy went on
+    assert relay.publisher.data_stats()["bytes_sent_full"] == 0  # not one chunk frame
+    status = relay.publisher.nixl_status()
+    assert status is not None and status["offers"] == 1 and status["unoffered"] == {}
+
+
+def test_a_relayed_version_that_never_completes_falls_back_as_unready(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any]) -> None:
+    """Offered at once with a readiness map, then its copy stalls half way: downstream
+    READs the final half, waits for the rest up to ``request_timeout`` (cause
+    ``unready``), and stages nothing of it; the next version is READ whole."""
+    upstream = make_pub(chunk_size=CHUNK, keep_versions=2)
+    for version in (1, 2):
+        upstream.publish(det_weights(SEED, version, SPEC), version=version)
+    upstream.wait_announced(2)
+    relay = make_pub(nixl=True, nixl_cut_through=True)  # a relay's publisher, by hand
+    first = relay.relay_version(upstream.manifest(1))
+    assert relay.manifest(1).nixl is not None and relay.manifest(1).nixl.ready is not None
+    held = upstream._store.get(1)
+    assert held is not None
+    half = upstream.manifest(1).num_chunks // 2
+    for chunk in range(half):
+        first.write_chunk(chunk, held.chunk_view(chunk))
+    staged_versions: list[int] = []
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=2.0, window_bytes=CHUNK,
+                                   on_version=lambda s: staged_versions.append(s.version)))
+    wait_until(lambda: sub.status()["nixl"]["fallback_causes"].get("unready"), 60,
+               "the rest of version 1 given up as unready")
+    assert sub.status()["nixl"]["bytes_read"] >= half * CHUNK  # the final half was READ
+    first.fail()  # superseded upstream
+    second = relay.relay_version(upstream.manifest(2))
+    held = upstream._store.get(2)
+    assert held is not None
+    for chunk in range(upstream.manifest(2).num_chunks):
+        second.write_chunk(chunk, held.chunk_view(chunk))
+    staged = sub.wait_for_version(2, timeout=60)
+    assert _exact(staged, 2) and staged.data_path == "nixl" and staged_versions == [2]
+    nixl = sub.status()["nixl"]
+    assert nixl["fallback_causes"] == {"unready": 1}, nixl
+    assert sub.status()["checksum_failures"] == 0

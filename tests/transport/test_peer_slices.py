@@ -245,3 +245,144 @@ def test_sliced_members_share_a_sharded_trainers_version(spawn: Callable[..., Ch
     got = [status(child)["peers"] for child in peers]
     assert sum(g["bytes_from_peers"] for g in got) >= 0.75 * 2 * needed, got
     assert all(not g["peer_failures"] for g in got), got
+
+
+def _ask_slice(ctx: Any, endpoint: str, fetch: Any) -> bytes:
+    """One ``slice_fetch`` of one chunk on a DEALER of its own: the payload it got."""
+    import zmq
+
+    from weightpub_wire import chunk_frame
+    from weightpub_wire import protocol as wire
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 20_000)
+    try:
+        sock.connect(endpoint)
+        sock.send(wire.encode(fetch))
+        header = chunk_frame.parse(sock.recv())
+        assert (header.version, header.chunk) == (fetch.version, fetch.chunks[0]), header
+        payload = sock.recv()
+        assert len(payload) == header.size
+        return payload
+    finally:
+        sock.close()
+
+
+def test_a_slice_asked_again_is_served_from_the_cache_counted_in_the_staging_budget(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+    """A sliced member alone on its plan (no other member of it asks) keeps a slice once
+    it is asked again; from then on an ask is a hit (no gather). The kept bytes show in
+    its staging bytes, and a newer version drops them."""
+    import numpy as np
+    import zmq
+
+    from tests.transport.procs import as_bytes
+    from weightpub_wire.slice_layout import SliceLayout
+    from weightpub_wire.slice_messages import SliceFetch
+
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    (member,) = members(spawn, pub, [0])
+    weights = det_weights(SEED, 1, SPEC)
+    pub.publish(weights, version=1)
+    staged_ok(member, 1)
+    before = status(member)
+    assert before["peers"]["slice_cache_misses"] == 0 == before["staging_cache_bytes"]
+    manifest = pub.manifest(1)
+    plan = half_plan(0, SPEC)
+    layout = SliceLayout.build(plan, manifest)
+    flat = np.zeros(manifest.total_bytes, dtype=np.uint8)
+    for entry in manifest.tensors:
+        flat[entry.offset: entry.offset + entry.nbytes] = \
+            as_bytes(weights[entry.name]).reshape(-1).numpy()
+    chunk = max(layout.sizes, key=lambda c: layout.sizes[c])
+    want = bytes(layout.gather(chunk, flat))
+    ctx = zmq.Context()
+    try:
+        got = [_ask_slice(ctx, before["peers"]["endpoint"],
+                          SliceFetch(req=req, publisher_id=before["publisher_id"], version=1,
+                                     digest=plan.digest(), chunks=(chunk,)))
+               for req in (1, 2, 3)]
+    finally:
+        ctx.term()
+    assert got == [want] * 3
+    after = status(member)
+    peers = after["peers"]
+    assert (peers["slice_cache_misses"], peers["slice_cache_hits"]) == (2, 1), peers
+    assert peers["served_slices"] == 3
+    assert peers["slice_cache_bytes"] == len(want) == after["staging_cache_bytes"]
+    assert peers["slice_cache_bytes"] <= peers["slice_cache_max_bytes"]
+    assert after["staging_bytes"] >= before["staging_bytes"] + len(want)
+    pub.publish(det_weights(SEED, 2, SPEC), version=2)
+    staged_ok(member, 2)
+    wait_until(lambda: status(member)["staging_cache_bytes"] == 0, 10,
+               "version 1's slices to leave the cache")
+    assert status(member)["peers"]["slice_cache_bytes"] == 0
+
+
+def test_a_slice_several_peers_ask_for_is_gathered_once(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+    """Three members of one plan (each may serve two others): a slice one member serves
+    to both others is gathered once, the second ask a hit."""
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=2)
+    trio = members(spawn, pub, [0, 0, 0])
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    for child in trio:
+        staged_ok(child, 1)
+    got = [status(child)["peers"] for child in trio]
+    served = sum(g["served_slices"] for g in got)
+    gathers = sum(g["slice_cache_misses"] for g in got)
+    hits = sum(g["slice_cache_hits"] for g in got)
+    assert served > 0 and hits > 0, got
+    # (a lookup counts once more when its client's pipe is full: hits may exceed the rest)
+    assert gathers < served <= gathers + hits, (gathers, hits, served)
+    assert all(g["slice_cache_bytes"] <= g["slice_cache_max_bytes"] for g in got)
+
+
+def test_through_a_tracker_without_plan_groups_every_member_stages_from_the_publisher(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tracker from before issue 30 reads no plan in a hello: it plans sliced members of
+    two plans and a whole-version member together, and its sources name no plan. Each
+    sliced member skips every such source (``bad_source``), the whole member's asks of a
+    sliced one are answered ``version_unavailable``: every member stages bit-exact
+    from the publisher, which sends each plan's bytes and the whole version once."""
+    import msgspec
+
+    from publisher.serving.tracker import Tracker
+    from weightpub_wire.peer_protocol import PeerPlan, PeerSource
+
+    hello = Tracker.hello
+
+    def old_hello(self: Tracker, identity: bytes, message: Any, *args: Any) -> PeerPlan:
+        plan = hello(self, identity, msgspec.structs.replace(message, plan=""), *args)
+        return msgspec.structs.replace(plan, other_plans=0, group=0, sources=tuple(
+            tuple(PeerSource(s.endpoint, s.key) for s in chain) for chain in plan.sources))
+
+    monkeypatch.setattr(Tracker, "hello", old_hello)
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    started: list[Child] = []
+    for index, rank in enumerate([0, 1, None]):  # one chain: slot i fetches from slot i-1
+        child = spawn("peer", endpoint=pub.endpoint, seed=SEED, spec=SPEC, name=f"m{index}",
+                      slice_rank=rank, options={"request_timeout": 10.0,
+                                                "report_interval": 0.3})
+        child.event("ready", timeout=60)
+        wait_until(lambda c=child, s=index: status(c)["peers"]["slot"] == s, 20,
+                   f"member {index} to get slot {index} of the one plan")
+        started.append(child)
+    epoch = status(started[-1])["peers"]["plan_epoch"]
+    for child in started:
+        wait_until(lambda c=child: status(c)["peers"]["plan_epoch"] == epoch, 20,
+                   "the final plan")
+    for version in (1, 2):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        for child, rank in zip(started, [0, 1, None], strict=True):
+            path = staged_ok(child, version)["data_path"]
+            assert (path == "slices") == (rank is not None), (rank, path)
+    got = [status(child)["peers"] for child in started]
+    assert all(g["bytes_from_peers"] == 0 and g["other_plans"] == 0 for g in got), got
+    assert got[1]["peer_failures"].get("bad_source", 0) >= 1 and got[1]["sources"] == []
+    assert got[2]["peer_failures"].get("version_unavailable", 0) >= 1, got[2]
+    assert got[1]["served_slices"] == 0 == got[0]["served_slices"]
+    both = half_plan(0, SPEC).needed_bytes + half_plan(1, SPEC).needed_bytes
+    assert sent(pub) == (2 * both, 2 * pub.manifest(2).total_bytes)

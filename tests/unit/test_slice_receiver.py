@@ -304,3 +304,148 @@ def test_auto_decides_at_start_with_a_layout_and_at_the_first_version_without(
         receive = worker._wp().receive
         assert receive is not None and (receive.mode, receive.cause) == ("rank", cause)
         assert receive.fallbacks == {cause: 1}
+
+
+def test_what_the_applied_version_cost_survives_a_replan() -> None:
+    """A replan replaces the subscription: the applied version's cost (``received``) and
+    the costs of versions the old one staged go with it, so status never shows None for
+    a version applied here, whichever subscription staged it."""
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
+    got = _Got()
+    first = _weights(1, ("a", "b"))
+    receiver = SliceReceiver(pub.endpoint, rank=1, label="tp2/rank1",
+                             options=SubscriberOptions(request_timeout=10.0),
+                             plan_for=_half_plan, on_version=got, layout=_layout(first))
+
+    def received(version: int) -> dict:
+        def now() -> dict | None:
+            out = receiver.status()["applied_received"]
+            return out if out and out["version"] == version else None
+        deadline = time.monotonic() + 10
+        while now() is None:
+            assert time.monotonic() < deadline, receiver.status()["applied_received"]
+            time.sleep(0.05)
+        return now() or {}
+
+    try:
+        v1 = pub.publish(first)
+        got.wait(v1)
+        receiver.mark_applied(v1)
+        before = received(v1)
+        assert before["fraction"] == 0.5 and before["by_source"] == {"publisher": 65536}
+        v2 = pub.publish(_weights(2, ("a", "b", "c")))  # another layout: a replan
+        got.wait(v2)
+        status = receiver.status()
+        assert status["slices"]["replans"] == 1
+        assert status["applied_received"] == before and status["applied_version"] == v1
+        assert status["data_path"] == "slices"
+        v3 = pub.publish(_weights(3, ("a",)))  # a replan again, v2 not applied yet
+        got.wait(v3)
+        assert receiver.status()["slices"]["replans"] == 2
+        receiver.mark_applied(v2)  # staged by the replaced subscription
+        assert received(v2)["fraction"] == 0.5
+        assert receiver.status()["data_path"] == "slices"
+        receiver.mark_applied(v3)
+        assert received(v3)["version_bytes"] == 64 * 256 * 4
+    finally:
+        receiver.close()
+        pub.close()
+
+
+def test_an_adopted_record_is_kept_for_its_instance_only() -> None:
+    from subscriber_ext.transport.client.client_report import ClientReport, VersionBytes
+
+    old = ClientReport("old", interval=1.0)
+    old.staged(4, "slices", VersionBytes(4, 100, {"peers": 50}))
+    old.mark_applied(4)
+    carry = old.carried("inst-a")
+    same, other = ClientReport("new", interval=1.0), ClientReport("new", interval=1.0)
+    for report in (same, other):
+        report.adopt(carry)
+        assert report.applied_version == 4 and report.applied_bytes == carry.applied_bytes
+    same.new_instance("inst-a")  # its first contact: the instance the record is of
+    other.new_instance("inst-b")  # another instance: version 4 means nothing there
+    assert (same.applied_version, same.applied_path) == (4, "slices")
+    assert same.applied_bytes is not None and same.applied_bytes.fraction == 0.5
+    assert other.applied_version == 0 and other.applied_bytes is None
+    told_first = ClientReport("new", interval=1.0)
+    told_first.mark_applied(4)  # told before the record came: no cost known yet
+    assert told_first.applied_bytes is None
+    told_first.adopt(carry)
+    assert told_first.applied_bytes == carry.applied_bytes
+
+
+def test_ranks_deciding_differently_at_the_first_version_still_commit_together() -> None:
+    """``receive: auto`` without a layout decides per rank at the first version, with no
+    agreement: one rank may slice while another stays whole. Why nothing breaks: such a
+    rank never joins node staging (pending, every rank runs its own ``SliceReceiver``;
+    deciding whole keeps that subscription, ``_wp_decide_receive`` never answers
+    "node": see the test above), and the commit is agreed on the versions every rank
+    holds, whatever brought them (``RankAgreement`` over a real gloo group here). A
+    rank that replans to slices and is late holds the commit; each rank applies what
+    its own loaders read."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from subscriber_ext.vllm_ext.commit.coordinator import CommitCoordinator
+    from subscriber_ext.vllm_ext.commit.strategies import RankAgreement
+    from tests.unit.test_commit_coordinator import TwoRanks
+
+    store = dist.HashStore()
+    groups: list = [None, None]
+    TwoRanks._both(lambda r: groups.__setitem__(r, dist.ProcessGroupGloo(
+        store, r, 2, datetime.timedelta(seconds=10))))
+    applied: list[list[dict[str, torch.Tensor]]] = [[], []]
+    coords = [CommitCoordinator(lambda tensors, r=r: applied[r].append(
+        {n: t.clone() for n, t in tensors.items()}), RankAgreement([groups[r]], keep=2), keep=2)
+        for r in range(2)]
+    held_back: list = []  # rank 0's version 2, offered when the test says (a slow rank)
+
+    def on_version(rank: int):
+        def offer(staged) -> None:
+            if rank == 0 and staged.version == 2:
+                held_back.append(staged)
+                return
+            coords[rank].offer(staged)
+        return offer
+
+    def commit() -> list:
+        out: list = [None, None]
+        TwoRanks._both(lambda r: out.__setitem__(r, coords[r].commit_pending()))
+        return out
+
+    pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
+    receivers = [SliceReceiver(pub.endpoint, rank=r, label=f"tp2/rank{r}",
+                               options=SubscriberOptions(request_timeout=10.0),
+                               plan_for=_half_plan, on_version=on_version(r),
+                               decide=lambda layout, r=r: r == 0)  # rank 0 slices
+                 for r in range(2)]
+    try:
+        weights = {1: _weights(8, ("a", "b")), 2: _weights(9, ("a", "b"))}
+        pub.publish(weights[1], version=1)
+        wait = time.monotonic() + 30
+        while not all(c.staged_version() == 1 for c in coords):
+            assert time.monotonic() < wait, [c.staged_version() for c in coords]
+            time.sleep(0.02)
+        assert [r.slicing for r in receivers] == [True, False]  # decided differently
+        assert commit() == [1, 1]
+        pub.publish(weights[2], version=2)
+        while not (coords[1].staged_version() == 2 and held_back):
+            assert time.monotonic() < wait + 30, coords[1].staged_version()
+            time.sleep(0.02)
+        assert commit() == [1, 1]  # rank 0 (sliced) does not hold 2 yet: nobody moves
+        coords[0].offer(held_back.pop())
+        assert commit() == [2, 2]
+        for version, (sliced, whole) in ((1, (applied[0][0], applied[1][0])),
+                                         (2, (applied[0][1], applied[1][1]))):
+            _check_halves({n: t.view(-1)[: t.numel() // 2] for n, t in sliced.items()},
+                          weights[version])
+            assert all(torch.equal(whole[n], t) for n, t in weights[version].items())
+        assert [c.applied_data_path for c in coords] == ["slices", "zmq"]
+    finally:
+        for receiver in receivers:
+            receiver.close()
+        for coord in coords:
+            coord.close()
+        pub.close()

@@ -9,6 +9,13 @@ The applied version and its data path, the replica ranks and the data path of
 each recently staged version are reported here too, with what the applied version
 cost this subscriber (``VersionBytes``: its payload bytes by source kind; the
 report carries their share of the version, ``Report.received_fraction``).
+
+A subscription replaced by another (a rank's slice receiver resubscribing with a new
+plan, ``vllm_ext/slice_receiver.py``) hands its applied version, what it cost and the
+costs of its recently staged versions to the new one (``carried``/``adopt``): the
+applied version is still the one running, and one the old subscription staged may be
+applied after the switch. The new client's first instance keeps them when it is the
+one they came from.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.errors import WeightPubError
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["ClientReport", "VersionBytes"]
+__all__ = ["ClientReport", "ReportCarry", "VersionBytes"]
 
 log = logging.getLogger("weightpub.subscriber")
 _KEEP_PATHS = 16  # staged versions whose data path is remembered
@@ -59,6 +66,18 @@ class VersionBytes:
                 "by_source": dict(self.by_source)}
 
 
+@dataclass(frozen=True, slots=True)
+class ReportCarry:
+    """What a replaced subscription's report hands to the next one (module text)."""
+
+    instance: str | None  # the publisher instance the versions are of
+    applied_version: int
+    applied_path: str
+    applied_bytes: VersionBytes | None
+    staged_paths: dict[int, str]
+    staged_bytes: dict[int, VersionBytes]
+
+
 class ClientReport:
     """The newest problem, counts of problems, the applied version; when to report."""
 
@@ -75,6 +94,7 @@ class ClientReport:
         self.staged_paths: OrderedDict[int, str] = OrderedDict()  # newest few versions
         self.staged_bytes: OrderedDict[int, VersionBytes] = OrderedDict()  # the same few
         self.applied_bytes: VersionBytes | None = None  # what the applied version cost
+        self._adopted: str | None = None  # the instance of what ``adopt`` brought
         self._dirty = True
         self._next_at = 0.0
 
@@ -140,10 +160,46 @@ class ClientReport:
             self.error = error
         self._dirty = True
 
-    def new_instance(self) -> None:
-        """Another publisher instance: a version applied from the old one means nothing."""
+    def new_instance(self, instance: str | None = None) -> None:
+        """Another publisher instance: a version applied from the old one means nothing
+        (unless ``instance`` is the one an adopted record is of: then it is kept)."""
+        adopted, self._adopted = self._adopted, None
+        if instance is not None and instance == adopted:
+            return
         self.applied_version = 0
         self.applied_bytes = None
+        self._dirty = True
+
+    def carried(self, instance: str | None) -> ReportCarry:
+        """What the next subscription should know of this one's versions (``adopt``)."""
+        return ReportCarry(instance, self.applied_version, self.applied_path,
+                           self.applied_bytes, dict(self.staged_paths),
+                           dict(self.staged_bytes))
+
+    def adopt(self, carry: ReportCarry, applied: int | None = None) -> None:
+        """Take over a replaced subscription's record: its staged versions' paths and
+        costs this one lacks, its applied version unless one was applied here since,
+        then ``applied`` (the newest version applied, told after the switch) if newer."""
+        for version, path in carry.staged_paths.items():
+            self.staged_paths.setdefault(version, path)
+        for version, cost in carry.staged_bytes.items():
+            self.staged_bytes.setdefault(version, cost)
+        # oldest first (``staged`` drops from the front), the newest few
+        self.staged_paths = OrderedDict(sorted(self.staged_paths.items())[-_KEEP_PATHS:])
+        self.staged_bytes = OrderedDict(sorted(self.staged_bytes.items())[-_KEEP_PATHS:])
+        if not self.applied_version and carry.applied_version:
+            self.applied_version = carry.applied_version
+            self.applied_path = carry.applied_path
+            self.applied_bytes = carry.applied_bytes
+        elif self.applied_bytes is None and self.applied_version:
+            # told here before the record came: its cost is in the record
+            self.applied_bytes = self.staged_bytes.get(self.applied_version)
+            self.applied_path = self.applied_path or \
+                self.staged_paths.get(self.applied_version, "")
+        if applied and applied > self.applied_version:
+            self.mark_applied(applied)
+        if carry.instance is not None and self.applied_version:
+            self._adopted = carry.instance
         self._dirty = True
 
     # -- sending -----------------------------------------------------------------------------

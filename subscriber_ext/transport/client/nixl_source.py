@@ -20,8 +20,12 @@ everything below is per holder, counted per rank too (``rank_fallbacks``).
 
 After a transfer error, a timeout or an unreachable offer the source stops taking
 that holder's chunks for that version (the next version's offer is tried afresh;
-other ranks' reads go on); a chunk that fails its checksum (a torn read of a
-buffer being overwritten) is never read over NIXL again for that version. A
+other ranks' reads go on); a chunk that fails its checksum is never read over NIXL
+again for that version. Where the holder reused its buffer for a newer version
+under the READ (``keep_versions`` 1: the reads are one-sided, the holder does not
+wait for them), the torn chunk is told from a corrupt one by the holder's claims
+words (``NixlClaims``, READ for that chunk then): ``reused``, counted once, and the
+holder is not READ again for the version (its other chunks are being overwritten). A
 version whose chunks all came one-sided is staged with ``data_path`` "nixl", one
 with some over ZeroMQ "nixl+zmq".
 
@@ -80,7 +84,16 @@ FALLBACK_CAUSES = (
     "checksum",  # a chunk read one-sided failed its checksum (torn or corrupted region)
     "register",  # a staging buffer could not be registered
     "unoffered",  # a sharded trainer's rank offers no NIXL (off or missing there)
+    "reused",  # the holder reused the version's buffer for a newer one under a READ
+    "unready",  # a cut-through holder's chunks did not become ready by the deadline
 )
+#: most seconds a refused chunk's claims READ (``NixlSource._newer``) or a readiness
+#: map's READ (``NixlSource._readiness``) may take
+CLAIMS_TIMEOUT_S = 5.0
+#: a readiness map is READ again after this long while chunks are not final, doubling
+#: to ``READY_MAX_S`` while none becomes final
+READY_MIN_S = 0.002
+READY_MAX_S = 0.05
 _MAX_CAUSES = 16
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
 #: ranges of a sparse staging buffer registered at most (``touched_ranges``)
@@ -121,7 +134,7 @@ class NixlHolder:
     trainer rank (its ``ShardSource`` range, chunk ``first_chunk + i`` at ``i *
     chunk_size`` of its region)."""
 
-    __slots__ = ("base", "first_chunk", "num_chunks", "offer", "rank", "up")
+    __slots__ = ("base", "first_chunk", "num_chunks", "offer", "rank", "reused", "up")
 
     def __init__(self, offer: NixlOffer, first_chunk: int, num_chunks: int, chunk_size: int,
                  rank: int | None = None) -> None:
@@ -131,6 +144,7 @@ class NixlHolder:
         self.base = first_chunk * chunk_size  # the union's offset of the region's byte 0
         self.rank = rank  # None: not sharded
         self.up = True  # False after a failure: its rest of the version goes to ZeroMQ
+        self.reused = False  # its buffer was reused for a newer version under a READ
 
 
 class _Read:
@@ -183,6 +197,14 @@ class NixlSource(ChunkSource):
         self.queued: collections.deque[_Queued] = collections.deque()  # taken, not posted
         self.last_done = 0.0  # when a READ last finished (``expire``: the link moves)
         self.pace = ReadPace(picker.rate)
+        # a version offered before its copy is complete (``NixlOffer.ready``; a relay's,
+        # never sharded): chunks seen final, when to READ the map next, since when the
+        # head of ``queued`` waits without a chunk becoming final (``expire``)
+        self.ready_known: set[int] = set()
+        self.ready_waiting = False
+        self.ready_next = 0.0
+        self.ready_wait = READY_MIN_S
+        self.ready_since = 0.0
 
     @property
     def label(self) -> str:
@@ -266,6 +288,13 @@ class NixlSource(ChunkSource):
             if reader is None or not holder.up or target.manifest is not self.manifest:
                 self.sink.requests.forget(req)
                 continue
+            ready = self._readiness(queued, now)
+            if ready is None:
+                self.sink.requests.forget(req)
+                continue
+            if not ready:  # not final yet at the holder: looked at again at ``ready_next``
+                self.queued.appendleft(queued)
+                break
             address = target.buffer.data_ptr()
             pieces = [(0, start - holder.base, address + start, size)
                       for start, size in queued.spans]
@@ -286,6 +315,47 @@ class NixlSource(ChunkSource):
             self.pace.posted(req, transfer.nbytes, now)
             self.picker.bytes_asked += transfer.nbytes
             posted += len(queued.chunks)
+
+    def _readiness(self, queued: _Queued, now: float) -> bool | None:
+        """Whether every chunk of a queued READ is final at its holder (a version offered
+        before its copy is complete: ``NixlOffer.ready``; always, without a map). The
+        words are READ for the chunks not yet seen final, at most once per ``ready_wait``
+        (from ``READY_MIN_S``, doubling to ``READY_MAX_S`` while nothing new is final).
+        None: the holder fell back (its map could not be read)."""
+        holder = queued.holder
+        if holder.offer.ready is None:
+            return True
+        need = [c for c in queued.chunks if c not in self.ready_known]
+        if not need:
+            return True
+        if now < self.ready_next:
+            return False
+        reader = self.picker.reader
+        assert reader is not None
+        low = min(need)
+        try:
+            mask = reader.ready_mask(holder.offer, low - holder.first_chunk,
+                                     max(need) - low + 1,
+                                     timeout=min(self.picker.request_timeout,
+                                                 CLAIMS_TIMEOUT_S))
+        except ProtocolError as exc:
+            self.fall_back("bad_offer", f"its readiness map: {exc}", holder)
+            return None
+        except TransportError as exc:
+            self.fall_back("unreachable", f"its readiness map: {exc}", holder)
+            return None
+        fresh = {c for c in need if mask[c - low]}
+        if not self.ready_waiting or fresh:  # the wait's deadline counts from progress
+            self.ready_since = now
+        self.ready_known |= fresh
+        if len(fresh) == len(need):
+            self.ready_waiting = False
+            self.ready_wait = READY_MIN_S
+            return True
+        self.ready_waiting = True
+        self.ready_wait = READY_MIN_S if fresh else min(2 * self.ready_wait, READY_MAX_S)
+        self.ready_next = now + self.ready_wait
+        return False
 
     def _unqueue(self, holder: NixlHolder | None = None) -> None:
         """Forget the queued READs (of ``holder``; None: all): their chunks are unasked."""
@@ -360,10 +430,12 @@ class NixlSource(ChunkSource):
         now = time.monotonic()
         self.pace.measure(now)
         self._post(now)
+        due = max(0.0, self.ready_next - now) if self.ready_waiting and self.queued \
+            else float("inf")
         if not self.pending:
             self.pace.idle()
-            return float("inf")
-        return self.pace.wait(now)
+            return due
+        return min(self.pace.wait(now), due)
 
     def _end(self, req: int, *, give_back: bool) -> bool:
         """Release a transfer; ``give_back``: its chunks go back to the serving sources
@@ -383,6 +455,11 @@ class NixlSource(ChunkSource):
         """Give up the READs past their deadline (``ReadPace.deadline``): their holder
         falls back to frames for the rest of the version."""
         floor = self.picker.request_timeout
+        if self.ready_waiting and self.queued and now - self.ready_since >= floor:
+            self.ready_waiting = False
+            self.fall_back("unready", f"no chunk of version {self.manifest.version} became "
+                                      f"final at the holder in {floor:.1f} s (its copy "
+                                      "stalled or failed)", self.queued[0].holder)
         ahead = 0  # bytes posted up to each READ, every holder's
         for req, read in list(self.pending.items()):
             ahead += read.transfer.nbytes
@@ -398,11 +475,47 @@ class NixlSource(ChunkSource):
         return False
 
     def refused(self, via: Any, chunk: int, why: str, now: float) -> bool:
+        """A chunk READ here failed its checksum: it goes to the serving sources. Counted
+        as ``reused`` when the holder's buffer now holds a newer version there (the holder
+        recycled it under the READ; its other chunks will be torn too, so the holder
+        falls back for the rest of the version, counted once), else as ``checksum``."""
         self.refused_chunks.add(chunk)
         holder = self.holder(chunk)
+        if holder is not None and holder.reused:
+            return True  # counted once, when the holder fell back
+        newer = None if holder is None else self._newer(holder, chunk)
+        if holder is not None and newer is not None:
+            holder.reused = True
+            if holder.up:
+                self.fall_back("reused", f"chunk {chunk} was overwritten by version {newer} "
+                                         "while it was read (the holder reused its buffer)",
+                               holder)
+            else:
+                self.picker.count("reused", f"chunk {chunk}: overwritten by version {newer}",
+                                  version=self.manifest.version, rank=holder.rank)
+            return True
         self.picker.count("checksum", why, version=self.manifest.version, once=False,
                           rank=None if holder is None else holder.rank)
         return True  # not a try: the chunk goes to the serving sources
+
+    def _newer(self, holder: NixlHolder, chunk: int) -> int | None:
+        """The newer version the holder's buffer was claimed by over ``chunk`` (READ from
+        its claims words, ``NixlClaims``; a claim is stored before its write and never
+        undone, so a torn read shows there now), or None: not reused, or not known (no
+        claims offered, or they could not be read: bounded by ``CLAIMS_TIMEOUT_S``)."""
+        reader, claims = self.picker.reader, holder.offer.claims
+        if reader is None or claims is None:
+            return None
+        start, size = self.manifest.chunk_span(chunk)
+        start -= holder.base
+        try:
+            newest = reader.newest_claim(holder.offer, start, start + size,
+                                         timeout=min(self.picker.request_timeout,
+                                                     CLAIMS_TIMEOUT_S))
+        except (ProtocolError, TransportError) as exc:
+            log.info("nixl: reading the claims of chunk %d: %s", chunk, exc)
+            return None
+        return newest if newest is not None and newest > claims.version else None
 
     def fall_back(self, cause: str, why: str, holder: NixlHolder | None = None) -> None:
         """Stop reading this version one-sided from ``holder`` (None: from every one);

@@ -276,7 +276,7 @@ class SyncClient:
         if self.collective is not None:
             self.collective.follow(publisher_id)
         self.gate.take_waiting()  # a version of the old instance no longer waits
-        self.report.new_instance()
+        self.report.new_instance(publisher_id)
 
     # -- the target's life ---------------------------------------------------------------------
     def start_target(self, manifest: wire.Manifest) -> None:

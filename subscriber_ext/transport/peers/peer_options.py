@@ -88,6 +88,8 @@ class PeerOptions:
     window_chunks: int = 4  # chunks asked ahead of each peer (they wait there: cut-through)
     hello_interval: float = 1.0
     plan_wait: float = 0.5  # a version without a place in the held plan waits for one
+    #: a sliced member's gathered slices kept for serving (``slice_cache.py``; 0: none)
+    slice_cache_bytes: int = 64 << 20
     server: PeerServerLimits = field(default_factory=PeerServerLimits)
 
     def __post_init__(self) -> None:
@@ -98,6 +100,8 @@ class PeerOptions:
                      upload_mbit=None if rate is None else rate * 8 / 1e6,
                      **({} if self.upload_cpu_share is None
                         else {"upload_cpu_share": self.upload_cpu_share}))
+        if self.slice_cache_bytes < 0:
+            raise ConfigError(f"peer slice cache: {self.slice_cache_bytes} bytes")
         if not 1 <= self.window_chunks <= wire.MAX_CHUNKS_IN_FLIGHT:
             raise ConfigError(f"peer window: {self.window_chunks} chunks is outside "
                               f"[1, {wire.MAX_CHUNKS_IN_FLIGHT}]")

@@ -25,13 +25,16 @@ A sliced subscriber (``slice_plan``, issue 30) shares slices: its hello names it
 plan's digest (the tracker plans it only with members of the same plan), it asks its
 peers with ``slice_fetch`` once the version's ``slice_sums`` are in (the slice source
 asks them of the publisher first), and its server answers ``slice_fetch`` for its own
-plan from its sparse staging (``_slice_lookup``); a whole-chunk ``fetch`` it cannot
-serve (it holds only planned bytes). A slice from a peer is verified against the
-publisher's sums like one from the publisher; one that fails bans the peer.
-``other_plan_chunks`` counts the chunks fetched from the publisher while this member
-was alone on its plan and the tracker held members on other plans. A sharded
+plan from its sparse staging (``_slice_lookup``: each slice gathered once, then served
+from ``slice_cache.py``, whose bytes count in the staging budget); a whole-chunk
+``fetch`` it cannot serve (it holds only planned bytes). A slice from a peer is
+verified against the publisher's sums like one from the publisher; one that fails bans
+the peer. ``other_plan_chunks`` counts the chunks fetched from the publisher while this
+member was alone on its plan and the tracker held members on other plans. A sharded
 trainer's sliced version is shared the same way (the coordinator's tracker; chunk ids
-and sums are the union's). Not yet: slices of a delta come from the trainer side only.
+and sums are the union's). Not yet: slices of a delta come from the trainer side only
+(raw slices from peers instead would not pay: ``docs/benchmarks.md``, peers sharing
+slices).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from subscriber_ext.transport.peers.chunk_sources import PeerLink, Sources, VersionKey
 from subscriber_ext.transport.peers.peer_options import PeerClient, PeerOptions, default_peer_bind
 from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer, Served
+from subscriber_ext.transport.peers.slice_cache import SliceCache
 from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_listener import final_bytes
@@ -108,6 +112,11 @@ class Peering(ChunkSource):
             self._close_context()
             raise
         self._admit: frozenset[str] = frozenset()
+        #: a sliced member's gathered slices (counted in the staging budget, shed first)
+        self.slice_cache: SliceCache | None = None
+        if self.digest:
+            self.slice_cache = SliceCache(options.slice_cache_bytes, client.pool)
+            client.pool.shed = self.slice_cache.shed
         self.budget = UploadBudget(options.upload_bytes_per_s, options.upload_cpu_share,
                                    ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
         self.server = PeerServer(router, self._lookup, self.budget, options.server,
@@ -344,16 +353,32 @@ class Peering(ChunkSource):
         self.sources.chunk_size(manifest.chunk_size)
         self._awaiting = ((manifest.publisher_id, manifest.version), now)
         self._hello(now)
+        self._prune()
         self.server.changed()
 
     def chunk_verified(self, manifest: wire.Manifest, chunk: int, data: memoryview) -> None:
         self.server.changed()
 
     def target_completed(self, manifest: wire.Manifest) -> None:
+        self._prune()
         self.server.changed()
 
     def target_dropped(self, manifest: wire.Manifest) -> None:
+        self._prune(manifest)
         self.server.changed()
+
+    def _prune(self, dropped: wire.Manifest | None = None) -> None:
+        """Gathered slices are kept for the versions ``_slice_lookup`` serves only."""
+        cache = self.slice_cache
+        if cache is None:
+            return
+        held = []
+        target, base = self.client.target, self.client.deltas.base
+        if target is not None and target.manifest is not dropped:
+            held.append((target.manifest.publisher_id, target.manifest.version))
+        if base is not None:
+            held.append((base.manifest.publisher_id, base.version))
+        cache.keep(held)
 
     def _lookup(self, publisher_id: str, version: int, chunk: int) -> Served | str:
         client = self.client
@@ -393,21 +418,42 @@ class Peering(ChunkSource):
                 return GONE
             if chunk in target.missing or not final_bytes(target):
                 return WAIT
-            return _gathered(target.layout, chunk, target.view)
+            return self._gathered((publisher_id, version, digest, chunk), target.layout,
+                                  target.view)
         base = client.deltas.base
         if base is not None and base.version == version and base.plan == digest \
                 and base.manifest.publisher_id == publisher_id and self._layouts is not None:
+            key = (publisher_id, version, digest, chunk)
+            kept = None if self.slice_cache is None else self.slice_cache.get(key)
+            if kept is not None:
+                return Served(kept, None)
             try:
                 layout = self._layouts(base.manifest)
             except ProtocolError:
                 return GONE
             if chunk not in layout.sizes:
                 return GONE
-            return _gathered(layout, chunk, base.view)
+            return self._gathered(key, layout, base.view, looked=True)
         if any(m is not None and m.version == version for m in (client.queued,
                                                                 client.gate.waiting)):
             return WAIT
         return WAIT if version > client.latest_seen else GONE
+
+    def _gathered(self, key: tuple[str, int, str, int], layout: SliceLayout,
+                  view: memoryview, *, looked: bool = False) -> Served:
+        """The key's chunk's planned bytes out of a flat staging view, back to back: kept
+        ones, else a gather (a copy), kept for the next ask. ``looked``: the cache was
+        asked already (a miss)."""
+        cache = self.slice_cache
+        if cache is not None and not looked:
+            kept = cache.get(key)
+            if kept is not None:
+                return Served(kept, None)
+        out = layout.gather(key[3], np.frombuffer(view, dtype=np.uint8))
+        if cache is None:
+            return Served(memoryview(out.data).cast("B"), None)
+        plan = self.plan  # more than one other member of the plan may ask for it
+        return Served(cache.put(key, out, keep=plan is not None and plan.group > 2), None)
 
     # -- reporting and closing -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -425,9 +471,14 @@ class Peering(ChunkSource):
             **self.sources.stats(),
             **self.server.stats(),
             **self.budget.stats(),
+            **(SliceCache(0).stats() if self.slice_cache is None
+               else self.slice_cache.stats()),
         }
 
     def close(self) -> None:
+        if self.slice_cache is not None:
+            self.client.pool.shed = None
+            self.slice_cache.clear()
         self.sources.close()
         self.server.router.close(linger=0)
         self._close_context()
@@ -437,9 +488,3 @@ class Peering(ChunkSource):
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
-
-
-def _gathered(layout: SliceLayout, chunk: int, view: memoryview) -> Served:
-    """``chunk``'s planned bytes out of a flat staging view, back to back (a copy)."""
-    out = layout.gather(chunk, np.frombuffer(view, dtype=np.uint8))
-    return Served(memoryview(out.data).cast("B"), None)

@@ -163,4 +163,7 @@ class UploadBudget:
             "upload_rate_now": round(self.measured_rate, 1),
             "upload_cpu_share_now": round(self.measured_share, 4),
             "upload_effective_rate": None if math.isinf(rate) else round(rate, 1),
+            # CPU spent serving so far: all of it, and the subscriber thread's part
+            "upload_cpu_s": round(self._cpu_now(), 4),
+            "upload_serve_cpu_s": round(self._python_seconds, 4),
         }
