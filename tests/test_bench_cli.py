@@ -2,7 +2,7 @@
 
 Tiny sizes (a smoke run: 2-4 min on CI's 2 cores beside the other engine group). The
 figures of a quick run say nothing about speed; what is checked is that each path
-works: the transport pairs (tcp and ipc) moved their rounds, vLLM agreed with
+works: the transport pairs (tcp, ipc, peer, stream) moved their rounds, vLLM agreed with
 transformers after every update, the delta versions arrived bit exact, and the
 replica's own /metrics saw the commits the bench timed.
 """
@@ -28,7 +28,7 @@ def test_bench_quick_json_runs_every_section_and_prints_its_fields() -> None:
     assert result["quick"] is True
 
     pairs = result["transport"]["pairs"]
-    assert {p["scheme"] for p in pairs} == {"tcp", "ipc", "peer"}
+    assert {p["scheme"] for p in pairs} == {"tcp", "ipc", "peer", "stream"}
     for pair in pairs:
         assert len(pair["raw_seconds"]) == len(pair["weightpub_seconds"]) == 4
         assert pair["ratio"] > 0 and pair["cold_ratio"] > 0 and pair["transfer_seconds"] > 0
@@ -38,6 +38,11 @@ def test_bench_quick_json_runs_every_section_and_prints_its_fields() -> None:
     (peer,) = (p for p in pairs if p["scheme"] == "peer")
     # the receiver got its bytes through the forwarding peer, whose serving CPU is its own row
     assert peer["from_peers_fraction"] > 0.5 and "forwarding" in peer["cpu_s_per_GB"]
+    # the stream path ran beside frames and raw TCP (the tcp pair's rounds), every version
+    # over the stream
+    (stream,) = (p for p in pairs if p["scheme"] == "stream")
+    assert stream["data_paths"] == ["stream"] * 4 and stream["stream_vs_frames"] > 0
+    assert {"publisher", "subscriber"} <= set(stream["frames_cpu_s_per_GB"])
 
     e2e = result["e2e"]
     assert set(e2e["median_s"]) == {"weightpub", "disk", "per_param_rpc"}

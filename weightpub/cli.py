@@ -116,9 +116,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options.transport_rounds = args.rounds
     if args.schemes:
         options.schemes = [m.strip() for m in args.schemes.split(",") if m.strip()]
-        wrong = sorted(set(options.schemes) - {"tcp", "ipc", "peer"})
+        wrong = sorted(set(options.schemes) - {"tcp", "ipc", "peer", "stream"})
         if wrong:
-            raise ConfigError(f"--schemes: unknown {wrong} (known: tcp, ipc, peer)")
+            raise ConfigError(f"--schemes: unknown {wrong} (known: tcp, ipc, peer, stream)")
     if args.scale_mib:
         options.scale_mib = [int(m) for m in args.scale_mib.split(",")]
     if args.scale_replica_layers:
@@ -222,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "prepared shadows)")
     bench.add_argument("--schemes", default="",
                        help="transport paths, comma-separated: tcp, ipc, peer (a subscriber "
-                            "fed by a forwarding peer; default all three)")
+                            "fed by a forwarding peer), stream (the plain-TCP stream path, "
+                            "beside raw TCP and frames in one run); default all four")
     bench.add_argument("--rounds", type=int, default=0,
                        help="transport rounds per pair (default 8; quick 4)")
     bench.add_argument("--no-prepare-while-arriving", action="store_true",

@@ -6,11 +6,13 @@ the rank's range there.
 Ranks are real processes (``shard_procs.py``, forked from the zygote). What must hold:
 versions come bit-exact with every rank's bytes over its stream (no rank sends a chunk
 frame); a rank without the stream costs frames for its range only; a rank whose token
-is refused falls back to frames for its range, counted against it.
+is refused falls back to frames for its range, counted against it; a rank killed -9
+mid-stream never lets a partial version stage.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client import stream_source
 from tests.transport.procs import Child, wait_until
-from tests.transport.test_sharded import SPECS, _check, _expected, _publish, _start_ranks
+from tests.transport.test_sharded import CHUNK, SPECS, _check, _expected, _publish, _start_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,3 +105,42 @@ def test_a_refused_token_falls_back_per_rank(
     other = 1 - refused[0]
     assert statuses[refused[0]]["bytes_sent"] == statuses[refused[0]]["shard_total"]
     assert statuses[other]["bytes_sent"] == 0 and statuses[other]["stream"]["accepted"] == 1
+
+
+def test_a_rank_killed_mid_stream_never_stages_a_partial_version(
+        spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 killed -9 while its range streams in: its stream falls back (counted against
+    rank 1), its frames cannot come either, and the version is given up whole; the last
+    complete version stays the latest."""
+    big = [SPECS[0], [("layers.1.w", "float32", (512, 256))]]  # rank 1: 128 chunks
+    ranks, ready0 = _start_ranks(spawn, big, stream=True)
+    staged: list[int] = []
+    sub = make_sub(ready0["announce"], stream=True, request_timeout=1.0, max_chunk_retries=1,
+                   window_bytes=2 * CHUNK, on_version=lambda s: staged.append(s.version))
+    _publish(ranks, 1)
+    _check(sub.wait_for_version(1, timeout=30), _expected(1, big))
+    assert sub.status()["stream"]["fallbacks"] == 0
+
+    read = stream_source.StreamSource._read
+
+    def paced(self: stream_source.StreamSource) -> None:
+        time.sleep(0.05)  # a chunk or so per look: the kill lands mid-version
+        read(self)
+
+    monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
+    monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
+    client = sub._client
+    _publish(ranks, 2)
+    wait_until(lambda: client.target is not None and client.target.manifest.version == 2
+               and len(client.target.missing) < client.target.manifest.num_chunks - 8,
+               30, "version 2 partly streamed in")
+    ranks[1].kill9()
+    wait_until(lambda: 1 in sub.status()["stream"]["rank_fallbacks"], 30,
+               "rank 1's dead stream noticed")
+    wait_until(lambda: client.target is None, 30, "version 2 given up")
+    stream = sub.status()["stream"]
+    assert set(stream["fallback_causes"]) <= {"closed", "timeout"}, stream
+    assert "trainer rank 1" in stream["last_error"]
+    assert staged == [1]  # never a partial version
+    assert sub.latest() is not None and sub.latest().version == 1  # type: ignore[union-attr]

@@ -48,6 +48,16 @@ def summary(result: dict[str, Any]) -> list[Row]:
                                  f"{faults['subscriber']['cold']}",
                                  f"raw recv {faults['raw_receiver']['steady']} / "
                                  f"{faults['raw_receiver']['cold']}", None))
+            if "stream_vs_frames" in p:  # the stream path, frames and raw in one run
+                frames_cpu = p["frames_cpu_s_per_GB"]
+                rows.append(_row("transport", f"{where} stream vs ZeroMQ frames (same run)",
+                                 f"{p['weightpub_GBps']:.2f} GB/s",
+                                 f"frames {p['frames_GBps']:.2f} GB/s ({p['frames_ratio']:.2f}x "
+                                 "raw)", p["stream_vs_frames"]))
+                rows.append(_row("transport", f"{where} CPU-s per GB over frames: publisher, "
+                                 "subscriber", f"{frames_cpu['publisher']:.2f}, "
+                                 f"{frames_cpu['subscriber']:.2f}",
+                                 "paths: " + ",".join(sorted(set(p["data_paths"]))), None))
             if cpu and "forwarding" in cpu:
                 rows.append(_row("transport", f"{where} CPU-s per GB: forwarding peer "
                                  "(serving), its whole process, receiver fed by it",

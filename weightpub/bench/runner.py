@@ -1,7 +1,8 @@
 """``weightpub bench``: every benchmark in one run, ratios against baselines of the same run.
 
 Sections (``--sections``): ``transport`` (vs a raw TCP socket, tcp://,
-ipc:// and through a forwarding peer), ``e2e`` (new weights -> generating, vs disk
+ipc://, through a forwarding peer and the plain-TCP stream path beside frames),
+``e2e`` (new weights -> generating, vs disk
 reload and per-parameter RPC, oracle-checked; with the commit pause vs vLLM's ``reload_weights``),
 ``streaming`` (tokens/s while versions stream in vs none), ``delta`` (bytes on
 the wire, delta vs full versions), ``scale`` (opt-in, several GiB: host memory of
@@ -44,7 +45,7 @@ class BenchOptions:
     sections: tuple[str, ...] = DEFAULT_SECTIONS
     transport_mib: list[int] = field(default_factory=lambda: [256, 1024])
     transport_rounds: int = 8
-    schemes: list[str] = field(default_factory=lambda: ["tcp", "ipc", "peer"])
+    schemes: list[str] = field(default_factory=lambda: ["tcp", "ipc", "peer", "stream"])
     e2e_model: str = "311MB"
     e2e_reps: int = 5
     e2e_warmup: int = 1
@@ -82,7 +83,11 @@ class BenchOptions:
     def ticks(self) -> dict[str, int]:
         """Timed rounds per section, for the progress bar."""
         return {
-            "transport": 2 * self.transport_rounds * len(self.transport_mib) * len(self.schemes),
+            # two paths a round per scheme, three for ``stream`` (raw, frames, stream), whose
+            # frames are the tcp pair's when both are asked
+            "transport": self.transport_rounds * len(self.transport_mib)
+            * sum(3 if scheme == "stream" else 0 if scheme == "tcp" and "stream" in self.schemes
+                  else 2 for scheme in self.schemes),
             "e2e": 3 * self.e2e_reps,
             "streaming": 2 * self.stream_rounds * len(self.cadences),
             "delta": self.delta_steps + 1,

@@ -37,6 +37,12 @@ and ZeroMQ's receive buffers then take anew.
   (``upload_cpu_share``, default 0.25 cores, would pace it); ``from_peers_fraction``
   says how much of the version came through the forwarder (a peer that stalls
   under load is skipped for a while and the publisher serves instead).
+* ``stream``: the plain-TCP stream path (``stream=True`` on both sides, issue 29),
+  interleaved three ways in one run: raw, ZeroMQ frames (``tcp``) and the stream, so
+  ``ratio`` (stream vs raw), ``frames_ratio`` (frames vs raw) and ``stream_vs_frames``
+  are same-run ratios; ``frames_cpu_s_per_GB`` is the frames path's CPU beside the
+  stream's ``cpu_s_per_GB``; ``data_paths`` says how each round's version came (a
+  "stream+zmq" or "zmq" there means the stream fell back).
 """
 
 from __future__ import annotations
@@ -76,17 +82,18 @@ def _raw_receiver(port: int, nbytes: int, rounds: int, conn: Any) -> None:
             conn.send((got, process_cpu() - cpu, process_faults() - faults))
 
 
-def _wp_receiver(endpoint: str, rounds: int, conn: Any) -> None:
+def _wp_receiver(endpoint: str, rounds: int, conn: Any, stream: bool = False) -> None:
     from subscriber_ext import WeightSubscriber
 
-    with WeightSubscriber(endpoint) as sub, StackSampler() as sampler:
+    with WeightSubscriber(endpoint, stream=stream) as sub, StackSampler() as sampler:
         conn.send("ready")
         threads_before = thread_cpu()
         for version in range(1, rounds + 1):
             cpu, faults = process_cpu(), process_faults()
             staged = sub.wait_for_version(version, timeout=300)
             # manifest seen -> all chunks verified; this process's CPU over the round
-            conn.send((staged.fetch_seconds, process_cpu() - cpu, process_faults() - faults))
+            conn.send((staged.fetch_seconds, process_cpu() - cpu, process_faults() - faults,
+                       staged.data_path))
             staged.release()
         threads = thread_cpu()
         conn.send({"threads": {name: round(seconds - threads_before.get(name, 0.0), 3)
@@ -238,14 +245,16 @@ class _RawPath:
 
 
 class _WeightpubPath:
-    def __init__(self, source: torch.Tensor, rounds: int, endpoint: str) -> None:
+    def __init__(self, source: torch.Tensor, rounds: int, endpoint: str,
+                 stream: bool = False) -> None:
         from publisher import WeightPublisher
 
+        # its own weights dict: paths sharing ``source`` each publish their own versions
         self.weights = {"w": source}
-        self.pub = WeightPublisher(endpoint)
+        self.pub = WeightPublisher(endpoint, stream=stream)
         self.conn, child = mp.Pipe()
         self.proc = mp.get_context("spawn").Process(
-            target=_wp_receiver, args=(self.pub.endpoint, rounds, child), daemon=True)
+            target=_wp_receiver, args=(self.pub.endpoint, rounds, child, stream), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise TimeoutError("subscriber process did not start")
@@ -258,13 +267,14 @@ class _WeightpubPath:
         published = time.perf_counter() - start
         if not self.conn.poll(300):
             raise TimeoutError("subscriber did not stage the version")
-        transfer, subscriber_cpu, subscriber_faults = self.conn.recv()
+        transfer, subscriber_cpu, subscriber_faults, data_path = self.conn.recv()
         took = time.perf_counter() - start
         publisher_cpu, publisher_faults = process_cpu() - cpu, process_faults() - faults
         self.weights["w"][:8] += 1  # a different version each round
         return {"seconds": took, "publish_seconds": published, "transfer_seconds": transfer,
                 "publisher_cpu": publisher_cpu, "subscriber_cpu": subscriber_cpu,
-                "publisher_faults": publisher_faults, "subscriber_faults": subscriber_faults}
+                "publisher_faults": publisher_faults, "subscriber_faults": subscriber_faults,
+                "data_path": data_path}
 
     def close(self) -> dict[str, Any]:
         """The subscriber's CPU breakdown over all rounds (threads, Python lines)."""
@@ -276,25 +286,44 @@ class _WeightpubPath:
         return profile
 
 
-def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], None],
-          ipc_dir: str) -> dict[str, Any]:
+def _pairs(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], None],
+           ipc_dir: str, frames_too: bool = False) -> list[dict[str, Any]]:
+    """``scheme``'s figures against raw TCP from one interleaved run; ``stream`` runs a
+    frames path in the same rounds (``frames_too``: its figures also as the ``tcp``
+    pair, which then needs no run of its own)."""
     endpoint = "tcp://127.0.0.1:0" if scheme != "ipc" else f"ipc://{ipc_dir}/bench-{rounds}"
     raw_path = _RawPath(source, rounds)
     wp_path: _WeightpubPath | _PeerPath = _PeerPath(source, endpoint) if scheme == "peer" \
-        else _WeightpubPath(source, rounds, endpoint)
-    raw: list[dict[str, float]] = []
-    wp: list[dict[str, float]] = []
+        else _WeightpubPath(source, rounds, endpoint, stream=scheme == "stream")
+    # the stream's same-run baseline over ZeroMQ frames (the same source, its own versions)
+    frames_path = _WeightpubPath(source, rounds, endpoint) if scheme == "stream" else None
+    paths: list[Any] = [p for p in (raw_path, wp_path, frames_path) if p is not None]
+    by_path: dict[int, list[dict[str, Any]]] = {id(path): [] for path in paths}
     profile: dict[str, Any] = {}
+    frames_profile: dict[str, Any] = {}
     try:
         for rnd in range(rounds):
-            first, second = (raw_path, wp_path) if rnd % 2 == 0 else (wp_path, raw_path)
-            for path in (first, second):
-                (raw if path is raw_path else wp).append(path.round())
+            shift = rnd % len(paths)  # each path first in turn: the same machine state
+            for path in paths[shift:] + paths[:shift]:
+                by_path[id(path)].append(path.round())
                 tick()
     finally:
         raw_path.close()
         profile = wp_path.close()
-    nbytes = source.numel()
+        if frames_path is not None:
+            frames_profile = frames_path.close()
+    raw, wp = by_path[id(raw_path)], by_path[id(wp_path)]
+    frames = None if frames_path is None else by_path[id(frames_path)]
+    out = [_figures(scheme, source.numel(), rounds, raw, wp, profile, frames)]
+    if frames is not None and frames_too:
+        out.insert(0, _figures("tcp", source.numel(), rounds, raw, frames, frames_profile))
+    return out
+
+
+def _figures(scheme: str, nbytes: int, rounds: int, raw: list[dict[str, Any]],
+             wp: list[dict[str, Any]], profile: dict[str, Any],
+             frames: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One pair's figures from its rounds (``frames``: the stream's frames baseline)."""
     steady = slice(STEADY_FROM, None) if rounds > STEADY_FROM else slice(rounds - 1, None)
 
     def med(runs: list[dict[str, float]], key: str) -> float:
@@ -326,6 +355,16 @@ def _pair(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], Non
                  "from_peers_rounds": [round(r["from_peers_fraction"], 3) for r in wp],
                  "forwarder_profile": profile.get("forwarder", {})}
         profile = profile.get("receiver", {})
+    if frames is not None:
+        frames_s = med(frames, "seconds")
+        extra = {"frames_GBps": nbytes / frames_s / 1e9, "frames_ratio": raw_s / frames_s,
+                 "stream_vs_frames": frames_s / wp_s,
+                 "stream_vs_frames_rounds": [f["seconds"] / w["seconds"]
+                                             for f, w in zip(frames, wp, strict=True)],
+                 "frames_seconds": [f["seconds"] for f in frames],
+                 "frames_cpu_s_per_GB": {"publisher": per_gb(frames, "publisher_cpu"),
+                                         "subscriber": per_gb(frames, "subscriber_cpu")},
+                 "data_paths": [w["data_path"] for w in wp]}
     return {
         "scheme": scheme,
         "bytes": nbytes,
@@ -355,8 +394,12 @@ def run_transport(sizes_mib: list[int], rounds: int, schemes: list[str],
     with tempfile.TemporaryDirectory(prefix="weightpub-bench-") as ipc_dir:
         for mib in sizes_mib:
             source = torch.randint(0, 255, (mib << 20,), dtype=torch.uint8)
+            # with ``stream`` asked, the tcp pair's frames run in the stream's rounds
+            merged = "stream" in schemes and "tcp" in schemes
             for scheme in schemes:
-                results.append({"mib": mib, **_pair(source, rounds, scheme, tick, ipc_dir)})
+                if not (merged and scheme == "tcp"):
+                    results += [{"mib": mib, **pair} for pair in _pairs(
+                        source, rounds, scheme, tick, ipc_dir, frames_too=merged)]
             del source
     return {"rounds": rounds, "steady_from_round": STEADY_FROM + 1, "pairs": results,
             "targets": {"ratio": 0.8, "cold_ratio": 0.6}}

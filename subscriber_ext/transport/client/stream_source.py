@@ -4,8 +4,12 @@ A manifest with ``stream_port`` gets a ``StreamSource``, a *first* source
 (``staging/chunk_source.py``, as NIXL's): it takes the chunks the publisher is about
 to be asked as ZeroMQ frames. To connect it asks a one-time token over the client's
 own DEALER (``StreamTokenRequest``; under CURVE that is the authenticated
-connection), connects to the port at the ROUTER's host, presents the token and,
-once accepted, sends chunk requests there (``weightpub_wire.stream_link``). Each
+connection), connects to the port at the ROUTER's host (a non-blocking connect,
+polled; not done within ``request_timeout``: ``connect_timeout``), presents the token
+and, once accepted, sends chunk requests there (``weightpub_wire.stream_link``). A
+sharded trainer's ranks each get a source of their own (``StreamPicker.follow_ranks``,
+called by ``shard_links.py``): the token asked over that rank's DEALER, that rank's
+range only, numbered from 0 on its port, fallbacks counted per rank. Each
 reply's bytes are ``recv_into``'d straight into the target's buffer and hashed as
 they land, then handed to ``SourceSink.in_place`` with that digest: verified
 against the manifest's checksum there, with no copy and no second pass.
