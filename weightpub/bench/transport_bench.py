@@ -59,11 +59,15 @@ from typing import Any
 import torch
 
 from weightpub.bench.cpu_probe import StackSampler, process_cpu, process_faults, thread_cpu
+from weightpub.bench.forked import forkserver
 from weightpub_wire.buffers import byte_view
 
 __all__ = ["run_transport"]
 
 STEADY_FROM = 3  # 0-based round from which every buffer on both sides is reused
+#: the receivers are forked from a zygote that imported these once (an interpreter
+#: importing torch costs seconds of CPU on a loaded 2-core machine, per child)
+PRELOAD = ("torch", "zmq", "publisher", "subscriber_ext", __name__)
 
 
 def _raw_receiver(port: int, nbytes: int, rounds: int, conn: Any) -> None:
@@ -158,7 +162,7 @@ class _PeerPath:
         self.version = 0
         for index in range(2):  # joined one by one: member i holds slot i
             conn, child = mp.Pipe()
-            proc = mp.get_context("spawn").Process(
+            proc = forkserver(PRELOAD).Process(
                 target=_peer_member, args=(self.pub.endpoint, f"bench-peer{index}", child),
                 daemon=True)
             proc.start()
@@ -219,7 +223,7 @@ class _RawPath:
         self.view = byte_view(source)
         server = socket.create_server(("127.0.0.1", 0))
         self.conn, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(
+        self.proc = forkserver(PRELOAD).Process(
             target=_raw_receiver, args=(server.getsockname()[1], len(self.view), rounds, child),
             daemon=True)
         self.proc.start()
@@ -253,7 +257,7 @@ class _WeightpubPath:
         self.weights = {"w": source}
         self.pub = WeightPublisher(endpoint, stream=stream)
         self.conn, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(
+        self.proc = forkserver(PRELOAD).Process(
             target=_wp_receiver, args=(self.pub.endpoint, rounds, child, stream), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
