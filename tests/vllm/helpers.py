@@ -189,6 +189,21 @@ def make_llm(model_dir: Path, tp: int = 1, *, engine_driver: bool = True, **extr
     )
 
 
+#: what the trainer processes' zygote imports once (``children``)
+CHILD_PRELOAD = ("torch", "safetensors.torch", "publisher", "publisher.sharded_publisher",
+                 "subscriber_ext", "subscriber_ext.vllm_ext.seed.broadcast_client",
+                 "tests.vllm.helpers", "tests.vllm.shard_trainer")
+
+
+def children() -> Any:
+    """The multiprocessing context of the trainer processes: each is forked from a
+    forkserver that imported torch and ``CHILD_PRELOAD`` once (a fresh interpreter costs
+    seconds of CPU on CI's 2 cores, beside the engines); a real process of its own."""
+    from weightpub.bench.forked import forkserver
+
+    return forkserver(CHILD_PRELOAD)
+
+
 def encode_all(weights: dict[str, torch.Tensor]) -> list[dict]:
     from subscriber_ext.vllm_ext.seed.tensor_bytes import encode_tensor
 

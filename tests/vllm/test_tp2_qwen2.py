@@ -8,7 +8,6 @@ is ``test_engine_driver.py``; both are checked against the same oracle.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from subscriber_ext import wait_until_applied
 from .helpers import (
     FAKE_SUB,
     assert_matches_hf,
+    children,
     encode_all,
     free_port,
     make_llm,
@@ -108,7 +108,7 @@ def test_tp2_trainer_ranks_publish_their_shards_then_the_job_restarts_with_four(
 
     from .shard_trainer import shard_trainer_main
 
-    ctx = mp.get_context("spawn")
+    ctx = children()
     out = ctx.Queue()
     commands = [ctx.Queue() for _ in range(4)]
     ranks: list = []
@@ -196,7 +196,7 @@ def test_tp2_seed_gloo(llm, tmp_path):
     path = tmp_path / "w.safetensors"
     save_file(w, str(path))
     port = free_port()
-    trainer = mp.get_context("spawn").Process(
+    trainer = children().Process(
         target=trainer_main, args=("127.0.0.1", port, 2, str(path), 1)
     )
     trainer.start()
@@ -225,7 +225,7 @@ def test_tp2_seed_gloo_packed_buckets_and_a_stale_communicator_closed_first(llm,
     path = tmp_path / "w.safetensors"
     save_file(w, str(path))
     ports = [free_port(), free_port()]
-    ctx = mp.get_context("spawn")
+    ctx = children()
     counts = ctx.Queue()
     trainer = ctx.Process(target=trainer_packed_main,
                           args=("127.0.0.1", ports, 2, str(path), counts))
