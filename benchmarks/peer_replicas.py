@@ -72,10 +72,15 @@ def replica_main(conn: Connection, model_dir: str, tp: int) -> None:
         command, *args = conn.recv()
         try:
             if command == "stop":
-                llm.collective_rpc("stop_weight_subscriber")
+                try:
+                    llm.collective_rpc("stop_weight_subscriber")
+                finally:  # else the engine core and its workers outlive this process
+                    llm.llm_engine.engine_core.shutdown()
                 conn.send(("ok",))
                 return
-            if command == "start":
+            if command == "unsubscribe":
+                conn.send(("ok", llm.collective_rpc("stop_weight_subscriber")))
+            elif command == "start":
                 endpoint, kwargs = args
                 llm.collective_rpc("stop_weight_subscriber")
                 conn.send(("ok", llm.collective_rpc("start_weight_subscriber",
@@ -169,6 +174,11 @@ def peer_rows(replicas: list[Replica]) -> list[list[dict[str, Any]]]:
             for replica in replicas]
 
 
+def plans(rows: list[list[dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
+    return [[(r.get("slot"), r.get("plan_epoch"), r.get("group")) for r in ranks]
+            for ranks in rows]
+
+
 def wait_for_plans(replicas: list[Replica], timeout: float = 120.0) -> None:
     """Until every rank of every replica holds a plan whose group is all replicas (the
     same rank of each replica planned together), and no rank sees a stale member."""
@@ -179,14 +189,13 @@ def wait_for_plans(replicas: list[Replica], timeout: float = 120.0) -> None:
         if all(r.get("group") == len(replicas) for r in flat):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError("peer plans (slot, epoch, group): " + str(
-                [[(r.get("slot"), r.get("plan_epoch"), r.get("group")) for r in ranks]
-                 for ranks in rows]))
+            raise TimeoutError(f"peer plans (slot, epoch, group): {plans(rows)}")
         time.sleep(0.5)
 
 
 def measure(kind: str, tp: int, rounds: int, replicas_n: int) -> dict[str, Any]:
     from publisher import WeightPublisher
+    from publisher.serving.tracker import TrackerLimits
 
     with tempfile.TemporaryDirectory() as tmp:
         from transformers import AutoModelForCausalLM
@@ -211,6 +220,10 @@ def measure(kind: str, tp: int, rounds: int, replicas_n: int) -> dict[str, Any]:
                 order = list(MODES) if number % 2 == 0 else list(MODES)[::-1]
                 for mode in order:
                     kwargs = {**MODES[mode], "request_timeout": 60.0}
+                    if mode == "peers":  # the tracker forgets the last members first: a
+                        for replica in replicas:  # plan changes only where a version
+                            replica.call("unsubscribe")  # starts, and the re-fetch of
+                        time.sleep(TrackerLimits().member_ttl + 1)  # the current one is none
                     for replica in replicas:
                         replica.send("start", relay.endpoint, kwargs)
                     states = [replica.reply() for replica in replicas]
@@ -241,6 +254,11 @@ def measure(kind: str, tp: int, rounds: int, replicas_n: int) -> dict[str, Any]:
                         replica.send("logprobs")
                     gaps = [gap(replica.reply(), want) for replica in replicas]
                     got[mode]["gap"].append(max(gaps))
+                    print(f"{kind} {mode} v{version}: {got[mode]['s'][-1]:.3f}s, publisher "
+                          f"{got[mode]['x'][-1]:.3f}x one replica, from peers (bytes) "
+                          f"{got[mode]['from_peers'][-1]}, plans (slot, epoch, group) "
+                          f"{plans(peers_before)}",
+                          file=sys.stderr, flush=True)
                     if max(gaps) > LOGPROB_ATOL:
                         raise AssertionError(f"{mode} version {version}: logprobs off by "
                                              f"{gaps} (per replica) from transformers")

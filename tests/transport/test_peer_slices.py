@@ -55,6 +55,8 @@ def members(spawn: Callable[..., Child], pub: WeightPublisher, ranks: list[int |
         wait_until(lambda c=child, j=last, n=others: (status(c)["peers"]["plan_epoch"],
                                                        status(c)["peers"]["other_plans"]) ==
                    (status(started[j])["peers"]["plan_epoch"], n), 20, "the final plan")
+    for index, child in enumerate(started):  # its group: the members of its plan, it too
+        assert status(child)["peers"]["group"] == ranks.count(ranks[index])
     return started
 
 
