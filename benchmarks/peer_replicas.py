@@ -179,21 +179,57 @@ def plans(rows: list[list[dict[str, Any]]]) -> list[list[tuple[Any, ...]]]:
             for ranks in rows]
 
 
-def wait_for_plans(replicas: list[Replica], timeout: float = 120.0) -> None:
-    """Until every rank of every replica holds a plan whose group is all replicas (the
-    same rank of each replica planned together), and no rank sees a stale member."""
+def wait_for_members(replicas: list[Replica], timeout: float = 120.0) -> None:
+    """Until the tracker answered every rank of every replica (each is a member). The
+    tracker plans a group where a version starts: the members that joined at the
+    re-fetch of the current version are planned together at the next one."""
     deadline = time.monotonic() + timeout
     while True:
         rows = peer_rows(replicas)
-        flat = [r for ranks in rows for r in ranks]
-        if all(r.get("group") == len(replicas) for r in flat):
+        if all(r.get("slot") is not None for ranks in rows for r in ranks):
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"peer plans (slot, epoch, group): {plans(rows)}")
         time.sleep(0.5)
 
 
-def measure(kind: str, tp: int, rounds: int, replicas_n: int) -> dict[str, Any]:
+def one_version(kind: str, pub: Any, relay: ByteRelay, replicas: list[Replica],
+                fresh: dict[str, torch.Tensor], need: float, row: dict[str, list[Any]],
+                label: str) -> None:
+    """Publish ``fresh``; into ``row``: publish -> applied on every replica, what left
+    the publisher (x one replica's plans), what each rank got from peers, the oracle."""
+    before = relay.bytes_down
+    peers_before = peer_rows(replicas)
+    start = time.monotonic()
+    version = pub.publish(fresh)
+    for replica in replicas:
+        replica.send("wait", version, pub.publisher_id)
+    applied = [replica.reply()[0] for replica in replicas]
+    row["s"].append(max(applied) - start)
+    size = pub.manifest(version).total_bytes
+    quiet(relay, settle=0.5)
+    row["x"].append((relay.bytes_down - before) / (need * size))
+    peers_after = peer_rows(replicas)
+    row["from_peers"].append(
+        [[(a.get("bytes_from_peers") or 0) - (b.get("bytes_from_peers") or 0)
+          for a, b in zip(ra, rb, strict=True)]
+         for ra, rb in zip(peers_after, peers_before, strict=True)])
+    want = oracle_logprobs(kind, fresh)
+    for replica in replicas:
+        replica.send("logprobs")
+    gaps = [gap(replica.reply(), want) for replica in replicas]
+    row["gap"].append(max(gaps))
+    failures = [[r.get("peer_failures") or {} for r in ranks] for ranks in peers_after]
+    print(f"{kind} {label} v{version}: {row['s'][-1]:.3f}s, publisher {row['x'][-1]:.3f}x "
+          f"one replica, from peers (bytes) {row['from_peers'][-1]}, plans (slot, epoch, "
+          f"group) {plans(peers_after)}, peer failures {failures}", file=sys.stderr,
+          flush=True)
+    if max(gaps) > LOGPROB_ATOL:
+        raise AssertionError(f"{label} version {version}: logprobs off by {gaps} (per "
+                             "replica) from transformers")
+
+
+def measure(kind: str, tp: int, rounds: int, replicas_n: int, settle: int) -> dict[str, Any]:
     from publisher import WeightPublisher
     from publisher.serving.tracker import TrackerLimits
 
@@ -210,9 +246,9 @@ def measure(kind: str, tp: int, rounds: int, replicas_n: int) -> dict[str, Any]:
                               peer_members_per_address=0)
         relay = ByteRelay.in_front_of(pub.endpoint)
         got: dict[str, dict[str, list[Any]]] = {
-            m: {"s": [], "x": [], "from_peers": [], "gap": []} for m in MODES}
-        need = 0
-        size = 0
+            m: {"s": [], "x": [], "from_peers": [], "gap": []}
+            for mode in MODES for m in (mode, mode + " joined")}
+        need = 0.0
         load = [os.getloadavg()[0]]
         seed = 100
         try:
@@ -229,50 +265,29 @@ def measure(kind: str, tp: int, rounds: int, replicas_n: int) -> dict[str, Any]:
                     states = [replica.reply() for replica in replicas]
                     need = sum(s["receive"]["needed_fraction"] for s in states[0])
                     if mode == "peers":
-                        wait_for_plans(replicas)
+                        wait_for_members(replicas)
                     quiet(relay, settle=1.5)  # the re-fetch of the current version
-                    before = relay.bytes_down
-                    peers_before = peer_rows(replicas)
-                    seed += 1
-                    fresh = weights(kind, seed)
-                    start = time.monotonic()
-                    version = pub.publish(fresh)
-                    for replica in replicas:
-                        replica.send("wait", version, pub.publisher_id)
-                    applied = [replica.reply()[0] for replica in replicas]
-                    got[mode]["s"].append(max(applied) - start)
-                    size = pub.manifest(version).total_bytes
-                    quiet(relay, settle=0.5)
-                    got[mode]["x"].append((relay.bytes_down - before) / (need * size))
-                    peers_after = peer_rows(replicas)
-                    got[mode]["from_peers"].append(
-                        [[(a.get("bytes_from_peers") or 0) - (b.get("bytes_from_peers") or 0)
-                          for a, b in zip(ra, rb, strict=True)]
-                         for ra, rb in zip(peers_after, peers_before, strict=True)])
-                    want = oracle_logprobs(kind, fresh)
-                    for replica in replicas:
-                        replica.send("logprobs")
-                    gaps = [gap(replica.reply(), want) for replica in replicas]
-                    got[mode]["gap"].append(max(gaps))
-                    print(f"{kind} {mode} v{version}: {got[mode]['s'][-1]:.3f}s, publisher "
-                          f"{got[mode]['x'][-1]:.3f}x one replica, from peers (bytes) "
-                          f"{got[mode]['from_peers'][-1]}, plans (slot, epoch, group) "
-                          f"{plans(peers_before)}",
-                          file=sys.stderr, flush=True)
-                    if max(gaps) > LOGPROB_ATOL:
-                        raise AssertionError(f"{mode} version {version}: logprobs off by "
-                                             f"{gaps} (per replica) from transformers")
+                    for index in range(1 + settle):  # the first: members planned in
+                        seed += 1
+                        last = index == settle
+                        one_version(kind, pub, relay, replicas, weights(kind, seed), need,
+                                    got[mode if last else mode + " joined"],
+                                    mode if last else mode + " (just subscribed)")
                 load.append(os.getloadavg()[0])
         finally:
             for replica in replicas:
                 replica.close()
             relay.close()
+            size = pub.manifest().total_bytes
             pub.close()
     out: dict[str, Any] = {"kind": kind, "tp": tp, "replicas": replicas_n,
                            "version_mb": round(size / 1e6, 1),
+                           "measured after": f"{settle} version(s) per (re)subscription",
                            "one_replica_x_version": round(need, 4),
                            "load_1min": [round(x, 1) for x in load]}
     for mode, row in got.items():
+        if not row["s"]:
+            continue
         out[mode] = {"median_s": round(statistics.median(row["s"]), 3),
                      "s": [round(s, 3) for s in row["s"]],
                      "publisher_x_one_replica": [round(x, 3) for x in row["x"]],
@@ -290,9 +305,12 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--settle", type=int, default=1,
+                        help="versions after each (re)subscription before the measured one "
+                             "(the members that joined are planned in at the next version)")
     args = parser.parse_args()
     for kind in args.kinds:
-        print(measure(kind, args.tp, args.rounds, args.replicas), flush=True)
+        print(measure(kind, args.tp, args.rounds, args.replicas, args.settle), flush=True)
 
 
 if __name__ == "__main__":
