@@ -55,6 +55,8 @@ def members(spawn: Callable[..., Child], pub: WeightPublisher, ranks: list[int |
         wait_until(lambda c=child, j=last, n=others: (status(c)["peers"]["plan_epoch"],
                                                        status(c)["peers"]["other_plans"]) ==
                    (status(started[j])["peers"]["plan_epoch"], n), 20, "the final plan")
+    for index, child in enumerate(started):  # its group: the members of its plan, it too
+        assert status(child)["peers"]["group"] == ranks.count(ranks[index])
     return started
 
 
@@ -386,3 +388,30 @@ def test_through_a_tracker_without_plan_groups_every_member_stages_from_the_publ
     assert got[1]["served_slices"] == 0 == got[0]["served_slices"]
     both = half_plan(0, SPEC).needed_bytes + half_plan(1, SPEC).needed_bytes
     assert sent(pub) == (2 * both, 2 * pub.manifest(2).total_bytes)
+
+
+def test_a_member_alone_on_its_plan_waits_for_the_plan_a_newcomer_joins_at_the_next_version(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+    """A replica restarted (or a layout changed) between versions: the member that was
+    alone on its plan must not fetch the next version all from the publisher under the
+    plan it held, while the newcomer is planned in at that version's start."""
+    pub = make_pub(chunk_size=CHUNK)
+    (first,) = members(spawn, pub, [0])
+    needed = half_plan(0, SPEC).needed_bytes
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    staged_ok(first, 1)
+    second = spawn("peer", endpoint=pub.endpoint, seed=SEED, spec=SPEC, name="m1", slice_rank=0,
+                   options={"request_timeout": 10.0, "report_interval": 0.3})
+    second.event("ready", timeout=60)
+    staged_ok(second, 1)  # the late joiner's first version: from the publisher, unplanned
+    wait_until(lambda: status(second)["peers"]["slot"] == -1, 20, "the newcomer's answer")
+    before = sent(pub)[0]
+    pub.publish(det_weights(SEED, 2, SPEC), version=2)
+    for child in (first, second):
+        staged_ok(child, 2)
+    one, two = status(first), status(second)
+    assert (one["peers"]["group"], two["peers"]["group"]) == (2, 2)
+    assert one["peers"]["bytes_from_peers"] > 0 and two["peers"]["bytes_from_peers"] > 0
+    # both halves of the plan crossed the trainer's link once (not 1.5x: the member alone
+    # on the held plan fetching its whole plan from the publisher)
+    assert sent(pub)[0] - before <= 1.15 * needed, (sent(pub)[0] - before) / needed

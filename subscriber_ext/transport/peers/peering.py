@@ -462,6 +462,7 @@ class Peering(ChunkSource):
             "endpoint": self.endpoint,
             "slot": None if plan is None else plan.slot,
             "plan_epoch": None if plan is None else plan.epoch,
+            "group": None if plan is None else plan.group,  # members planned with it, it too
             "bytes_from_peers": self.bytes_from_peers,
             "chunks_from_peers": self.chunks_from_peers,
             "plan": self.digest or None,
