@@ -180,13 +180,8 @@ class NixlExport:
         with self._lock:
             held = self._words.get(key)
         if held is not words:
-            try:
-                if held is not None:
-                    exporter.forget(held.ctypes.data, held.nbytes)
-                exporter.register(words.ctypes.data, words.nbytes)
-            except Exception as exc:
-                log.warning("nixl: registering a buffer's claims failed, offers go without "
-                            "them: %s", exc)
+            if not _swap(exporter, held, words, "a buffer's claims failed, offers go "
+                                                 "without them"):
                 with self._lock:
                     self._words.pop(key, None)
                 return None
@@ -209,13 +204,8 @@ class NixlExport:
         if held is not None and held[0] is base:
             return held[1]
         words = numpy.zeros(max(1, -(-base.numel() // MIN_CHUNK_SIZE)), dtype="<i8")
-        try:
-            if held is not None:
-                exporter.forget(held[1].ctypes.data, held[1].nbytes)
-            exporter.register(words.ctypes.data, words.nbytes)
-        except Exception as exc:
-            log.warning("nixl: registering a readiness map failed, versions are offered "
-                        "once complete: %s", exc)
+        if not _swap(exporter, None if held is None else held[1], words,
+                     "a readiness map failed, versions are offered once complete"):
             with self._lock:
                 self._ready.pop(key, None)
             return None
@@ -263,3 +253,17 @@ class RegisteringAllocator:
     def free(self, key: int) -> None:
         self._export.freed(key)
         self._inner.free(key)
+
+
+def _swap(exporter: NixlExporter, held: numpy.ndarray | None, words: numpy.ndarray,
+          what: str) -> bool:
+    """Register ``words`` in place of ``held`` (deregistered first); False, with a WARNING
+    naming ``what`` and why, when UCX refuses."""
+    try:
+        if held is not None:
+            exporter.forget(held.ctypes.data, held.nbytes)
+        exporter.register(words.ctypes.data, words.nbytes)
+    except Exception as exc:
+        log.warning("nixl: registering %s: %s", what, exc)
+        return False
+    return True
