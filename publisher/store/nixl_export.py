@@ -117,14 +117,17 @@ class NixlExport:
         exporter = self._exporter
         if exporter is None:
             return
-        try:
-            if length is not None:
-                exporter.forget(address, length)
-            for each in (words, None if ready is None else ready[1]):
-                if each is not None:
-                    exporter.forget(each.ctypes.data, each.nbytes)
-        except Exception as exc:
-            log.warning("nixl: deregistering a snapshot buffer failed: %s", exc)
+        # each on its own: one refused deregistration must not leave the others registered
+        for what, start, nbytes in (
+                ("a snapshot buffer", address, length),
+                ("its claims words", *_span(words)),
+                ("its readiness map", *_span(None if ready is None else ready[1]))):
+            if nbytes is None:
+                continue
+            try:
+                exporter.forget(start, nbytes)
+            except Exception as exc:
+                log.warning("nixl: deregistering %s at %#x failed: %s", what, start, exc)
 
     def unoffer(self, cause: str) -> None:
         """Count a version announced without an offer (``UNOFFERED_CAUSES``)."""
@@ -267,3 +270,8 @@ def _swap(exporter: NixlExporter, held: numpy.ndarray | None, words: numpy.ndarr
         log.warning("nixl: registering %s: %s", what, exc)
         return False
     return True
+
+
+def _span(words: numpy.ndarray | None) -> tuple[int, int | None]:
+    """(address, bytes) of registered words; (0, None) without."""
+    return (0, None) if words is None else (words.ctypes.data, words.nbytes)
