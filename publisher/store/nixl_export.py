@@ -117,14 +117,17 @@ class NixlExport:
         exporter = self._exporter
         if exporter is None:
             return
-        try:
-            if length is not None:
-                exporter.forget(address, length)
-            for each in (words, None if ready is None else ready[1]):
-                if each is not None:
-                    exporter.forget(each.ctypes.data, each.nbytes)
-        except Exception as exc:
-            log.warning("nixl: deregistering a snapshot buffer failed: %s", exc)
+        # each on its own: one refused deregistration must not leave the others registered
+        for what, start, nbytes in (
+                ("a snapshot buffer", address, length),
+                ("its claims words", *_span(words)),
+                ("its readiness map", *_span(None if ready is None else ready[1]))):
+            if nbytes is None:
+                continue
+            try:
+                exporter.forget(start, nbytes)
+            except Exception as exc:
+                log.warning("nixl: deregistering %s at %#x failed: %s", what, start, exc)
 
     def unoffer(self, cause: str) -> None:
         """Count a version announced without an offer (``UNOFFERED_CAUSES``)."""
@@ -180,13 +183,8 @@ class NixlExport:
         with self._lock:
             held = self._words.get(key)
         if held is not words:
-            try:
-                if held is not None:
-                    exporter.forget(held.ctypes.data, held.nbytes)
-                exporter.register(words.ctypes.data, words.nbytes)
-            except Exception as exc:
-                log.warning("nixl: registering a buffer's claims failed, offers go without "
-                            "them: %s", exc)
+            if not _swap(exporter, held, words, "a buffer's claims failed, offers go "
+                                                 "without them"):
                 with self._lock:
                     self._words.pop(key, None)
                 return None
@@ -209,13 +207,8 @@ class NixlExport:
         if held is not None and held[0] is base:
             return held[1]
         words = numpy.zeros(max(1, -(-base.numel() // MIN_CHUNK_SIZE)), dtype="<i8")
-        try:
-            if held is not None:
-                exporter.forget(held[1].ctypes.data, held[1].nbytes)
-            exporter.register(words.ctypes.data, words.nbytes)
-        except Exception as exc:
-            log.warning("nixl: registering a readiness map failed, versions are offered "
-                        "once complete: %s", exc)
+        if not _swap(exporter, None if held is None else held[1], words,
+                     "a readiness map failed, versions are offered once complete"):
             with self._lock:
                 self._ready.pop(key, None)
             return None
@@ -263,3 +256,22 @@ class RegisteringAllocator:
     def free(self, key: int) -> None:
         self._export.freed(key)
         self._inner.free(key)
+
+
+def _swap(exporter: NixlExporter, held: numpy.ndarray | None, words: numpy.ndarray,
+          what: str) -> bool:
+    """Register ``words`` in place of ``held`` (deregistered first); False, with a WARNING
+    naming ``what`` and why, when UCX refuses."""
+    try:
+        if held is not None:
+            exporter.forget(held.ctypes.data, held.nbytes)
+        exporter.register(words.ctypes.data, words.nbytes)
+    except Exception as exc:
+        log.warning("nixl: registering %s: %s", what, exc)
+        return False
+    return True
+
+
+def _span(words: numpy.ndarray | None) -> tuple[int, int | None]:
+    """(address, bytes) of registered words; (0, None) without."""
+    return (0, None) if words is None else (words.ctypes.data, words.nbytes)

@@ -140,3 +140,27 @@ def _unoffered(relay: Relay) -> dict[str, int]:
     unoffered = status["unoffered"]
     assert isinstance(unoffered, dict)
     return unoffered
+
+
+def test_a_dropped_buffer_takes_its_claims_and_readiness_words_out_of_nixl() -> None:
+    """``NixlExport.freed``: the buffer, its claims words and its readiness map are all
+    deregistered (none left registered over memory that is about to go)."""
+    import torch
+
+    from publisher.store.buffer_claims import BufferClaims
+    from publisher.store.nixl_export import NixlExport
+    export = NixlExport("weightpub-test-freed")
+    try:
+        assert export.on, export.off_reason
+        exporter = export._exporter
+        assert exporter is not None
+        buffer = torch.zeros(1 << 20, dtype=torch.uint8)
+        export.registered(buffer)
+        offer = export.offer(buffer, buffer.numel(), claims=BufferClaims(buffer.numel()),
+                             version=3, ready=export.ready_words(buffer), chunk_size=1 << 18)
+        assert offer is not None and offer.claims is not None and offer.ready is not None
+        assert exporter.registered_bytes > buffer.numel()  # the buffer and both maps
+        export.freed(buffer.data_ptr())
+        assert exporter.registered_bytes == 0 and export.registered_bytes == 0
+    finally:
+        export.close()

@@ -87,3 +87,12 @@ def test_the_budget_bounds_the_cache_and_staging_takes_the_room_back() -> None:
     assert cache.nbytes == 0 == pool.side_bytes and cache.sheds == 1
     with pytest.raises(ValueError, match="unhold"):
         pool.unhold(1)
+
+
+def test_a_negative_cache_size_is_refused_naming_the_option() -> None:
+    from subscriber_ext.transport.peers.peer_options import PeerOptions
+    from weightpub_wire.errors import ConfigError
+    with pytest.raises(ConfigError, match="slice_cache_bytes: -1 is negative"):
+        PeerOptions(slice_cache_bytes=-1)
+    with pytest.raises(ValueError, match="max_entries 0 >= 1"):
+        SliceCache(1, max_entries=0)

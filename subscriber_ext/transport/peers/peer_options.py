@@ -101,7 +101,8 @@ class PeerOptions:
                      **({} if self.upload_cpu_share is None
                         else {"upload_cpu_share": self.upload_cpu_share}))
         if self.slice_cache_bytes < 0:
-            raise ConfigError(f"peer slice cache: {self.slice_cache_bytes} bytes")
+            raise ConfigError(f"slice_cache_bytes: {self.slice_cache_bytes} is negative "
+                              "(bytes of gathered slices kept; 0: none)")
         if not 1 <= self.window_chunks <= wire.MAX_CHUNKS_IN_FLIGHT:
             raise ConfigError(f"peer window: {self.window_chunks} chunks is outside "
                               f"[1, {wire.MAX_CHUNKS_IN_FLIGHT}]")

@@ -48,7 +48,8 @@ class SliceCache:
     def __init__(self, max_bytes: int, pool: BufferPool | None = None, *,
                  max_entries: int = 4096) -> None:
         if max_bytes < 0 or max_entries < 1:
-            raise ValueError(f"SliceCache: max_bytes {max_bytes}, max_entries {max_entries}")
+            raise ValueError(f"SliceCache: max_bytes {max_bytes} must be >= 0 and max_entries "
+                             f"{max_entries} >= 1")
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.pool = pool
