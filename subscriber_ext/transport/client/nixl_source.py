@@ -178,8 +178,8 @@ class NixlHolder:
     trainer rank (its ``ShardSource`` range, chunk ``first_chunk + i`` at ``i *
     chunk_size`` of its region)."""
 
-    __slots__ = ("base", "claims_read", "first_chunk", "num_chunks", "offer", "rank", "reused",
-                 "suspects", "up")
+    __slots__ = ("base", "claims_read", "first_chunk", "mute", "num_chunks", "offer", "rank",
+                 "reused", "suspects", "up")
 
     def __init__(self, offer: NixlOffer, first_chunk: int, num_chunks: int, chunk_size: int,
                  rank: int | None = None) -> None:
@@ -194,6 +194,7 @@ class NixlHolder:
         #: ``(chunk, why)``; judged by the claims READ in flight, else by the next one
         self.suspects: list[tuple[int, str]] = []
         self.claims_read: _Words | None = None
+        self.mute = False  # its claims words went unanswered: not READ again this version
 
 
 class _Words:
@@ -410,8 +411,9 @@ class NixlSource(ChunkSource):
         words = self._words_answer(read, "its readiness map")
         if words is None:
             return None if not read.holder.up else False
-        assert holder.offer.ready is not None
-        mask = words >= holder.offer.ready.version
+        ready = read.holder.offer.ready
+        assert ready is not None
+        mask = words >= ready.version
         self._end_words(read)
         fresh = {c for c in read.need if mask[c - read.low]}
         if not self.ready_waiting or fresh:  # the wait's deadline counts from progress
@@ -610,7 +612,8 @@ class NixlSource(ChunkSource):
         holder = self.holder(chunk)
         if holder is not None and holder.reused:
             return True  # counted once, when the holder fell back
-        if holder is None or holder.offer.claims is None or self.picker.reader is None:
+        if holder is None or holder.offer.claims is None or self.picker.reader is None \
+                or holder.mute:
             self._corrupt(chunk, why, holder)
             return True
         holder.suspects.append((chunk, why))
@@ -690,8 +693,12 @@ class NixlSource(ChunkSource):
             except TransportError:
                 pass
             self._end_words(read)
-            for chunk, why in read.chunks:
-                self._corrupt(chunk, why, read.holder)
+            holder = read.holder
+            if read.chunks:  # claims: not asked again for this version
+                holder.mute = True
+                for chunk, why in read.chunks + holder.suspects:
+                    self._corrupt(chunk, why, holder)
+                holder.suspects.clear()
             what = "readiness map" if not read.chunks else "claims words"
             self.fall_back("unanswered", f"a READ of its {what} was not done after "
                                          f"{limit:.1f} s (the holder does not answer)",
