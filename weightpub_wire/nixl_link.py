@@ -269,6 +269,26 @@ class NixlReader:
     def registered_bytes(self) -> int:
         return sum(length for _, length in self._local)
 
+    def offer(self, regions: Sequence[NixlRegion], claims: NixlClaims | None = None
+              ) -> NixlOffer:
+        """This reader's own registered memory offered for one-sided reads (toward peers
+        over NIXL: a member READs a version where it landed in another member's staging,
+        registered when it came over NIXL, so exporting it costs no registration). Each
+        region must lie in one registered local buffer, all of one memory kind
+        (``ProtocolError`` otherwise). Call on the thread that uses this reader."""
+        kinds = set()
+        for region in regions:
+            into = self._into(region.address, region.length)
+            if into is None or region.length <= 0:
+                raise ProtocolError(f"nixl offer: [{region.address:#x}, +{region.length}) is "
+                                    "not in this reader's registered memory")
+            kinds.add(self._kinds[into])
+        if len(kinds) > 1:
+            raise ProtocolError("nixl offer: regions in DRAM and VRAM")
+        mem_type, _ = kinds.pop() if kinds else ("DRAM", 0)
+        return NixlOffer(self.name, bytes(self._agent.get_agent_metadata()), list(regions),
+                         mem_type, claims)
+
     def connect(self, offer: NixlOffer) -> str:
         """Add the offer's agent (again when its metadata changed: a buffer registered
         since carries new remote keys); returns the name NIXL knows it by."""

@@ -67,6 +67,7 @@ from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import (
     NixlOffer,
     NixlReader,
+    NixlRegion,
     NixlTransfer,
     NixlWords,
     nixl_error,
@@ -1000,6 +1001,19 @@ class NixlPicker:
                 self.reader.forget_local(start, size)
             except Exception as exc:
                 log.warning("nixl: deregistering a staging buffer failed: %s", exc)
+
+    def offer_staged(self, buffer: torch.Tensor, total_bytes: int) -> NixlOffer | None:
+        """A staged version's bytes (``StagedVersion.buffer``, flat layout) offered from this
+        subscriber's own agent, for a peer to READ (toward peers over NIXL,
+        ``docs/peers-over-nixl.md``); None where its staging is not registered (it did
+        not come over NIXL, or is a sparse slice buffer: up to ``MAX_SPARSE_RANGES``
+        ranges where an offer carries ``MAX_REGIONS``). On the subscriber's thread (the
+        agent is not thread-safe). Valid only while the version is retained: a released
+        buffer is reused for a newer version (no claims words on staging yet)."""
+        reader = self.reader
+        if reader is None or _base(buffer).data_ptr() not in self._sizes or total_bytes <= 0:
+            return None
+        return reader.offer([NixlRegion(buffer.data_ptr(), total_bytes)])
 
     def allocator(self, inner: Allocator | None) -> Allocator:
         return RegisteringAllocator(self, inner)
