@@ -36,7 +36,7 @@ import numpy
 from weightpub_wire.errors import ProtocolError, TransportError
 
 __all__ = ["NIXL_PATHS", "NixlClaims", "NixlExporter", "NixlOffer", "NixlReader", "NixlRegion",
-           "NixlTransfer", "decode_offer", "encode_offer", "nixl_error"]
+           "NixlTransfer", "NixlWords", "decode_offer", "encode_offer", "nixl_error"]
 
 #: NIXL's Python package on CPU-only and CUDA 12 hosts (the umbrella ``nixl`` pulls CUDA wheels)
 MODULE = "nixl_cu12"
@@ -45,6 +45,7 @@ MAX_METADATA = 1 << 20
 MAX_NAME = 128
 _U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit
 _POLL_S = 0.0002
+_MAX_LANDINGS = 8  # words landings kept for reuse (one per holder's READ in flight)
 _names = itertools.count()
 #: ``StagedVersion.data_path`` / ``Report.data_path`` of a version read one-sided: every
 #: chunk over NIXL, or some over ZeroMQ frames after a fallback
@@ -218,6 +219,18 @@ class NixlTransfer:
         self.state = "PROC"
 
 
+class NixlWords:
+    """One READ of a holder's words in flight (``NixlReader.start_words``)."""
+
+    __slots__ = ("count", "landing", "released", "transfer")
+
+    def __init__(self, transfer: NixlTransfer, landing: numpy.ndarray, count: int) -> None:
+        self.transfer = transfer
+        self.landing = landing
+        self.count = count
+        self.released = False
+
+
 class NixlReader:
     """Reads byte ranges of an offer's regions into local registered memory."""
 
@@ -227,7 +240,9 @@ class NixlReader:
         self._starts: list[tuple[int, int]] = []  # ``_local``'s keys, sorted (``_into``)
         self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # (mem_type, device)
         self._remotes: dict[str, tuple[str, bytes]] = {}  # agent -> (NIXL's name, metadata)
-        self._words: numpy.ndarray | None = None  # ``newest_claim``'s landing, registered
+        #: landings of words READs (``start_words``), registered, free for reuse
+        self._landings: list[numpy.ndarray] = []
+        self._stuck: list[numpy.ndarray] = []  # landings of READs NIXL did not let go of
 
     def register(self, address: int, length: int, *, mem_type: str = "DRAM",
                  device: int = 0) -> None:
@@ -253,6 +268,26 @@ class NixlReader:
     @property
     def registered_bytes(self) -> int:
         return sum(length for _, length in self._local)
+
+    def offer(self, regions: Sequence[NixlRegion], claims: NixlClaims | None = None
+              ) -> NixlOffer:
+        """This reader's own registered memory offered for one-sided reads (toward peers
+        over NIXL: a member READs a version where it landed in another member's staging,
+        registered when it came over NIXL, so exporting it costs no registration). Each
+        region must lie in one registered local buffer, all of one memory kind
+        (``ProtocolError`` otherwise). Call on the thread that uses this reader."""
+        kinds = set()
+        for region in regions:
+            into = self._into(region.address, region.length)
+            if into is None or region.length <= 0:
+                raise ProtocolError(f"nixl offer: [{region.address:#x}, +{region.length}) is "
+                                    "not in this reader's registered memory")
+            kinds.add(self._kinds[into])
+        if len(kinds) > 1:
+            raise ProtocolError("nixl offer: regions in DRAM and VRAM")
+        mem_type, _ = kinds.pop() if kinds else ("DRAM", 0)
+        return NixlOffer(self.name, bytes(self._agent.get_agent_metadata()), list(regions),
+                         mem_type, claims)
 
     def connect(self, offer: NixlOffer) -> str:
         """Add the offer's agent (again when its metadata changed: a buffer registered
@@ -306,7 +341,7 @@ class NixlReader:
         if claims is None or stop <= start:
             return None
         first = start // claims.region
-        words = self._read_words(offer, claims, first, -(-stop // claims.region) - first,
+        words = self._wait_words(offer, claims, first, -(-stop // claims.region) - first,
                                  timeout)
         return int(words.max())
 
@@ -319,25 +354,79 @@ class NixlReader:
         ready = offer.ready
         if ready is None:
             return numpy.ones(max(count, 0), dtype=bool)
-        return self._read_words(offer, ready, first, count, timeout) >= ready.version
+        return self._wait_words(offer, ready, first, count, timeout) >= ready.version
 
-    def _read_words(self, offer: NixlOffer, where: NixlClaims, first: int, count: int,
+    def _wait_words(self, offer: NixlOffer, where: NixlClaims, first: int, count: int,
                     timeout: float) -> numpy.ndarray:
-        """Words ``first`` .. ``first + count - 1`` of ``where`` (the offer's agent's),
-        READ now into this reader's own registered landing."""
+        """``start_words``, polled until done or ``timeout`` (``TransportError``)."""
+        read = self.start_words(offer, where, first, count)
+        deadline = time.monotonic() + timeout
+        try:
+            while (words := self.words_done(read)) is None:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"nixl read from {offer.agent!r}: words not read "
+                                         f"after {timeout:.1f} s")
+                time.sleep(_POLL_S)
+            return words.copy()
+        except TransportError:
+            self.forget(offer.agent)  # a holder that failed once is added afresh next time
+            raise
+        finally:
+            self.release_words(read)
+
+    def start_words(self, offer: NixlOffer, where: NixlClaims, first: int,
+                    count: int) -> NixlWords:
+        """Post a READ of words ``first`` .. ``first + count - 1`` of ``where`` (claims
+        words or a readiness map, the offer's agent's) into a landing of this reader's
+        own, registered once and reused; return at once (``words_done``, then
+        ``release_words``). Why not wait: a holder that does not answer must not hold
+        the caller's thread (the subscriber's loop). ``ProtocolError`` when the words
+        do not cover the range; ``TransportError`` when the READ cannot be posted."""
         if first < 0 or count <= 0 or (first + count) * 8 > where.length:
             raise ProtocolError(f"nixl offer: words of {where.length} bytes do not cover "
                                 f"[{first}, {first + count}) (one per {where.region} bytes)")
-        if self._words is None or len(self._words) < count:
-            if self._words is not None:
-                self.forget_local(self._words.ctypes.data, self._words.nbytes)
-            self._words = numpy.zeros(max(count, 512), dtype="<i8")
-            self.register(self._words.ctypes.data, self._words.nbytes)
-        words = self._words
+        landing = next((each for each in self._landings if len(each) >= count), None)
+        if landing is None:
+            landing = numpy.zeros(max(count, 512), dtype="<i8")
+            self.register(landing.ctypes.data, landing.nbytes)
+        else:
+            self._landings.remove(landing)
         probe = NixlOffer(offer.agent, offer.metadata,
                           [NixlRegion(where.address, where.length)], "DRAM")
-        self.read(probe, [(0, first * 8, words.ctypes.data, count * 8)], timeout=timeout)
-        return words[:count]
+        try:
+            transfer = self.start(probe, [(0, first * 8, landing.ctypes.data, count * 8)])
+        except BaseException:
+            self._landings.append(landing)
+            raise
+        assert transfer is not None
+        return NixlWords(transfer, landing, count)
+
+    def words_done(self, read: NixlWords) -> numpy.ndarray | None:
+        """The words once READ (a view of the landing: valid until ``release_words``), None
+        while in flight; ``TransportError`` when the READ failed."""
+        if not self.poll(read.transfer):
+            return None
+        return read.landing[:read.count]
+
+    def release_words(self, read: NixlWords) -> None:
+        """Release a words READ (cancelled if still in flight). Its landing is reused only
+        when NIXL let go of it; one it refused (bytes may still land) is kept aside,
+        registered and never reused (``stuck_landings``)."""
+        if read.released:
+            return
+        read.released = True
+        if self.release(read.transfer):
+            if len(self._landings) < _MAX_LANDINGS:
+                self._landings.append(read.landing)
+            else:
+                self.forget_local(read.landing.ctypes.data, read.landing.nbytes)
+        else:
+            self._stuck.append(read.landing)
+
+    @property
+    def stuck_landings(self) -> int:
+        """Words landings NIXL would not let go of (kept, never reused)."""
+        return len(self._stuck)
 
     def start(self, offer: NixlOffer,
               pieces: Iterable[tuple[int, int, int, int]]) -> NixlTransfer | None:
@@ -442,4 +531,4 @@ class NixlReader:
         self._local = {}
         self._kinds = {}
         self._starts = []
-        self._words = None
+        self._landings = []

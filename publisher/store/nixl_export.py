@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
+from typing import Any
 
 import numpy
 import torch
@@ -67,6 +69,11 @@ class NixlExport:
         self._words: dict[int, numpy.ndarray] = {}
         #: buffer address -> (the buffer, its readiness words), registered (``ready_words``)
         self._ready: dict[int, tuple[torch.Tensor, numpy.ndarray]] = {}
+        #: ("claims" | "ready", buffer address) -> what UCX refused to register words for
+        #: (claims words; a buffer), weakly: not tried again until that has changed
+        self._refusals: dict[tuple[str, int], weakref.ref[Any]] = {}
+        #: words registrations UCX refused, by kind (each buffer's words once)
+        self.words_refused: dict[str, int] = {}
         self._lock = threading.Lock()
         error = nixl_error()
         if error is not None:
@@ -114,6 +121,8 @@ class NixlExport:
             length = self._sizes.pop(address, None)
             words = self._words.pop(address, None)
             ready = self._ready.pop(address, None)
+            self._refusals.pop(("claims", address), None)
+            self._refusals.pop(("ready", address), None)
         exporter = self._exporter
         if exporter is None:
             return
@@ -173,8 +182,11 @@ class NixlExport:
     def _claims(self, buffer: torch.Tensor, claims: BufferClaims | None,
                 version: int) -> NixlClaims | None:
         """Register ``claims``' words with the buffer (once; again if the pool made a new
-        buffer at the same address) and describe them; None without (or when UCX refuses
-        them: the offer goes without, a torn read is then counted as ``checksum``)."""
+        buffer at the same address) and describe them; None without (or when UCX refused
+        them: the offer goes without, a torn read is then counted as ``checksum``). A
+        refusal is remembered for those words (counted in ``words_refused``, logged
+        once): later offers of the buffer go without, no registration is tried again
+        until the buffer, and so its words, change."""
         exporter = self._exporter
         if claims is None or exporter is None:
             return None
@@ -182,9 +194,12 @@ class NixlExport:
         key, words = base.data_ptr(), claims.words
         with self._lock:
             held = self._words.get(key)
+            refused = self._refusals.get(("claims", key))
+        if refused is not None and refused() is words:
+            return None
         if held is not words:
-            if not _swap(exporter, held, words, "a buffer's claims failed, offers go "
-                                                 "without them"):
+            if not self._swap(exporter, held, words, "claims", key,
+                              "a buffer's claims failed, its offers go without them"):
                 with self._lock:
                     self._words.pop(key, None)
                 return None
@@ -194,9 +209,10 @@ class NixlExport:
 
     def ready_words(self, buffer: torch.Tensor) -> numpy.ndarray | None:
         """The buffer's readiness words (int64, one per chunk at the smallest chunk size,
-        zero when made), registered once per buffer; None when off or UCX refuses them.
-        A writer stores a version's number in word ``i`` after chunk ``i``'s bytes: an
-        older version's number left there reads as not ready."""
+        zero when made), registered once per buffer; None when off or UCX refuses them
+        (remembered for the buffer as for claims words: not tried again until the buffer
+        changes). A writer stores a version's number in word ``i`` after chunk ``i``'s
+        bytes: an older version's number left there reads as not ready."""
         exporter = self._exporter
         if exporter is None or self.off_reason:
             return None
@@ -204,11 +220,15 @@ class NixlExport:
         key = base.data_ptr()
         with self._lock:
             held = self._ready.get(key)
+            refused = self._refusals.get(("ready", key))
         if held is not None and held[0] is base:
             return held[1]
+        if refused is not None and refused() is base:
+            return None
         words = numpy.zeros(max(1, -(-base.numel() // MIN_CHUNK_SIZE)), dtype="<i8")
-        if not _swap(exporter, None if held is None else held[1], words,
-                     "a readiness map failed, versions are offered once complete"):
+        if not self._swap(exporter, None if held is None else held[1], words, "ready", key,
+                          "a readiness map failed, versions are offered once complete",
+                          owner=base):
             with self._lock:
                 self._ready.pop(key, None)
             return None
@@ -216,12 +236,35 @@ class NixlExport:
             self._ready[key] = (base, words)
         return words
 
+    def _swap(self, exporter: NixlExporter, held: numpy.ndarray | None, words: numpy.ndarray,
+              kind: str, key: int, what: str, owner: object = None) -> bool:
+        """Register ``words`` in place of ``held`` (deregistered first); False when UCX
+        refuses: remembered for ``owner`` (``words`` by default; a weak reference: a new
+        buffer, a new try), counted in ``words_refused[kind]``, a WARNING naming ``what``."""
+        try:
+            if held is not None:
+                exporter.forget(held.ctypes.data, held.nbytes)
+            exporter.register(words.ctypes.data, words.nbytes)
+        except Exception as exc:
+            log.warning("nixl: registering %s (not tried again for this buffer): %s", what, exc)
+            with self._lock:
+                self._refusals[(kind, key)] = weakref.ref(words if owner is None else owner)
+                self.words_refused[kind] = self.words_refused.get(kind, 0) + 1
+            return False
+        with self._lock:
+            self._refusals.pop((kind, key), None)
+        return True
+
     def status(self) -> dict[str, object]:
         with self._lock:
             unoffered = {cause: n for cause, n in self.unoffered.items() if n}
+            refused = dict(self.words_refused)
         return {"on": self.on, "off_reason": self.off_reason or None,
                 "registered_bytes": self.registered_bytes, "offers": self.offers,
-                "registrations": self.registrations, "unoffered": unoffered}
+                "registrations": self.registrations, "unoffered": unoffered,
+                # claims words / readiness maps UCX refused to register (once per buffer):
+                # offers went without them
+                "words_refused": refused}
 
     def wire_status(self) -> wire.NixlHolding:
         """``status()`` as a status reply carries it (``weightpub status``)."""
@@ -237,6 +280,7 @@ class NixlExport:
             self._sizes.clear()
             self._words.clear()
             self._ready.clear()
+            self._refusals.clear()
         if exporter is not None:
             exporter.close()
 
@@ -256,20 +300,6 @@ class RegisteringAllocator:
     def free(self, key: int) -> None:
         self._export.freed(key)
         self._inner.free(key)
-
-
-def _swap(exporter: NixlExporter, held: numpy.ndarray | None, words: numpy.ndarray,
-          what: str) -> bool:
-    """Register ``words`` in place of ``held`` (deregistered first); False, with a WARNING
-    naming ``what`` and why, when UCX refuses."""
-    try:
-        if held is not None:
-            exporter.forget(held.ctypes.data, held.nbytes)
-        exporter.register(words.ctypes.data, words.nbytes)
-    except Exception as exc:
-        log.warning("nixl: registering %s: %s", what, exc)
-        return False
-    return True
 
 
 def _span(words: numpy.ndarray | None) -> tuple[int, int | None]:

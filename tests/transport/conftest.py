@@ -78,7 +78,8 @@ def nixl_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 def paced_reads(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[float]]:
     """``paced_reads(read_bytes)``: READs of at most ``read_bytes`` (one chunk each, say),
-    seen done one per 0.3 s, so a version takes seconds and a kill lands mid-read;
+    seen done one per 0.3 s (not a holder's words), so a version takes seconds and a kill
+    lands mid-read;
     returns the list of when each READ was seen done (filled as they are)."""
     import time
 
@@ -91,6 +92,8 @@ def paced_reads(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], list[float]]
         poll = NixlReader.poll
 
         def slow_poll(self: NixlReader, transfer: NixlTransfer) -> bool:
+            if transfer.nbytes <= 4096:  # a holder's words (claims, readiness): not paced
+                return poll(self, transfer)
             if done and time.monotonic() - done[-1] < 0.3:
                 return False
             finished = poll(self, transfer)
@@ -111,3 +114,40 @@ def relays() -> Iterator[list[ByteRelay]]:
     yield made
     for relay in made:
         relay.close()
+
+
+@pytest.fixture
+def stalled_words(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[Any]]:
+    """``stalled_words()``: the next READ of a holder's words (its claims words or readiness
+    map: a few KiB; the data READs here are whole chunks) is never seen done, as from a
+    holder that stopped answering; returns the list such READs are added to (each call
+    arms one more). Both the loop's own look and a wait in place see it in flight."""
+    from weightpub_wire.nixl_link import NixlReader, NixlTransfer
+
+    armed = [0]
+    stalled: list[NixlTransfer] = []
+    passed: list[NixlTransfer] = []
+    patched: list[bool] = []
+
+    def arm() -> list[Any]:
+        armed[0] += 1
+        if patched:
+            return stalled
+        patched.append(True)
+        poll = NixlReader.poll
+
+        def unanswered(self: NixlReader, transfer: NixlTransfer) -> bool:
+            if transfer.nbytes <= 4096:
+                if any(each is transfer for each in stalled):
+                    return False
+                if armed[0] and not any(each is transfer for each in passed):
+                    armed[0] -= 1
+                    stalled.append(transfer)
+                    return False
+                passed.append(transfer)
+            return poll(self, transfer)
+
+        monkeypatch.setattr(NixlReader, "poll", unanswered)
+        return stalled
+
+    return arm

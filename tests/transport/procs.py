@@ -422,16 +422,20 @@ def run_publisher(args: dict[str, Any]) -> None:
 def nixl_fault(pub: Any, fault: str) -> None:
     """Test-only faults of a publisher's NIXL offers (``tests/transport/test_nixl_path.py``):
     ``corrupt:<chunk>``: offers a registered copy of each version with one byte of that
-    chunk flipped after hashing (ZeroMQ frames still serve the real bytes); ``lie``:
+    chunk flipped after hashing (ZeroMQ frames still serve the real bytes), with
+    ``corrupt+claims:<chunk>`` also claims words that show no reuse; ``lie``:
     offers that name another agent than their metadata's; ``short``: a region one byte
     shorter than the version."""
-    from weightpub_wire.nixl_link import NixlOffer, NixlRegion
+    import numpy
+
+    from weightpub_wire.nixl_link import NixlClaims, NixlOffer, NixlRegion
 
     export = pub._nixl
     real_offer = export.offer
     shadows: list[torch.Tensor] = []
 
-    def corrupted(buffer: torch.Tensor, total: int, chunk: int) -> Any:
+    def corrupted(buffer: torch.Tensor, total: int, chunk: int, version: int | None = None
+                  ) -> Any:
         snapshot = pub._last_snapshot[1]
         deadline = time.monotonic() + 30
         while snapshot.copied_bytes < total and time.monotonic() < deadline:
@@ -441,11 +445,21 @@ def nixl_fault(pub: Any, fault: str) -> None:
         shadows.append(shadow)  # alive (and registered) for the process's life
         exporter = export._exporter
         exporter.register(shadow.data_ptr(), total)
-        return exporter.offer([NixlRegion(shadow.data_ptr(), total)])
+        words = None
+        if version is not None:  # claims words saying the shadow holds this version only
+            from publisher.store.buffer_claims import REGION
+
+            held = numpy.full(-(-total // REGION), version, dtype="<i8")
+            shadows.append(torch.from_numpy(held))
+            exporter.register(held.ctypes.data, held.nbytes)
+            words = NixlClaims(held.ctypes.data, held.nbytes, REGION, version)
+        return exporter.offer([NixlRegion(shadow.data_ptr(), total)], claims=words)
 
     def offer(buffer: torch.Tensor, total: int, **claims: Any) -> Any:
         if fault.startswith("corrupt:"):  # no claims: the shadow is never reused
             return corrupted(buffer, total, int(fault.split(":")[1]))
+        if fault.startswith("corrupt+claims:"):  # claims words that show no reuse
+            return corrupted(buffer, total, int(fault.split(":")[1]), claims["version"])
         made = real_offer(buffer, total, **claims)
         if fault == "lie" and made is not None:
             return NixlOffer("someone-else", made.metadata, made.regions, made.mem_type)

@@ -104,6 +104,33 @@ def test_a_corrupted_region_is_refused_and_refetched_over_frames(
     assert child_stats(pub)["stats"]["bytes_sent_full"] == CHUNK  # that chunk alone, as a frame
 
 
+@pytest.mark.parametrize("answer", [True, False])
+def test_a_corrupt_chunk_is_judged_by_claims_words_or_given_up_as_unanswered(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        paced_reads: Callable[[int], list[float]], stalled_words: Callable[[], list[Any]],
+        monkeypatch: pytest.MonkeyPatch, answer: bool) -> None:
+    """Chunk 2 fails its checksum; the holder's claims words (READ then) show no newer
+    version, so it counts as ``checksum`` and comes as a frame. When that READ is never
+    answered, the chunk still comes as a frame at once and the holder's other READs go
+    on; past the bound (0.5 s here; READs are seen done one per 0.3 s, so the version is
+    still in flight) the holder is given up as ``unanswered`` and frames serve the rest.
+    Either way the version is staged bit-exact."""
+    paced_reads(CHUNK)
+    stalled = [] if answer else stalled_words()
+    monkeypatch.setattr(nixl_source, "CLAIMS_TIMEOUT_S", 0.5)
+    pub, endpoint = start_publisher(spawn, nixl=True, nixl_fault="corrupt+claims:2")
+    sub = subscriber(closing, endpoint, request_timeout=20.0)
+    publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    nixl = sub.status()["nixl"]
+    assert exact(staged, 1) and staged.data_path == "nixl+zmq", nixl
+    if answer:
+        assert nixl["fallback_causes"] == {"checksum": 1}, nixl
+        return
+    assert len(stalled) == 1 and nixl["fallback_causes"] == {"checksum": 1, "unanswered": 1}
+    assert "claims words was not done after 0.5 s" in nixl["last_error"], nixl
+
+
 def test_nixl_missing_on_either_side_costs_frames_not_a_crash(
         monkeypatch: pytest.MonkeyPatch, closing: Callable[[Any], Any],
         caplog: pytest.LogCaptureFixture) -> None:
@@ -222,3 +249,42 @@ def test_a_read_deadline_scales_with_the_bytes_in_flight_within_bounds() -> None
     assert pace.deadline(1 << 40, 100.0) == 100.0  # a floor above the cap wins
     rate[0] = 0.1e9  # measured ten times slower
     assert pace.deadline(256 << 20, floor) == pytest.approx(pace.SLACK * (256 << 20) / 0.1e9)
+
+
+def test_a_version_staged_over_nixl_is_offered_from_the_subscriber_s_own_agent(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    """Toward peers over NIXL (``docs/peers-over-nixl.md``): a member's staging, registered
+    when its version came over NIXL, is offered from the member's own agent with nothing
+    registered for it, and another agent READs the staged version from there bit for
+    bit (through the offer's wire form, as a peer would get it)."""
+    import threading
+
+    from weightpub_wire.nixl_link import NixlReader, decode_offer, encode_offer
+
+    pub, endpoint = start_publisher(spawn, nixl=True)
+    sub = subscriber(closing, endpoint)
+    publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert staged.data_path == "nixl" and exact(staged, 1)
+    registered = sub.status()["nixl"]["registered_bytes"]
+    offers: list[Any] = []
+    made = threading.Event()
+
+    def offer_it(client: Any) -> None:  # on the subscriber's thread: the agent's own
+        offers.append(sub._nixl.offer_staged(staged.buffer, staged.total_bytes))
+        made.set()
+
+    sub._call(offer_it)
+    assert made.wait(30)
+    offer = offers[0]
+    assert offer is not None and [r.length for r in offer.regions] == [staged.total_bytes]
+    assert sub.status()["nixl"]["registered_bytes"] == registered  # no registration more
+    peer = NixlReader("test-peer")
+    try:
+        into = torch.zeros(staged.total_bytes, dtype=torch.uint8)
+        peer.register(into.data_ptr(), into.numel())
+        assert peer.read(decode_offer(encode_offer(offer)),
+                         [(0, 0, into.data_ptr(), into.numel())], timeout=30) == into.numel()
+        assert torch.equal(into, staged.buffer[:staged.total_bytes])
+    finally:
+        peer.close()

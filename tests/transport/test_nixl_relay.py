@@ -362,3 +362,102 @@ def test_a_relayed_version_that_never_completes_falls_back_as_unready(
     nixl = sub.status()["nixl"]
     assert nixl["fallback_causes"] == {"unready": 1}, nixl
     assert sub.status()["checksum_failures"] == 0
+
+
+def _relay_whole(relay: WeightPublisher, upstream: WeightPublisher, version: int) -> None:
+    """A relay's publisher (by hand) takes ``version`` of ``upstream`` and copies it whole."""
+    relayed = relay.relay_version(upstream.manifest(version))
+    held = upstream._store.get(version)
+    assert held is not None
+    for chunk in range(upstream.manifest(version).num_chunks):
+        relayed.write_chunk(chunk, held.chunk_view(chunk))
+
+
+def test_a_readiness_map_that_does_not_answer_holds_nothing_else(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch, stalled_words: Callable[[], list[Any]]) -> None:
+    """The READ of version 1's readiness map is never answered. The subscriber's loop does
+    not wait for it: version 2, announced meanwhile, is READ and staged while that READ
+    is still in flight, well inside its bound (``CLAIMS_TIMEOUT_S``, 60 s here: the wait
+    in place it replaced held the loop that long). Past the bound (1 s for version 3) the
+    holder is given up as ``unanswered`` and frames serve the version."""
+    from subscriber_ext.transport.client import nixl_source
+
+    upstream = make_pub(chunk_size=CHUNK, keep_versions=3)
+    for version in (1, 2, 3):
+        upstream.publish(det_weights(SEED, version, SPEC), version=version)
+    upstream.wait_announced(3)
+    relay = make_pub(nixl=True, nixl_cut_through=True, keep_versions=2)  # by hand
+    monkeypatch.setattr(nixl_source, "CLAIMS_TIMEOUT_S", 60.0)
+    stalled = stalled_words()
+    _relay_whole(relay, upstream, 1)
+    sub = closing(WeightSubscriber(relay.endpoint, request_timeout=60.0, window_bytes=CHUNK))
+    wait_until(lambda: stalled, 60, "version 1's readiness map READ posted")
+    _relay_whole(relay, upstream, 2)
+    staged = sub.wait_for_version(2, timeout=30)
+    nixl = sub.status()["nixl"]
+    assert len(stalled) == 1 and _exact(staged, 2) and staged.data_path == "nixl", nixl
+    assert nixl["fallbacks"] == 0, nixl  # version 1 was superseded, not given up
+    staged.release()
+    monkeypatch.setattr(nixl_source, "CLAIMS_TIMEOUT_S", 1.0)
+    stalled_words()
+    _relay_whole(relay, upstream, 3)
+    staged = sub.wait_for_version(3, timeout=30)
+    nixl = sub.status()["nixl"]
+    assert len(stalled) == 2 and _exact(staged, 3) and staged.data_path == "zmq", nixl
+    assert nixl["fallback_causes"] == {"unanswered": 1}, nixl
+    assert "readiness map was not done after 1.0 s" in nixl["last_error"], nixl
+
+
+def test_an_offer_whose_words_do_not_fit_is_refused_naming_the_field(
+        make_pub: Callable[..., WeightPublisher], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader READs a readiness map (and claims words) by the numbers the offer gives,
+    so they are checked against the offer first (``offer_misfit``): one word per chunk,
+    covering the version, outside the offered bytes, for the manifest's version. A bad
+    one is refused as ``bad_offer`` naming the field, and frames serve the version."""
+    import msgspec
+
+    from weightpub_wire.nixl_link import NixlClaims, NixlExporter, NixlRegion
+
+    def bad_ready(data: NixlRegion, claims: NixlClaims) -> dict[int, NixlClaims]:
+        return {1: NixlClaims(claims.address, claims.length, 4096, 1),  # not per chunk
+                2: NixlClaims(data.address, 4096, CHUNK, 2),  # over the data bytes
+                3: NixlClaims(claims.address, 8, CHUNK, 3),  # one word, not one per chunk
+                4: NixlClaims(claims.address, claims.length, CHUNK, 99)}  # another version
+
+    offer = NixlExporter.offer
+
+    def misfit(self: NixlExporter, regions: Any, mem_type: str = "DRAM",
+               claims: NixlClaims | None = None, ready: NixlClaims | None = None) -> Any:
+        made = offer(self, regions, mem_type, claims, ready)
+        assert claims is not None
+        return msgspec.structs.replace(made, ready=bad_ready(regions[0], claims)[claims.version])
+
+    monkeypatch.setattr(NixlExporter, "offer", misfit)
+    pub = make_pub(nixl=True, chunk_size=CHUNK)
+    sub = closing(WeightSubscriber(pub.endpoint, request_timeout=10.0))
+    for version, field in ((1, "ready.region"), (2, "ready.address"), (3, "ready.length"),
+                           (4, "ready.version")):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        staged = sub.wait_for_version(version, timeout=60)
+        nixl = sub.status()["nixl"]
+        assert _exact(staged, version) and staged.data_path == "zmq", nixl
+        assert f"the offer's {field} " in nixl["last_error"], nixl
+        staged.release()
+    assert sub.status()["nixl"]["fallback_causes"] == {"bad_offer": 4}
+    assert sub.status()["nixl"]["bytes_read"] == 0
+    # claims words are held to the offer the same way
+    from subscriber_ext.transport.client.nixl_source import offer_misfit
+
+    good = pub.manifest(4).nixl
+    assert good is not None and good.claims is not None
+    data, claims = good.regions[0], good.claims
+    fit = msgspec.structs.replace(good, ready=None)
+    assert offer_misfit(fit, data.length, 10, CHUNK, 4) is None
+    for bad, field in ((msgspec.structs.replace(claims, length=8), "claims.length"),
+                       (msgspec.structs.replace(claims, version=3), "claims.version"),
+                       (msgspec.structs.replace(claims, address=data.address + 64),
+                        "claims.address")):
+        assert offer_misfit(msgspec.structs.replace(fit, claims=bad), data.length, 10, CHUNK,
+                            4).startswith(field)  # type: ignore[union-attr]

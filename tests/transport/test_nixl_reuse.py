@@ -122,3 +122,31 @@ def _offered(relay: Relay, version: int) -> bool:
         return relay.publisher.manifest(version).nixl is not None
     except Exception:  # not announced yet
         return False
+
+
+def test_claims_words_that_do_not_answer_do_not_hold_the_subscriber(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch, stalled_words: Callable[[], list[Any]]) -> None:
+    """As above, but the READ of the holder's claims words is never answered: the
+    subscriber's loop does not wait for it (``WORDS_WAIT_S`` at most, then it is looked
+    at with the transfers), so version 1's torn rest goes to frames (refused there:
+    overwritten) and version 2 is READ and staged while that READ is still in flight,
+    well inside its bound (``CLAIMS_TIMEOUT_S``, 60 s here; the wait in place it replaced
+    held the loop that long per torn chunk). Unjudged, the torn chunks count as
+    ``checksum``, never ``reused``."""
+    release = _hold_reads_after_the_first(monkeypatch)
+    stalled = stalled_words()
+    monkeypatch.setattr(nixl_source, "CLAIMS_TIMEOUT_S", 60.0)
+    pub, endpoint = start_publisher(spawn, nixl=True)  # keep_versions 1: one buffer
+    sub = subscriber(closing, endpoint, window_bytes=CHUNK, switch_below_fraction=0.0,
+                     request_timeout=60.0)
+    publish(pub, 1)
+    wait_until(lambda: sub.status()["nixl"]["bytes_read"] >= CHUNK, 60,
+               "the first READ of version 1 done")
+    publish(pub, 2)
+    release.set()
+    staged = sub.wait_for_version(2, timeout=30)
+    assert stalled, "no READ of the claims words was posted"
+    assert staged.version == 2 and exact(staged, 2) and staged.data_path == "nixl"
+    causes = sub.status()["nixl"]["fallback_causes"]
+    assert "reused" not in causes and causes.get("checksum", 0) >= 1, causes

@@ -164,3 +164,57 @@ def test_a_dropped_buffer_takes_its_claims_and_readiness_words_out_of_nixl() -> 
         assert exporter.registered_bytes == 0 and export.registered_bytes == 0
     finally:
         export.close()
+
+
+def test_refused_claims_and_readiness_words_are_tried_once_per_buffer(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """UCX refusing a buffer's claims words (or its readiness map) is remembered for that
+    buffer: its later offers go without them (still offered), counted once in
+    ``words_refused`` and logged once, and nothing is registered again until the buffer
+    (so its words) changes."""
+    import logging
+
+    import torch
+
+    from publisher.store.buffer_claims import BufferClaims
+    from publisher.store.nixl_export import NixlExport
+    from weightpub_wire.nixl_link import NixlExporter
+
+    tries: list[int] = []
+    register = NixlExporter.register
+
+    def refuse_words(self: NixlExporter, address: int, length: int, **kw: Any) -> Any:
+        if length < 64 << 10:  # words (the buffers here are 1 MiB)
+            tries.append(length)
+            raise RuntimeError("NIXL_ERR_BACKEND (test: UCX refused the words)")
+        return register(self, address, length, **kw)
+
+    monkeypatch.setattr(NixlExporter, "register", refuse_words)
+    caplog.set_level(logging.WARNING, logger="weightpub.publisher")
+    export = NixlExport("weightpub-test-refused")
+    try:
+        assert export.on, export.off_reason
+        first, second = (torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(2))
+        claims = {id(first): BufferClaims(1 << 20), id(second): BufferClaims(1 << 20)}
+        for buffer in (first, second):
+            export.registered(buffer)
+        for version, buffer in enumerate((first, first, second, first, second), start=1):
+            offer = export.offer(buffer, buffer.numel(), claims=claims[id(buffer)],
+                                 version=version)
+            assert offer is not None and offer.claims is None  # offered, without the words
+        assert len(tries) == 2, tries  # once per buffer, not once per offer
+        for _ in range(3):
+            assert export.ready_words(first) is None
+        assert len(tries) == 3, tries
+        status = export.status()
+        assert status["offers"] == 5 and status["unoffered"] == {}, status
+        assert status["words_refused"] == {"claims": 2, "ready": 1}, status
+        refusals = [r for r in caplog.records if "not tried again" in r.getMessage()]
+        assert len(refusals) == 3, [r.getMessage() for r in refusals]
+        # the pool made a new buffer (new claims) there: tried again, and taken this time
+        monkeypatch.setattr(NixlExporter, "register", register)
+        offer = export.offer(first, first.numel(), claims=BufferClaims(1 << 20), version=6)
+        assert offer is not None and offer.claims is not None and offer.claims.version == 6
+        assert export.status()["words_refused"] == {"claims": 2, "ready": 1}
+    finally:
+        export.close()

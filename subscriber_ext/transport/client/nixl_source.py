@@ -64,12 +64,19 @@ from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.errors import ProtocolError, TransportError
-from weightpub_wire.nixl_link import NixlOffer, NixlReader, NixlTransfer, nixl_error
+from weightpub_wire.nixl_link import (
+    NixlOffer,
+    NixlReader,
+    NixlRegion,
+    NixlTransfer,
+    NixlWords,
+    nixl_error,
+)
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.slice_layout import PAGE, SliceLayout
 
 __all__ = ["FALLBACK_CAUSES", "NixlHolder", "NixlPicker", "NixlSource", "ReadPace",
-           "RegisteringAllocator"]
+           "RegisteringAllocator", "offer_misfit"]
 
 log = logging.getLogger("weightpub.subscriber")
 
@@ -86,10 +93,17 @@ FALLBACK_CAUSES = (
     "unoffered",  # a sharded trainer's rank offers no NIXL (off or missing there)
     "reused",  # the holder reused the version's buffer for a newer one under a READ
     "unready",  # a cut-through holder's chunks did not become ready by the deadline
+    "unanswered",  # a READ of the holder's claims words or readiness map was not done in time
 )
-#: most seconds a refused chunk's claims READ (``NixlSource._newer``) or a readiness
-#: map's READ (``NixlSource._readiness``) may take
+#: most seconds a READ of a holder's claims words (``NixlSource.refused``) or readiness
+#: map (``NixlSource._readiness``) may stay in flight (at most ``request_timeout``): past
+#: it the holder is given up (``unanswered``). Such a READ is posted and looked at with
+#: the transfers, never waited for on the loop beyond ``WORDS_WAIT_S``
 CLAIMS_TIMEOUT_S = 5.0
+#: most seconds the loop waits for a words READ it just posted (a live holder answers in
+#: well under a millisecond on one host: the answer is then used at once)
+WORDS_WAIT_S = 0.005
+_WORDS_POLL_S = 0.0005  # how often a words READ still in flight is looked at
 #: a readiness map is READ again after this long while chunks are not final, doubling
 #: to ``READY_MAX_S`` while none becomes final
 READY_MIN_S = 0.002
@@ -129,12 +143,44 @@ def touched_ranges(layout: SliceLayout, limit: int) -> list[tuple[int, int]]:
         gap = max(PAGE, 4 * gap)
 
 
+def offer_misfit(offer: NixlOffer, need: int, count: int, chunk_size: int, version: int,
+                 whose: str = "the version's") -> str | None:
+    """Why ``offer`` cannot serve ``need`` bytes in ``count`` chunks of ``version``, naming
+    the field (None: it fits). Its words are READ by the numbers it gives, so they are
+    held to the offer: claims words cover every ``region`` bytes of the range, a
+    readiness map one word per chunk (``region`` the chunk size), neither inside the
+    offered bytes (a map over data bytes would read data as versions), both for the
+    manifest's version."""
+    regions = offer.regions
+    if len(regions) != 1 or regions[0].length < need:
+        return f"regions {list(regions)[:4]} do not hold {whose} {need} bytes"
+    data = regions[0]
+    for field, words in (("claims", offer.claims), ("ready", offer.ready)):
+        if words is None:
+            continue
+        if field == "ready" and words.region != chunk_size:
+            return (f"ready.region {words.region} is not the chunk size {chunk_size} (one "
+                    "word per chunk)")
+        needed = -(-need // words.region)
+        if words.length % 8 or words.length < 8 * needed:
+            return (f"{field}.length {words.length} bytes do not hold {needed} words (one per "
+                    f"{words.region} of {whose} {need} bytes)")
+        if words.address < data.address + data.length \
+                and data.address < words.address + words.length:
+            return (f"{field}.address {words.address:#x} ({words.length} bytes) lies inside "
+                    f"the offered region at {data.address:#x} ({data.length} bytes)")
+        if words.version != version:
+            return f"{field}.version {words.version} is not the manifest's version {version}"
+    return None
+
+
 class NixlHolder:
     """One agent a version's chunks are READ from: the publisher (every chunk), or a
     trainer rank (its ``ShardSource`` range, chunk ``first_chunk + i`` at ``i *
     chunk_size`` of its region)."""
 
-    __slots__ = ("base", "first_chunk", "num_chunks", "offer", "rank", "reused", "up")
+    __slots__ = ("base", "claims_read", "first_chunk", "mute", "num_chunks", "offer", "rank",
+                 "reused", "suspects", "up")
 
     def __init__(self, offer: NixlOffer, first_chunk: int, num_chunks: int, chunk_size: int,
                  rank: int | None = None) -> None:
@@ -145,6 +191,28 @@ class NixlHolder:
         self.rank = rank  # None: not sharded
         self.up = True  # False after a failure: its rest of the version goes to ZeroMQ
         self.reused = False  # its buffer was reused for a newer version under a READ
+        #: chunks that failed their checksum, not judged yet (reused or corrupt?): each
+        #: ``(chunk, why)``; judged by the claims READ in flight, else by the next one
+        self.suspects: list[tuple[int, str]] = []
+        self.claims_read: _Words | None = None
+        self.mute = False  # its claims words went unanswered: not READ again this version
+
+
+class _Words:
+    """A READ of a holder's words in flight: its claims words over ``chunks`` (judged
+    when it is done) or its readiness map over chunks ``low`` .. (``need``)."""
+
+    __slots__ = ("chunks", "holder", "low", "need", "posted", "read")
+
+    def __init__(self, read: NixlWords, holder: NixlHolder, posted: float, *,
+                 chunks: list[tuple[int, str]] | None = None, low: int = 0,
+                 need: list[int] | None = None) -> None:
+        self.read = read
+        self.holder = holder
+        self.posted = posted
+        self.chunks = chunks or []
+        self.low = low
+        self.need = need or []
 
 
 class _Read:
@@ -205,6 +273,7 @@ class NixlSource(ChunkSource):
         self.ready_next = 0.0
         self.ready_wait = READY_MIN_S
         self.ready_since = 0.0
+        self.ready_read: _Words | None = None  # the readiness map's READ in flight
 
     @property
     def label(self) -> str:
@@ -320,7 +389,9 @@ class NixlSource(ChunkSource):
         """Whether every chunk of a queued READ is final at its holder (a version offered
         before its copy is complete: ``NixlOffer.ready``; always, without a map). The
         words are READ for the chunks not yet seen final, at most once per ``ready_wait``
-        (from ``READY_MIN_S``, doubling to ``READY_MAX_S`` while nothing new is final).
+        (from ``READY_MIN_S``, doubling to ``READY_MAX_S`` while nothing new is final):
+        posted, waited for ``WORDS_WAIT_S`` at most, then looked at with the transfers
+        (a map READ not done in ``_words_deadline`` gives the holder up, ``expire``).
         None: the holder fell back (its map could not be read)."""
         holder = queued.holder
         if holder.offer.ready is None:
@@ -328,27 +399,28 @@ class NixlSource(ChunkSource):
         need = [c for c in queued.chunks if c not in self.ready_known]
         if not need:
             return True
-        if now < self.ready_next:
-            return False
-        reader = self.picker.reader
-        assert reader is not None
-        low = min(need)
-        try:
-            mask = reader.ready_mask(holder.offer, low - holder.first_chunk,
-                                     max(need) - low + 1,
-                                     timeout=min(self.picker.request_timeout,
-                                                 CLAIMS_TIMEOUT_S))
-        except ProtocolError as exc:
-            self.fall_back("bad_offer", f"its readiness map: {exc}", holder)
-            return None
-        except TransportError as exc:
-            self.fall_back("unreachable", f"its readiness map: {exc}", holder)
-            return None
-        fresh = {c for c in need if mask[c - low]}
+        if self.ready_read is None:
+            if now < self.ready_next:
+                return False
+            low = min(need)
+            self.ready_read = self._post_words(
+                holder, holder.offer.ready, low - holder.first_chunk, max(need) - low + 1,
+                now, "its readiness map", low=low, need=need)
+            if self.ready_read is None:
+                return None
+        read = self.ready_read
+        words = self._words_answer(read, "its readiness map")
+        if words is None:
+            return None if not read.holder.up else False
+        ready = read.holder.offer.ready
+        assert ready is not None
+        mask = words >= ready.version
+        self._end_words(read)
+        fresh = {c for c in read.need if mask[c - read.low]}
         if not self.ready_waiting or fresh:  # the wait's deadline counts from progress
             self.ready_since = now
         self.ready_known |= fresh
-        if len(fresh) == len(need):
+        if all(c in self.ready_known for c in need):
             self.ready_waiting = False
             self.ready_wait = READY_MIN_S
             return True
@@ -356,6 +428,53 @@ class NixlSource(ChunkSource):
         self.ready_wait = READY_MIN_S if fresh else min(2 * self.ready_wait, READY_MAX_S)
         self.ready_next = now + self.ready_wait
         return False
+
+    # -- READs of a holder's words (claims, readiness): never waited for on the loop ----------
+    def _words_deadline(self) -> float:
+        return min(self.picker.request_timeout, CLAIMS_TIMEOUT_S)
+
+    def _post_words(self, holder: NixlHolder, where: Any, first: int, count: int, now: float,
+                    what: str, **judge: Any) -> _Words | None:
+        """Post a READ of ``count`` of ``where``'s words from ``first`` and wait for it
+        ``WORDS_WAIT_S`` at most; None when it could not be posted (the holder fell back)."""
+        reader = self.picker.reader
+        assert reader is not None
+        try:
+            read = reader.start_words(holder.offer, where, first, count)
+        except ProtocolError as exc:
+            self.fall_back("bad_offer", f"{what}: {exc}", holder)
+            return None
+        except TransportError as exc:
+            self.fall_back("unreachable", f"{what}: {exc}", holder)
+            return None
+        words = _Words(read, holder, now, **judge)
+        until = time.monotonic() + WORDS_WAIT_S
+        try:
+            while not reader.poll(read.transfer) and time.monotonic() < until:
+                time.sleep(_POLL_S)
+        except TransportError:
+            pass  # ``_words_answer`` tells
+        return words
+
+    def _words_answer(self, read: _Words, what: str) -> Any:
+        """The words once READ (None while in flight, or when the READ failed: then the
+        holder fell back, ``transfer``, and the READ is released)."""
+        reader = self.picker.reader
+        assert reader is not None
+        try:
+            return reader.words_done(read.read)
+        except TransportError as exc:
+            self._end_words(read)
+            self.fall_back("transfer", f"{what}: {exc}", read.holder)
+            return None
+
+    def _end_words(self, read: _Words) -> None:
+        if self.ready_read is read:
+            self.ready_read = None
+        if read.holder.claims_read is read:
+            read.holder.claims_read = None
+        if self.picker.reader is not None:
+            self.picker.reader.release_words(read.read)
 
     def _unqueue(self, holder: NixlHolder | None = None) -> None:
         """Forget the queued READs (of ``holder``; None: all): their chunks are unasked."""
@@ -427,11 +546,17 @@ class NixlSource(ChunkSource):
                     self.verified += 1
                 else:
                     target.data_path = "nixl+zmq" if self.verified else "zmq"
+        for holder in self.holders:  # claims READs done: their chunks judged
+            if holder is not None and holder.claims_read is not None:
+                self._judge(holder.claims_read)
         now = time.monotonic()
         self.pace.measure(now)
         self._post(now)
         due = max(0.0, self.ready_next - now) if self.ready_waiting and self.queued \
             else float("inf")
+        if self.ready_read is not None or any(
+                h is not None and h.claims_read is not None for h in self.holders):
+            due = min(due, _WORDS_POLL_S)  # a words READ in flight: looked at soon
         if not self.pending:
             self.pace.idle()
             return due
@@ -455,6 +580,7 @@ class NixlSource(ChunkSource):
         """Give up the READs past their deadline (``ReadPace.deadline``): their holder
         falls back to frames for the rest of the version."""
         floor = self.picker.request_timeout
+        self._unanswered(now)
         if self.ready_waiting and self.queued and now - self.ready_since >= floor:
             self.ready_waiting = False
             self.fall_back("unready", f"no chunk of version {self.manifest.version} became "
@@ -478,49 +604,113 @@ class NixlSource(ChunkSource):
         """A chunk READ here failed its checksum: it goes to the serving sources. Counted
         as ``reused`` when the holder's buffer now holds a newer version there (the holder
         recycled it under the READ; its other chunks will be torn too, so the holder
-        falls back for the rest of the version, counted once), else as ``checksum``."""
+        falls back for the rest of the version, counted once), else as ``checksum``.
+        Which one is told by the holder's claims words (``NixlClaims``), READ for the
+        chunk now: posted, waited for ``WORDS_WAIT_S`` at most, else judged when done
+        (``tick``); a holder that does not answer in ``_words_deadline`` is given up
+        (``unanswered``) and its chunks counted as ``checksum``."""
         self.refused_chunks.add(chunk)
         holder = self.holder(chunk)
         if holder is not None and holder.reused:
             return True  # counted once, when the holder fell back
-        newer = None if holder is None else self._newer(holder, chunk)
-        if holder is not None and newer is not None:
-            holder.reused = True
-            if holder.up:
-                self.fall_back("reused", f"chunk {chunk} was overwritten by version {newer} "
-                                         "while it was read (the holder reused its buffer)",
-                               holder)
-            else:
-                self.picker.count("reused", f"chunk {chunk}: overwritten by version {newer}",
-                                  version=self.manifest.version, rank=holder.rank)
+        if holder is None or holder.offer.claims is None or self.picker.reader is None \
+                or holder.mute:
+            self._corrupt(chunk, why, holder)
             return True
-        self.picker.count("checksum", why, version=self.manifest.version, once=False,
-                          rank=None if holder is None else holder.rank)
+        holder.suspects.append((chunk, why))
+        if holder.claims_read is None:
+            self._ask_claims(holder, now)
+        if holder.claims_read is not None:
+            self._judge(holder.claims_read)
         return True  # not a try: the chunk goes to the serving sources
 
-    def _newer(self, holder: NixlHolder, chunk: int) -> int | None:
-        """The newer version the holder's buffer was claimed by over ``chunk`` (READ from
-        its claims words, ``NixlClaims``; a claim is stored before its write and never
-        undone, so a torn read shows there now), or None: not reused, or not known (no
-        claims offered, or they could not be read: bounded by ``CLAIMS_TIMEOUT_S``)."""
-        reader, claims = self.picker.reader, holder.offer.claims
-        if reader is None or claims is None:
-            return None
-        start, size = self.manifest.chunk_span(chunk)
-        start -= holder.base
-        try:
-            newest = reader.newest_claim(holder.offer, start, start + size,
-                                         timeout=min(self.picker.request_timeout,
-                                                     CLAIMS_TIMEOUT_S))
-        except (ProtocolError, TransportError) as exc:
-            log.info("nixl: reading the claims of chunk %d: %s", chunk, exc)
-            return None
-        return newest if newest is not None and newest > claims.version else None
+    def _corrupt(self, chunk: int, why: str, holder: NixlHolder | None) -> None:
+        self.picker.count("checksum", why, version=self.manifest.version, once=False,
+                          rank=None if holder is None else holder.rank)
+
+    def _ask_claims(self, holder: NixlHolder, now: float) -> None:
+        """Post a READ of the claims words over every suspect chunk of ``holder``."""
+        claims = holder.offer.claims
+        assert claims is not None
+        suspects, holder.suspects = holder.suspects, []
+        spans = [self.manifest.chunk_span(chunk) for chunk, _ in suspects]
+        low = min(start for start, _ in spans) - holder.base
+        high = max(start + size for start, size in spans) - holder.base
+        first = low // claims.region
+        holder.claims_read = self._post_words(
+            holder, claims, first, -(-high // claims.region) - first, now,
+            "its claims words", chunks=suspects, low=first)
+        if holder.claims_read is None:
+            for chunk, why in suspects:
+                self._corrupt(chunk, why, holder)
+
+    def _judge(self, read: _Words) -> None:
+        """A claims READ done: each of its chunks was overwritten by a newer version under
+        the READ (``reused``, the holder falls back, counted once) or is corrupt
+        (``checksum``); suspects that came meanwhile get a READ of their own."""
+        holder = read.holder
+        claims = holder.offer.claims
+        assert claims is not None
+        words = self._words_answer(read, "its claims words")
+        if words is None:
+            if read.read.released:  # the READ failed: nothing tells what the chunks were
+                for chunk, why in read.chunks:
+                    self._corrupt(chunk, why, holder)
+            return
+        for chunk, why in read.chunks:
+            start, size = self.manifest.chunk_span(chunk)
+            start -= holder.base
+            first = start // claims.region - read.low
+            newest = int(words[first:-(-(start + size) // claims.region) - read.low].max())
+            if newest <= claims.version:
+                self._corrupt(chunk, why, holder)
+            elif not holder.reused:
+                holder.reused = True
+                if holder.up:
+                    self.fall_back("reused", f"chunk {chunk} was overwritten by version "
+                                             f"{newest} while it was read (the holder "
+                                             "reused its buffer)", holder)
+                else:
+                    self.picker.count("reused", f"chunk {chunk}: overwritten by version "
+                                                f"{newest}", version=self.manifest.version,
+                                      rank=holder.rank)
+        self._end_words(read)
+        if holder.reused:
+            holder.suspects.clear()  # torn by the reuse, counted with it
+        elif holder.suspects:
+            self._ask_claims(holder, time.monotonic())
+
+    def _unanswered(self, now: float) -> None:
+        """Give up the holders whose words READ was not done in ``_words_deadline``."""
+        limit = self._words_deadline()
+        reads = [self.ready_read] + [h.claims_read for h in self.holders if h is not None]
+        for read in reads:
+            if read is None or now - read.posted < limit:
+                continue
+            try:
+                if self.picker.reader is not None and \
+                        self.picker.reader.words_done(read.read) is not None:
+                    continue  # done, not looked at yet (the window was full)
+            except TransportError:
+                pass
+            self._end_words(read)
+            holder = read.holder
+            if read.chunks:  # claims: not asked again for this version
+                holder.mute = True
+                for chunk, why in read.chunks + holder.suspects:
+                    self._corrupt(chunk, why, holder)
+                holder.suspects.clear()
+            what = "readiness map" if not read.chunks else "claims words"
+            self.fall_back("unanswered", f"a READ of its {what} was not done after "
+                                         f"{limit:.1f} s (the holder does not answer)",
+                           read.holder)
 
     def fall_back(self, cause: str, why: str, holder: NixlHolder | None = None) -> None:
         """Stop reading this version one-sided from ``holder`` (None: from every one);
         their remaining chunks go to ZeroMQ."""
         self._unqueue(holder)
+        if self.ready_read is not None and holder in (None, self.ready_read.holder):
+            self._end_words(self.ready_read)
         for each in self.holders if holder is None else [holder]:
             if each is not None and each.up:
                 each.up = False
@@ -531,6 +721,7 @@ class NixlSource(ChunkSource):
         all."""
         self._unqueue()
         reader = self.picker.reader
+        self._drop_words()
         deadline = time.monotonic() + timeout
         for req in list(self.pending):
             if req not in self.pending:
@@ -544,6 +735,31 @@ class NixlSource(ChunkSource):
                     break
                 time.sleep(_POLL_S)
             self._end(req, give_back=True)
+
+    def _drop_words(self) -> None:
+        """Release every words READ: a claims READ is given ``WORDS_WAIT_S`` more to judge
+        its chunks (else they count as ``checksum``); nothing waits for a readiness map."""
+        if self.ready_read is not None:
+            self._end_words(self.ready_read)
+        reader = self.picker.reader
+        for holder in self.holders:
+            if holder is None or holder.claims_read is None or reader is None:
+                continue
+            read = holder.claims_read
+            until = time.monotonic() + WORDS_WAIT_S
+            try:
+                while not reader.poll(read.read.transfer) and time.monotonic() < until:
+                    time.sleep(_POLL_S)
+            except TransportError:
+                pass
+            unasked, holder.suspects = holder.suspects, []
+            self._judge(read)
+            if holder.claims_read is read:  # still in flight: released, not judged
+                self._end_words(read)
+                unasked = read.chunks + unasked
+            if not holder.reused:
+                for chunk, why in unasked:
+                    self._corrupt(chunk, why, holder)
 
     def close(self) -> None:
         self.drain(self.picker.request_timeout)
@@ -703,10 +919,10 @@ class NixlPicker:
                 self.count("unoffered", "offers no NIXL (off or missing there)",
                            version=manifest.version, rank=rank)
                 holders.append(None)
-            elif len(offer.regions) != 1 or offer.regions[0].length < need:
-                whose = "the version's" if rank is None else "its range's"
-                self.count("bad_offer", f"the offer's regions {list(offer.regions)[:4]} do not "
-                           f"hold {whose} {need} bytes", version=manifest.version, rank=rank)
+            elif (misfit := offer_misfit(offer, need, count, size, manifest.version,
+                                         "the version's" if rank is None else "its range's")):
+                self.count("bad_offer", f"the offer's {misfit}", version=manifest.version,
+                           rank=rank)
                 holders.append(None)
             else:
                 holders.append(NixlHolder(offer, first, count, size, rank))
@@ -785,6 +1001,19 @@ class NixlPicker:
                 self.reader.forget_local(start, size)
             except Exception as exc:
                 log.warning("nixl: deregistering a staging buffer failed: %s", exc)
+
+    def offer_staged(self, buffer: torch.Tensor, total_bytes: int) -> NixlOffer | None:
+        """A staged version's bytes (``StagedVersion.buffer``, flat layout) offered from this
+        subscriber's own agent, for a peer to READ (toward peers over NIXL,
+        ``docs/peers-over-nixl.md``); None where its staging is not registered (it did
+        not come over NIXL, or is a sparse slice buffer: up to ``MAX_SPARSE_RANGES``
+        ranges where an offer carries ``MAX_REGIONS``). On the subscriber's thread (the
+        agent is not thread-safe). Valid only while the version is retained: a released
+        buffer is reused for a newer version (no claims words on staging yet)."""
+        reader = self.reader
+        if reader is None or _base(buffer).data_ptr() not in self._sizes or total_bytes <= 0:
+            return None
+        return reader.offer([NixlRegion(buffer.data_ptr(), total_bytes)])
 
     def allocator(self, inner: Allocator | None) -> Allocator:
         return RegisteringAllocator(self, inner)
