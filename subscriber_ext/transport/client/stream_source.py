@@ -128,6 +128,8 @@ class StreamSource(ChunkSource):
         self.queued: list[tuple[int, int, list[int], list[list[stream_link.Block]] | None]] = []
         #: the publisher serves ``slices`` (its ACCEPTED's flags); None: not connected
         self.slices_ok: bool | None = None
+        #: (publisher_id, port) of a stream that does not serve slices (asked no more)
+        self.unsliced: tuple[str, int] | None = None
         self.outbox = bytearray()
         self.last_progress = 0.0
         self._poller: zmq.Poller | None = None
@@ -182,11 +184,12 @@ class StreamSource(ChunkSource):
                 or isinstance(target, (DeltaAssembly, SparseDeltaAssembly)) \
                 or (sparse is not None and sparse.whole_cause is not None):
             return list(chunks)
-        if sparse is not None and self.slices_ok is False:
-            self.fall_back("unsupported", "the publisher's stream does not serve slices")
-            return list(chunks)
         route = self.route
         assert route is not None
+        if sparse is not None and self.unsliced == (route.publisher_id, route.port):
+            self.down = True  # known: this version's slices come over frames, no token asked
+            self.count("unsupported", "the publisher's stream does not serve slices")
+            return list(chunks)
         end = route.first_chunk + route.num_chunks
         take = [c for c in chunks if route.first_chunk <= c < end and c not in self.given_back
                 and (sparse is None or _sliceable(sparse, c))]
@@ -431,8 +434,9 @@ class StreamSource(ChunkSource):
             self.state = "up"
             self.slices_ok = bool(reply.flags & stream_link.FLAG_SLICES)
             if not self.slices_ok and any(blocks is not None for *_, blocks in self.queued):
+                self.unsliced = self.peer  # its later versions: frames, without a token
                 self.fall_back("unsupported", "the publisher's stream does not serve slices")
-                return  # (the connection stays for whole versions of this publisher)
+                return
             self._send_queued()
             return
         if reply.status == stream_link.REFUSED:
