@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -108,7 +109,13 @@ def wait(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> Non
         time.sleep(0.05)
 
 
-def interleave(first: Setup, second: Setup, shape: tuple[int, int, int],
+class Rounds(Protocol):
+    """What ``interleave`` runs: one version published and taken per call."""
+
+    def round(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+def interleave(first: Rounds, second: Rounds, shape: tuple[int, int, int],
                rounds: int) -> None:
     """Publish ``rounds`` versions to both setups, ``first`` first on odd rounds, so that
     load drifting over the run falls on both alike."""
