@@ -7,8 +7,9 @@ the embedding whole) follows each of two publishers (both ``stream=True``): one 
 sparse staging) and one without (``slice_fetch`` chunk frames). Per round the two
 publish the same version, interleaved (``peer_slices.interleave``: stream first on odd
 rounds). Figures over the plan's bytes (what the subscriber pulls), from round 2 on
-(round 1 registers the plan and touches fresh staging): publish -> staged GB/s, the
-subscriber process's CPU-seconds per GB (all its threads, ZeroMQ's I/O threads too),
+(round 1 registers the plan and touches fresh staging): publish -> staged GB/s (median),
+the subscriber process's CPU-seconds per GB (over the rounds together; all its threads,
+ZeroMQ's I/O threads too),
 this process's (the publishers') CPU per GB, and stream / frames per round; the load
 average before and after (a shared box moves the times, not the bytes).
 
@@ -43,9 +44,14 @@ from weightpub_wire.slice_plan import SlicePlan, decode_plan, encode_plan  # noq
 PRELOAD = ("torch", "zmq", "publisher", "subscriber_ext", "benchmarks.stream_slices")
 
 
-def _receiver(endpoint: str, plan: bytes, stream: bool, rounds: int, conn: Any) -> None:
+def _receiver(endpoint: str, plan: bytes, stream: bool, rounds: int, conn: Any,
+              min_piece: int | None) -> None:
     """The sliced subscriber: per version, (seconds to stage, process CPU, data_path)."""
     from subscriber_ext import WeightSubscriber
+    from subscriber_ext.transport.client import stream_source
+
+    if min_piece is not None:  # the bench's knob: where scatter reads give way to a copy
+        stream_source._MIN_PIECE = min_piece
 
     with WeightSubscriber(endpoint, stream=stream, slice_plan=decode_plan(plan),
                           request_timeout=30.0) as sub:
@@ -61,13 +67,14 @@ def _receiver(endpoint: str, plan: bytes, stream: bool, rounds: int, conn: Any) 
 class Setup:
     """A publisher and one sliced subscriber process, the stream on or off."""
 
-    def __init__(self, plan: SlicePlan, stream: bool, rounds: int, chunk_size: int) -> None:
+    def __init__(self, plan: SlicePlan, stream: bool, rounds: int, chunk_size: int,
+                 min_piece: int | None = None) -> None:
         self.stream = stream
         self.pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk_size, stream=True)
         self.conn, child = mp.Pipe()
         self.proc = forkserver(PRELOAD).Process(
             target=_receiver, args=(self.pub.endpoint, encode_plan(plan), stream, rounds,
-                                    child), daemon=True)
+                                    child, min_piece), daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise TimeoutError("the subscriber process did not start")
@@ -104,6 +111,9 @@ def main() -> None:
                         help="rows of 2 x hidden bytes: half rows of 2 KiB and more go as "
                              "views of the snapshot, shorter ones are gathered first")
     parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--min-piece", type=int, default=None,
+                        help="the stream subscriber's _MIN_PIECE (bytes): slices whose "
+                             "pieces average less land in scratch and are scattered")
     args = parser.parse_args()
     shape: tuple[int, int, int] = (128, 2, 1000) if args.tiny else (args.hidden, args.layers, 8192)
     rounds = 3 if args.tiny else args.rounds
@@ -117,27 +127,29 @@ def main() -> None:
           f"({plan.needed_bytes / version_bytes:.3f}x), chunks of {chunk >> 10} KiB, "
           f"{rounds} rounds; load average {load_before[0]:.2f} {load_before[1]:.2f} "
           f"{load_before[2]:.2f} on {os.cpu_count()} CPUs")
-    stream, frames = Setup(plan, True, rounds, chunk), Setup(plan, False, rounds, chunk)
+    stream = Setup(plan, True, rounds, chunk, args.min_piece)
+    frames = Setup(plan, False, rounds, chunk)
     try:
         interleave(stream, frames, shape, rounds)
     finally:
         stream_status, _ = stream.close(), frames.close()
     steady = slice(1, None)
-    for name, setup in (("stream", stream), ("frames", frames)):
+    moved = gb * (rounds - 1)  # CPU over every steady round together: it is read in 10 ms
+    for name, setup in (("stream", stream), ("frames", frames)):  # ticks, a round is a few
         seconds = statistics.median(setup.seconds[steady])
         print(f"  {name:6s}: {gb / seconds:.3f} GB/s of slices (median {seconds:.3f} s), "
-              f"subscriber {statistics.median(setup.subscriber_cpu[steady]) / gb:.2f} "
-              f"CPU-s/GB, publisher {statistics.median(setup.publisher_cpu[steady]) / gb:.2f}"
-              f" CPU-s/GB; data paths {setup.paths}")
+              f"subscriber {sum(setup.subscriber_cpu[steady]) / moved:.3f} CPU-s/GB, "
+              f"publisher {sum(setup.publisher_cpu[steady]) / moved:.3f} CPU-s/GB; "
+              f"data paths {setup.paths}")
     ratios = [f / s for s, f in zip(stream.seconds, frames.seconds, strict=True)][steady]
     # CPU is read in clock ticks (10 ms): a round too short for a tick reads 0
     cpu = [round(f / s, 2) if s else None for s, f in zip(
         stream.subscriber_cpu, frames.subscriber_cpu, strict=True)][steady]
-    cpu_ratio = statistics.median(frames.subscriber_cpu[steady]) / max(
-        statistics.median(stream.subscriber_cpu[steady]), 1e-9)
+    cpu_ratio = sum(frames.subscriber_cpu[steady]) / max(sum(stream.subscriber_cpu[steady]),
+                                                         1e-9)
     print(f"  stream vs frames (speed, frames s / stream s): median "
           f"{statistics.median(ratios):.2f}x, rounds {[round(r, 2) for r in ratios]}")
-    print(f"  subscriber CPU per GB, frames / stream: {cpu_ratio:.2f}x (medians), rounds "
+    print(f"  subscriber CPU per GB, frames / stream: {cpu_ratio:.2f}x (steady rounds), rounds "
           f"{cpu}")
     print(f"  stream fallbacks {stream_status.get('fallback_causes')}; load average after "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")

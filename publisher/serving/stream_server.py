@@ -362,9 +362,10 @@ class StreamServer:
         """``sendmsg`` until every byte is in the kernel; cut a subscriber that stops
         reading (``stall_timeout``, or ``overwrite_grace`` while a snapshot waits)."""
         last = time.monotonic()
-        while parts:
+        first = 0  # parts[:first] are sent (an index: a slice's parts may be thousands)
+        while first < len(parts):
             try:
-                sent = conn.sendmsg(parts[:_IOV_MAX])
+                sent = conn.sendmsg(parts[first: first + _IOV_MAX])
             except TimeoutError:
                 now = time.monotonic()
                 if now - last > self.limits.stall_timeout:
@@ -376,15 +377,15 @@ class StreamServer:
                     raise ConnectionError("closing") from None
                 continue
             last = time.monotonic()
-            while sent and parts:
-                if sent >= len(parts[0]):
-                    sent -= len(parts[0])
-                    parts.pop(0)
+            while sent and first < len(parts):
+                if sent >= len(parts[first]):
+                    sent -= len(parts[first])
+                    first += 1
                 else:
-                    parts[0] = parts[0][sent:]
+                    parts[first] = parts[first][sent:]
                     sent = 0
-            while parts and not len(parts[0]):
-                parts.pop(0)
+            while first < len(parts) and not len(parts[first]):
+                first += 1
 
     def close(self) -> None:
         self._closed = True

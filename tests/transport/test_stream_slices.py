@@ -40,10 +40,13 @@ pytestmark = pytest.mark.timeout(120)
 
 ROW = 1024 * 4  # bytes of one row of SPEC's "w" (float32 [1024, 1024])
 #: "w": the first half of rows 0..511 (2 KiB rows: sent as views of the snapshot) and the
-#: second quarter of rows 512..1023 (1 KiB rows: gathered first); "b" in part, "e" whole
+#: second quarter of rows 512..1023 (1 KiB rows: gathered first), both landing in scratch
+#: and scattered (short pieces); "b": three 100 kB runs (scatter-read in place); "e"
+#: whole (one read)
 RANGES = {"w": [(r * ROW, r * ROW + ROW // 2) for r in range(512)]
           + [(r * ROW + ROW // 4, r * ROW + ROW // 2) for r in range(512, 1024)],
-          "b": [(0, 400_000)], "e": [(0, 12_345)]}
+          "b": [(i * 150_000, i * 150_000 + 100_000) for i in range(3)],
+          "e": [(0, 12_345)]}
 PLAN = from_ranges("stream-test", RANGES)
 CHUNK0_BYTES = 256 * ROW // 2  # chunk 0 holds rows 0..255 of "w"
 

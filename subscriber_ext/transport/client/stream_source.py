@@ -81,7 +81,10 @@ _MAX_CAUSES = 16
 _READ_BUDGET = 64 << 20  # bytes read per ``on_events`` (the client's loop turns between)
 _SCRATCH = 1 << 20  # where bytes nobody waits for any more are read and dropped
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
-_SCATTER = 64  # slice pieces one ``recvmsg_into`` fills at most
+_SCATTER = 512  # slice pieces one ``recvmsg_into`` fills at most
+#: a slice whose pieces average less is read into scratch and scattered by numpy (as a
+#: frame's is): a Python step per tiny piece costs more than that one copy
+_MIN_PIECE = 16 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +148,9 @@ class StreamSource(ChunkSource):
         self._chunk = 0  # the union's number of the chunk being read
         self._hasher = xxhash.xxh3_64()
         self._scratch = memoryview(bytearray(_SCRATCH))
+        #: a slice of short pieces lands here first (at most a chunk; ``_MIN_PIECE``)
+        self._landing = bytearray()
+        self._scatter: SparseAssembly | None = None  # where ``_landing`` goes, if used
 
     @property
     def label(self) -> str:
@@ -356,6 +362,7 @@ class StreamSource(ChunkSource):
         self._head_pos = 0
         self._reply = None
         self._dest = None
+        self._scatter = None
 
     def fall_back(self, cause: str, why: str) -> None:
         """Give every chunk asked here back to frames; take no more of this version."""
@@ -462,6 +469,7 @@ class StreamSource(ChunkSource):
         manifest = self.manifest
         request = self.sink.requests.get(reply.req)
         target = self.target
+        self._scatter = None
         if request is not None and target is not None and manifest is not None \
                 and chunk in request.chunks and reply.version == target.fetch_version:
             sparse = target if isinstance(target, SparseAssembly) else None
@@ -474,6 +482,11 @@ class StreamSource(ChunkSource):
                 return
             self._dest = [target.chunk_target(chunk)] if sparse is None \
                 else sparse.slice_targets(chunk)
+            if sparse is not None and len(self._dest) > 1 and \
+                    size < _MIN_PIECE * len(self._dest):
+                if len(self._landing) < size:
+                    self._landing = bytearray(size)
+                self._dest, self._scatter = [memoryview(self._landing)[:size]], sparse
         else:
             self._dest = None  # nobody waits for it any more: read and dropped
         self._reply = reply
@@ -496,7 +509,8 @@ class StreamSource(ChunkSource):
         elif len(dest) - self._piece == 1:  # one run (a whole chunk): the plain read
             piece = dest[self._piece][self._piece_pos:]
             n = self.sock.recv_into(piece)
-            self._hasher.update(piece[:n])
+            if self._scatter is None:  # (landed bytes are hashed as ``place`` scatters)
+                self._hasher.update(piece[:n])
             self._piece_pos += n
         else:  # a slice's pieces: one scatter read fills several, in order
             pieces = [dest[self._piece][self._piece_pos:],
@@ -528,10 +542,18 @@ class StreamSource(ChunkSource):
         sparse = target if isinstance(target, SparseAssembly) else None
         needed = manifest.num_chunks if sparse is None else len(sparse.layout.chunks)
         target.data_path = "stream" if done + 1 == needed else "stream+zmq"
-        if sparse is not None:
-            sparse.count_slice(reply.size)
+        scatter, self._scatter = self._scatter, None
+        if scatter is not None:  # short pieces: one numpy scatter out of the landing buffer
+            if scatter is not target or reply.req not in self.sink.requests \
+                    or self._chunk not in scatter.missing:
+                return  # nobody waits for it any more: the target is not written
+            digest = scatter.place(self._chunk, dest[0])  # hashed, scattered, counted
+        else:
+            digest = self._hasher.intdigest()
+            if sparse is not None:
+                sparse.count_slice(reply.size)
         verified = self.sink.in_place(reply.req, reply.version, self._chunk, self, self,
-                                      self._hasher.intdigest())
+                                      digest)
         if not verified:
             target.data_path = "stream+zmq" if done else "zmq"
 
