@@ -1,20 +1,22 @@
 """Sliced pulls over the stream vs over ZeroMQ frames, same run: GB/s and subscriber CPU.
 
 No vLLM: the dense, Qwen-shaped tensors of ``slice_fetch.py`` are published; a
-subscriber process holding rank 0's TP=2 plan (the first half of every row; norms and
-the embedding whole) follows each of two publishers (both ``stream=True``): one with
-``stream=True`` (its slices come over the plain TCP port, ``recv_into`` straight into
+subscriber process holding rank 0's TP=2 plan (``--plan cols``: the first half of every
+row, short strided pieces; ``rows``: the first half of the rows, one run per tensor;
+norms and the embedding whole) follows each of two publishers (both ``stream=True``):
+one with ``stream=True`` (its slices come over the plain TCP port, ``recv_into`` into
 sparse staging) and one without (``slice_fetch`` chunk frames). Per round the two
 publish the same version, interleaved (``peer_slices.interleave``: stream first on odd
 rounds). Figures over the plan's bytes (what the subscriber pulls), from round 2 on
-(round 1 registers the plan and touches fresh staging): publish -> staged GB/s (median),
-the subscriber process's CPU-seconds per GB (over the rounds together; all its threads,
-ZeroMQ's I/O threads too),
-this process's (the publishers') CPU per GB, and stream / frames per round; the load
-average before and after (a shared box moves the times, not the bytes).
+(round 1 registers the plan and touches fresh staging): publish -> staged GB/s
+(median), the subscriber process's CPU-seconds per GB (the rounds together; all its
+threads, ZeroMQ's I/O threads too), this process's (the publishers') CPU per GB, and
+stream / frames per round; the load average before and after (a shared box moves the
+times, not the bytes).
 
     python benchmarks/stream_slices.py                  # ~170 MB (plan ~100 MB), 7 rounds
     python benchmarks/stream_slices.py --hidden 512 --layers 16   # short rows: gathered
+    python benchmarks/stream_slices.py --plan rows      # half the rows: long runs
     python benchmarks/stream_slices.py --tiny           # smoke run
 """
 
@@ -39,7 +41,12 @@ from benchmarks.slice_fetch import half_plan, model  # noqa: E402
 from publisher import WeightPublisher  # noqa: E402
 from weightpub.bench.cpu_probe import process_cpu  # noqa: E402
 from weightpub.bench.forked import forkserver  # noqa: E402
-from weightpub_wire.slice_plan import SlicePlan, decode_plan, encode_plan  # noqa: E402
+from weightpub_wire.slice_plan import (  # noqa: E402
+    SlicePlan,
+    decode_plan,
+    encode_plan,
+    from_ranges,
+)
 
 PRELOAD = ("torch", "zmq", "publisher", "subscriber_ext", "benchmarks.stream_slices")
 
@@ -62,6 +69,15 @@ def _receiver(endpoint: str, plan: bytes, stream: bool, rounds: int, conn: Any,
             conn.send((staged.fetch_seconds, process_cpu() - cpu, staged.data_path))
             staged.release()
         conn.send(sub.status()["stream"])
+
+
+def rows_plan(weights: dict[str, torch.Tensor]) -> SlicePlan:
+    """Rank 0 of a column-parallel split of every matrix: its first half of the rows, one
+    contiguous run per tensor (norms and the embedding whole)."""
+    ranges = {name: [(0, t.numel() * t.element_size() // (2 if t.dim() == 2 and not
+                                                           name.startswith("embed") else 1))]
+              for name, t in weights.items()}
+    return from_ranges("tp2-rows/rank0", ranges)
 
 
 class Setup:
@@ -111,6 +127,9 @@ def main() -> None:
                         help="rows of 2 x hidden bytes: half rows of 2 KiB and more go as "
                              "views of the snapshot, shorter ones are gathered first")
     parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--plan", choices=("cols", "rows"), default="cols",
+                        help="cols: half of every row (short strided pieces); rows: half "
+                             "of the rows (one run per tensor)")
     parser.add_argument("--min-piece", type=int, default=None,
                         help="the stream subscriber's _MIN_PIECE (bytes): slices whose "
                              "pieces average less land in scratch and are scattered")
@@ -119,7 +138,7 @@ def main() -> None:
     rounds = 3 if args.tiny else args.rounds
     first = model(*shape, 1)
     version_bytes = sum(t.numel() * t.element_size() for t in first.values())
-    plan = half_plan(first, 0)
+    plan = half_plan(first, 0) if args.plan == "cols" else rows_plan(first)
     gb = plan.needed_bytes / 1e9
     chunk = int(args.chunk_mib * (1 << 20))
     load_before = os.getloadavg()
