@@ -74,7 +74,9 @@ class StreamLimits:
     overwrite_grace: float = 2.0  # the same while a newer snapshot waits for the region
     ready_wait: float = 60.0  # a chunk announced before its copy ended: wait this long
     batch_bytes: int = 16 << 20  # chunks of one request sent in one sendmsg, at most this
-    min_row_bytes: int = 2048  # strided slice rows shorter than this are gathered (a copy)
+    #: strided slice rows shorter than this are gathered (one numpy copy): a view and an
+    #: iovec per row cost more Python than copying rows of a few KiB
+    min_row_bytes: int = 16 << 10
 
 
 class StreamServer:

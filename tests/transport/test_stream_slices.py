@@ -39,10 +39,10 @@ from weightpub_wire.slice_plan import from_ranges
 pytestmark = pytest.mark.timeout(120)
 
 ROW = 1024 * 4  # bytes of one row of SPEC's "w" (float32 [1024, 1024])
-#: "w": the first half of rows 0..511 (2 KiB rows: sent as views of the snapshot) and the
-#: second quarter of rows 512..1023 (1 KiB rows: gathered first), both landing in scratch
-#: and scattered (short pieces); "b": three 100 kB runs (scatter-read in place); "e"
-#: whole (one read)
+#: "w": the first half of rows 0..511 (2 KiB rows) and the second quarter of rows
+#: 512..1023 (1 KiB rows): short rows, gathered by the publisher, landing in scratch at
+#: the subscriber and scattered; "b": three 100 kB runs 150 kB apart (sent as views of
+#: the snapshot, scatter-read in place); "e" whole (one view, one read)
 RANGES = {"w": [(r * ROW, r * ROW + ROW // 2) for r in range(512)]
           + [(r * ROW + ROW // 4, r * ROW + ROW // 2) for r in range(512, 1024)],
           "b": [(i * 150_000, i * 150_000 + 100_000) for i in range(3)],
@@ -83,8 +83,8 @@ def test_sliced_versions_come_over_the_stream_bit_exact(
     assert stats["stats"]["bytes_sent_full"] == 0
     stream = stats["stream"]
     assert stream["slice_bytes_sent"] == stream["bytes_sent"] == 3 * PLAN.needed_bytes
-    # both forms went: the 1 KiB rows gathered, everything else as views of the snapshot
-    assert stream["slice_bytes_gathered"] == 3 * 512 * ROW // 4
+    # both forms went: the short rows of "w" gathered, "b" and "e" as views of the snapshot
+    assert stream["slice_bytes_gathered"] == 3 * (512 * ROW // 2 + 512 * ROW // 4)
     assert stream["accepted"] == 1 and stream["cut"] == 0
 
 
