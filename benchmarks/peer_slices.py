@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -108,14 +109,27 @@ def wait(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> Non
         time.sleep(0.05)
 
 
+class Rounds(Protocol):
+    """What ``interleave`` runs: one version published and taken per call."""
+
+    def round(self, weights: dict[str, torch.Tensor], version: int) -> None: ...
+
+
+def interleave(first: Rounds, second: Rounds, shape: tuple[int, int, int],
+               rounds: int) -> None:
+    """Publish ``rounds`` versions to both setups, ``first`` first on odd rounds, so that
+    load drifting over the run falls on both alike."""
+    for version in range(1, rounds + 1):
+        weights = model(*shape, version)
+        for setup in (first, second) if version % 2 else (second, first):
+            setup.round(weights, version)
+
+
 def measure(members: int, plan: SlicePlan, shape: tuple[int, int, int], rounds: int,
             chunk: int) -> None:
     peered, alone = Setup(plan, members, True, chunk), Setup(plan, members, False, chunk)
     try:
-        for version in range(1, rounds + 1):
-            weights = model(*shape, version)
-            for setup in (peered, alone) if version % 2 else (alone, peered):
-                setup.round(weights, version)
+        interleave(peered, alone, shape, rounds)
         print(f"N={members} members of one plan, {rounds} rounds:")
         for name, setup in (("with peers", peered), ("without", alone)):
             stats = setup.pub.data_stats()
@@ -136,10 +150,7 @@ def measure_cache(members: int, plan: SlicePlan, shape: tuple[int, int, int], ro
                   chunk: int) -> None:
     cached, bare = Setup(plan, members, True, chunk), Setup(plan, members, True, chunk, False)
     try:
-        for version in range(1, rounds + 1):
-            weights = model(*shape, version)
-            for setup in (cached, bare) if version % 2 else (bare, cached):
-                setup.round(weights, version)
+        interleave(cached, bare, shape, rounds)
         print(f"N={members} members of one plan with peers, {rounds} rounds, slice cache:")
         per_gb = {}
         for name, setup in (("on", cached), ("off", bare)):

@@ -13,6 +13,15 @@ serving thread hands out over the CURVE-authenticated ROUTER
 answered ``REFUSED`` and the connection closed. The bytes themselves are not
 encrypted (docs/RELIABILITY.md).
 
+Slices (a sliced subscriber, ``stream_link`` ``slices`` requests): the blocks a
+subscriber names are sent as views of the snapshot where they are contiguous runs (a
+whole tensor, a run of whole rows) or rows of at least ``min_row_bytes``; a strided
+block of shorter rows is gathered into one copy first (a syscall entry per tiny row
+would cost more than the copy). Every block is checked against the chunk's span in
+the version. The subscriber verifies the bytes against the slice sums it asked over
+the ROUTER. ``serves_slices`` False answers as a publisher from before: no
+``FLAG_SLICES`` in ``ACCEPTED``, and a ``slices`` request cuts the connection.
+
 Threads and bounds: one accept thread (``weightpub-stream-accept``) and one thread per
 connection (``weightpub-stream-conn``), at most ``max_connections`` (more are closed at
 once); a connection holds one request in memory at a time (at most
@@ -35,6 +44,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
@@ -46,6 +57,11 @@ __all__ = ["StreamLimits", "StreamServer"]
 log = logging.getLogger("weightpub.publisher")
 
 _POLL_S = 0.5  # socket timeout: how often a blocked thread looks at the clock and at close
+_IOV_MAX = 1024  # buffers one sendmsg may carry (Linux's UIO_MAXIOV)
+
+#: one reply of a batch: (chunk, payload bytes, what makes its payload's buffers: called
+#: while the chunk's region is counted as being sent, so a gather copies final bytes)
+_Item = tuple[int, int, Callable[[], list[memoryview]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +74,17 @@ class StreamLimits:
     overwrite_grace: float = 2.0  # the same while a newer snapshot waits for the region
     ready_wait: float = 60.0  # a chunk announced before its copy ended: wait this long
     batch_bytes: int = 16 << 20  # chunks of one request sent in one sendmsg, at most this
+    #: strided slice rows shorter than this are gathered (one numpy copy): a view and an
+    #: iovec per row cost more Python than copying rows of a few KiB
+    min_row_bytes: int = 16 << 10
 
 
 class StreamServer:
     """A listening TCP socket, its accept thread and one thread per connection."""
+
+    #: answers ``slices`` requests (and says so in ``ACCEPTED``); a test sets it False to
+    #: play a publisher from before them
+    serves_slices = True
 
     def __init__(self, store: VersionStore, host: str, port: int = 0,
                  limits: StreamLimits | None = None,
@@ -80,6 +103,8 @@ class StreamServer:
         self._warn = RateLimitedLog(log)
         self.bytes_sent = 0
         self.chunks_sent = 0
+        self.slice_bytes_sent = 0  # of ``bytes_sent``: answers to ``slices`` requests
+        self.slice_bytes_gathered = 0  # of those: copied first (strided short rows)
         self.accepted = 0
         self.refused = 0  # hellos with a bad, used or expired token
         self.turned_away = 0  # connections past max_connections
@@ -125,6 +150,27 @@ class StreamServer:
     def chunk_bytes(self, version: PublishedVersion, chunk: int) -> memoryview:
         return version.chunk_view(chunk)
 
+    def slice_bytes(self, version: PublishedVersion, chunk: int,
+                    blocks: list[stream_link.Block]) -> list[memoryview]:
+        """The blocks' bytes of ``chunk``, in order: views of the snapshot (a contiguous
+        run, or each row of at least ``min_row_bytes``), a gathered copy of shorter rows."""
+        data = self.chunk_bytes(version, chunk)
+        parts: list[memoryview] = []
+        for start, length, stride, rows in blocks:
+            if rows == 1 or stride == length:
+                parts.append(data[start: start + length * rows])
+            elif length >= self.limits.min_row_bytes:
+                parts.extend(data[row: row + length]
+                             for row in range(start, start + rows * stride, stride))
+            else:
+                array = np.frombuffer(data, dtype=np.uint8)
+                gathered = np.lib.stride_tricks.as_strided(
+                    array[start:], shape=(rows, length), strides=(stride, 1)).reshape(-1)
+                with self._lock:  # counted from every connection's thread
+                    self.slice_bytes_gathered += gathered.nbytes
+                parts.append(gathered.data)
+        return parts
+
     def status(self) -> dict[str, Any]:
         """Counters since start: connections open now, accepted (a good token), refused (a
         bad, used or expired one), turned away (``max_connections``), cut (stalled, bad
@@ -134,11 +180,16 @@ class StreamServer:
                     "accepted": self.accepted, "refused": self.refused,
                     "turned_away": self.turned_away, "cut": self.cut,
                     "bytes_sent": self.bytes_sent, "chunks_sent": self.chunks_sent,
+                    "slice_bytes_sent": self.slice_bytes_sent,
+                    "slice_bytes_gathered": self.slice_bytes_gathered,
                     "tokens_issued": self.tokens_issued, "tokens_denied": self.tokens_denied}
 
     def wire_status(self) -> wire.StreamPort:
         """``status()`` as a status reply carries it (``weightpub status``)."""
-        return wire.StreamPort(**self.status())
+        status = self.status()
+        for key in ("slice_bytes_sent", "slice_bytes_gathered"):
+            del status[key]  # not (yet) in the status reply's fields
+        return wire.StreamPort(**status)
 
     # -- threads --------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -182,14 +233,18 @@ class StreamServer:
                 return
             with self._lock:  # every connection's thread counts
                 self.accepted += 1
-            conn.sendall(stream_link.reply_header(stream_link.ACCEPTED))
+            flags = stream_link.FLAG_SLICES if self.serves_slices else 0
+            conn.sendall(stream_link.reply_header(stream_link.ACCEPTED, flags=flags))
             conn.settimeout(_POLL_S)
             while not self._closed:
                 head = _read_exact(conn, stream_link.REQUEST_BYTES, idle=lambda: self._closed)
                 if client_key is not None and self._allowed is not None \
                         and not self._allowed(client_key.encode()):
                     raise _Cut(f"CURVE key {client_key} is not in the allow-list any more")
-                request = stream_link.parse_request_head(head)
+                request = stream_link.parse_request_head(head, slices=self.serves_slices)
+                if request.slices:
+                    self._answer_slices(conn, request, _read_slices(conn, request))
+                    continue
                 chunks = stream_link.request_chunks(
                     _read_exact(conn, 4 * request.count), request)
                 self._answer(conn, request, chunks)
@@ -213,29 +268,57 @@ class StreamServer:
 
     def _answer(self, conn: socket.socket, request: stream_link.StreamRequest,
                 chunks: tuple[int, ...]) -> None:
-        """Send ``chunks`` of the request, in batches of about ``batch_bytes``; one
-        ``UNAVAILABLE`` (and nothing more of it) when the version is not held."""
+        """Send ``chunks`` of the request whole (see ``_reply``)."""
+        def item(version: PublishedVersion, chunk: int) -> _Item:
+            data = self.chunk_bytes(version, chunk)
+            return chunk, len(data), lambda: [data]
+
+        self._reply(conn, request, chunks, item)
+
+    def _answer_slices(self, conn: socket.socket, request: stream_link.StreamRequest,
+                       entries: list[tuple[int, list[stream_link.Block]]]) -> None:
+        """Send each chunk's blocks back to back (see ``_reply``); a block past its chunk
+        in the version is a bad request (the subscriber is cut)."""
+        blocks = dict(entries)
+
+        def item(version: PublishedVersion, chunk: int) -> _Item:
+            span = version.manifest.chunk_span(chunk)[1]
+            size = 0
+            for index, (start, length, stride, rows) in enumerate(blocks[chunk]):
+                if start + (rows - 1) * stride + length > span:
+                    raise ProtocolError(f"stream slices.blocks[{index}] of chunk {chunk}: "
+                                        f"ends past the chunk's {span} bytes")
+                size += length * rows
+            return chunk, size, lambda: self.slice_bytes(version, chunk, blocks[chunk])
+
+        self._reply(conn, request, tuple(chunk for chunk, _ in entries), item, slices=True)
+
+    def _reply(self, conn: socket.socket, request: stream_link.StreamRequest,
+               chunks: tuple[int, ...], item: Callable[[PublishedVersion, int], _Item],
+               slices: bool = False) -> None:
+        """Send the ``item`` of each of ``chunks``, in batches of about ``batch_bytes``;
+        one ``UNAVAILABLE`` (and nothing more of the request) when the version is not
+        held."""
         version = self.store.get(request.version)
         unavailable = version is None or version.failed
-        batch: list[tuple[int, memoryview]] = []
+        batch: list[_Item] = []
         size = 0
         for chunk in chunks:
             if unavailable or version is None or chunk >= version.manifest.num_chunks \
                     or not self._wait_ready(version, chunk):
-                self._send_batch(conn, request, version, batch)
+                self._send_batch(conn, request, version, batch, slices)
                 conn.sendall(stream_link.reply_header(stream_link.UNAVAILABLE, request.req,
                                                       request.version, chunk))
                 return
-            data = self.chunk_bytes(version, chunk)
-            batch.append((chunk, data))
-            size += len(data)
+            batch.append(item(version, chunk))
+            size += batch[-1][1]
             if size >= self.limits.batch_bytes:
-                if not self._send_batch(conn, request, version, batch):
+                if not self._send_batch(conn, request, version, batch, slices):
                     conn.sendall(stream_link.reply_header(
                         stream_link.UNAVAILABLE, request.req, request.version, chunk))
                     return
                 batch, size = [], 0
-        if not self._send_batch(conn, request, version, batch):
+        if not self._send_batch(conn, request, version, batch, slices):
             conn.sendall(stream_link.reply_header(
                 stream_link.UNAVAILABLE, request.req, request.version, batch[0][0]))
 
@@ -248,39 +331,43 @@ class StreamServer:
         return self.store.get(version.manifest.version) is version
 
     def _send_batch(self, conn: socket.socket, request: stream_link.StreamRequest,
-                    version: PublishedVersion | None,
-                    batch: list[tuple[int, memoryview]]) -> bool:
-        """One ``sendmsg`` of headers and chunks (their regions counted as being sent until
-        it returns); False when a newer snapshot claimed one of them first."""
+                    version: PublishedVersion | None, batch: list[_Item],
+                    slices: bool = False) -> bool:
+        """One ``sendmsg`` of headers and payloads (their regions counted as being sent
+        until it returns); False when a newer snapshot claimed one of them first."""
         if not batch or version is None:
             return True
         begun: list[int] = []
         try:
-            for chunk, _ in batch:
+            for chunk, _, _ in batch:
                 if not version.send_begin(chunk):
                     return False
                 begun.append(chunk)
             parts: list[memoryview] = []
-            for chunk, data in batch:
+            for chunk, size, make in batch:
                 parts.append(memoryview(stream_link.reply_header(
-                    stream_link.OK, request.req, request.version, chunk, len(data))))
-                parts.append(data)
+                    stream_link.OK, request.req, request.version, chunk, size)))
+                parts.extend(make())
             self._send_all(conn, parts)
         finally:
             for chunk in begun:
                 version.send_end(chunk)
+        sent = sum(size for _, size, _ in batch)
         with self._lock:  # counted from every connection's thread
             self.chunks_sent += len(batch)
-            self.bytes_sent += sum(len(data) for _, data in batch)
+            self.bytes_sent += sent
+            if slices:
+                self.slice_bytes_sent += sent
         return True
 
     def _send_all(self, conn: socket.socket, parts: list[memoryview]) -> None:
         """``sendmsg`` until every byte is in the kernel; cut a subscriber that stops
         reading (``stall_timeout``, or ``overwrite_grace`` while a snapshot waits)."""
         last = time.monotonic()
-        while parts:
+        first = 0  # parts[:first] are sent (an index: a slice's parts may be thousands)
+        while first < len(parts):
             try:
-                sent = conn.sendmsg(parts)
+                sent = conn.sendmsg(parts[first: first + _IOV_MAX])
             except TimeoutError:
                 now = time.monotonic()
                 if now - last > self.limits.stall_timeout:
@@ -292,15 +379,15 @@ class StreamServer:
                     raise ConnectionError("closing") from None
                 continue
             last = time.monotonic()
-            while sent and parts:
-                if sent >= len(parts[0]):
-                    sent -= len(parts[0])
-                    parts.pop(0)
+            while sent and first < len(parts):
+                if sent >= len(parts[first]):
+                    sent -= len(parts[first])
+                    first += 1
                 else:
-                    parts[0] = parts[0][sent:]
+                    parts[first] = parts[first][sent:]
                     sent = 0
-            while parts and not len(parts[0]):
-                parts.pop(0)
+            while first < len(parts) and not len(parts[first]):
+                first += 1
 
     def close(self) -> None:
         self._closed = True
@@ -320,6 +407,23 @@ class StreamServer:
 
 class _Cut(Exception):
     """A subscriber is cut off (stalled)."""
+
+
+def _read_slices(conn: socket.socket, request: stream_link.StreamRequest
+                 ) -> list[tuple[int, list[stream_link.Block]]]:
+    """A ``slices`` request's chunks and their blocks, each count bounded before its
+    bytes are read; a chunk named twice is a bad request."""
+    entries: list[tuple[int, list[stream_link.Block]]] = []
+    left = stream_link.MAX_REQUEST_BLOCKS
+    for _ in range(request.count):
+        chunk, count = stream_link.parse_slice_chunk(
+            _read_exact(conn, stream_link.SLICE_CHUNK_BYTES), left)
+        left -= count
+        entries.append((chunk, stream_link.parse_blocks(_read_exact(conn, 16 * count),
+                                                        count, chunk)))
+    if len({chunk for chunk, _ in entries}) != len(entries):
+        raise ProtocolError("stream slices.chunk: a chunk named twice in one request")
+    return entries
 
 
 def _read_exact(conn: socket.socket, nbytes: int, idle: Any = None) -> bytes:

@@ -181,13 +181,14 @@ class WeightSubscriber:
             shard_slices = ShardSlices(self._slices)  # a sharded version: from each rank
         try:
             # NIXL first: a sliced subscriber READs only its planned byte ranges one-sided
-            # (verified against the slice sums the slice source asks), the rest comes
-            # as ZeroMQ slices
+            # (verified against the slice sums the slice source asks), then the stream
+            # (its planned bytes recv_into'd in place), the rest comes as ZeroMQ slices
             self._client = SyncClient(self._ctx, endpoint, self.subscriber_id, base,
                                       self._deliver, hooks, pool, curve=curve,
                                       listeners=[self._nixl,
                                                  *([chunk_listener] if chunk_listener else [])],
-                                      pickers=[self._nixl, self._slices, shard_slices]
+                                      pickers=[self._nixl, self._stream, self._slices,
+                                               shard_slices]
                                       if self._slices and shard_slices
                                       else [self._nixl, self._stream],
                                       targets=self._slices, repliers=[self._stream])

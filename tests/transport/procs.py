@@ -475,8 +475,13 @@ def nixl_fault(pub: Any, fault: str) -> None:
 def stream_fault(pub: Any, fault: str) -> None:
     """Test-only faults of a publisher's stream port (``tests/transport/test_stream_path.py``):
     ``corrupt:<chunk>``: that chunk goes out on the stream with one byte flipped (a copy;
-    ZeroMQ frames still serve the real bytes)."""
+    ZeroMQ frames still serve the real bytes), whole or as slices (its first byte: a
+    slice's bytes are read out of ``chunk_bytes`` too); ``old``: the stream of a publisher
+    from before slices (``tests/transport/test_stream_slices.py``)."""
     server = pub._stream
+    if fault == "old":
+        server.serves_slices = False
+        return
     real = server.chunk_bytes
     bad = int(fault.split(":")[1])
 

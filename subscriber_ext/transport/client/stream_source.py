@@ -14,6 +14,15 @@ reply's bytes are ``recv_into``'d straight into the target's buffer and hashed a
 they land, then handed to ``SourceSink.in_place`` with that digest: verified
 against the manifest's checksum there, with no copy and no second pass.
 
+A sliced subscriber's versions (a ``SparseAssembly``, ``slice_source.py``) come the same
+way once the publisher says it serves slices (``FLAG_SLICES`` in its ``ACCEPTED``): a
+``slices`` request names each chunk's planned blocks, the reply's bytes are
+``recv_into``'d (a scatter read, ``recvmsg_into``) straight to where the plan puts
+them in the sparse staging buffer, hashed as they land and verified against the slice
+sums the slice source asked; a chunk is offered here only once its sum is in. Deltas
+and whole-chunk fallbacks stay on frames; a publisher whose stream predates slices
+costs a counted ``unsupported`` per version.
+
 Any failure gives the chunks back to ZeroMQ frames with a named, counted cause
 (``FALLBACK_CAUSES``, ``status()["stream"]``) and stops taking chunks of that version
 (the next version tries afresh with a new token); a chunk that fails its checksum
@@ -45,6 +54,7 @@ from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
+from subscriber_ext.transport.staging.sparse_delta import SparseDeltaAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
 from weightpub_wire.endpoints import parse_endpoint
@@ -65,11 +75,16 @@ FALLBACK_CAUSES = (
     "bad_reply",  # a reply header that does not parse or answers nothing asked
     "checksum",  # a chunk that came over the stream failed its checksum
     "timeout",  # requests out and no byte for request_timeout
+    "unsupported",  # a sliced version, and the publisher's stream does not serve slices
 )
 _MAX_CAUSES = 16
 _READ_BUDGET = 64 << 20  # bytes read per ``on_events`` (the client's loop turns between)
 _SCRATCH = 1 << 20  # where bytes nobody waits for any more are read and dropped
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
+_SCATTER = 512  # slice pieces one ``recvmsg_into`` fills at most
+#: a slice whose pieces average less is read into scratch and scattered by numpy (as a
+#: frame's is): a Python step per tiny piece costs more than that one copy
+_MIN_PIECE = 16 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +127,12 @@ class StreamSource(ChunkSource):
         self.given_back: set[int] = set()  # this version's chunks frames must bring
         self.verified = 0  # chunks of this version verified after coming here
         self.mine: dict[int, list[int]] = {}  # req -> chunks, asked here (sent or queued)
-        self.queued: list[tuple[int, int, list[int]]] = []  # (req, version, chunks) unsent
+        #: (req, version, chunks, each chunk's blocks for a sliced target) not sent yet
+        self.queued: list[tuple[int, int, list[int], list[list[stream_link.Block]] | None]] = []
+        #: the publisher serves ``slices`` (its ACCEPTED's flags); None: not connected
+        self.slices_ok: bool | None = None
+        #: (publisher_id, port) of a stream that does not serve slices (asked no more)
+        self.unsliced: tuple[str, int] | None = None
         self.outbox = bytearray()
         self.last_progress = 0.0
         self._poller: zmq.Poller | None = None
@@ -120,11 +140,17 @@ class StreamSource(ChunkSource):
         self._head = bytearray(stream_link.REPLY_BYTES)
         self._head_pos = 0
         self._reply: stream_link.StreamReply | None = None
-        self._dest: memoryview | None = None
+        #: where the payload goes: the chunk, or a slice's pieces in order (None: dropped)
+        self._dest: list[memoryview] | None = None
+        self._piece = 0  # the piece being filled, and how far
+        self._piece_pos = 0
         self._pos = 0
         self._chunk = 0  # the union's number of the chunk being read
         self._hasher = xxhash.xxh3_64()
         self._scratch = memoryview(bytearray(_SCRATCH))
+        #: a slice of short pieces lands here first (at most a chunk; ``_MIN_PIECE``)
+        self._landing = bytearray()
+        self._scatter: SparseAssembly | None = None  # where ``_landing`` goes, if used
 
     @property
     def label(self) -> str:
@@ -159,13 +185,20 @@ class StreamSource(ChunkSource):
         return max(0, self.picker.window(self.manifest) - self._in_flight())
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
+        sparse = target if isinstance(target, SparseAssembly) else None
         if self.down or target.manifest is not self.manifest or target.fetch_base \
-                or isinstance(target, (DeltaAssembly, SparseAssembly)):
+                or isinstance(target, (DeltaAssembly, SparseDeltaAssembly)) \
+                or (sparse is not None and sparse.whole_cause is not None):
             return list(chunks)
         route = self.route
         assert route is not None
+        if sparse is not None and self.unsliced == (route.publisher_id, route.port):
+            self.down = True  # known: this version's slices come over frames, no token asked
+            self.count("unsupported", "the publisher's stream does not serve slices")
+            return list(chunks)
         end = route.first_chunk + route.num_chunks
-        take = [c for c in chunks if route.first_chunk <= c < end and c not in self.given_back]
+        take = [c for c in chunks if route.first_chunk <= c < end and c not in self.given_back
+                and (sparse is None or _sliceable(sparse, c))]
         if not take:
             return list(chunks)
         if self.state == "idle" and not self._ask_token(now):
@@ -173,14 +206,14 @@ class StreamSource(ChunkSource):
         self.target = target
         taken = set(take)
         rest = [c for c in chunks if c not in taken]
-        for start in range(0, len(take), stream_link.MAX_REQUEST_CHUNKS):
-            batch = take[start: start + stream_link.MAX_REQUEST_CHUNKS]
+        for batch in _batches(take, sparse):
             req = self.sink.requests.next_id()
             self.sink.requests.track(req, batch, now, source=self)
             if not self.mine:
                 self.last_progress = now
             self.mine[req] = batch
-            self.queued.append((req, target.fetch_version, batch))
+            blocks = None if sparse is None else [_chunk_blocks(sparse, c) for c in batch]
+            self.queued.append((req, target.fetch_version, batch, blocks))
         if self.state == "up":
             self._send_queued()
         return rest
@@ -325,9 +358,11 @@ class StreamSource(ChunkSource):
         self.state = "idle"
         self._token = b""
         self.outbox.clear()
+        self.slices_ok = None
         self._head_pos = 0
         self._reply = None
         self._dest = None
+        self._scatter = None
 
     def fall_back(self, cause: str, why: str) -> None:
         """Give every chunk asked here back to frames; take no more of this version."""
@@ -346,9 +381,14 @@ class StreamSource(ChunkSource):
 
     def _send_queued(self) -> None:
         first = 0 if self.route is None else self.route.first_chunk
-        for req, version, chunks in self.queued:
-            if req in self.sink.requests:  # the publisher's (or the rank's) own numbers
+        for req, version, chunks, blocks in self.queued:
+            if req not in self.sink.requests:
+                continue
+            if blocks is None:  # the publisher's (or the rank's) own numbers
                 self.outbox += stream_link.request(req, version, [c - first for c in chunks])
+            else:
+                self.outbox += stream_link.slice_request(
+                    req, version, [(c - first, b) for c, b in zip(chunks, blocks, strict=True)])
         self.queued.clear()
         self._flush()
 
@@ -399,6 +439,11 @@ class StreamSource(ChunkSource):
             return
         if reply.status == stream_link.ACCEPTED and self.state == "hello":
             self.state = "up"
+            self.slices_ok = bool(reply.flags & stream_link.FLAG_SLICES)
+            if not self.slices_ok and any(blocks is not None for *_, blocks in self.queued):
+                self.unsliced = self.peer  # its later versions: frames, without a token
+                self.fall_back("unsupported", "the publisher's stream does not serve slices")
+                return
             self._send_queued()
             return
         if reply.status == stream_link.REFUSED:
@@ -424,18 +469,30 @@ class StreamSource(ChunkSource):
         manifest = self.manifest
         request = self.sink.requests.get(reply.req)
         target = self.target
+        self._scatter = None
         if request is not None and target is not None and manifest is not None \
                 and chunk in request.chunks and reply.version == target.fetch_version:
-            if reply.size != manifest.chunk_span(chunk)[1]:
+            sparse = target if isinstance(target, SparseAssembly) else None
+            size = manifest.chunk_span(chunk)[1] if sparse is None \
+                else sparse.layout.sizes[chunk]
+            if reply.size != size:
                 self.fall_back("bad_reply", f"chunk {chunk}: {reply.size} bytes, the "
-                                            f"manifest says {manifest.chunk_span(chunk)[1]}")
+                                            f"{'manifest' if sparse is None else 'plan'} "
+                                            f"says {size}")
                 return
-            self._dest = target.chunk_target(chunk)
+            self._dest = [target.chunk_target(chunk)] if sparse is None \
+                else sparse.slice_targets(chunk)
+            if sparse is not None and len(self._dest) > 1 and \
+                    size < _MIN_PIECE * len(self._dest):
+                if len(self._landing) < size:
+                    self._landing = bytearray(size)
+                self._dest, self._scatter = [memoryview(self._landing)[:size]], sparse
         else:
             self._dest = None  # nobody waits for it any more: read and dropped
         self._reply = reply
         self._chunk = chunk
         self._pos = 0
+        self._piece = self._piece_pos = 0
         self._hasher.reset()
         if reply.size == 0:
             self._on_payload()
@@ -446,13 +503,31 @@ class StreamSource(ChunkSource):
         left = reply.size - self._pos
         if self._dest is not None and reply.req not in self.sink.requests:
             self._dest = None  # the target went meanwhile: not one more byte into its buffer
-        if self._dest is None:
+        dest = self._dest
+        if dest is None:
             n = self.sock.recv_into(self._scratch, min(left, _SCRATCH))
-        else:
-            piece = self._dest[self._pos: reply.size]
+        elif len(dest) - self._piece == 1:  # one run (a whole chunk): the plain read
+            piece = dest[self._piece][self._piece_pos:]
             n = self.sock.recv_into(piece)
-            if n:
+            if self._scatter is None:  # (landed bytes are hashed as ``place`` scatters)
                 self._hasher.update(piece[:n])
+            self._piece_pos += n
+        else:  # a slice's pieces: one scatter read fills several, in order
+            pieces = [dest[self._piece][self._piece_pos:],
+                      *dest[self._piece + 1: self._piece + _SCATTER]]
+            n = self.sock.recvmsg_into(pieces)[0]
+            got = n
+            for piece in pieces:
+                if not got:
+                    break
+                take = min(got, len(piece))
+                self._hasher.update(piece[:take])
+                got -= take
+                if take == len(piece):
+                    self._piece += 1
+                    self._piece_pos = 0
+                else:
+                    self._piece_pos += take
         self._pos += n
         return n
 
@@ -464,11 +539,53 @@ class StreamSource(ChunkSource):
         if dest is None or target is None or manifest is None:
             return
         done = self.picker.verified(manifest)  # this version's, over every rank's stream
-        target.data_path = "stream" if done + 1 == manifest.num_chunks else "stream+zmq"
+        sparse = target if isinstance(target, SparseAssembly) else None
+        needed = manifest.num_chunks if sparse is None else len(sparse.layout.chunks)
+        target.data_path = "stream" if done + 1 == needed else "stream+zmq"
+        scatter, self._scatter = self._scatter, None
+        if scatter is not None:  # short pieces: one numpy scatter out of the landing buffer
+            if scatter is not target or reply.req not in self.sink.requests \
+                    or self._chunk not in scatter.missing:
+                return  # nobody waits for it any more: the target is not written
+            digest = scatter.place(self._chunk, dest[0])  # hashed, scattered, counted
+        else:
+            digest = self._hasher.intdigest()
+            if sparse is not None:
+                sparse.count_slice(reply.size)
         verified = self.sink.in_place(reply.req, reply.version, self._chunk, self, self,
-                                      self._hasher.intdigest())
+                                      digest)
         if not verified:
             target.data_path = "stream+zmq" if done else "zmq"
+
+
+def _sliceable(target: SparseAssembly, chunk: int) -> bool:
+    """Whether ``chunk`` of a sliced target can come over the stream: its slice sum is in
+    (or the plan covers it whole) and its blocks fit one request."""
+    return target.readable_in_place(chunk) and \
+        len(target.layout.blocks[chunk]) <= stream_link.MAX_CHUNK_BLOCKS
+
+
+def _chunk_blocks(target: SparseAssembly, chunk: int) -> list[stream_link.Block]:
+    """The plan's blocks of ``chunk``, their starts counted from the chunk's first byte."""
+    low = target.manifest.chunk_span(chunk)[0]
+    return [(start - low, length, stride, rows)
+            for start, length, stride, rows in target.layout.blocks[chunk]]
+
+
+def _batches(chunks: list[int], sparse: SparseAssembly | None) -> list[list[int]]:
+    """``chunks`` cut into requests: at most ``MAX_REQUEST_CHUNKS`` each, and (a sliced
+    target) ``MAX_REQUEST_BLOCKS`` blocks."""
+    batches: list[list[int]] = [[]]
+    blocks = 0
+    for chunk in chunks:
+        count = 0 if sparse is None else len(sparse.layout.blocks[chunk])
+        if len(batches[-1]) == stream_link.MAX_REQUEST_CHUNKS or \
+                blocks + count > stream_link.MAX_REQUEST_BLOCKS:
+            batches.append([])
+            blocks = 0
+        batches[-1].append(chunk)
+        blocks += count
+    return [batch for batch in batches if batch]
 
 
 class StreamPicker:

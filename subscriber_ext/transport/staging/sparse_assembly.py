@@ -163,6 +163,18 @@ class SparseAssembly(Assembly):
                     pieces.append((offset, size))
         return pieces
 
+    def slice_targets(self, chunk: int) -> list[memoryview]:
+        """Where the planned bytes of ``chunk`` go, as views of this buffer in the order
+        the publisher gathers them (a stream's scatter read lands them there; ``verify``
+        with the digest taken as they landed, checked against the slice sum)."""
+        self._whole.discard(chunk)
+        return [self.view[offset: offset + size] for offset, size in self.read_pieces(chunk)]
+
+    def count_slice(self, nbytes: int) -> None:
+        """A slice's bytes landed in place (for status, as ``place`` counts a reply's)."""
+        if self._on_bytes is not None:
+            self._on_bytes(False, nbytes)
+
     def in_place_bytes(self, chunk: int) -> int:
         return self.layout.sizes[chunk]
 

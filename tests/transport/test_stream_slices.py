@@ -1,0 +1,237 @@
+"""Slices on the stream path (issues 29 and 30): a sliced subscriber with ``stream=True``
+against a publisher process with ``stream=True``, real sockets.
+
+What must hold: the plan's bytes of every version come over the plain TCP port (not one
+slice frame), bit-exact where planned and zeros elsewhere; a corrupt slice fails its
+slice sum and comes again over frames, counted; a publisher killed -9 mid-version
+stages nothing; a publisher whose stream predates slices serves them over frames (one
+token, an ``unsupported`` fallback per version), and a subscriber that does not ask
+slices there (as before) never touches the port; bad requests are cut, the field named.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from publisher import WeightPublisher
+from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client import stream_source
+from tests.transport.data_path_cases import (
+    CHUNK,
+    SPEC,
+    child_stats,
+    publish,
+    start_publisher,
+    subscriber,
+)
+from tests.transport.procs import Child, as_bytes, det_weights, wait_until
+from weightpub_wire import stream_link
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.slice_plan import from_ranges
+
+pytestmark = pytest.mark.timeout(120)
+
+ROW = 1024 * 4  # bytes of one row of SPEC's "w" (float32 [1024, 1024])
+#: "w": the first half of rows 0..511 (2 KiB rows) and the second quarter of rows
+#: 512..1023 (1 KiB rows): short rows, gathered by the publisher, landing in scratch at
+#: the subscriber and scattered; "b": three 100 kB runs 150 kB apart (sent as views of
+#: the snapshot, scatter-read in place); "e" whole (one view, one read)
+RANGES = {"w": [(r * ROW, r * ROW + ROW // 2) for r in range(512)]
+          + [(r * ROW + ROW // 4, r * ROW + ROW // 2) for r in range(512, 1024)],
+          "b": [(i * 150_000, i * 150_000 + 100_000) for i in range(3)],
+          "e": [(0, 12_345)]}
+PLAN = from_ranges("stream-test", RANGES)
+CHUNK0_BYTES = 256 * ROW // 2  # chunk 0 holds rows 0..255 of "w"
+
+
+def planned_exact(staged: Any, version: int, spec: Any = SPEC,
+                  ranges: dict[str, list[tuple[int, int]]] = RANGES) -> bool:
+    """``staged`` holds ``version``'s bytes where planned and zeros elsewhere."""
+    for name, tensor in det_weights(7, version, spec).items():
+        want = torch.zeros_like(as_bytes(tensor))
+        for start, end in ranges.get(name, []):
+            want[start:end] = as_bytes(tensor)[start:end]
+        if not torch.equal(as_bytes(staged.tensors[name]), want):
+            return False
+    return True
+
+
+def test_sliced_versions_come_over_the_stream_bit_exact(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = start_publisher(spawn, stream=True)
+    sub = subscriber(closing, endpoint, stream=True, slice_plan=PLAN)
+    for version in (1, 2, 3):
+        publish(pub, version)
+        staged = sub.wait_for_version(version, timeout=60)
+        assert staged.data_path == "stream" and planned_exact(staged, version)
+        staged.release()
+    status = sub.status()
+    assert status["stream"]["fallbacks"] == 0, status["stream"]
+    assert status["slice_plan"]["slice_bytes"] == 3 * PLAN.needed_bytes
+    assert status["stream"]["bytes_received"] == 3 * PLAN.needed_bytes
+    wait_until(lambda: child_stats(pub)["stream"]["slice_bytes_sent"]
+               >= 3 * PLAN.needed_bytes, 10, "the publisher to count what it sent")
+    stats = child_stats(pub)
+    assert stats["stats"]["bytes_sent_slices"] == 0  # not one slice frame
+    assert stats["stats"]["bytes_sent_full"] == 0
+    stream = stats["stream"]
+    assert stream["slice_bytes_sent"] == stream["bytes_sent"] == 3 * PLAN.needed_bytes
+    # both forms went: the short rows of "w" gathered, "b" and "e" as views of the snapshot
+    assert stream["slice_bytes_gathered"] == 3 * (512 * ROW // 2 + 512 * ROW // 4)
+    assert stream["accepted"] == 1 and stream["cut"] == 0
+
+
+def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    pub, endpoint = start_publisher(spawn, stream=True, stream_fault="corrupt:0")
+    sub = subscriber(closing, endpoint, stream=True, slice_plan=PLAN, request_timeout=20.0)
+    publish(pub, 1)
+    staged = sub.wait_for_version(1, timeout=60)
+    assert planned_exact(staged, 1)  # the bad slice never staged
+    assert staged.data_path == "stream+zmq"
+    status = sub.status()
+    assert status["checksum_failures"] == 1
+    assert status["stream"]["fallback_causes"] == {"checksum": 1}
+    stats = child_stats(pub)["stats"]
+    assert stats["bytes_sent_slices"] == CHUNK0_BYTES  # that chunk's slice alone, a frame
+    assert stats["bytes_sent_full"] == 0
+
+
+def test_a_publisher_killed_mid_version_stages_nothing(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    read = stream_source.StreamSource._read
+
+    def paced(self: stream_source.StreamSource) -> None:
+        time.sleep(0.2)  # one look per 0.2 s: the version takes seconds, the kill lands in it
+        read(self)
+
+    monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
+    monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
+    rows, row = 4096, 8192
+    big = [("big", "uint8", [rows, row])]  # 32 MiB, half of every row planned
+    ranges = {"big": [(r * row, r * row + row // 2) for r in range(rows)]}
+    pub, endpoint = start_publisher(spawn, stream=True)
+    sub = closing(WeightSubscriber(endpoint, stream=True, request_timeout=2.0,
+                                   max_chunk_retries=1, window_bytes=2 * CHUNK,
+                                   slice_plan=from_ranges("big", ranges)))
+    pub.send(cmd="publish", id="1", version=1, spec=big)
+    wait_until(lambda: sub.status()["stream"]["bytes_received"] >= CHUNK, 60,
+               "slices over the stream")
+    pub.kill9()
+    fraction = sub.status()["fetching_fraction"]
+    assert fraction is not None and fraction < 1.0  # killed mid-version
+    wait_until(lambda: sub.status()["stream"]["fallbacks"] >= 1, 60,
+               "the dead stream noticed")
+    time.sleep(3)  # the fallback to frames of a dead publisher plays out
+    assert sub.latest() is None  # nothing partial was ever staged
+    status = sub.status()
+    assert status["staged_version"] == 0, status
+    assert set(status["stream"]["fallback_causes"]) <= {"closed", "timeout"}, status
+
+
+def test_old_publisher_new_subscriber_and_the_reverse(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    # a publisher whose stream predates slices: its ACCEPTED has no FLAG_SLICES, so the
+    # subscriber sends it no ``slices`` request (it would cut the connection), asks the
+    # slices over frames and asks no token for that publisher's later versions
+    old, endpoint = start_publisher(spawn, stream=True, stream_fault="old")
+    sub = subscriber(closing, endpoint, stream=True, slice_plan=PLAN)
+    for version in (1, 2):
+        publish(old, version)
+        staged = sub.wait_for_version(version, timeout=60)
+        assert staged.data_path == "slices" and planned_exact(staged, version)
+        staged.release()
+    assert sub.status()["stream"]["fallback_causes"] == {"unsupported": 2}
+    stats = child_stats(old)
+    assert stats["stream"]["tokens_issued"] == 1 and stats["stream"]["cut"] == 0
+    assert stats["stats"]["bytes_sent_stream"] == 0
+    assert stats["stats"]["bytes_sent_slices"] == 2 * PLAN.needed_bytes
+
+    # a new publisher, a sliced subscriber from before (no stream for slices): frames
+    new, endpoint = start_publisher(spawn, stream=True)
+    before = subscriber(closing, endpoint, slice_plan=PLAN)
+    publish(new, 1)
+    staged = before.wait_for_version(1, timeout=60)
+    assert staged.data_path == "slices" and planned_exact(staged, 1)
+    stats = child_stats(new)
+    assert stats["stream"]["accepted"] == 0 and stats["stats"]["bytes_sent_stream"] == 0
+    # ... and FLAG_SLICES sits where a subscriber from before read padding
+    accepted = stream_link.reply_header(stream_link.ACCEPTED, flags=stream_link.FLAG_SLICES)
+    assert struct.unpack("<4sB3xQQII", accepted)[:2] == (b"WPsr", stream_link.ACCEPTED)
+
+
+def test_slice_requests_are_bounded_and_name_what_is_wrong() -> None:
+    blocks = [(0, 512, 1024, 3), (4096, 100, 0, 1)]
+    data = stream_link.slice_request(9, 2, [(4, blocks)])
+    head = stream_link.parse_request_head(data[:stream_link.REQUEST_BYTES])
+    assert (head.req, head.version, head.count, head.slices) == (9, 2, 1, True)
+    entry = data[stream_link.REQUEST_BYTES: stream_link.REQUEST_BYTES + 8]
+    assert stream_link.parse_slice_chunk(entry, stream_link.MAX_REQUEST_BLOCKS) == (4, 2)
+    assert stream_link.parse_blocks(data[stream_link.REQUEST_BYTES + 8:], 2, 4) == blocks
+    with pytest.raises(ProtocolError, match="magic"):  # a publisher without slices
+        stream_link.parse_request_head(data[:stream_link.REQUEST_BYTES], slices=False)
+    with pytest.raises(ProtocolError, match=r"slices\.blocks"):  # refused before reading
+        stream_link.parse_slice_chunk(struct.pack("<II", 4, 1 << 20),
+                                      stream_link.MAX_REQUEST_BLOCKS)
+    with pytest.raises(ProtocolError, match=r"slices\.blocks"):  # past the request's total
+        stream_link.parse_slice_chunk(struct.pack("<II", 4, 10), 9)
+    with pytest.raises(ProtocolError, match=r"slices\.blocks\[0\] of chunk 4: 3 rows"):
+        stream_link.parse_blocks(struct.pack("<IIII", 0, 512, 100, 3), 1, 4)
+    with pytest.raises(ProtocolError, match=r"slices\.blocks\[0\].*past"):
+        stream_link.parse_blocks(struct.pack("<IIII", 1 << 30, 1, 0, 1), 1, 4)
+    with pytest.raises(ProtocolError, match="blocks"):
+        stream_link.slice_request(1, 1, [(0, [])])
+
+
+def _slice_exchange(pub: WeightPublisher, request: bytes, expect: int = 0) -> bytes:
+    """Present a token at ``pub``'s stream port, send ``request``; what came back (up to
+    ``expect`` bytes, or until the connection is closed)."""
+    stream = pub._stream
+    assert stream is not None
+    token = stream.issue_token()
+    assert token is not None
+    with socket.create_connection(("127.0.0.1", stream.port), timeout=10) as conn:
+        conn.sendall(stream_link.hello(token))
+        accepted = stream_link.parse_reply(conn.recv(stream_link.REPLY_BYTES, socket.MSG_WAITALL))
+        assert accepted.status == stream_link.ACCEPTED
+        assert accepted.flags == (stream_link.FLAG_SLICES if stream.serves_slices else 0)
+        conn.sendall(request)
+        got = bytearray()
+        try:
+            while (not expect or len(got) < expect) and (piece := conn.recv(1 << 16)):
+                got += piece
+        except ConnectionResetError:  # cut with the request unread: closed all the same
+            pass
+        return bytes(got)
+
+
+def test_the_server_gathers_what_is_asked_and_cuts_a_bad_request(
+        closing: Callable[[Any], Any]) -> None:
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    weights = det_weights(7, 1, SPEC)
+    pub.publish(weights, version=1)
+    pub.wait_announced(1, timeout=30)
+    flat = as_bytes(weights["w"])
+    got = _slice_exchange(pub, stream_link.slice_request(5, 1, [(0, [(100, 512, ROW, 3)])]),
+                          stream_link.REPLY_BYTES + 1536)
+    reply = stream_link.parse_reply(got[:stream_link.REPLY_BYTES])
+    assert (reply.status, reply.req, reply.chunk, reply.size) == (stream_link.OK, 5, 0, 1536)
+    want = torch.cat([flat[100 + r * ROW: 100 + r * ROW + 512] for r in range(3)])
+    assert got[stream_link.REPLY_BYTES:] == bytes(want.numpy())
+    # a block past its chunk: the connection is cut, counted, nothing sent
+    assert _slice_exchange(pub, stream_link.slice_request(
+        6, 1, [(0, [(CHUNK - 10, 20, 0, 1)])])) == b""
+    wait_until(lambda: (pub.stream_status() or {}).get("cut") == 1, 10, "the cut counted")
+    assert pub._stream is not None
+    pub._stream.serves_slices = False  # a publisher from before: the magic is refused
+    assert _slice_exchange(pub, stream_link.slice_request(7, 1, [(0, [(0, 8, 0, 1)])])) == b""
+    wait_until(lambda: (pub.stream_status() or {}).get("cut") == 2, 10, "the second cut")
+
