@@ -308,3 +308,19 @@ def trainer_main(host: str, port: int, vllm_world: int, path: str, rounds: int) 
     for _ in range(rounds):  # sorted by name: the worker side walks the same order
         client.send_all(sorted(weights.items()))
     client.close()
+
+
+def trainer_seeds_main(endpoint: str, kind: str, conn: Any) -> None:
+    """Trainer process: publish the tiny model's weights for each seed it is sent (``None``
+    ends it); sends its endpoint and publisher id first, then each version once announced."""
+    from publisher import WeightPublisher
+
+    with WeightPublisher(endpoint, model_id=f"tiny-{kind}") as pub:
+        conn.send((pub.endpoint, pub.publisher_id))
+        while True:
+            seed = conn.recv()
+            if seed is None:
+                return
+            version = pub.publish(new_weights(kind, seed))
+            pub.wait_announced(version)
+            conn.send(version)

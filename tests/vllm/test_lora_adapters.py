@@ -19,7 +19,16 @@ from publisher import WeightPublisher
 from subscriber_ext import wait_until_applied
 from subscriber_ext.vllm_ext.lora import adapter_request
 
-from .helpers import PROMPTS, assert_same, hf_greedy, make_llm, save_tiny, shut_down
+from .helpers import (
+    PROMPTS,
+    assert_matches_hf,
+    assert_same,
+    hf_greedy,
+    make_llm,
+    new_weights,
+    save_tiny,
+    shut_down,
+)
 from .lora_cases import (
     BASE,
     KIND,
@@ -180,6 +189,34 @@ def test_merged_mode_replaces_not_stacks(llm):
             assert rank["lora"] == {"mode": "merge", "merged": {"m": version}}, rank["lora"]
             llm.reset_prefix_cache()
             assert_same(generate(llm, None), hf_greedy(KIND, merged(adapter), N))
+        llm.collective_rpc("stop_weight_subscriber")
+
+
+def peft_names(weights: dict) -> dict:
+    """How a PEFT-wrapped trainer names the base weights of LoRA-targeted layers."""
+    out = {}
+    for name, tensor in weights.items():
+        for proj in ("q_proj", "v_proj", "gate_proj"):
+            name = name.replace(f".{proj}.weight", f".{proj}.base_layer.weight")
+        out["base_model.model." + name] = tensor
+    return out
+
+
+def test_lora_wrapped_engine_takes_peft_named_weights(llm):
+    """vLLM wraps the LoRA layers (``...qkv_proj.base_layer.weight``) and the trainer sends
+    PEFT names (``base_model.model.`` prefix, ``.base_layer.`` inside): a full version of
+    new base weights under those names gives transformers' output. Last of the TP=1 cases
+    (it replaces the base weights); it was test_lora_names.py, whose own LoRA engine cost
+    a start (this one is the same: qwen2, fp32, rank 8)."""
+    with WeightPublisher("tcp://127.0.0.1:0") as pub:
+        llm.collective_rpc("start_weight_subscriber", args=(pub.endpoint,))
+        weights = new_weights(KIND, 81)
+        sent = peft_names(weights)
+        assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in sent
+        version = pub.publish(sent)
+        rank = applied(llm, pub, version)
+        assert rank["last_error"] is None and rank["applied_version"] == version
+        assert_matches_hf(llm, KIND, weights, N)
         llm.collective_rpc("stop_weight_subscriber")
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
 
@@ -15,6 +14,7 @@ from .helpers import (
     FAKE_SUB,
     PROMPTS,
     assert_matches_hf,
+    children,
     encode_all,
     free_port,
     hf_greedy,
@@ -159,8 +159,7 @@ def test_seed_gloo_broadcast(llm, tmp_path):
     path = tmp_path / "w.safetensors"
     save_file(w, str(path))
     port = free_port()
-    ctx = mp.get_context("spawn")
-    trainer = ctx.Process(target=trainer_main, args=("127.0.0.1", port, 1, str(path), 2))
+    trainer = children().Process(target=trainer_main, args=("127.0.0.1", port, 1, str(path), 2))
     trainer.start()
     try:
         llm.collective_rpc("init_communicator", args=("127.0.0.1", port, 2, None))

@@ -6,10 +6,8 @@ logprobs within ``LOGPROB_ATOL`` (both sides fp32; only summation order differs)
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import time
-from typing import Any
 
 import pytest
 import torch
@@ -24,27 +22,16 @@ from weightpub_wire import protocol as wire
 from .helpers import (
     PROMPTS,
     assert_matches_hf,
+    children,
     free_port,
     new_weights,
+    trainer_seeds_main,
     vllm_greedy,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 KIND = "qwen2"
 N = 6
-
-
-def _trainer(endpoint: str, conn: Any) -> None:
-    """Trainer process: publish the tiny model's weights for each seed it is sent."""
-    with WeightPublisher(endpoint, model_id="tiny-qwen2") as pub:
-        conn.send((pub.endpoint, pub.publisher_id))
-        while True:
-            seed = conn.recv()
-            if seed is None:
-                return
-            version = pub.publish(new_weights(KIND, seed))
-            pub.wait_announced(version)
-            conn.send(version)
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +43,10 @@ def llm(qwen2_tp1_engine):
 
 @pytest.fixture()
 def trainer():
-    parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(
-        target=_trainer, args=(f"tcp://127.0.0.1:{free_port()}", child), daemon=True)
+    ctx = children()  # forked from the torch-preloaded forkserver: a process of its own
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=trainer_seeds_main,
+                       args=(f"tcp://127.0.0.1:{free_port()}", KIND, child), daemon=True)
     proc.start()
     assert parent.poll(60), "trainer process did not start"
     endpoint, publisher_id = parent.recv()
