@@ -225,8 +225,13 @@ class StreamSource(ChunkSource):
                 self._read()
 
     def arrived(self, via: Any, size: int, now: float) -> None:
+        """A chunk that came here verified (maybe after its sum followed the manifest)."""
         self.verified += 1
         self.picker.bytes_received += size
+        target, manifest = self.target, self.manifest
+        if target is not None and manifest is not None:
+            done = self.picker.verified(manifest)  # this version's, over every rank's stream
+            target.data_path = "stream" if done == manifest.num_chunks else "stream+zmq"
 
     def refused(self, via: Any, chunk: int, why: str, now: float) -> bool:
         """A chunk that came here failed its checksum: frames bring it (no try counted)."""
@@ -463,12 +468,9 @@ class StreamSource(ChunkSource):
         target, manifest = self.target, self.manifest
         if dest is None or target is None or manifest is None:
             return
-        done = self.picker.verified(manifest)  # this version's, over every rank's stream
-        target.data_path = "stream" if done + 1 == manifest.num_chunks else "stream+zmq"
-        verified = self.sink.in_place(reply.req, reply.version, self._chunk, self, self,
-                                      self._hasher.intdigest())
-        if not verified:
-            target.data_path = "stream+zmq" if done else "zmq"
+        # verified there (``arrived`` names the data path), or held until its sum comes
+        self.sink.in_place(reply.req, reply.version, self._chunk, self, self,
+                           self._hasher.intdigest())
 
 
 class StreamPicker:
