@@ -15,7 +15,11 @@ The stream groups (issue 29): ``s1`` / ``s4`` are 1 / 4 subscribers with ``strea
 to a publisher with ``stream=True`` (chunks on its plain TCP port, ``sendmsg`` straight
 from the snapshot, ``recv_into`` staging), against ``raw1`` / ``raw4``. Each subscriber
 also reports the CPU-seconds its process spent per version (``time.process_time``),
-shown per GB received.
+shown per GB received. Early sums (issue 29, ``announce_early``): ``e1`` / ``e4`` are
+``s1`` / ``s4`` with the publisher announcing each version before its snapshot is
+copied and hashed (the checksums follow over the ROUTER), ``z1`` the same over ZeroMQ
+frames. ``pub CPU-s/GB`` is this process's CPU over the round (the publisher, or the
+raw sender threads) per GB delivered.
 
 On one 2-core machine all replicas, the relay and the publisher share the CPU, the memory
 bandwidth and the loopback, so this measures the publisher's cost of serving N subscribers
@@ -26,12 +30,14 @@ own NIC and cores and the trainer's uplink is the bottleneck).
     python benchmarks/fanout.py --mib 32 --rounds 3    # quick smoke run
     python benchmarks/fanout.py --groups 4,raw4        # only fan-out against raw streams
     python benchmarks/fanout.py --groups raw1,s1,4,s4,raw4   # the stream path (issue 29)
+    python benchmarks/fanout.py --groups raw1,s1,e1,z1,raw4,s4,e4   # early sums (issue 29)
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import threading
@@ -43,8 +49,11 @@ import torch
 
 from weightpub_wire.buffers import byte_view
 
-GROUPS = ("1", "4", "relay4", "raw4", "raw1", "s1", "s4")
-_FAN = {"1": 1, "4": 4, "relay4": 4, "raw4": 4, "raw1": 1, "s1": 1, "s4": 4}
+GROUPS = ("1", "4", "relay4", "raw4", "raw1", "s1", "s4", "e1", "e4", "z1")
+_FAN = {"1": 1, "4": 4, "relay4": 4, "raw4": 4, "raw1": 1, "s1": 1, "s4": 4, "e1": 1, "e4": 4,
+        "z1": 1}
+_STREAM = ("s1", "s4", "e1", "e4")
+_EARLY = ("e1", "e4", "z1")
 
 
 def _subscriber(endpoint: str, versions: int, window_mib: int, conn: Any,
@@ -137,13 +146,13 @@ class Group:
     """A publisher here and ``n`` subscriber processes (optionally behind a relay)."""
 
     def __init__(self, n: int, relay: bool, versions: int, chunk_mib: int,
-                 window_mib: int, stream: bool = False) -> None:
+                 window_mib: int, stream: bool = False, early: bool = False) -> None:
         from publisher import WeightPublisher
 
         ctx = mp.get_context("spawn")
         self.stream = stream
         self.pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=chunk_mib << 20,
-                                   stream=stream)
+                                   stream=stream, announce_early=early)
         endpoint = self.pub.endpoint
         self.relay_conn = None
         if relay:
@@ -202,27 +211,33 @@ def main() -> None:
     groups: dict[str, Group | RawGroup] = {
         name: RawGroup(_FAN[name], nbytes, versions) if name.startswith("raw") else
         Group(_FAN[name], name == "relay4", versions, args.chunk_mib, args.window_mib,
-              stream=name.startswith("s")) for name in chosen}
+              stream=name in _STREAM, early=name in _EARLY) for name in chosen}
     print(f"{args.mib} MiB versions; groups {', '.join(chosen)} started in "
           f"{time.perf_counter() - t0:.1f} s; {args.rounds} rounds (+{args.warmup} warm-up) "
           f"per group, interleaved", flush=True)
     deliver: dict[str, list[float]] = {g: [] for g in chosen}
     publish: dict[str, list[float]] = {g: [] for g in chosen}
     cpu: dict[str, list[float]] = {g: [] for g in chosen}
+    pub_cpu: dict[str, list[float]] = {g: [] for g in chosen}
+    loads: list[float] = []
     for rnd in range(versions):
         shift = rnd % len(chosen)
         order = chosen[shift:] + chosen[:shift]
         line = []
         for name in order:
             weights["w"][rnd * 8:rnd * 8 + 8] += 1  # a different version each round
+            here = time.process_time()
             took, pub_s, cpu_s = groups[name].round(weights)
+            here = time.process_time() - here  # the publisher's (or raw senders') CPU
             line.append(f"{name}={took:.3f}s")
             if rnd >= args.warmup:
                 deliver[name].append(took)
                 publish[name].append(pub_s)
                 cpu[name].append(cpu_s / (_FAN[name] * nbytes / 1e9))
+                pub_cpu[name].append(here / (_FAN[name] * nbytes / 1e9))
         tag = "warm-up" if rnd < args.warmup else f"round {rnd - args.warmup + 1}"
-        print(f"  {tag:>8}  " + "  ".join(line), flush=True)
+        loads.append(os.getloadavg()[0])
+        print(f"  {tag:>8}  " + "  ".join(line) + f"  (load {loads[-1]:.1f})", flush=True)
     for group in groups.values():
         group.close()
     med = {g: statistics.median(v) for g, v in deliver.items()}
@@ -236,19 +251,22 @@ def main() -> None:
                                                        strict=True))
 
     raw_ratio = same_run("raw4", "4")
-    ratios = {f"{raw}/{ours}": same_run(raw, ours)
-              for raw, ours in (("raw4", "4"), ("raw4", "s4"), ("raw1", "1"), ("raw1", "s1"))
-              if raw in med and ours in med}
-    print(f"\n{'group':<24}{'deliver s (median)':>19}{'min':>8}{'max':>8}{'GB/s out':>10}"
-          f"{'publish() s':>13}{'sub CPU-s/GB':>14}")
+    ratios = {f"raw{_FAN[ours]}/{ours}": same_run(f"raw{_FAN[ours]}", ours)
+              for ours in chosen if not ours.startswith("raw") and ours != "relay4"
+              and f"raw{_FAN[ours]}" in med}
+    print(f"\n{'group':<30}{'deliver s (median)':>19}{'min':>8}{'max':>8}{'GB/s out':>10}"
+          f"{'publish() s':>13}{'sub CPU-s/GB':>14}{'pub CPU-s/GB':>14}")
     labels = {"1": "1 subscriber", "4": "4 subscribers", "relay4": "4 behind a relay",
               "raw4": "4 raw TCP streams", "raw1": "1 raw TCP stream",
-              "s1": "1 subscriber, stream", "s4": "4 subscribers, stream"}
+              "s1": "1 subscriber, stream", "s4": "4 subscribers, stream",
+              "e1": "1 subscriber, stream, early", "e4": "4 subscribers, stream, early",
+              "z1": "1 subscriber, frames, early"}
     for g in chosen:
         fan = _FAN[g]
-        print(f"{labels[g]:<24}{med[g]:>19.3f}{min(deliver[g]):>8.3f}{max(deliver[g]):>8.3f}"
+        print(f"{labels[g]:<30}{med[g]:>19.3f}{min(deliver[g]):>8.3f}{max(deliver[g]):>8.3f}"
               f"{fan * nbytes / med[g] / 1e9:>10.2f}{statistics.median(publish[g]):>13.3f}"
-              f"{statistics.median(cpu[g]):>14.2f}")
+              f"{statistics.median(cpu[g]):>14.2f}{statistics.median(pub_cpu[g]):>14.2f}")
+    print(f"load average over the rounds: {min(loads):.1f}-{max(loads):.1f}")
     print("same-run ratios (raw time / ours, per round, median): " +
           ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
     print(f"ratio 4/1 {ratio:.2f}x (target <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'}); "
@@ -259,6 +277,7 @@ def main() -> None:
         "ratio_4_vs_1": ratio, "ratio_relay4_vs_1": relay_ratio,
         "ratio_raw4_vs_4": raw_ratio, "target": "<= 1.5", "same_run_ratios": ratios,
         "deliver_s": deliver, "publish_s": publish, "sub_cpu_s_per_gb": cpu,
+        "pub_cpu_s_per_gb": pub_cpu, "load": loads,
     }).decode())
 
 

@@ -111,6 +111,14 @@ class PublisherOptions(OptionSet):
                            "from the snapshot with sendmsg; a subscriber with stream=True "
                            "presents a one-time token it got over CURVE; the bytes are NOT "
                            "encrypted; ZeroMQ frames stay the fallback")
+    announce_early: bool = Field(
+        False, description="announce each version as soon as its layout is known, before its "
+                           "snapshot is copied and hashed; the checksums follow over the "
+                           "ROUTER (CURVE) as each chunk's hash ends and subscribers stage "
+                           "nothing before every one matched. Subscribers that predate it "
+                           "refuse the early manifest (naming its checksum_algorithm) and "
+                           "take the complete one, announced again once hashed. Not with "
+                           "deltas, collective or nixl")
     host_budget_bytes: int | None = Field(
         None, ge=1, json_schema_extra=unit("bytes"),
         description="host memory for version snapshots (None: 3/4 of what is available at "
@@ -128,6 +136,13 @@ class PublisherOptions(OptionSet):
                 "is encoded against the previous version, kept whole beside the new one, so "
                 "deltas need keep_versions >= 2 (one more snapshot of host memory, counted in "
                 "host_budget_bytes; leave keep_versions unset for 2)")
+        if self.announce_early:
+            clash = [name for name, on in (
+                ("delta_anchor_every", self.delta_anchor_every > 1),
+                ("collective", self.collective is not None), ("nixl", self.nixl)) if on]
+            if clash:
+                raise ValueError(f"announce_early: not with {', '.join(clash)} (each needs "
+                                 "the checksums in the manifest); turn one off")
         collective = self.collective_options
         if collective is not None:  # the collective_* options only shape a path that is on
             check_options(collective, self.chunk_size)
@@ -228,6 +243,7 @@ class PublisherKeywords(TypedDict, total=False):
     nixl: bool
     nixl_cut_through: bool
     stream: bool
+    announce_early: bool
     host_budget_bytes: int | None
     limits: ServerLimits | None
 

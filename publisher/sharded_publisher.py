@@ -155,6 +155,10 @@ class ShardedPublisher:
         if options.collective is not None:
             raise ConfigError("collective: not supported with sharded publishing yet (the "
                               "union is served by the ranks' own ROUTERs)")
+        if options.announce_early:
+            raise ConfigError("announce_early: not supported with sharded publishing (the "
+                              "coordinator announces the union once every rank's checksums "
+                              "are in)")
         # every rank's chunk size must agree: adaptive sizing would differ between shards;
         # subscribers say hello to the coordinator (rank 0's peer_fanout), not to a rank
         shard_options = options.replace(chunk_size=options.chunk_size or DEFAULT_SHARD_CHUNK,

@@ -7,16 +7,24 @@ own, with its own threads (two hashing workers, one preparing thread). The
 publisher only supplies ``announce``, called on the preparing thread with each
 version's chunk size and checksums (the chunk size is the publisher's choice, per
 version: ``PublisherOptions.chunk_size_for``).
+
+With ``early`` (``announce_early``, issue 29) the order changes: the version is
+announced as soon as it is laid out (``EarlyHooks.announce``, a manifest whose sums
+follow), each chunk's sum goes into the version's ``SumFeed`` as its hash ends (the
+hashes run in the order subscribers fetch), and ``EarlyHooks.complete`` gets every sum
+once they are all in. A copy that fails never completes: its sums are never all given.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import torch
 
@@ -30,25 +38,36 @@ from publisher.store.snapshot import (
     hashable_in_place,
     source_chunks,
 )
+from publisher.store.sum_feed import SumFeed
 from weightpub_wire.checksums import pieces_checksum
+from weightpub_wire.chunk_order import priority_chunk_ids
 
-__all__ = ["Announce", "VersionPreparer"]
+__all__ = ["Announce", "EarlyHooks", "VersionPreparer"]
 
 log = logging.getLogger("weightpub.publisher")
 
 #: (version, snapshot, chunk_size, checksums, created_at): builds the manifest, announces it
 Announce = Callable[[int, Snapshot, int, tuple[int, ...], float], None]
+_Item = tuple[int, Snapshot, int, Callable[[], tuple[int, ...]], float, SumFeed | None]
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyHooks:
+    """``announce_early``: ``announce(version, snapshot, chunk_size, feed, created_at)``
+    before any hash ends; ``complete(version, snapshot, checksums)`` once all did."""
+
+    announce: Callable[[int, Snapshot, int, SumFeed, float], None]
+    complete: Callable[[int, Snapshot, tuple[int, ...]], None]
 
 
 class VersionPreparer:
     """Copies and hashes snapshots; hands each to ``announce`` on its own thread, in order."""
 
-    def __init__(self, announce: Announce) -> None:
+    def __init__(self, announce: Announce, early: EarlyHooks | None = None) -> None:
         self._announce = announce
+        self._early = early
         self._hash_executor = ThreadPoolExecutor(2, thread_name_prefix="weightpub-publish-hash")
-        self._pending: queue.Queue[
-            tuple[int, Snapshot, int, Callable[[], tuple[int, ...]], float] | None
-        ] = queue.Queue()
+        self._pending: queue.Queue[_Item | None] = queue.Queue()
         self._thread = threading.Thread(target=self._prepare_loop,
                                         name="weightpub-publish-announce", daemon=True)
         self._thread.start()
@@ -63,23 +82,48 @@ class VersionPreparer:
         chunk behind the copy.
         """
         created = time.time()
+        total = snapshot.total_bytes
+        feed = None if self._early is None else SumFeed(-(-total // chunk_size))
         # a streamed plan always runs its gathers (other ranks are in them), even when
         # this rank keeps only materialized tensors (a sharded rank owning none)
         if not isinstance(pairs, StreamedPairs) and hashable_in_place(pairs):
-            chunks = source_chunks(pairs, snapshot.entries, snapshot.total_bytes, chunk_size)
-            hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
+            chunks = source_chunks(pairs, snapshot.entries, total, chunk_size)
+            order = range(len(chunks)) if feed is None else \
+                priority_chunk_ids(snapshot.entries, total, chunk_size)  # as they are fetched
+            hashes: dict[int, Future[int]] = {}
+            for chunk in order:
+                hashes[chunk] = self._hash_executor.submit(pieces_checksum, chunks[chunk])
+                if feed is not None:
+                    hashes[chunk].add_done_callback(functools.partial(_fed, feed, chunk))
             self._pending.put((number, snapshot, chunk_size,
-                               lambda: tuple(h.result() for h in hashes), created))
-            copy_in_priority_order(snapshot, pairs, chunk_size)  # as subscribers fetch
-            wait(hashes)  # the sources are read until every hash ends
+                               lambda: tuple(hashes[c].result() for c in range(len(chunks))),
+                               created, feed))
+            try:
+                copy_in_priority_order(snapshot, pairs, chunk_size)  # as subscribers fetch
+            except BaseException:
+                snapshot.failed = True  # never served, an early version never completed
+                raise
+            wait(hashes.values())  # the sources are read until every hash ends
             return
-        hasher = ChunkHasher(self._hash_executor, snapshot.buffer, snapshot.total_bytes,
-                             chunk_size)
-        if isinstance(pairs, StreamedPairs):  # sharded / WeightSource: group by group
-            copy_streamed(snapshot, pairs, chunk_size, hasher.written_up_to)
-        else:
-            copy_into(snapshot, pairs, chunk_size, hasher.written_up_to)
-        self._pending.put((number, snapshot, chunk_size, hasher.checksums, created))
+        hasher = ChunkHasher(self._hash_executor, snapshot.buffer, total, chunk_size,
+                             on_sum=None if feed is None else feed.put)
+        copied = threading.Event()
+        if feed is not None:  # announced now; the sums follow the copy chunk by chunk
+            self._pending.put((number, snapshot, chunk_size,
+                               functools.partial(_after_copy, copied, snapshot, hasher),
+                               created, feed))
+        try:
+            if isinstance(pairs, StreamedPairs):  # sharded / WeightSource: group by group
+                copy_streamed(snapshot, pairs, chunk_size, hasher.written_up_to)
+            else:
+                copy_into(snapshot, pairs, chunk_size, hasher.written_up_to)
+        except BaseException:
+            snapshot.failed = True  # an early version's sums are then never complete
+            raise
+        finally:
+            copied.set()
+        if feed is None:
+            self._pending.put((number, snapshot, chunk_size, hasher.checksums, created, None))
 
     def close(self) -> None:
         """Let the versions queued so far be announced (10 s at most), then stop."""
@@ -92,8 +136,29 @@ class VersionPreparer:
             item = self._pending.get()
             if item is None:
                 return
-            number, snapshot, chunk_size, checksums, created_at = item
+            number, snapshot, chunk_size, checksums, created_at, feed = item
             try:
-                self._announce(number, snapshot, chunk_size, checksums(), created_at)
+                if feed is None:
+                    self._announce(number, snapshot, chunk_size, checksums(), created_at)
+                    continue
+                assert self._early is not None
+                self._early.announce(number, snapshot, chunk_size, feed, created_at)
+                sums = checksums()  # every hash ended
+                if not snapshot.failed:
+                    self._early.complete(number, snapshot, sums)
             except Exception:  # keep serving older versions whatever happened
                 log.exception("failed to prepare version %d", number)
+
+
+def _fed(feed: SumFeed, chunk: int, future: Future[int]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        feed.put(chunk, future.result())
+
+
+def _after_copy(copied: threading.Event, snapshot: Snapshot,
+                hasher: ChunkHasher) -> tuple[int, ...]:
+    """The sums of a copy that ended (an early version's, on the announcing thread)."""
+    copied.wait()
+    if snapshot.failed:
+        raise RuntimeError("the snapshot's copy failed")
+    return hasher.checksums()

@@ -42,8 +42,9 @@ from publisher.sources.streamed_plan import PublishSource
 from publisher.store.host_budget import BUDGET_NAME, HostBudget, derive_host_budget
 from publisher.store.nixl_export import NixlExport, RegisteringAllocator
 from publisher.store.snapshot import Snapshot
+from publisher.store.sum_feed import SumFeed
 from publisher.store.version_store import PublishedVersion, VersionStore
-from publisher.version_preparer import VersionPreparer
+from publisher.version_preparer import EarlyHooks, VersionPreparer
 from weightpub_wire import protocol as wire
 from weightpub_wire.adapters import AdapterInfo
 from weightpub_wire.buffers import BufferPool, byte_view
@@ -187,7 +188,9 @@ class WeightPublisher:
         self._publish_lock = threading.Lock()
         self._closed = False
         # copies and hashes each snapshot; its thread calls _announce with the checksums
-        self._preparer = VersionPreparer(self._announce)
+        # (announce_early: _announce_early at once, _sums_done once every sum is in)
+        self._preparer = VersionPreparer(self._announce, EarlyHooks(
+            self._announce_early, self._sums_done) if options.announce_early else None)
         #: LoRA adapters served (``publish(..., adapter=)``); None until the first, and
         #: a publisher serves either adapters or model weights (one version stream)
         self._adapters: AdapterBook | None = None
@@ -335,15 +338,17 @@ class WeightPublisher:
 
         The previous ``publish()``'s version is waited for (bounded) until it is in the
         store: its hashes may still be ending, and the version to lend is the oldest of
-        the ones held once it is there.
+        the ones held once it is there (``announce_early``: once its sums are all in,
+        since they may be hashed from that buffer).
         """
         last = self._last_snapshot
         if last is not None:
             number, snapshot = last
             deadline = time.monotonic() + wait_s
             with self._announced:
-                while self._store.get(number) is None and not snapshot.failed \
-                        and not self._closed and time.monotonic() < deadline:
+                while ((held := self._store.get(number)) is None or held.manifest.sums_follow) \
+                        and not snapshot.failed and not self._closed \
+                        and time.monotonic() < deadline:
                     self._announced.wait(0.05)
         self._store.make_room()
 
@@ -359,6 +364,9 @@ class WeightPublisher:
         ``delta_anchor_every`` > 1 the deltas are encoded chunk by chunk as chunks arrive.
         """
         self._check_open()
+        if upstream.sums_follow:
+            raise ValueError(f"version {upstream.version}: its checksums follow the manifest "
+                             "(announce_early upstream): relay it once they are in")
         with self._publish_lock:
             number = upstream.version if version is None else version
             if number < self._next_version:
@@ -619,6 +627,38 @@ class WeightPublisher:
         self._store.add(published)
         self._deltas.start(published, previous)  # in the background, after the announcement
         self._announced_now(published)
+
+    def _announce_early(self, number: int, snapshot: Snapshot, chunk_size: int,
+                        feed: SumFeed, created_at: float) -> None:
+        """``announce_early``: the manifest as soon as the layout is known, its checksums
+        zeros under ``SUMS_FOLLOW``; the serving thread hands the sums on from ``feed``."""
+        if snapshot.failed:
+            return
+        num_chunks = -(-snapshot.total_bytes // chunk_size)
+        manifest = wire.Manifest(
+            publisher_id=self.publisher_id, started_at=self.started_at, version=number,
+            created_at=created_at, model_id=self.model_id, chunk_size=chunk_size,
+            total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
+            checksums=(0,) * num_chunks, checksum_algorithm=wire.SUMS_FOLLOW, sums_follow=True,
+            adapters=self._adapters_of.pop(number, None),
+            stream_port=None if self._stream is None else self._stream.port,
+        )
+        published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer,
+                                     view=byte_view(snapshot.buffer, snapshot.total_bytes),
+                                     snapshot=snapshot, sums=feed)
+        self._store.add(published)
+        self._announced_now(published)
+
+    def _sums_done(self, number: int, snapshot: Snapshot, checksums: tuple[int, ...]) -> None:
+        """Every sum of an early version is in: its manifest becomes the complete one and
+        is announced again (late joiners and subscribers that predate early sums take it)."""
+        published = self._store.get(number)
+        if published is None or published.snapshot is not snapshot or snapshot.failed:
+            return
+        published.manifest = published.manifest.with_sums(checksums)
+        self._front.announce()
+        with self._announced:
+            self._announced.notify_all()  # a publish() waiting in _reuse_oldest
 
     def _nixl_offer(self, snapshot: Snapshot, number: int,
                     wait_s: float = 60.0) -> NixlOffer | None:

@@ -73,6 +73,9 @@ class Relay:
     # -- store and forward -----------------------------------------------------------------------
     def _staged(self, staged: StagedVersion) -> None:
         if self.cut_through:
+            current = self._open
+            if current is None or current.upstream != (staged.publisher_id, staged.version):
+                self._forward(staged.manifest)  # its sums followed it: announced complete
             self._fill(staged)
         else:
             with self._lock:
@@ -87,6 +90,8 @@ class Relay:
         if current is not None and not current.failed and \
                 current.upstream == (manifest.publisher_id, manifest.version):
             return  # the same version again (a delta fell back to a full fetch)
+        if manifest.sums_follow:  # announced before its checksums (announce_early upstream):
+            return  # forwarded once staged, with every sum (``_staged``)
         self._forward(manifest)
 
     def _forward(self, manifest: Manifest) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from weightpub_wire.protocol import Manifest, TensorEntry
 
-__all__ = ["BIG_FRACTION", "priority_chunks", "priority_tensors"]
+__all__ = ["BIG_FRACTION", "priority_chunk_ids", "priority_chunks", "priority_tensors"]
 
 BIG_FRACTION = 16  # a tensor of at least 1/16 of the version goes first
 
@@ -30,12 +30,23 @@ def priority_tensors(entries: Sequence[TensorEntry], total_bytes: int) -> list[i
 
 def priority_chunks(manifest: Manifest) -> list[int]:
     """Chunk ids in the order of ``priority_tensors`` (each chunk once)."""
+    return priority_chunk_ids(manifest.tensors, manifest.total_bytes, manifest.chunk_size)
+
+
+def priority_chunk_ids(entries: Sequence[TensorEntry], total_bytes: int,
+                       chunk_size: int) -> list[int]:
+    """``priority_chunks`` from a layout (the publisher hashes early sums in this order)."""
     seen: set[int] = set()
     order: list[int] = []
-    for index in priority_tensors(manifest.tensors, manifest.total_bytes):
-        for chunk in manifest.chunks_of(manifest.tensors[index]):
+    for index in priority_tensors(entries, total_bytes):
+        entry = entries[index]
+        if not entry.nbytes:
+            continue
+        first = entry.offset // chunk_size
+        for chunk in range(first, (entry.offset + entry.nbytes - 1) // chunk_size + 1):
             if chunk not in seen:
                 seen.add(chunk)
                 order.append(chunk)
-    order += [c for c in range(manifest.num_chunks) if c not in seen]  # padding-only chunks
+    num_chunks = -(-total_bytes // chunk_size)
+    order += [c for c in range(num_chunks) if c not in seen]  # padding-only chunks
     return order

@@ -25,6 +25,7 @@ from weightpub_wire.message_base import (
     MAX_DELTA_CHAIN,
     MAX_ELEMENTS,
     MAX_TENSORS,
+    SUMS_FOLLOW,
     U63,
     U64,
     ChunkSize,
@@ -161,6 +162,12 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
     #: a one-time token over its DEALER and connects to this port at the ROUTER's host.
     #: Optional: a subscriber that predates it ignores it; unencrypted, so opt-in
     stream_port: Annotated[int, Meta(ge=1, le=65535)] | None = None
+    #: announced before its snapshot was hashed (``announce_early``, issue 29): every
+    #: ``checksums`` entry is 0 under ``checksum_algorithm`` ``SUMS_FOLLOW`` (so a
+    #: subscriber that predates it refuses it by that field) and the real sums come over
+    #: the ROUTER (``weightpub_wire.sum_messages``); nothing is staged before they match.
+    #: The publisher announces the complete manifest again once every sum is in
+    sums_follow: bool = False
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
@@ -174,8 +181,7 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
         if self.delta is not None and self.delta.chain[-1].version >= self.version:
             raise ValueError(f"delta: base version {self.delta.chain[-1].version} is not older "
                              f"than version {self.version}")
-        if self.checksum_algorithm != CHECKSUM_ALGORITHM:
-            raise ValueError(f"checksum_algorithm: unsupported {self.checksum_algorithm!r}")
+        self._check_sums_follow()
         expected = -(-self.total_bytes // self.chunk_size)
         if len(self.checksums) != expected:
             raise ValueError(
@@ -195,6 +201,26 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
             if end > self.total_bytes:
                 raise ValueError(f"{where}: tensor {entry.name!r} ends at byte {end}, past "
                                  f"total_bytes {self.total_bytes}")
+
+    def _check_sums_follow(self) -> None:
+        if not self.sums_follow:
+            if self.checksum_algorithm != CHECKSUM_ALGORITHM:
+                raise ValueError(f"checksum_algorithm: unsupported {self.checksum_algorithm!r}")
+            return
+        if self.checksum_algorithm != SUMS_FOLLOW:
+            raise ValueError(f"checksum_algorithm: {self.checksum_algorithm!r} with "
+                             f"sums_follow (expected {SUMS_FOLLOW!r})")
+        if any(self.checksums):
+            raise ValueError("checksums: must be zeros when sums_follow (the sums follow)")
+        for name in ("delta", "collective", "shards", "nixl"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not offered with sums_follow (its checksums are "
+                                 "not known yet)")
+
+    def with_sums(self, checksums: tuple[int, ...]) -> Manifest:
+        """The complete manifest of an early one: its sums in, ``sums_follow`` off."""
+        return msgspec.structs.replace(self, checksums=tuple(checksums), sums_follow=False,
+                                       checksum_algorithm=CHECKSUM_ALGORITHM)
 
     def _check_shards(self, shards: tuple[ShardSource, ...]) -> None:
         if self.collective is not None:

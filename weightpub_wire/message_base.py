@@ -24,12 +24,16 @@ __all__ = [
     "MAX_RECEIVED_FRACTION",
     "MIN_CHUNK_SIZE",
     "PROTOCOL_VERSION",
+    "SUMS_FOLLOW",
     "TENSOR_ALIGN",
     "Limits",
 ]
 
 PROTOCOL_VERSION = 4  # 4: a chunk's payload may follow its header (chunk_frame.py); 3: one frame
 CHECKSUM_ALGORITHM = "xxh3_64"
+#: a manifest whose checksums follow it (``Manifest.sums_follow``; ``sum_messages``): a
+#: subscriber that predates it refuses the manifest naming this value
+SUMS_FOLLOW = "xxh3_64, sums follow later"
 TENSOR_ALIGN = 64
 MAX_CONTROL_BYTES = 256 << 20
 MAX_ERROR_CHARS = 4096

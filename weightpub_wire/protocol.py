@@ -30,6 +30,8 @@ peers serve each other with the same ``fetch`` / ``chunk`` / ``error`` frames.
 Slice fetches (``slice_reg`` / ``slice_ack``, ``slice_sums`` / ``slice_sums_rep``,
 ``slice_fetch`` answered by chunk frames carrying one plan's bytes of each chunk) are in
 ``weightpub_wire.slice_messages``, the plans themselves in ``weightpub_wire.slice_plan``.
+A manifest announced before its checksums (``sums_follow``, issue 29) is followed by
+``chunk_sums`` / ``chunk_sums_rep`` on the ROUTER (``weightpub_wire.sum_messages``).
 
 A version's tensors are laid out back to back (each offset aligned to
 ``TENSOR_ALIGN``) in one flat byte buffer of ``total_bytes``; the buffer is
@@ -106,6 +108,7 @@ from weightpub_wire.message_base import (  # noqa: F401 - field types re-exporte
     MAX_TENSORS,
     MIN_CHUNK_SIZE,
     PROTOCOL_VERSION,
+    SUMS_FOLLOW,
     TENSOR_ALIGN,
     U63,
     U64,
@@ -134,6 +137,7 @@ __all__ = [
     "MAX_CONTROL_BYTES",
     "MIN_CHUNK_SIZE",
     "PROTOCOL_VERSION",
+    "SUMS_FOLLOW",
     "TENSOR_ALIGN",
     "ChunkHeader",
     "CollectiveAnnounce",

@@ -32,6 +32,7 @@ from publisher.serving.delta_serving import DeltaServing
 from publisher.serving.reports import ReportLimits, ReportTable
 from publisher.serving.slice_serving import SliceLimits, SliceServing
 from publisher.serving.stream_server import StreamServer
+from publisher.serving.sum_serving import SumServing
 from publisher.serving.tracker import Tracker, TrackerLimits
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
@@ -44,6 +45,7 @@ from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.slice_messages import SLICE_REQUESTS
 from weightpub_wire.sockets import bind, configure_socket
 from weightpub_wire.stream_link import StreamToken, StreamTokenRequest
+from weightpub_wire.sum_messages import SUM_REQUESTS, ChunkSums
 
 __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerOptions",
            "ServingThread", "SliceLimits", "StatusExtras", "TrackerLimits"]
@@ -51,7 +53,7 @@ __all__ = ["GuardLimits", "PeerLimits", "ReportLimits", "ServerLimits", "ServerO
 log = logging.getLogger("weightpub.publisher")
 _REQUESTS: tuple[type[_Message], ...] = (
     wire.LatestRequest, wire.FetchRequest, wire.StatusRequest, wire.Report,
-    wire.CollectivePoll, PeerHello, StreamTokenRequest, *SLICE_REQUESTS)
+    wire.CollectivePoll, PeerHello, StreamTokenRequest, *SLICE_REQUESTS, *SUM_REQUESTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +130,8 @@ class ServingThread(threading.Thread):
         self.slice_serving = SliceServing(  # plans, their checksums and their bytes (issue 30)
             store, publisher_id, self._send_to, self._reply_to, limits=self.limits.slices,
             max_chunks_per_request=self.limits.max_chunks_per_request)
+        #: early checksums (``announce_early``): handed on as their hashes end
+        self.sum_serving = SumServing(store, publisher_id, self._reply_to)
         self.delta_serving = DeltaServing(  # answers fetches that name a delta base
             deltas, store, publisher_id, self._send_to, self._reply_to,
             max_chunks_per_request=self.limits.max_chunks_per_request,
@@ -193,7 +197,8 @@ class ServingThread(threading.Thread):
                     next_beat = now + self.options.heartbeat_interval
                 timeout_ms = max(0, int((next_beat - time.monotonic()) * 1000))
                 timeout_ms = min(timeout_ms, int(self.limits.connections.check_interval * 1000))
-                if peers.busy() or self.delta_serving.waiting or self.slice_serving.waiting:
+                if peers.busy() or self.delta_serving.waiting or self.slice_serving.waiting \
+                        or self.sum_serving.waiting:
                     timeout_ms = min(timeout_ms, 1)  # a copy/encoding finishes, a peer drains
                 events = dict(poller.poll(timeout_ms))
                 if commands in events and not self._on_command(commands, pub):
@@ -206,6 +211,7 @@ class ServingThread(threading.Thread):
                     peers.pump(now)
                     self.delta_serving.flush()
                     self.slice_serving.flush()
+                    self.sum_serving.flush()
                     guard.check(now)
                 except Exception as exc:  # one peer's surprise must not stop the service
                     self._warn.warning("loop", f"serving loop error (continuing): "
@@ -214,6 +220,7 @@ class ServingThread(threading.Thread):
                 self._warn.tick()
         finally:
             self.slice_serving.close()
+            self.sum_serving.close()
             guard.close()
             for sock in (router, pub, commands):
                 sock.close(linger=0)
@@ -362,6 +369,8 @@ class ServingThread(threading.Thread):
             self._peer_hello(peers, peer, request, frame, client_key)
         elif isinstance(request, StreamTokenRequest):
             self._stream_token(peers, peer, request, client_key)
+        elif isinstance(request, ChunkSums):
+            self.sum_serving.handle(peer.identity, request)
         elif isinstance(request, SLICE_REQUESTS):
             self.slice_serving.handle(peer.identity, request, len(frame.buffer))
 

@@ -300,8 +300,9 @@ class SliceServing:
         if entry.future is not None:
             return
         version = entry.version
-        if not all(version.chunk_ready(chunk) for chunk in entry.layout.chunks):
-            return  # its copy is still running: started from ``flush`` once final
+        if version.manifest.sums_follow or \
+                not all(version.chunk_ready(chunk) for chunk in entry.layout.chunks):
+            return  # copy (or early sums) still running: started from ``flush`` once final
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="weightpub-slice-sums")
         entry.future = self._executor.submit(_hash_slices, entry.version, entry.layout)

@@ -8,6 +8,7 @@ other threads, over that immutable copy.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
@@ -100,8 +101,10 @@ class ChunkHasher:
     """
 
     def __init__(self, executor: Executor, buffer: torch.Tensor, total: int,
-                 chunk_size: int) -> None:
+                 chunk_size: int, on_sum: Callable[[int, int], None] | None = None) -> None:
+        """``on_sum(chunk, sum)``: told each chunk's sum as its hash ends (early sums)."""
         self._executor = executor
+        self._on_sum = on_sum
         self._view = byte_view(buffer, total)
         self._total = total
         self._chunk_size = chunk_size
@@ -115,12 +118,20 @@ class ChunkHasher:
                 min((self._next + 1) * size, self._total) <= offset:
             start = self._next * size
             piece = self._view[start: min(start + size, self._total)]
-            self._futures.append(self._executor.submit(chunk_checksum, piece))
+            future = self._executor.submit(chunk_checksum, piece)
+            if self._on_sum is not None:
+                future.add_done_callback(functools.partial(_told, self._on_sum, self._next))
+            self._futures.append(future)
             self._next += 1
 
     def checksums(self) -> tuple[int, ...]:
         self.written_up_to(self._total)
         return tuple(f.result() for f in self._futures)
+
+
+def _told(on_sum: Callable[[int, int], None], chunk: int, future: Future[int]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        on_sum(chunk, future.result())
 
 
 def source_chunks(pairs: list[tuple[str, torch.Tensor]], entries: list[TensorEntry],

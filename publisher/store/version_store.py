@@ -27,6 +27,7 @@ import torch
 
 from publisher.store.buffer_claims import BufferClaims, ClaimTable
 from publisher.store.snapshot import Snapshot
+from publisher.store.sum_feed import SumFeed
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ConfigError
 from weightpub_wire.protocol import Manifest
@@ -48,6 +49,8 @@ class PublishedVersion:
     claims: BufferClaims | None = None
     #: the buffer went to a newer snapshot: chunks are served only while ``intact``
     lent: bool = False
+    #: announced before its hashes ended (``announce_early``): its sums as they end
+    sums: SumFeed | None = None
     # pins and lending under one lock: nothing starts a long read of a lent buffer
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

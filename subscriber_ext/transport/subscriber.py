@@ -318,6 +318,9 @@ class WeightSubscriber:
             "fetching_fraction": None if target is None else round(target.done_fraction, 3),
             "bad_messages": client.report.bad_messages,
             "checksum_failures": client.receiver.checksum_failures,
+            # versions announced before their checksums (``announce_early``): how many,
+            # the sum replies taken, the chunks whose bytes waited for their sum
+            "early_sums": client.early_sums.status(client.receiver.held),
             "failures": dict(client.report.failures),
             "received_bytes": client.receiver.received_bytes,
             "publisher_latest_version": client.latest_seen,

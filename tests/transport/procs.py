@@ -234,9 +234,11 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
 class Child:
     """A helper process speaking JSON lines; every wait has a timeout."""
 
-    def __init__(self, role: str, args: dict[str, Any], *, forked: bool = False) -> None:
+    def __init__(self, role: str, args: dict[str, Any], *, forked: bool = False,
+                 repo: Path | None = None) -> None:
         """``forked``: from the zygote that has torch imported (``zygote.py``, milliseconds
-        instead of an interpreter start), still a process of its own."""
+        instead of an interpreter start), still a process of its own. ``repo``: run
+        another tree's code (an older release, ``test_early_sums``; not forked)."""
         self.role = role
         self._stderr = tempfile.TemporaryFile()
         if forked:
@@ -245,11 +247,12 @@ class Child:
             self.proc: Any = forked_child(role, args, self._stderr)
         else:
             env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
+            tree = REPO if repo is None else repo
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tree),
                                                               env.get("PYTHONPATH")]))
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.transport.procs", role, json.dumps(args)],
-                cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=self._stderr, text=True, bufsize=1,
             )
         self.events: list[dict[str, Any]] = []
@@ -384,7 +387,10 @@ def run_publisher(args: dict[str, Any]) -> None:
                           metrics_port=args.get("metrics_port"),
                           delta_anchor_every=args.get("delta_anchor_every", 1),
                           nixl=bool(args.get("nixl", False)),
-                          stream=bool(args.get("stream", False)))
+                          stream=bool(args.get("stream", False)),
+                          announce_early=bool(args.get("announce_early", False)))
+    if args.get("hash_gate"):
+        gated_hashes(args["hash_gate"])
     if args.get("nixl_fault"):
         nixl_fault(pub, args["nixl_fault"])
     if args.get("stream_fault"):
@@ -470,6 +476,24 @@ def nixl_fault(pub: Any, fault: str) -> None:
         return made
 
     export.offer = offer
+
+
+def gated_hashes(gate: str) -> None:
+    """Test-only: every chunk's hash waits until the file ``gate`` exists (60 s at most;
+    ``test_early_sums``: an early version's bytes all land before any of its sums)."""
+    from publisher import version_preparer
+    from publisher.store import snapshot
+
+    def gated(hash_: Callable[..., int]) -> Callable[..., int]:
+        def wait_then_hash(*args: Any) -> int:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return hash_(*args)
+        return wait_then_hash
+
+    version_preparer.pieces_checksum = gated(version_preparer.pieces_checksum)
+    snapshot.chunk_checksum = gated(snapshot.chunk_checksum)
 
 
 def stream_fault(pub: Any, fault: str) -> None:

@@ -421,6 +421,11 @@ def test_peer_members_per_address_reaches_the_tracker_of_a_publisher_and_a_coord
     ({"keep_versions": 1, "delta_anchor_every": 2}, "keep_versions"),
     ({"collective": "gloo", "collective_bucket_bytes": 3 << 20}, "collective_bucket_bytes"),
     ({"colour": "red"}, "colour"),
+    ({"announce_early": True, "delta_anchor_every": 2, "keep_versions": 2},
+     "announce_early: not with delta_anchor_every"),
+    ({"announce_early": True, "collective": "gloo"}, "announce_early: not with collective"),
+    ({"announce_early": True, "nixl": True}, "announce_early: not with nixl"),
+    ({"announce_early": "yes"}, "announce_early"),
 ])
 def test_a_bad_publisher_option_combination_is_named(keywords: dict, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
@@ -458,6 +463,9 @@ def test_sharded_publisher_takes_publisher_options_plus_sharding_options() -> No
                          heartbeat_interval=0)
     with pytest.raises(ConfigError, match="coordinator: Field required"):
         ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2)
+    with pytest.raises(ConfigError, match="announce_early: not supported with sharded"):
+        ShardedPublisher("tcp://127.0.0.1:0", rank=1, world_size=2, coordinator=ENDPOINT,
+                         announce_early=True)
 
 
 def test_subscriber_keywords_and_yaml_make_the_same_options() -> None:

@@ -24,6 +24,7 @@ from subscriber_ext.transport.staging.chunk_listener import ChunkListener, final
 from subscriber_ext.transport.staging.chunk_source import ChunkSource
 from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from weightpub_wire import chunk_frame
+from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.errors import (
     ChecksumError,
     ProtocolError,
@@ -70,6 +71,7 @@ class ChunkReceiver:
         in; ``delta_failed(target, why)``: fetch that version in full instead."""
         self.received_bytes = 0  # data-path bytes accepted into staging
         self.checksum_failures = 0
+        self.held = 0  # chunks whose bytes landed before their sum (``sums_follow``)
         self._credit = credit
         self._requests = credit.requests
         self._report = report
@@ -121,22 +123,62 @@ class ChunkReceiver:
 
     def _landed(self, target: Assembly, chunk: int, version: int, size: int,
                 digest: int | None, source: ChunkSource, via: object) -> bool:
-        """A chunk's bytes are in place: verify, then route on (both kinds of arrival)."""
+        """A chunk's bytes are in place: verify, then route on (both kinds of arrival). A
+        chunk whose sum has not come yet (``Manifest.sums_follow``) is held until it does
+        (``sums_arrived``): neither verified nor asked again meanwhile."""
         self.received_bytes += size
         target.count_received(source.kind, size)
         self._deltas.count(target, size)
+        if not target.sum_known(chunk):
+            if digest is None:
+                digest = chunk_checksum(target.chunk_target(chunk))
+            target.hold(chunk, digest, size, source, via)
+            self.held += 1
+            self._credit.top_up(time.monotonic())
+            return True
+        return self._judge(target, chunk, version, size, digest, source, via)
+
+    def sums_arrived(self, target: Assembly, chunks: tuple[int, ...],
+                     sums: tuple[int, ...]) -> None:
+        """Sums that followed the manifest (``weightpub_wire.sum_messages``, over the
+        ROUTER): learn them, then judge every held chunk they cover."""
+        for chunk, value in zip(chunks, sums, strict=True):
+            if not target.learn_sum(chunk, value):
+                self._report.bad(ProtocolError(f"chunk_sums_rep: chunk {chunk} of version "
+                                               f"{target.manifest.version} got two sums"))
+        for chunk in chunks:
+            held = target.awaiting.pop(chunk, None)
+            if held is None:
+                continue
+            digest, size, source, via = held
+            self._judge(target, chunk, target.fetch_version, size, digest, source, via,
+                        held=True)
+            if self._target() is not target:
+                return  # staged, or given up
+
+    def _judge(self, target: Assembly, chunk: int, version: int, size: int,
+               digest: int | None, source: ChunkSource, via: object,
+               held: bool = False) -> bool:
+        """Verify a chunk in place against its sum; route on (``held``: it waited for its
+        sum, and is missing again if it fails it)."""
         final = final_bytes(target)
         if not target.verify(chunk, size, digest):
             self.checksum_failures += 1
+            if held:
+                target.unhold(chunk)
             if target.fetch_base:  # a delta step (whole or slices): fetch it raw instead
                 self._delta_failed(target,
                                    target.error or ChecksumError("delta chunk refused"))
                 return False
             why = f"chunk {chunk} of version {version}: checksum mismatch"
             if source.refused(via, chunk, why, time.monotonic()):
+                if held:
+                    self._credit.top_up(time.monotonic())
                 return False  # the source dealt with it (a peer: banned, its chunks go elsewhere)
             self._report.bad(ChecksumError(f"{why}, refetching"))
             self._credit.count_retry(chunk, "failed its checksum", ChecksumError)
+            if held:
+                self._credit.top_up(time.monotonic())
             return False
         source.arrived(via, size, time.monotonic())
         if final and self._listeners:
@@ -147,7 +189,7 @@ class ChunkReceiver:
                     listener.chunk_verified(target.manifest, chunk, data)
                 except Exception:
                     log.exception("chunk listener failed")
-        if not target.missing:
+        if target.done:
             self._complete(target)
         else:
             self._credit.top_up(time.monotonic())

@@ -258,8 +258,15 @@ class StreamSource(ChunkSource):
                 self._read()
 
     def arrived(self, via: Any, size: int, now: float) -> None:
+        """A chunk that came here verified (maybe after its sum followed the manifest)."""
         self.verified += 1
         self.picker.bytes_received += size
+        target, manifest = self.target, self.manifest
+        if target is not None and manifest is not None:
+            done = self.picker.verified(manifest)  # this version's, over every rank's stream
+            needed = len(target.layout.chunks) if isinstance(target, SparseAssembly) \
+                else manifest.num_chunks
+            target.data_path = "stream" if done == needed else "stream+zmq"
 
     def refused(self, via: Any, chunk: int, why: str, now: float) -> bool:
         """A chunk that came here failed its checksum: frames bring it (no try counted)."""
@@ -538,10 +545,7 @@ class StreamSource(ChunkSource):
         target, manifest = self.target, self.manifest
         if dest is None or target is None or manifest is None:
             return
-        done = self.picker.verified(manifest)  # this version's, over every rank's stream
         sparse = target if isinstance(target, SparseAssembly) else None
-        needed = manifest.num_chunks if sparse is None else len(sparse.layout.chunks)
-        target.data_path = "stream" if done + 1 == needed else "stream+zmq"
         scatter, self._scatter = self._scatter, None
         if scatter is not None:  # short pieces: one numpy scatter out of the landing buffer
             if scatter is not target or reply.req not in self.sink.requests \
@@ -552,10 +556,8 @@ class StreamSource(ChunkSource):
             digest = self._hasher.intdigest()
             if sparse is not None:
                 sparse.count_slice(reply.size)
-        verified = self.sink.in_place(reply.req, reply.version, self._chunk, self, self,
-                                      digest)
-        if not verified:
-            target.data_path = "stream+zmq" if done else "zmq"
+        # verified there (``arrived`` names the data path), or held until its sum comes
+        self.sink.in_place(reply.req, reply.version, self._chunk, self, self, digest)
 
 
 def _sliceable(target: SparseAssembly, chunk: int) -> bool:

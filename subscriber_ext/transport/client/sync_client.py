@@ -43,6 +43,7 @@ import zmq
 from subscriber_ext.transport.client.chunk_replies import ChunkReceiver, discard_rest, within
 from subscriber_ext.transport.client.client_report import ClientReport, VersionBytes
 from subscriber_ext.transport.client.client_sockets import ClientSockets
+from subscriber_ext.transport.client.early_sums import EarlySums
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
 from subscriber_ext.transport.client.instance_following import InstanceFollower
 from subscriber_ext.transport.client.publisher_source import PublisherSource
@@ -151,6 +152,16 @@ class SyncClient:
                                       target=lambda: self.target,
                                       complete=self.complete_target,
                                       delta_failed=self._delta_failed)
+        # a manifest announced before its checksums: they follow over the DEALER
+        self.early_sums = EarlySums(self.send, self.requests.next_id,
+                                    target=lambda: self.target,
+                                    arrived=self.receiver.sums_arrived,
+                                    give_up=lambda why: self._fail_target(why),
+                                    bad=lambda exc: self.report.bad(exc),
+                                    request_timeout=options.request_timeout,
+                                    max_tries=max(1, options.max_chunk_retries))
+        self.repliers.append(self.early_sums)
+        self._reply_types = (*self._reply_types, *self.early_sums.reply_types)
 
     # -- the parts' state, as peering.py and collective_member.py see it ----------------------
     @property
@@ -218,6 +229,7 @@ class SyncClient:
         self.sockets.watch_replies(now, asking=self.requests.in_flight() > 0
                                    or self.follower.state != "ACTIVE")
         self.credit.expire(now)
+        self.early_sums.tick(now)
         wait = min([0.1, *(source.tick(now) for source in self.sources.live())])
         self.credit.top_up(now)
         if self.collective is not None:
@@ -262,6 +274,17 @@ class SyncClient:
         """A version assembled by another data path (a collective round): stage it."""
         self.choice.deliver(assembly)
 
+    def sums_from(self, manifest: wire.Manifest) -> None:
+        """The complete manifest of the target whose sums follow (announced again once
+        hashed, on PUB or in a ``latest`` reply): every sum at once, if it is the same
+        version in every other field."""
+        target = self.target
+        if target is None or target.sums_in or \
+                target.manifest.with_sums(manifest.checksums) != manifest:
+            return
+        self.receiver.sums_arrived(target, tuple(range(manifest.num_chunks)),
+                                   manifest.checksums)
+
     def yield_target(self, version: int) -> bool:
         """Give up a fetch older than ``version``; False when it is that one or newer."""
         return self.choice.yield_target(version)
@@ -280,6 +303,8 @@ class SyncClient:
 
     # -- the target's life ---------------------------------------------------------------------
     def start_target(self, manifest: wire.Manifest) -> None:
+        if manifest.sums_follow and self.targets is not None:
+            return  # a sliced target waits for the complete manifest (announced once hashed)
         if not self.gate.admit(manifest):
             refused = self.gate.refused
             if refused is not None and self.gate.is_refused(manifest):
@@ -301,9 +326,10 @@ class SyncClient:
         self.target = target
         self.requests.clear()
         self._notify("target_started", manifest)
-        if not target.missing:
+        if target.done and target.sums_in:
             self.complete_target(target)
         else:
+            self.early_sums.tick(time.monotonic())  # sums that follow: asked at once
             self.credit.top_up(time.monotonic())
 
     def complete_target(self, target: Assembly) -> None:
@@ -319,6 +345,7 @@ class SyncClient:
         if self.target is target:
             self.target = None
             self.requests.clear()
+        manifest = target.manifest  # an early one is complete now (``Assembly.finish``)
         self.deltas.completed(target, staged)
         self.choice.staged(staged.version)
         self.report.staged(staged.version, staged.data_path,

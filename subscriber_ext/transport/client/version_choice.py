@@ -42,6 +42,8 @@ class TargetLife(Protocol):
 
     def drop_target(self) -> None: ...
 
+    def sums_from(self, manifest: wire.Manifest) -> None: ...
+
 
 class VersionChoice:
     """Conflation over the announced versions of the followed publisher instance."""
@@ -85,6 +87,9 @@ class VersionChoice:
             return  # this node's group will receive it (fetched here only if that fails)
         target = self._life.target
         if target is not None:
+            if manifest.version == target.manifest.version and target.manifest.sums_follow \
+                    and not manifest.sums_follow:
+                self._life.sums_from(manifest)  # its sums, all at once
             if manifest.version <= target.manifest.version:
                 return
             if target.done_fraction >= self._switch_below:

@@ -388,7 +388,7 @@ class Peering(ChunkSource):
         if target is not None and target.manifest.version == version:
             if chunk >= target.manifest.num_chunks:
                 return GONE
-            if chunk in target.missing or not final_bytes(target):
+            if not target.has_verified(chunk) or not final_bytes(target):
                 return WAIT
             start, size = target.manifest.chunk_span(chunk)
             return Served(target.view[start: start + size], target.buffer)
@@ -416,7 +416,7 @@ class Peering(ChunkSource):
                 and target.plan == digest:
             if chunk not in target.layout.sizes:
                 return GONE
-            if chunk in target.missing or not final_bytes(target):
+            if not target.has_verified(chunk) or not final_bytes(target):
                 return WAIT
             return self._gathered((publisher_id, version, digest, chunk), target.layout,
                                   target.view)

@@ -14,7 +14,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -152,6 +152,10 @@ class Assembly:
 
     #: the slice plan whose bytes alone it receives (``sparse_assembly.py``); None: all
     plan: str | None = None
+    #: sums that follow the manifest (``Manifest.sums_follow``; set in ``__init__``)
+    early_sums: list[int | None] | None = None
+    early_have = 0
+    early_known = 0
     #: why a delta step refused a chunk, and the CPU its decoding took (delta targets)
     error: WeightPubError | None = None
     decode_seconds: float = 0.0
@@ -171,6 +175,53 @@ class Assembly:
         self.attempt = 0  # this reception (``progress.ProgressFeed`` numbers it)
         #: payload bytes that arrived for this version, by source kind (``SOURCE_KINDS``)
         self.received_by: dict[str, int] = {}
+        #: ``manifest.sums_follow``: each chunk's sum as it came over the ROUTER (None: not
+        #: yet), how many of the publisher's run of sums are in (``sum_messages``), and
+        #: chunks whose bytes landed before their sum: chunk -> (digest, size, source, via)
+        self.early_sums: list[int | None] | None = \
+            [None] * manifest.num_chunks if manifest.sums_follow else None
+        self.early_have = 0
+        self.early_known = 0
+        self.awaiting: dict[int, tuple[int, int, Any, Any]] = {}
+
+    @property
+    def done(self) -> bool:
+        """Every chunk verified: none missing, none waiting for its sum."""
+        return not self.missing and not self.awaiting
+
+    def has_verified(self, chunk: int) -> bool:
+        """Whether ``chunk``'s bytes are in place and matched their checksum."""
+        return chunk not in self.missing and chunk not in self.awaiting
+
+    def sum_known(self, chunk: int) -> bool:
+        """Whether ``chunk`` can be verified now (its sum came, or was in the manifest)."""
+        return self.early_sums is None or self.early_sums[chunk] is not None
+
+    def learn_sum(self, chunk: int, value: int) -> bool:
+        """Record a sum that followed the manifest; False if the chunk had another one."""
+        assert self.early_sums is not None
+        known = self.early_sums[chunk]
+        if known is None:
+            self.early_sums[chunk] = value
+            self.early_known += 1
+            return True
+        return known == value
+
+    @property
+    def sums_in(self) -> bool:
+        """Every chunk's sum is known (always, unless the manifest's sums follow)."""
+        return self.early_sums is None or self.early_known == len(self.early_sums)
+
+    def hold(self, chunk: int, digest: int, size: int, source: Any, via: Any) -> None:
+        """A chunk's bytes landed before its sum: neither missing nor verified until it
+        comes (``ChunkReceiver.sums_arrived``)."""
+        self.missing.discard(chunk)
+        self.awaiting[chunk] = (digest, size, source, via)
+
+    def unhold(self, chunk: int) -> None:
+        """A held chunk failed its sum: missing again (fetched anew)."""
+        self.missing.add(chunk)
+        self.cursor = 0  # ``next_chunks`` looks from the start once
 
     def count_received(self, kind: str, nbytes: int) -> None:
         """``nbytes`` of this version arrived from a source of ``kind`` (status, reports)."""
@@ -217,7 +268,9 @@ class Assembly:
         ``digest``: the checksum ``place`` took of the bytes in place."""
         if digest is None:
             digest = chunk_checksum(self.chunk_target(chunk))
-        ok = digest == self.manifest.checksums[chunk]
+        expected = self.manifest.checksums[chunk] if self.early_sums is None \
+            else self.early_sums[chunk]
+        ok = digest == expected
         if ok:
             self.missing.discard(chunk)
         return ok
@@ -231,6 +284,8 @@ class Assembly:
         self.pool.give(self.buffer)
 
     def finish(self) -> StagedVersion:
+        if self.early_sums is not None:  # staged under the complete manifest: every sum
+            self.manifest = self.manifest.with_sums(tuple(v or 0 for v in self.early_sums))
         self.view.release()
         tensors = tensor_views(self.manifest, self.buffer)
         staged = StagedVersion(manifest=self.manifest, buffer=self.buffer, tensors=tensors,

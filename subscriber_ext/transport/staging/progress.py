@@ -130,7 +130,7 @@ class ProgressFeed:
             return
         if not final_bytes(target):
             return  # bytes of an intermediate delta step are rewritten by the next one
-        if not target.missing:
+        if target.done:
             return  # complete: the staged version itself follows at once
         self._seen.add(chunk)
         newly = []

@@ -71,6 +71,7 @@ class SparseAssembly(Assembly):
         self.data_path = "slices"
         self.attempt = 0
         self.received_by: dict[str, int] = {}
+        self.awaiting = {}  # never: a sliced target waits for the complete manifest
         #: per touched chunk, xxh3 of its planned bytes (``slice_sums``); None: not yet
         self.sums: dict[int, int] | None = None
         #: the chunks still come whole (the cause, for status); None: as slices
