@@ -25,6 +25,7 @@ import msgspec
 import pytest
 
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client import early_sums
 from tests.transport.data_path_cases import (
     CHUNK,
     SPEC,
@@ -237,6 +238,23 @@ def test_a_publisher_killed_while_the_sums_are_out_stages_nothing(
     status = sub.status()
     assert sub.latest() is None and status["staged_version"] == 0, status
     assert "chunk_sums" in str(status["last_error"]), status
+
+
+def test_the_complete_manifest_announced_again_brings_every_sum(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No chunk_sums asked here: the publisher's second announcement (PUB) completes the
+    held version, which stages bit-exact."""
+    monkeypatch.setattr(early_sums.EarlySums, "tick", lambda self, now: None)
+    pub, endpoint = start_publisher(spawn, stream=True, announce_early=True,
+                                    hash_gate=str(gate.path))
+    sub = subscriber(closing, endpoint, stream=True)
+    _publish_async(pub, 1)
+    _all_bytes_held(sub, 1)
+    gate.open()
+    staged = sub.wait_for_version(1, timeout=60)
+    assert exact(staged, 1) and _sums_in_manifest(staged) and staged.data_path == "stream"
+    assert sub.status()["early_sums"]["replies"] == 0
 
 
 @pytest.mark.parametrize("cut_through", [True, False], ids=["cut-through", "store-forward"])
