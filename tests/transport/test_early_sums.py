@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import subprocess
 import tarfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import msgspec
 import pytest
 
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client import early_sums
 from tests.transport.data_path_cases import (
     CHUNK,
     SPEC,
@@ -236,6 +238,66 @@ def test_a_publisher_killed_while_the_sums_are_out_stages_nothing(
     status = sub.status()
     assert sub.latest() is None and status["staged_version"] == 0, status
     assert "chunk_sums" in str(status["last_error"]), status
+
+
+def test_the_complete_manifest_announced_again_brings_every_sum(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No chunk_sums asked here: the publisher's second announcement (PUB) completes the
+    held version, which stages bit-exact."""
+    monkeypatch.setattr(early_sums.EarlySums, "tick", lambda self, now: None)
+    pub, endpoint = start_publisher(spawn, stream=True, announce_early=True,
+                                    hash_gate=str(gate.path))
+    sub = subscriber(closing, endpoint, stream=True)
+    _publish_async(pub, 1)
+    _all_bytes_held(sub, 1)
+    gate.open()
+    staged = sub.wait_for_version(1, timeout=60)
+    assert exact(staged, 1) and _sums_in_manifest(staged) and staged.data_path == "stream"
+    assert sub.status()["early_sums"]["replies"] == 0
+
+
+@pytest.mark.parametrize("cut_through", [True, False], ids=["cut-through", "store-forward"])
+def test_a_relay_forwards_an_early_version_only_once_its_sums_matched(
+        make_pub: Callable[..., Any], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch, cut_through: bool) -> None:
+    """In this process: the trainer's hashes wait on an event, so the relay's upstream
+    subscriber holds every byte before any sum; nothing reaches downstream until then."""
+    from publisher import version_preparer
+    from weightpub.deployment_config import RelayConfig
+    from weightpub.relay import Relay
+
+    go = threading.Event()
+    real = version_preparer.pieces_checksum
+
+    def gated(pieces: Any) -> int:
+        go.wait(60)
+        return real(pieces)
+
+    monkeypatch.setattr(version_preparer, "pieces_checksum", gated)
+    pub = make_pub(chunk_size=CHUNK, stream=True, announce_early=True)
+    relay = closing(Relay(RelayConfig.model_validate({
+        "upstream": {"endpoint": pub.endpoint, "stream": True, "request_timeout": 5.0},
+        "cut_through": cut_through,
+        "downstream": {"endpoint": "tcp://127.0.0.1:0", "heartbeat_interval": 0.2,
+                       "announce_early": not cut_through}})))
+    down = subscriber(closing, relay.endpoint)
+    for version in (1, 2):
+        go.clear()
+        weights = det_weights(7, version, SPEC)
+        publishing = threading.Thread(target=pub.publish, args=(weights,),
+                                      kwargs={"version": version})
+        publishing.start()
+        _all_bytes_held(relay.subscriber, version)
+        assert relay.publisher.latest_version == version - 1  # nothing forwarded yet
+        go.set()
+        publishing.join(60)
+        staged = down.wait_for_version(version, timeout=60)
+        assert digests(staged.items()) == digests(weights.items())
+        assert staged.publisher_id == relay.publisher.publisher_id
+        staged.release()
+    assert relay.subscriber.status()["early_sums"]["versions"] == 2
+    assert down.status()["checksum_failures"] == 0
 
 
 # -- the release before early sums, from git ---------------------------------------------------
