@@ -235,3 +235,33 @@ def test_the_server_gathers_what_is_asked_and_cuts_a_bad_request(
     assert _slice_exchange(pub, stream_link.slice_request(7, 1, [(0, [(0, 8, 0, 1)])])) == b""
     wait_until(lambda: (pub.stream_status() or {}).get("cut") == 2, 10, "the second cut")
 
+
+
+def test_sharded_ranks_serve_their_slices_over_their_own_streams(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    """Each trainer rank's part of the plan over that rank's stream port (its token asked
+    over the rank's DEALER), in the rank's chunk ids; ranks the plan does not touch are
+    never dialled; not one frame from any rank."""
+    from tests.transport.test_sharded import SPECS4, _publish, _start_ranks
+    from tests.transport.test_slice_fetch import _check_sharded, _sharded_plan
+
+    ranks, ready0 = _start_ranks(spawn, SPECS4, stream=True)
+    plan = _sharded_plan()
+    sub = subscriber(closing, ready0["announce"], stream=True, slice_plan=plan)
+    for version in (1, 2):
+        _publish(ranks, version)
+        staged = sub.wait_for_version(version, timeout=60)
+        _check_sharded(staged, version, SPECS4)
+        assert staged.data_path == "stream"
+        staged.release()
+    stream = sub.status()["stream"]
+    assert stream["fallbacks"] == 0 and stream["rank_states"] == {0: "up", 1: "up"}, stream
+    assert stream["bytes_received"] == 2 * plan.needed_bytes
+    parts = [300 * 34, 77 * 40 * 2, 0, 0]  # each rank's part of the plan, per version
+    for rank, child in enumerate(ranks):
+        wait_until(lambda child=child, rank=rank: child.request("status")["stream"][
+            "slice_bytes_sent"] >= 2 * parts[rank], 10, "a rank to count its sends")
+        status = child.request("status")
+        assert status["slice_bytes_sent"] == status["bytes_sent"] == 0, (rank, status)
+        assert status["stream"]["slice_bytes_sent"] == 2 * parts[rank], (rank, status)
+        assert status["stream"]["accepted"] == (1 if parts[rank] else 0)
