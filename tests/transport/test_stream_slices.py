@@ -32,6 +32,8 @@ from tests.transport.data_path_cases import (
     subscriber,
 )
 from tests.transport.procs import Child, as_bytes, det_weights, wait_until
+from weightpub.fleet_view import stream_line
+from weightpub.status import fetch_status
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.slice_plan import from_ranges
@@ -86,6 +88,10 @@ def test_sliced_versions_come_over_the_stream_bit_exact(
     # both forms went: the short rows of "w" gathered, "b" and "e" as views of the snapshot
     assert stream["slice_bytes_gathered"] == 3 * (512 * ROW // 2 + 512 * ROW // 4)
     assert stream["accepted"] == 1 and stream["cut"] == 0
+    reply = fetch_status(endpoint).stream  # ``weightpub status`` says the same
+    assert reply is not None and (reply.slice_bytes_sent, reply.slice_bytes_gathered) == (
+        stream["slice_bytes_sent"], stream["slice_bytes_gathered"])
+    assert "slices 5.4 MiB (4.5 gathered)" in str(stream_line(reply))
 
 
 def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
