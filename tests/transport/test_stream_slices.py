@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,11 +21,12 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
-from subscriber_ext.transport.client import stream_source
 from tests.transport.data_path_cases import (
     CHUNK,
     SPEC,
     child_stats,
+    kill_mid_stream_stages_nothing,
+    pace_stream_reads,
     publish,
     start_publisher,
     subscriber,
@@ -113,34 +113,15 @@ def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
 def test_a_publisher_killed_mid_version_stages_nothing(
         spawn: Callable[..., Child], closing: Callable[[Any], Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    read = stream_source.StreamSource._read
-
-    def paced(self: stream_source.StreamSource) -> None:
-        time.sleep(0.2)  # one look per 0.2 s: the version takes seconds, the kill lands in it
-        read(self)
-
-    monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
-    monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
+    pace_stream_reads(monkeypatch)
     rows, row = 4096, 8192
-    big = [("big", "uint8", [rows, row])]  # 32 MiB, half of every row planned
     ranges = {"big": [(r * row, r * row + row // 2) for r in range(rows)]}
     pub, endpoint = start_publisher(spawn, stream=True)
     sub = closing(WeightSubscriber(endpoint, stream=True, request_timeout=2.0,
                                    max_chunk_retries=1, window_bytes=2 * CHUNK,
                                    slice_plan=from_ranges("big", ranges)))
-    pub.send(cmd="publish", id="1", version=1, spec=big)
-    wait_until(lambda: sub.status()["stream"]["bytes_received"] >= CHUNK, 60,
-               "slices over the stream")
-    pub.kill9()
-    fraction = sub.status()["fetching_fraction"]
-    assert fraction is not None and fraction < 1.0  # killed mid-version
-    wait_until(lambda: sub.status()["stream"]["fallbacks"] >= 1, 60,
-               "the dead stream noticed")
-    time.sleep(3)  # the fallback to frames of a dead publisher plays out
-    assert sub.latest() is None  # nothing partial was ever staged
-    status = sub.status()
-    assert status["staged_version"] == 0, status
-    assert set(status["stream"]["fallback_causes"]) <= {"closed", "timeout"}, status
+    # 32 MiB, half of every row planned
+    kill_mid_stream_stages_nothing(pub, sub, [("big", "uint8", [rows, row])])
 
 
 def test_old_publisher_new_subscriber_and_the_reverse(
