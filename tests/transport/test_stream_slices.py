@@ -6,7 +6,8 @@ slice frame), bit-exact where planned and zeros elsewhere; a corrupt slice fails
 slice sum and comes again over frames, counted; a publisher killed -9 mid-version
 stages nothing; a publisher whose stream predates slices serves them over frames (one
 token, an ``unsupported`` fallback per version), and a subscriber that does not ask
-slices there (as before) never touches the port; bad requests are cut, the field named.
+slices there (as before) never touches the port; bad requests are cut, the field named;
+sharded trainer ranks and relays serve slices on their own streams too.
 """
 
 from __future__ import annotations
@@ -252,3 +253,32 @@ def test_sharded_ranks_serve_their_slices_over_their_own_streams(
         assert status["slice_bytes_sent"] == status["bytes_sent"] == 0, (rank, status)
         assert status["stream"]["slice_bytes_sent"] == 2 * parts[rank], (rank, status)
         assert status["stream"]["accepted"] == (1 if parts[rank] else 0)
+
+
+@pytest.mark.parametrize("cut_through", [True, False], ids=["cut-through", "store-forward"])
+def test_a_relay_serves_slices_over_its_stream(
+        closing: Callable[[Any], Any], cut_through: bool) -> None:
+    """A sliced subscriber behind a relay (``stream: true`` both hops): its slices over the
+    relay's stream port, whether the relay forwards chunks as they come or whole
+    versions; the relay sends not one slice frame."""
+    from weightpub.deployment_config import RelayConfig
+    from weightpub.relay import Relay
+
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    relay = closing(Relay(RelayConfig.model_validate({
+        "upstream": {"endpoint": pub.endpoint, "stream": True, "request_timeout": 5.0},
+        "cut_through": cut_through,
+        "downstream": {"endpoint": "tcp://127.0.0.1:0", "heartbeat_interval": 0.2,
+                       "stream": True}})))
+    sub = subscriber(closing, relay.endpoint, stream=True, slice_plan=PLAN)
+    for version in (1, 2):
+        pub.publish(det_weights(7, version, SPEC), version=version)
+        staged = sub.wait_for_version(version, timeout=60)
+        assert staged.data_path == "stream" and planned_exact(staged, version)
+        staged.release()
+    assert sub.status()["stream"]["fallbacks"] == 0
+    wait_until(lambda: (relay.publisher.stream_status() or {}).get("slice_bytes_sent", 0)
+               >= 2 * PLAN.needed_bytes, 10, "the relay to count what it sent")
+    served = relay.publisher.stream_status()
+    assert served is not None and served["slice_bytes_sent"] == 2 * PLAN.needed_bytes
+    assert relay.publisher.data_stats()["bytes_sent_slices"] == 0
