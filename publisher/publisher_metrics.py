@@ -117,6 +117,9 @@ def _stream_families(stream: dict[str, int]) -> Iterator[Metric]:
                               stream["bytes_sent"])
     yield CounterMetricFamily("weightpub_publisher_stream_chunks",
                               "Chunks sent on the plain-TCP stream port", stream["chunks_sent"])
+    yield CounterMetricFamily("weightpub_publisher_stream_slice_bytes",
+                              "Of the stream bytes, a sliced subscriber's planned bytes",
+                              stream["slice_bytes_sent"])
     yield GaugeMetricFamily("weightpub_publisher_stream_open_connections",
                             "Connections to the stream port open now", stream["connections"])
     connections = CounterMetricFamily(

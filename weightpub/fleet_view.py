@@ -79,6 +79,9 @@ def stream_line(stream: wire.StreamPort | None) -> Text | None:
                 f"{stream.cut} cut; {stream.bytes_sent / (1 << 20):.1f} MiB in "
                 f"{stream.chunks_sent} chunks sent; tokens {stream.tokens_issued} issued, "
                 f"{stream.tokens_denied} denied")
+    if stream.slice_bytes_sent:
+        line.append(f"; slices {stream.slice_bytes_sent / (1 << 20):.1f} MiB "
+                    f"({stream.slice_bytes_gathered / (1 << 20):.1f} gathered)")
     if stream.refused or stream.cut or stream.tokens_denied:
         line.stylize("yellow")
     return line

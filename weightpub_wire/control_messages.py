@@ -197,6 +197,8 @@ class StreamPort(msgspec.Struct, frozen=True, kw_only=True):
     chunks_sent: U64 = 0
     tokens_issued: U63 = 0  # handed out over the ROUTER
     tokens_denied: U63 = 0  # asked for while too many were outstanding
+    slice_bytes_sent: U64 = 0  # of ``bytes_sent``: a sliced subscriber's planned bytes
+    slice_bytes_gathered: U64 = 0  # of those: short strided rows copied before sending
 
 
 class PendingShards(msgspec.Struct, frozen=True):

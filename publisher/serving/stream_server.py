@@ -186,10 +186,7 @@ class StreamServer:
 
     def wire_status(self) -> wire.StreamPort:
         """``status()`` as a status reply carries it (``weightpub status``)."""
-        status = self.status()
-        for key in ("slice_bytes_sent", "slice_bytes_gathered"):
-            del status[key]  # not (yet) in the status reply's fields
-        return wire.StreamPort(**status)
+        return wire.StreamPort(**self.status())
 
     # -- threads --------------------------------------------------------------------------------
     def _accept_loop(self) -> None:

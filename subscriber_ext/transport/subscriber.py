@@ -201,6 +201,7 @@ class WeightSubscriber:
             self._client.shards.stream = self._stream
         if shard_slices is not None:  # a rank refusing this client's key: last_error at once
             shard_slices.on_handshake = self._client.sockets.link_handshake
+            shard_slices.stream = self._stream  # each rank's stream port, for its slices
         if base.collective:
             self._client.collective = CollectiveMember(
                 self.subscriber_id, endpoint=endpoint, device=base.collective_device,

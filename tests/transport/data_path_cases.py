@@ -3,11 +3,15 @@ three-tensor version served by a publisher child process, and a subscriber here.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from subscriber_ext import WeightSubscriber
-from tests.transport.procs import Child, det_weights, digests
+from subscriber_ext.transport.client import stream_source
+from tests.transport.procs import Child, det_weights, digests, wait_until
 
 SPEC = [("w", "float32", [1024, 1024]), ("b", "int32", [300_000]), ("e", "uint8", [12_345])]
 CHUNK = 1 << 20
@@ -36,3 +40,34 @@ def subscriber(closing: Callable[[Any], Any], endpoint: str, **options: Any
 def exact(staged: Any, version: int) -> bool:
     """Whether ``staged`` holds version ``version`` of ``SPEC`` bit for bit."""
     return digests(staged.items()) == digests(det_weights(7, version, SPEC).items())
+
+
+def pace_stream_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stream source reads at most a chunk per look, one look per 0.2 s: a version of
+    tens of MiB takes seconds, so a kill lands in it."""
+    read = stream_source.StreamSource._read
+
+    def paced(self: stream_source.StreamSource) -> None:
+        time.sleep(0.2)
+        read(self)
+
+    monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
+    monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
+
+
+def kill_mid_stream_stages_nothing(pub: Child, sub: WeightSubscriber, spec: Any) -> None:
+    """Publish ``spec`` as version 1, kill -9 the publisher once a chunk's worth came over
+    the (paced) stream: nothing is ever staged, the fallback named."""
+    pub.send(cmd="publish", id="1", version=1, spec=spec)
+    wait_until(lambda: sub.status()["stream"]["bytes_received"] >= CHUNK, 60,
+               "a first chunk's worth over the stream")
+    pub.kill9()
+    fraction = sub.status()["fetching_fraction"]
+    assert fraction is not None and fraction < 1.0  # killed mid-version
+    wait_until(lambda: sub.status()["stream"]["fallbacks"] >= 1, 60,
+               "the dead stream noticed")
+    time.sleep(3)  # the fallback to frames of a dead publisher plays out
+    assert sub.latest() is None  # nothing partial was ever staged
+    status = sub.status()
+    assert status["staged_version"] == 0, status
+    assert set(status["stream"]["fallback_causes"]) <= {"closed", "timeout"}, status

@@ -26,6 +26,8 @@ from tests.transport.data_path_cases import (
     SPEC,
     child_stats,
     exact,
+    kill_mid_stream_stages_nothing,
+    pace_stream_reads,
     publish,
     start_publisher,
     subscriber,
@@ -123,30 +125,11 @@ def test_corrupt_bytes_on_the_stream_are_refetched_over_frames(
 def test_a_publisher_killed_mid_stream_never_stages_a_partial_version(
         spawn: Callable[..., Child], closing: Callable[[Any], Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    read = stream_source.StreamSource._read
-
-    def paced(self: stream_source.StreamSource) -> None:
-        time.sleep(0.2)  # one look per 0.2 s: the version takes seconds, the kill lands in it
-        read(self)
-
-    monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
-    monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
+    pace_stream_reads(monkeypatch)
     pub, endpoint = start_publisher(spawn, stream=True)
     sub = closing(WeightSubscriber(endpoint, stream=True, request_timeout=2.0,
                                    max_chunk_retries=1, window_bytes=2 * CHUNK))
-    pub.send(cmd="publish", id="1", version=1, spec=[("big", "uint8", [32 * CHUNK])])
-    wait_until(lambda: sub.status()["stream"]["bytes_received"] >= CHUNK, 60,
-               "a first chunk over the stream")
-    pub.kill9()
-    fraction = sub.status()["fetching_fraction"]
-    assert fraction is not None and fraction < 1.0  # killed mid-version
-    wait_until(lambda: sub.status()["stream"]["fallbacks"] >= 1, 60,
-               "the dead stream noticed")
-    time.sleep(3)  # the fallback to frames of a dead publisher plays out
-    assert sub.latest() is None  # nothing partial was ever staged
-    status = sub.status()
-    assert status["staged_version"] == 0, status
-    assert set(status["stream"]["fallback_causes"]) <= {"closed", "timeout"}, status
+    kill_mid_stream_stages_nothing(pub, sub, [("big", "uint8", [32 * CHUNK])])
 
 
 def test_either_side_without_the_option_keeps_to_frames(

@@ -6,14 +6,14 @@ slice frame), bit-exact where planned and zeros elsewhere; a corrupt slice fails
 slice sum and comes again over frames, counted; a publisher killed -9 mid-version
 stages nothing; a publisher whose stream predates slices serves them over frames (one
 token, an ``unsupported`` fallback per version), and a subscriber that does not ask
-slices there (as before) never touches the port; bad requests are cut, the field named.
+slices there (as before) never touches the port; bad requests are cut, the field named;
+sharded trainer ranks and relays serve slices on their own streams too.
 """
 
 from __future__ import annotations
 
 import socket
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,16 +22,19 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
-from subscriber_ext.transport.client import stream_source
 from tests.transport.data_path_cases import (
     CHUNK,
     SPEC,
     child_stats,
+    kill_mid_stream_stages_nothing,
+    pace_stream_reads,
     publish,
     start_publisher,
     subscriber,
 )
 from tests.transport.procs import Child, as_bytes, det_weights, wait_until
+from weightpub.fleet_view import stream_line
+from weightpub.status import fetch_status
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.slice_plan import from_ranges
@@ -86,6 +89,10 @@ def test_sliced_versions_come_over_the_stream_bit_exact(
     # both forms went: the short rows of "w" gathered, "b" and "e" as views of the snapshot
     assert stream["slice_bytes_gathered"] == 3 * (512 * ROW // 2 + 512 * ROW // 4)
     assert stream["accepted"] == 1 and stream["cut"] == 0
+    reply = fetch_status(endpoint).stream  # ``weightpub status`` says the same
+    assert reply is not None and (reply.slice_bytes_sent, reply.slice_bytes_gathered) == (
+        stream["slice_bytes_sent"], stream["slice_bytes_gathered"])
+    assert "slices 5.4 MiB (4.5 gathered)" in str(stream_line(reply))
 
 
 def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
@@ -107,34 +114,15 @@ def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
 def test_a_publisher_killed_mid_version_stages_nothing(
         spawn: Callable[..., Child], closing: Callable[[Any], Any],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    read = stream_source.StreamSource._read
-
-    def paced(self: stream_source.StreamSource) -> None:
-        time.sleep(0.2)  # one look per 0.2 s: the version takes seconds, the kill lands in it
-        read(self)
-
-    monkeypatch.setattr(stream_source, "_READ_BUDGET", CHUNK)
-    monkeypatch.setattr(stream_source.StreamSource, "_read", paced)
+    pace_stream_reads(monkeypatch)
     rows, row = 4096, 8192
-    big = [("big", "uint8", [rows, row])]  # 32 MiB, half of every row planned
     ranges = {"big": [(r * row, r * row + row // 2) for r in range(rows)]}
     pub, endpoint = start_publisher(spawn, stream=True)
     sub = closing(WeightSubscriber(endpoint, stream=True, request_timeout=2.0,
                                    max_chunk_retries=1, window_bytes=2 * CHUNK,
                                    slice_plan=from_ranges("big", ranges)))
-    pub.send(cmd="publish", id="1", version=1, spec=big)
-    wait_until(lambda: sub.status()["stream"]["bytes_received"] >= CHUNK, 60,
-               "slices over the stream")
-    pub.kill9()
-    fraction = sub.status()["fetching_fraction"]
-    assert fraction is not None and fraction < 1.0  # killed mid-version
-    wait_until(lambda: sub.status()["stream"]["fallbacks"] >= 1, 60,
-               "the dead stream noticed")
-    time.sleep(3)  # the fallback to frames of a dead publisher plays out
-    assert sub.latest() is None  # nothing partial was ever staged
-    status = sub.status()
-    assert status["staged_version"] == 0, status
-    assert set(status["stream"]["fallback_causes"]) <= {"closed", "timeout"}, status
+    # 32 MiB, half of every row planned
+    kill_mid_stream_stages_nothing(pub, sub, [("big", "uint8", [rows, row])])
 
 
 def test_old_publisher_new_subscriber_and_the_reverse(
@@ -235,3 +223,62 @@ def test_the_server_gathers_what_is_asked_and_cuts_a_bad_request(
     assert _slice_exchange(pub, stream_link.slice_request(7, 1, [(0, [(0, 8, 0, 1)])])) == b""
     wait_until(lambda: (pub.stream_status() or {}).get("cut") == 2, 10, "the second cut")
 
+
+
+def test_sharded_ranks_serve_their_slices_over_their_own_streams(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    """Each trainer rank's part of the plan over that rank's stream port (its token asked
+    over the rank's DEALER), in the rank's chunk ids; ranks the plan does not touch are
+    never dialled; not one frame from any rank."""
+    from tests.transport.test_sharded import SPECS4, _publish, _start_ranks
+    from tests.transport.test_slice_fetch import _check_sharded, _sharded_plan
+
+    ranks, ready0 = _start_ranks(spawn, SPECS4, stream=True)
+    plan = _sharded_plan()
+    sub = subscriber(closing, ready0["announce"], stream=True, slice_plan=plan)
+    for version in (1, 2):
+        _publish(ranks, version)
+        staged = sub.wait_for_version(version, timeout=60)
+        _check_sharded(staged, version, SPECS4)
+        assert staged.data_path == "stream"
+        staged.release()
+    stream = sub.status()["stream"]
+    assert stream["fallbacks"] == 0 and stream["rank_states"] == {0: "up", 1: "up"}, stream
+    assert stream["bytes_received"] == 2 * plan.needed_bytes
+    parts = [300 * 34, 77 * 40 * 2, 0, 0]  # each rank's part of the plan, per version
+    for rank, child in enumerate(ranks):
+        wait_until(lambda child=child, rank=rank: child.request("status")["stream"][
+            "slice_bytes_sent"] >= 2 * parts[rank], 10, "a rank to count its sends")
+        status = child.request("status")
+        assert status["slice_bytes_sent"] == status["bytes_sent"] == 0, (rank, status)
+        assert status["stream"]["slice_bytes_sent"] == 2 * parts[rank], (rank, status)
+        assert status["stream"]["accepted"] == (1 if parts[rank] else 0)
+
+
+@pytest.mark.parametrize("cut_through", [True, False], ids=["cut-through", "store-forward"])
+def test_a_relay_serves_slices_over_its_stream(
+        closing: Callable[[Any], Any], cut_through: bool) -> None:
+    """A sliced subscriber behind a relay (``stream: true`` both hops): its slices over the
+    relay's stream port, whether the relay forwards chunks as they come or whole
+    versions; the relay sends not one slice frame."""
+    from weightpub.deployment_config import RelayConfig
+    from weightpub.relay import Relay
+
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    relay = closing(Relay(RelayConfig.model_validate({
+        "upstream": {"endpoint": pub.endpoint, "stream": True, "request_timeout": 5.0},
+        "cut_through": cut_through,
+        "downstream": {"endpoint": "tcp://127.0.0.1:0", "heartbeat_interval": 0.2,
+                       "stream": True}})))
+    sub = subscriber(closing, relay.endpoint, stream=True, slice_plan=PLAN)
+    for version in (1, 2):
+        pub.publish(det_weights(7, version, SPEC), version=version)
+        staged = sub.wait_for_version(version, timeout=60)
+        assert staged.data_path == "stream" and planned_exact(staged, version)
+        staged.release()
+    assert sub.status()["stream"]["fallbacks"] == 0
+    wait_until(lambda: (relay.publisher.stream_status() or {}).get("slice_bytes_sent", 0)
+               >= 2 * PLAN.needed_bytes, 10, "the relay to count what it sent")
+    served = relay.publisher.stream_status()
+    assert served is not None and served["slice_bytes_sent"] == 2 * PLAN.needed_bytes
+    assert relay.publisher.data_stats()["bytes_sent_slices"] == 0

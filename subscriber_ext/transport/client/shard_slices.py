@@ -15,6 +15,13 @@ places them, and verified against the rank's sums as the publisher path's are (t
 bytes of a chunk gathered in flat order are the same in the rank's layout and the
 union's). A rank whose part of the plan is empty gets no link at all.
 
+Stream (``stream=True`` here and at a rank): a rank whose ``ShardSource`` has a
+``stream_port`` gets a ``StreamSource`` of its own (``StreamPicker.follow_ranks``, a
+first source before the rank's slice source), its token asked over this rank's DEALER
+and read back by its ``RankSliceSource``; the rank's planned blocks come there, in the
+rank's chunk ids (a block's start counts from its chunk's first byte, the same in the
+rank's layout and the union's), verified against the rank's sums.
+
 Fallback: a rank that cannot serve slices (one that predates them and drops the
 registration, one that refuses the part, bounds, sums that do not fit) serves its
 touched chunks whole, counted under the cause ``sharded`` with the rank and the
@@ -31,8 +38,9 @@ from typing import ClassVar
 
 from subscriber_ext.transport.client.dealer_source import rank_handshakes
 from subscriber_ext.transport.client.slice_source import CONTROL_TRIES, SliceFetcher, SliceSource
+from subscriber_ext.transport.client.stream_source import StreamPicker
 from subscriber_ext.transport.staging.assembly import Assembly
-from subscriber_ext.transport.staging.chunk_source import Retry, SourceSink
+from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
@@ -160,16 +168,26 @@ class ShardSlices:
         #: ``ClientSockets.link_handshake``, set once the client exists
         self.on_handshake: Callable[[TransportError, bool], None] = lambda error, refused: None
         self.links: dict[str, RankSliceSource] = {}
+        #: the ranks' stream sources (set by the subscriber when ``stream=True``)
+        self.stream: StreamPicker | None = None
         self._following: wire.Manifest | None = None
-        self._picked: list[RankSliceSource] = []
+        self._picked: list[ChunkSource] = []
 
     def __call__(self, manifest: wire.Manifest,
-                 sink: SourceSink) -> Sequence[RankSliceSource] | None:
+                 sink: SourceSink) -> Sequence[ChunkSource] | None:
+        """The rank links of a sharded manifest, their stream sources first (where
+        offered); None for a manifest that is not sharded."""
         if manifest.shards is None:
             return None
         if manifest is not self._following:
             self._following = manifest
-            self._picked = self._follow(manifest, sink)
+            links = self._follow(manifest, sink)
+            streams = {} if self.stream is None else self.stream.follow_ranks(
+                manifest, {endpoint: link.send for endpoint, link in self.links.items()},
+                sink)
+            for endpoint, link in self.links.items():
+                link.stream = streams.get(endpoint)
+            self._picked = [*streams.values(), *links]
         return self._picked
 
     def _follow(self, manifest: wire.Manifest, sink: SourceSink) -> list[RankSliceSource]:

@@ -47,11 +47,12 @@ from typing import Any
 import zmq
 
 from subscriber_ext.transport.client.dealer_source import DealerSource
+from subscriber_ext.transport.client.stream_source import StreamSource
 from subscriber_ext.transport.staging.assembly import Assembly, DeltaStart
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from subscriber_ext.transport.staging.sparse_delta import SparseDeltaAssembly
-from weightpub_wire import chunk_frame
+from weightpub_wire import chunk_frame, stream_link
 from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ProtocolError, VersionUnavailable, WeightPubTimeout
@@ -142,6 +143,9 @@ class SliceSource(DealerSource):
         #: publisher instances that hold this plan, and that will not (with the cause)
         self.registered: set[str] = set()
         self.refusing: dict[str, str] = {}
+        #: a trainer rank's stream source (``shard_slices.py``): its token is asked over
+        #: this DEALER, and the reply (or an error instead) read back here
+        self.stream: StreamSource | None = None
         #: the control request in flight: (kind, req, publisher_id, sent_at, tries)
         self._control: tuple[str, int, str, float, int] | None = None
         self._forgotten = 0  # ``unknown_plan`` replies for the current target
@@ -300,7 +304,8 @@ class SliceSource(DealerSource):
                         self.answered = now
                         sink.chunk(self.union_header(header), first, self, self)
                     continue
-                message = wire.decode(first.buffer, expect=(wire.ErrorReply, *SLICE_REPLIES),
+                message = wire.decode(first.buffer, expect=(
+                    wire.ErrorReply, *SLICE_REPLIES, stream_link.StreamToken),
                                       limits=self.limits)
             except ProtocolError as exc:
                 sink.discard_rest(more, self.sock)
@@ -314,6 +319,13 @@ class SliceSource(DealerSource):
         return header
 
     def _on_message(self, message: Any, now: float) -> None:
+        stream = self.stream
+        if isinstance(message, (stream_link.StreamToken, wire.ErrorReply)) \
+                and stream is not None and stream.owns(message):
+            stream.on_reply(message)  # the token (or no token: frames serve)
+            return
+        if isinstance(message, stream_link.StreamToken):
+            return  # a token nobody waits for: dropped
         control = self._control
         target = None if self._target is None else self._target()
         mine = control is not None and getattr(message, "req", None) == control[1]

@@ -19,7 +19,10 @@ way once the publisher says it serves slices (``FLAG_SLICES`` in its ``ACCEPTED`
 ``slices`` request names each chunk's planned blocks, the reply's bytes are
 ``recv_into``'d (a scatter read, ``recvmsg_into``) straight to where the plan puts
 them in the sparse staging buffer, hashed as they land and verified against the slice
-sums the slice source asked; a chunk is offered here only once its sum is in. Deltas
+sums the slice source asked; a chunk is offered here only once its sum is in. A slice
+whose pieces average under ``_MIN_PIECE`` (half rows of a few KiB) lands in a scratch
+buffer of at most a chunk instead and is scattered from there by numpy, as a frame's
+is (``SparseAssembly.place``): a Python step per short piece costs more than that copy. Deltas
 and whole-chunk fallbacks stay on frames; a publisher whose stream predates slices
 costs a counted ``unsupported`` per version.
 
@@ -192,6 +195,8 @@ class StreamSource(ChunkSource):
             return list(chunks)
         route = self.route
         assert route is not None
+        if sparse is not None and self.slices_ok is False:  # connected, without slices
+            self.unsliced = self.peer
         if sparse is not None and self.unsliced == (route.publisher_id, route.port):
             self.down = True  # known: this version's slices come over frames, no token asked
             self.count("unsupported", "the publisher's stream does not serve slices")
@@ -487,13 +492,14 @@ class StreamSource(ChunkSource):
                                             f"{'manifest' if sparse is None else 'plan'} "
                                             f"says {size}")
                 return
-            self._dest = [target.chunk_target(chunk)] if sparse is None \
-                else sparse.slice_targets(chunk)
-            if sparse is not None and len(self._dest) > 1 and \
-                    size < _MIN_PIECE * len(self._dest):
+            if sparse is None:
+                self._dest = [target.chunk_target(chunk)]
+            elif size < _MIN_PIECE * _pieces(sparse, chunk):  # short pieces: land, scatter
                 if len(self._landing) < size:
                     self._landing = bytearray(size)
                 self._dest, self._scatter = [memoryview(self._landing)[:size]], sparse
+            else:
+                self._dest = sparse.slice_targets(chunk)
         else:
             self._dest = None  # nobody waits for it any more: read and dropped
         self._reply = reply
@@ -565,6 +571,15 @@ def _sliceable(target: SparseAssembly, chunk: int) -> bool:
     (or the plan covers it whole) and its blocks fit one request."""
     return target.readable_in_place(chunk) and \
         len(target.layout.blocks[chunk]) <= stream_link.MAX_CHUNK_BLOCKS
+
+
+def _pieces(target: SparseAssembly, chunk: int) -> int:
+    """At most how many pieces ``chunk``'s planned bytes make in staging (a block is one
+    when its rows touch, else one per row), counted without making them."""
+    if target.layout.whole(target.manifest, chunk):
+        return 1
+    return sum(1 if rows == 1 or stride == length else rows
+               for _, length, stride, rows in target.layout.blocks[chunk])
 
 
 def _chunk_blocks(target: SparseAssembly, chunk: int) -> list[stream_link.Block]:

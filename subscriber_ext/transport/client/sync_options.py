@@ -55,7 +55,8 @@ class SyncSettings(OptionSet):
     stream: bool = Field(
         False, description="fetch chunks on the publisher's plain TCP stream port when the "
                            "manifests announce one (a one-time token asked over the DEALER, "
-                           "bytes received straight into staging; NOT encrypted); any "
+                           "bytes received straight into staging; NOT encrypted; a sliced "
+                           "subscriber's slices too, where the publisher serves them); any "
                            "failure falls back to ZeroMQ frames, counted by cause")
 
 
