@@ -4,9 +4,13 @@ Why: a replica must reject a bad tensor *before* it touches any weight, and a
 TP rank only holds a shard of each fused parameter, so the live shape says
 little about the checkpoint shape. The full shape is rebuilt from the layer's
 own bookkeeping (``input_size``/``output_size``, ``output_sizes``, head counts,
-``org_vocab_size``, a MoE layer's ``moe_config``), and the dtype is taken from
-the pre-processing metadata vLLM records for layerwise reload (the live tensor
-may be repacked to ``[0]``).
+``org_vocab_size``, a MoE layer's ``moe_config``), and the dtype is the one the
+model created the parameter in: vLLM's pre-processing metadata for layerwise
+reload (the live tensor may be repacked to ``[0]``), or for a ``bias`` (never
+recorded there) the layer's ``params_dtype``. The live dtype is the kernel's:
+on a CPU with AMX vLLM keeps the bias of a small bf16/fp16 linear layer in
+float32 (``dispatch_cpu_unquantized_gemm``'s SGL path), while its loader takes
+the checkpoint's bf16 as any other does.
 """
 
 from __future__ import annotations
@@ -39,9 +43,14 @@ def original_tensor(module: torch.nn.Module, attr: str) -> torch.Tensor | None:
 
 
 def expected_dtype(module: torch.nn.Module, attr: str, live: torch.Tensor) -> torch.dtype:
-    """Checkpoint dtype the parameter's loader expects."""
+    """Checkpoint dtype the parameter's loader expects: the dtype it was created in."""
     meta = original_tensor(module, attr)
-    return meta.dtype if meta is not None else live.dtype
+    if meta is not None:
+        return meta.dtype
+    created = getattr(_unwrap(module), "params_dtype", None)
+    if attr == "bias" and isinstance(created, torch.dtype) and live.is_floating_point():
+        return created  # vLLM records no bias (built after create_weights)
+    return live.dtype
 
 
 def _is_unquantized(layer: torch.nn.Module) -> bool:
