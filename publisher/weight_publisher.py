@@ -478,11 +478,14 @@ class WeightPublisher:
 
     def _scratch_bytes(self) -> int:
         """Reply scratch alive (counted in ``host_budget_bytes``); 0 before serving. Slice
-        plans and their checksums count here too (``slice_serving.py``)."""
+        plans and their checksums count here too (``slice_serving.py``), and the stream
+        port's slice gathers being sent (``stream_server.py``)."""
         server = getattr(self, "_server", None)
         peers = None if server is None else server.peers
         slices = 0 if server is None else server.slice_serving.held
-        return slices + (0 if peers is None else peers.scratch_bytes)
+        stream = getattr(self, "_stream", None)
+        gathers = 0 if stream is None else stream.scratch_bytes
+        return slices + gathers + (0 if peers is None else peers.scratch_bytes)
 
     def _drop_idle_scratch(self) -> None:
         server = getattr(self, "_server", None)

@@ -25,12 +25,14 @@ the ROUTER. ``serves_slices`` False answers as a publisher from before: no
 Threads and bounds: one accept thread (``weightpub-stream-accept``) and one thread per
 connection (``weightpub-stream-conn``), at most ``max_connections`` (more are closed at
 once); a connection holds one request in memory at a time (at most
-``MAX_REQUEST_CHUNKS`` ids; what the subscriber pipelines waits in the kernel), tokens
-outstanding are bounded and expire. A chunk's region is counted as being sent
-(``PublishedVersion.send_begin``) only during its ``sendmsg`` calls: once they return
-the kernel holds a copy, so a newer snapshot may overwrite it. A subscriber that stops
-reading for ``stall_timeout`` (or ``overwrite_grace`` while a snapshot waits for the
-region) is cut.
+``MAX_REQUEST_CHUNKS`` ids, or a ``slices`` request's ``MAX_REQUEST_BLOCKS`` blocks;
+what the subscriber pipelines waits in the kernel), and the slice gathers of one batch
+(about ``slice_batch_bytes`` plus a chunk, counted in ``scratch_bytes`` until sent, which
+the publisher counts in its host budget); tokens outstanding are bounded and expire. A
+chunk's region is counted as being sent (``PublishedVersion.send_begin``) only during
+its ``sendmsg`` calls: once they return the kernel holds a copy, so a newer snapshot may
+overwrite it. A subscriber that stops reading for ``stall_timeout`` (or
+``overwrite_grace`` while a snapshot waits for the region) is cut.
 """
 
 from __future__ import annotations
@@ -59,9 +61,10 @@ log = logging.getLogger("weightpub.publisher")
 _POLL_S = 0.5  # socket timeout: how often a blocked thread looks at the clock and at close
 _IOV_MAX = 1024  # buffers one sendmsg may carry (Linux's UIO_MAXIOV)
 
-#: one reply of a batch: (chunk, payload bytes, what makes its payload's buffers: called
-#: while the chunk's region is counted as being sent, so a gather copies final bytes)
-_Item = tuple[int, int, Callable[[], list[memoryview]]]
+#: one reply of a batch: (chunk, payload bytes, what makes its payload's buffers and says
+#: how many bytes of them it gathered: called while the chunk's region is counted as being
+#: sent, so a gather copies final bytes)
+_Item = tuple[int, int, Callable[[], tuple[list[memoryview], int]]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,9 @@ class StreamLimits:
     overwrite_grace: float = 2.0  # the same while a newer snapshot waits for the region
     ready_wait: float = 60.0  # a chunk announced before its copy ended: wait this long
     batch_bytes: int = 16 << 20  # chunks of one request sent in one sendmsg, at most this
+    #: the same for slices: what a connection's gathers hold at once is about this (plus a
+    #: chunk), and the next batch is gathered while the kernel still sends the last
+    slice_batch_bytes: int = 4 << 20
     #: strided slice rows shorter than this are gathered (one numpy copy): a view and an
     #: iovec per row cost more Python than copying rows of a few KiB
     min_row_bytes: int = 16 << 10
@@ -105,6 +111,8 @@ class StreamServer:
         self.chunks_sent = 0
         self.slice_bytes_sent = 0  # of ``bytes_sent``: answers to ``slices`` requests
         self.slice_bytes_gathered = 0  # of those: copied first (strided short rows)
+        #: gathered copies alive now (being sent): counted in the publisher's host budget
+        self.scratch_bytes = 0
         self.accepted = 0
         self.refused = 0  # hellos with a bad, used or expired token
         self.turned_away = 0  # connections past max_connections
@@ -151,11 +159,13 @@ class StreamServer:
         return version.chunk_view(chunk)
 
     def slice_bytes(self, version: PublishedVersion, chunk: int,
-                    blocks: list[stream_link.Block]) -> list[memoryview]:
+                    blocks: list[stream_link.Block]) -> tuple[list[memoryview], int]:
         """The blocks' bytes of ``chunk``, in order: views of the snapshot (a contiguous
-        run, or each row of at least ``min_row_bytes``), a gathered copy of shorter rows."""
+        run, or each row of at least ``min_row_bytes``), a gathered copy of shorter rows;
+        and how many bytes were gathered."""
         data = self.chunk_bytes(version, chunk)
         parts: list[memoryview] = []
+        gathered_bytes = 0
         for start, length, stride, rows in blocks:
             if rows == 1 or stride == length:
                 parts.append(data[start: start + length * rows])
@@ -166,10 +176,9 @@ class StreamServer:
                 array = np.frombuffer(data, dtype=np.uint8)
                 gathered = np.lib.stride_tricks.as_strided(
                     array[start:], shape=(rows, length), strides=(stride, 1)).reshape(-1)
-                with self._lock:  # counted from every connection's thread
-                    self.slice_bytes_gathered += gathered.nbytes
+                gathered_bytes += gathered.nbytes
                 parts.append(gathered.data)
-        return parts
+        return parts, gathered_bytes
 
     def status(self) -> dict[str, Any]:
         """Counters since start: connections open now, accepted (a good token), refused (a
@@ -268,7 +277,7 @@ class StreamServer:
         """Send ``chunks`` of the request whole (see ``_reply``)."""
         def item(version: PublishedVersion, chunk: int) -> _Item:
             data = self.chunk_bytes(version, chunk)
-            return chunk, len(data), lambda: [data]
+            return chunk, len(data), lambda: ([data], 0)
 
         self._reply(conn, request, chunks, item)
 
@@ -309,7 +318,7 @@ class StreamServer:
                 return
             batch.append(item(version, chunk))
             size += batch[-1][1]
-            if size >= self.limits.batch_bytes:
+            if size >= (self.limits.slice_batch_bytes if slices else self.limits.batch_bytes):
                 if not self._send_batch(conn, request, version, batch, slices):
                     conn.sendall(stream_link.reply_header(
                         stream_link.UNAVAILABLE, request.req, request.version, chunk))
@@ -335,6 +344,7 @@ class StreamServer:
         if not batch or version is None:
             return True
         begun: list[int] = []
+        held = 0  # gathered bytes this batch holds
         try:
             for chunk, _, _ in batch:
                 if not version.send_begin(chunk):
@@ -344,11 +354,18 @@ class StreamServer:
             for chunk, size, make in batch:
                 parts.append(memoryview(stream_link.reply_header(
                     stream_link.OK, request.req, request.version, chunk, size)))
-                parts.extend(make())
+                made, gathered = make()
+                parts.extend(made)
+                with self._lock:  # counted from every connection's thread
+                    self.scratch_bytes += gathered
+                    self.slice_bytes_gathered += gathered
+                held += gathered
             self._send_all(conn, parts)
         finally:
             for chunk in begun:
                 version.send_end(chunk)
+            with self._lock:  # the gathers go with ``parts`` (the kernel holds its copy)
+                self.scratch_bytes -= held
         sent = sum(size for _, size, _ in batch)
         with self._lock:  # counted from every connection's thread
             self.chunks_sent += len(batch)
