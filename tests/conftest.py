@@ -42,17 +42,21 @@ os.environ.setdefault("UCX_NET_DEVICES", "lo")
 #: the tests that start vLLM engines (node id prefixes: a folder, a module, a test), in
 #: two xdist groups of about equal length on CI (each one worker); the modules that share
 #: an engine (``tests/vllm/conftest.py``) are in one group. The subprocess-heavy ones (the
-#: RL demo, the bench runs) are in the first, with the in-process engines the second
-#: does not take.
+#: RL demo, the bench runs) are mostly in the first, with the in-process engines the
+#: second does not take. Balanced by CPU-seconds (the run is CPU-bound): session 15
+#: measured every module alone over its process tree, less the worker's own start (pytest
+#: 1 CPU-s, an in-process engine's vLLM import 9, once per worker): a 413, b 419 CPU-s.
 ENGINE_GROUPS: dict[str, tuple[str, ...]] = {
     "engines-a": (
-        "tests/rl/test_rl_demo.py", "tests/test_bench_cli.py",
+        "tests/rl/test_rl_demo.py",
         "tests/test_bench_scale.py::test_scale_section_with_a_replica",
         "tests/vllm/test_serve.py", "tests/vllm/test_weight_transfer_http.py",
         "tests/vllm/test_weight_transfer_api.py",
         "tests/vllm/test_prepare.py", "tests/vllm/test_moe_qwen2.py",
     ),  # session 13: a ended 1.4 min after b, so test_weight_transfer_tp2 (0.6 min) went to b
-    "engines-b": ("tests/vllm/",),  # every other engine module
+    # session 15: b lost a LoRA engine start and three spawned trainers (43 CPU-s), so
+    # test_bench_cli.py (28 CPU-s) went to b
+    "engines-b": ("tests/test_bench_cli.py", "tests/vllm/"),  # and every other engine module
 }
 
 #: modules without an engine that take over a minute on CI's 2 cores: scheduled right
