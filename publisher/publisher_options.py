@@ -117,7 +117,8 @@ class PublisherOptions(OptionSet):
                            "ROUTER (CURVE) as each chunk's hash ends and subscribers stage "
                            "nothing before every one matched. Subscribers that predate it "
                            "refuse the early manifest (naming its checksum_algorithm) and "
-                           "take the complete one, announced again once hashed. Not with "
+                           "take the complete one, announced again once hashed; publish() "
+                           "may take longer, the serving running beside the copy. Not with "
                            "deltas, collective or nixl")
     host_budget_bytes: int | None = Field(
         None, ge=1, json_schema_extra=unit("bytes"),

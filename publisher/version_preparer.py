@@ -37,6 +37,7 @@ from publisher.store.snapshot import (
     copy_into,
     hashable_in_place,
     source_chunks,
+    whole_chunks,
 )
 from publisher.store.sum_feed import SumFeed
 from weightpub_wire.checksums import pieces_checksum
@@ -86,24 +87,21 @@ class VersionPreparer:
         feed = None if self._early is None else SumFeed(-(-total // chunk_size))
         # a streamed plan always runs its gathers (other ranks are in them), even when
         # this rank keeps only materialized tensors (a sharded rank owning none)
+        if feed is not None and not isinstance(pairs, StreamedPairs) \
+                and hashable_in_place(pairs):
+            self._copy_hashing(number, snapshot, pairs, chunk_size, feed, created)
+            return
         if not isinstance(pairs, StreamedPairs) and hashable_in_place(pairs):
             chunks = source_chunks(pairs, snapshot.entries, total, chunk_size)
-            order = range(len(chunks)) if feed is None else \
-                priority_chunk_ids(snapshot.entries, total, chunk_size)  # as they are fetched
-            hashes: dict[int, Future[int]] = {}
-            for chunk in order:
-                hashes[chunk] = self._hash_executor.submit(pieces_checksum, chunks[chunk])
-                if feed is not None:
-                    hashes[chunk].add_done_callback(functools.partial(_fed, feed, chunk))
+            hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
             self._pending.put((number, snapshot, chunk_size,
-                               lambda: tuple(hashes[c].result() for c in range(len(chunks))),
-                               created, feed))
+                               lambda: tuple(h.result() for h in hashes), created, None))
             try:
                 copy_in_priority_order(snapshot, pairs, chunk_size)  # as subscribers fetch
             except BaseException:
                 snapshot.failed = True  # never served, an early version never completed
                 raise
-            wait(hashes.values())  # the sources are read until every hash ends
+            wait(hashes)  # the sources are read until every hash ends
             return
         hasher = ChunkHasher(self._hash_executor, snapshot.buffer, total, chunk_size,
                              on_sum=None if feed is None else feed.put)
@@ -124,6 +122,34 @@ class VersionPreparer:
             copied.set()
         if feed is None:
             self._pending.put((number, snapshot, chunk_size, hasher.checksums, created, None))
+
+    def _copy_hashing(self, number: int, snapshot: Snapshot,
+                      pairs: list[tuple[str, torch.Tensor]], chunk_size: int, feed: SumFeed,
+                      created: float) -> None:
+        """Early sums, CPU sources: announced at once; each chunk wholly inside one tensor
+        is copied and hashed in one pass (its sum into ``feed`` as its copy ends), the
+        others (tensor edges, padding) hashed from the sources on the workers, in the
+        order subscribers fetch."""
+        total = snapshot.total_bytes
+        chunks = source_chunks(pairs, snapshot.entries, total, chunk_size)
+        whole = whole_chunks(snapshot.entries, total, chunk_size)
+        hashes: list[Future[int]] = []
+        for chunk in priority_chunk_ids(snapshot.entries, total, chunk_size):
+            if chunk not in whole:
+                hashes.append(self._hash_executor.submit(pieces_checksum, chunks[chunk]))
+                hashes[-1].add_done_callback(functools.partial(_fed, feed, chunk))
+        copied = threading.Event()
+        self._pending.put((number, snapshot, chunk_size,
+                           functools.partial(_all_fed, copied, snapshot, feed, hashes),
+                           created, feed))
+        try:
+            copy_in_priority_order(snapshot, pairs, chunk_size, on_sum=feed.put)
+        except BaseException:
+            snapshot.failed = True  # never served, never completed
+            raise
+        finally:
+            copied.set()
+            wait(hashes)  # the sources are read until every hash ends
 
     def close(self) -> None:
         """Let the versions queued so far be announced (10 s at most), then stop."""
@@ -153,6 +179,17 @@ class VersionPreparer:
 def _fed(feed: SumFeed, chunk: int, future: Future[int]) -> None:
     if not future.cancelled() and future.exception() is None:
         feed.put(chunk, future.result())
+
+
+def _all_fed(copied: threading.Event, snapshot: Snapshot, feed: SumFeed,
+             hashes: list[Future[int]]) -> tuple[int, ...]:
+    """Every sum of an early version (copied-and-hashed chunks and the workers' ones)."""
+    copied.wait()
+    for future in hashes:
+        future.result()  # raises what a hash raised
+    if snapshot.failed:
+        raise RuntimeError("the snapshot's copy failed")
+    return feed.checksums()
 
 
 def _after_copy(copied: threading.Event, snapshot: Snapshot,

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from weightpub_wire.buffers import BufferPool, byte_view, copy_bytes, flat_bytes
-from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.checksums import COPY_BLOCK, chunk_checksum
 from weightpub_wire.chunk_order import priority_tensors
 from weightpub_wire.dtypes import dtype_name
 from weightpub_wire.protocol import TENSOR_ALIGN, TensorEntry
@@ -27,6 +28,7 @@ __all__ = [
     "Snapshot",
     "WeightsLike",
     "checked_pair",
+    "copy_hash",
     "copy_in_priority_order",
     "copy_into",
     "cuda_devices",
@@ -35,6 +37,7 @@ __all__ = [
     "plan_snapshot",
     "source_chunks",
     "wait_for_copies",
+    "whole_chunks",
 ]
 
 WeightsLike = torch.nn.Module | Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -209,12 +212,41 @@ def hashable_in_place(pairs: list[tuple[str, torch.Tensor]]) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for _, t in pairs)
 
 
+def whole_chunks(entries: list[TensorEntry], total: int, chunk_size: int) -> set[int]:
+    """The chunks that lie wholly inside one tensor's bytes (no padding, no other tensor):
+    ``copy_in_priority_order(on_sum=...)`` copies and hashes each in one pass."""
+    whole: set[int] = set()
+    for entry in entries:
+        end = entry.offset + entry.nbytes
+        for chunk in range(-(-entry.offset // chunk_size), -(-end // chunk_size)):
+            if min((chunk + 1) * chunk_size, total) <= end:
+                whole.add(chunk)
+    return whole
+
+
+def copy_hash(dst: torch.Tensor, src: torch.Tensor, block: int = COPY_BLOCK) -> int:
+    """Copy one flat uint8 tensor into another and return xxh3-64 of the bytes: each
+    ``block`` hashed right after it is copied, still in the cache (one pass over memory;
+    ``copy_bytes`` per block, so the GIL is free during the copies)."""
+    state = xxhash.xxh3_64()
+    view = byte_view(dst)
+    size = dst.numel()
+    for start in range(0, size, block):
+        stop = min(start + block, size)
+        copy_bytes(dst[start:stop], src[start:stop])
+        state.update(view[start:stop])
+    return state.intdigest()
+
+
 def copy_in_priority_order(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]],
-                           chunk_size: int) -> None:
+                           chunk_size: int,
+                           on_sum: Callable[[int, int], None] | None = None) -> None:
     """Copy CPU tensors in ``chunk_order`` (largest first), marking each chunk final.
 
     Subscribers fetch in the same order, so what they ask for first is copied first;
-    the server sends a chunk once ``pending`` says all its bytes are final.
+    the server sends a chunk once ``pending`` says all its bytes are final. ``on_sum``
+    (early sums): each chunk wholly inside one tensor is copied and hashed in one pass
+    (``copy_hash``) and told ``(chunk, sum)``; the others are hashed elsewhere.
     """
     buffer, entries, total = snapshot.buffer, snapshot.entries, snapshot.total_bytes
     pending = [min(chunk_size, total - start) for start in range(0, total, chunk_size)]
@@ -233,7 +265,9 @@ def copy_in_priority_order(snapshot: Snapshot, pairs: list[tuple[str, torch.Tens
         snapshot.claim_range(entry.offset + entry.nbytes, end)
         buffer[entry.offset + entry.nbytes: end].zero_()  # alignment padding: no stale bytes
         done(entry.offset + entry.nbytes, end)
-        if entry.nbytes:
+        if entry.nbytes and on_sum is not None:
+            _copy_hashing(snapshot, entry, flat_bytes(tensor), chunk_size, on_sum, done)
+        elif entry.nbytes:
             dst = buffer[entry.offset: entry.offset + entry.nbytes]
             src = flat_bytes(tensor)
             for start in range(0, entry.nbytes, chunk_size):
@@ -244,6 +278,28 @@ def copy_in_priority_order(snapshot: Snapshot, pairs: list[tuple[str, torch.Tens
     first = entries[0].offset if entries else total
     done(0, first)
     snapshot.copied_bytes = total
+
+
+def _copy_hashing(snapshot: Snapshot, entry: TensorEntry, src: torch.Tensor, chunk_size: int,
+                  on_sum: Callable[[int, int], None],
+                  done: Callable[[int, int], None]) -> None:
+    """One tensor in chunk-aligned pieces: a whole chunk copied and hashed in one pass."""
+    total, buffer = snapshot.total_bytes, snapshot.buffer
+    position, end = entry.offset, entry.offset + entry.nbytes
+    while position < end:
+        chunk = position // chunk_size
+        chunk_end = min((chunk + 1) * chunk_size, total)
+        stop = min(end, chunk_end)
+        snapshot.claim_range(position, stop)
+        dst, piece = buffer[position:stop], src[position - entry.offset: stop - entry.offset]
+        if position == chunk * chunk_size and stop == chunk_end:
+            value = copy_hash(dst, piece)
+            done(position, stop)
+            on_sum(chunk, value)
+        else:
+            copy_bytes(dst, piece)
+            done(position, stop)
+        position = stop
 
 
 def copy_into(snapshot: Snapshot, pairs: list[tuple[str, torch.Tensor]], chunk_size: int,

@@ -389,8 +389,9 @@ def run_publisher(args: dict[str, Any]) -> None:
                           nixl=bool(args.get("nixl", False)),
                           stream=bool(args.get("stream", False)),
                           announce_early=bool(args.get("announce_early", False)))
-    if args.get("hash_gate"):
-        gated_hashes(args["hash_gate"])
+    if args.get("sums_gate"):
+        gate = args["sums_gate"]
+        held_sums(pub, lambda: os.path.exists(gate))
     if args.get("nixl_fault"):
         nixl_fault(pub, args["nixl_fault"])
     if args.get("stream_fault"):
@@ -478,22 +479,24 @@ def nixl_fault(pub: Any, fault: str) -> None:
     export.offer = offer
 
 
-def gated_hashes(gate: str) -> None:
-    """Test-only: every chunk's hash waits until the file ``gate`` exists (60 s at most;
-    ``test_early_sums``: an early version's bytes all land before any of its sums)."""
-    from publisher import version_preparer
-    from publisher.store import snapshot
+def held_sums(pub: Any, opened: Callable[[], bool]) -> None:
+    """Test-only (``test_early_sums``): an early version's sums leave the publisher only
+    once ``opened()`` (its ``chunk_sums`` replies and the complete manifest; 60 s at
+    most), so every byte of it lands before any of its sums, whatever the hashing."""
+    from publisher.version_preparer import EarlyHooks
 
-    def gated(hash_: Callable[..., int]) -> Callable[..., int]:
-        def wait_then_hash(*args: Any) -> int:
-            deadline = time.monotonic() + 60
-            while not os.path.exists(gate) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            return hash_(*args)
-        return wait_then_hash
+    serving = pub._server.sum_serving
+    answer = serving._answer
+    serving._answer = lambda identity, request: opened() and answer(identity, request)
+    hooks = pub._preparer._early
 
-    version_preparer.pieces_checksum = gated(version_preparer.pieces_checksum)
-    snapshot.chunk_checksum = gated(snapshot.chunk_checksum)
+    def complete(number: int, snapshot: Any, sums: tuple[int, ...]) -> None:
+        deadline = time.monotonic() + 60
+        while not opened() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        hooks.complete(number, snapshot, sums)
+
+    pub._preparer._early = EarlyHooks(hooks.announce, complete)
 
 
 def stream_fault(pub: Any, fault: str) -> None:

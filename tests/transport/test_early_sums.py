@@ -2,7 +2,7 @@
 checksums after it over the ROUTER, real processes and sockets.
 
 What must hold: versions come bit-exact over the stream and over frames although every
-byte lands before its sum (the publisher's hashes wait on a gate file here, so the
+byte lands before its sum (the publisher's sums wait on a gate file here, so the
 order is forced, not timed), and nothing is staged until every sum came and matched; a
 corrupt chunk is caught when its sum arrives and fetched again as a frame; a publisher
 killed -9 while the sums are out stages nothing; a subscriber that predates early sums
@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.transport.client import early_sums
@@ -34,7 +35,15 @@ from tests.transport.data_path_cases import (
     start_publisher,
     subscriber,
 )
-from tests.transport.procs import REPO, Child, det_weights, digests, spec_bytes, wait_until
+from tests.transport.procs import (
+    REPO,
+    Child,
+    det_weights,
+    digests,
+    held_sums,
+    spec_bytes,
+    wait_until,
+)
 from weightpub_wire import protocol as wire
 from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.errors import ProtocolError
@@ -128,9 +137,27 @@ def test_a_sums_request_is_bounded() -> None:
             wire.decode(frame, expect=SUM_REQUESTS)
 
 
+@pytest.mark.parametrize("chunk", [4096, 65536])
+def test_early_sums_equal_the_sums_hashed_the_ordinary_way(
+        make_pub: Callable[..., Any], chunk: int) -> None:
+    """Whole chunks copied and hashed in one pass, edge chunks hashed from the sources:
+    the same sums as a publisher without early sums (odd sizes, chunks across tensors)."""
+    weights = {"a": torch.arange(70_001, dtype=torch.int32), "b": torch.ones(3, 1000),
+               "c": torch.arange(12_345, dtype=torch.uint8), "d": torch.zeros(0)}
+    manifests = []
+    for early in (False, True):
+        pub = make_pub(chunk_size=chunk, announce_early=early)
+        version = pub.publish(weights)
+        wait_until(lambda p=pub, v=version: not p.manifest(v).sums_follow, 30,
+                   "every sum in")
+        manifests.append(pub.manifest(version))
+    assert manifests[0].checksums == manifests[1].checksums
+    assert manifests[0].num_chunks > 4
+
+
 # -- end to end ----------------------------------------------------------------------------
 class Gate:
-    """The publisher child's hashes wait until ``path`` exists (``procs.gated_hashes``)."""
+    """The publisher child's sums wait until ``path`` exists (``procs.held_sums``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -179,7 +206,7 @@ def _sums_in_manifest(staged: Any) -> bool:
 def test_versions_come_bit_exact_while_their_sums_follow(
         spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate) -> None:
     pub, endpoint = start_publisher(spawn, stream=True, announce_early=True,
-                                    hash_gate=str(gate.path))
+                                    sums_gate=str(gate.path))
     streamed = subscriber(closing, endpoint, stream=True)
     framed = subscriber(closing, endpoint)
     chunks = -(-spec_bytes(SPEC) // CHUNK)
@@ -211,7 +238,7 @@ def test_versions_come_bit_exact_while_their_sums_follow(
 def test_a_corrupt_chunk_is_caught_when_its_sum_arrives_and_refetched_as_a_frame(
         spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate) -> None:
     pub, endpoint = start_publisher(spawn, stream=True, announce_early=True,
-                                    hash_gate=str(gate.path), stream_fault="corrupt:2")
+                                    sums_gate=str(gate.path), stream_fault="corrupt:2")
     sub = subscriber(closing, endpoint, stream=True, request_timeout=20.0)
     _publish_async(pub, 1)
     _all_bytes_held(sub, 1)  # the corrupt chunk too: nothing can tell yet
@@ -228,7 +255,7 @@ def test_a_corrupt_chunk_is_caught_when_its_sum_arrives_and_refetched_as_a_frame
 def test_a_publisher_killed_while_the_sums_are_out_stages_nothing(
         spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate) -> None:
     pub, endpoint = start_publisher(spawn, stream=True, announce_early=True,
-                                    hash_gate=str(gate.path))
+                                    sums_gate=str(gate.path))
     sub = subscriber(closing, endpoint, stream=True, request_timeout=1.0,
                      max_chunk_retries=1)
     _publish_async(pub, 1)
@@ -247,7 +274,7 @@ def test_the_complete_manifest_announced_again_brings_every_sum(
     held version, which stages bit-exact."""
     monkeypatch.setattr(early_sums.EarlySums, "tick", lambda self, now: None)
     pub, endpoint = start_publisher(spawn, stream=True, announce_early=True,
-                                    hash_gate=str(gate.path))
+                                    sums_gate=str(gate.path))
     sub = subscriber(closing, endpoint, stream=True)
     _publish_async(pub, 1)
     _all_bytes_held(sub, 1)
@@ -260,22 +287,15 @@ def test_the_complete_manifest_announced_again_brings_every_sum(
 @pytest.mark.parametrize("cut_through", [True, False], ids=["cut-through", "store-forward"])
 def test_a_relay_forwards_an_early_version_only_once_its_sums_matched(
         make_pub: Callable[..., Any], closing: Callable[[Any], Any],
-        monkeypatch: pytest.MonkeyPatch, cut_through: bool) -> None:
-    """In this process: the trainer's hashes wait on an event, so the relay's upstream
+        cut_through: bool) -> None:
+    """In this process: the trainer's sums wait on an event, so the relay's upstream
     subscriber holds every byte before any sum; nothing reaches downstream until then."""
-    from publisher import version_preparer
     from weightpub.deployment_config import RelayConfig
     from weightpub.relay import Relay
 
     go = threading.Event()
-    real = version_preparer.pieces_checksum
-
-    def gated(pieces: Any) -> int:
-        go.wait(60)
-        return real(pieces)
-
-    monkeypatch.setattr(version_preparer, "pieces_checksum", gated)
     pub = make_pub(chunk_size=CHUNK, stream=True, announce_early=True)
+    held_sums(pub, go.is_set)
     relay = closing(Relay(RelayConfig.model_validate({
         "upstream": {"endpoint": pub.endpoint, "stream": True, "request_timeout": 5.0},
         "cut_through": cut_through,
@@ -319,7 +339,7 @@ def _status(child: Child) -> dict[str, Any]:
 def test_an_old_subscriber_refuses_an_early_manifest_by_name_then_takes_the_complete_one(
         spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate,
         old_tree: Path) -> None:
-    pub, endpoint = start_publisher(spawn, announce_early=True, hash_gate=str(gate.path))
+    pub, endpoint = start_publisher(spawn, announce_early=True, sums_gate=str(gate.path))
     old = closing(Child("subscriber", {"endpoint": endpoint,
                                        "options": {"request_timeout": 3.0}}, repo=old_tree))
     old.event("ready", timeout=60)
