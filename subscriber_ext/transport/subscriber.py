@@ -332,6 +332,8 @@ class WeightSubscriber:
             "reconnects": max(0, client.sockets.connections - 1),
             "publisher_id": client.instance,
             "last_error": client.report.last_error,
+            # the newest version given up ({"version", "why"}), or None
+            "abandoned": client.report.abandoned,
             **client.deltas.stats(),  # bytes received full vs delta, the delta base
             "refused": None if client.gate.refused is None else
             f"StagingBudgetError: {client.gate.refused}",

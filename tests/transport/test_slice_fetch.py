@@ -216,8 +216,10 @@ def test_kill9_of_the_publisher_mid_version_stages_nothing_partial(
     publish(pub, 2)
     wait_until(lambda: (sub.status()["fetching_fraction"] or 0) > 0, 30, "version 2 arriving")
     pub.kill9()
-    wait_until(lambda: "version 2" in (sub.status()["last_error"] or ""), 30,
+    # ``abandoned``, not ``last_error``: a reconnect's handshake may replace the latter
+    wait_until(lambda: (sub.status()["abandoned"] or {}).get("version") == 2, 30,
                "version 2 given up against the dead publisher")
+    assert "version 2" in sub.status()["abandoned"]["why"]
     assert staged_versions == [1]  # version 2 never staged in part
     latest = sub.latest()
     assert latest is not None and latest.version == 1

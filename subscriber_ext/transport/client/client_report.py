@@ -86,6 +86,9 @@ class ClientReport:
         self.interval = interval
         self.error: WeightPubError | None = None  # the newest problem, as our exception
         self.failures: dict[str, int] = {}  # problems by error class
+        # the newest version given up and why: kept when a later problem (a reconnect's
+        # handshake, say) replaces ``last_error``
+        self.abandoned: dict[str, Any] | None = None
         self.bad_messages = 0
         self.warn = RateLimitedLog(log)
         self.ranks: tuple[int, ...] = ()  # replica ranks served
@@ -120,6 +123,13 @@ class ClientReport:
         if self.error is error:
             self.error = None
             self._dirty = True
+
+    def abandon(self, version: int | None, error: WeightPubError) -> None:
+        """A version given up: counted, named in ``last_error`` and kept in ``abandoned``."""
+        self.count_failure(error)
+        self.abandoned = {"version": version,
+                          "why": f"{type(error).__name__}: {error}"[: wire.MAX_ERROR_CHARS]}
+        self.problem(error)
 
     def count_failure(self, error: WeightPubError) -> None:
         name = type(error).__name__

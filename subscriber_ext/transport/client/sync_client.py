@@ -369,12 +369,11 @@ class SyncClient:
 
     def _fail_target(self, why: WeightPubError) -> None:
         """Give a version up; it is retried only after a growing back-off (1 s .. 30 s)."""
-        self.report.count_failure(why)
         self.report.warn.warning("abandon", f"abandoning version: {type(why).__name__}: {why}")
         if self.target is not None:
             self.backoff.record(self.target.manifest.publisher_id, self.target.manifest.version,
                                 time.monotonic())
-        self.report.problem(why)
+        self.report.abandon(None if self.target is None else self.target.manifest.version, why)
         self.drop_target()
         self.follower.resync()  # re-ask for the newest version right away
 
