@@ -155,3 +155,35 @@ def test_under_curve_a_stranger_gets_no_offer(
     assert answer.offer.regions[0].length >= pub.manifest(1).total_bytes
     assert ask(stranger, 3) is None  # a key the publisher never saw: nothing
     assert ask(None, 3) is None  # no CURVE at all: nothing
+
+
+def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+        closing: Callable[[Any], Any], paced_reads: Callable[[int], list[float]]) -> None:
+    """The first member stages versions 2 and 3 while the second still READs version 1
+    from it: version 3 lands in version 1's staging buffer (a pool of two), so the
+    chunks read after that fail their checksum, and the buffer's claims word (version
+    3, stored before its first byte landed) tells ``reused`` from corrupt."""
+    chunk = 1 << 20
+    spec = [("big", "uint8", [24 * chunk])]
+    pub = make_pub(chunk_size=chunk, peer_fanout=1, nixl=True)
+    (first,) = join(spawn, pub, 1, spec, lambda i: _options(True))
+    second = closing(WeightSubscriber(pub.endpoint, peer_share=True, nixl=True,
+                                      request_timeout=2.0, window_bytes=2 * chunk,
+                                      switch_below_fraction=0.0, subscriber_id="m1"))
+    wait_until(lambda: second.status()["peers"]["slot"] == 1, 20, "the second slot")
+    paced = paced_reads(chunk)  # one chunk per READ, seen done one per 0.3 s
+    pub.publish(det_weights(SEED, 1, spec), version=1)
+    staged_ok(first, 1)
+    wait_until(lambda: len(paced) >= 1, 60, "a chunk read one-sided from the first member")
+    for version in (2, 3):
+        pub.publish(det_weights(SEED, version, spec), version=version)
+        staged_ok(first, version)
+    wait_until(lambda: second.status()["nixl"]["fallback_causes"].get("reused", 0) >= 1, 60,
+               "a chunk of version 1 overwritten by version 3 at the first member")
+    causes = second.status()["nixl"]["fallback_causes"]
+    assert causes["reused"] == 1 and "checksum" not in causes, causes  # counted once
+    wait_until(lambda: second.status()["staged_version"] == 3, 60, "version 3")
+    staged = second.latest()
+    assert staged is not None and staged.version == 3  # version 1 was given up, not torn
+    assert digests(staged.items()) == digests(det_weights(SEED, 3, spec).items())

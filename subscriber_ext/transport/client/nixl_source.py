@@ -898,6 +898,9 @@ class NixlPicker:
         #: peers over NIXL, serving side: a readiness map per staging buffer (its start
         #: address), registered with the reader's agent; offers made per (buffer, version)
         self._ready_maps: dict[int, numpy.ndarray] = {}
+        #: a claims word per staging buffer (its start address): the newest version
+        #: started in it, so a peer READing an older one there tells ``reused`` apart
+        self._claims: dict[int, numpy.ndarray] = {}
         self._peer_offers: collections.OrderedDict[tuple[int, int], NixlOffer] = \
             collections.OrderedDict()
 
@@ -977,8 +980,9 @@ class NixlPicker:
         base = _base(buffer).data_ptr()
         if base not in self._sizes:
             source = self._source
-            if source is not None and source.manifest is manifest and source.up:
-                return None, "later"
+            if source is not None and source.manifest is manifest and source.up or \
+                    verified is not None and not any(map(verified, range(manifest.num_chunks))):
+                return None, "later"  # its READs may register the buffer: ask again
             return None, "frames"
         key = (buffer.data_ptr(), manifest.version)
         cached = self._peer_offers.get(key)
@@ -991,8 +995,14 @@ class NixlPicker:
                                            for c in range(manifest.num_chunks)]
             ready = NixlClaims(words.ctypes.data, words.nbytes, manifest.chunk_size,
                                manifest.version)
+        claims = self._claims.get(buffer.data_ptr())
+        if claims is None:  # not claimed at its start: it holds this version now
+            claims = self.claim(buffer, manifest.version)
         try:
-            offer = reader.offer([NixlRegion(buffer.data_ptr(), manifest.total_bytes)])
+            offer = reader.offer([NixlRegion(buffer.data_ptr(), manifest.total_bytes)],
+                                 claims=None if claims is None else NixlClaims(
+                                     claims.ctypes.data, claims.nbytes,
+                                     max(4096, manifest.total_bytes), manifest.version))
         except ProtocolError as exc:
             return None, f"frames ({exc})"
         offer = msgspec.structs.replace(offer, ready=ready)
@@ -1000,6 +1010,26 @@ class NixlPicker:
         while len(self._peer_offers) > 8:
             self._peer_offers.popitem(last=False)
         return offer, ""
+
+    def claim(self, buffer: torch.Tensor, version: int) -> numpy.ndarray | None:
+        """Store ``version`` in the claims word of the staging buffer (one word for the
+        whole buffer: a peer READing an older version there then counts ``reused``, not
+        ``checksum``), before its first byte lands (``Peering.target_started``); made and
+        registered once per buffer. None where NIXL does not run here."""
+        reader = self.reader
+        if reader is None or not self.peers_on:
+            return None
+        address = buffer.data_ptr()
+        words = self._claims.get(address)
+        if words is None:
+            while len(self._claims) >= 4:  # a pool of 2 buffers: older ones are gone
+                _, old = self._claims.popitem()
+                reader.forget_local(old.ctypes.data, old.nbytes)
+            words = numpy.zeros(1, dtype="<i8")
+            reader.register(words.ctypes.data, words.nbytes)
+            self._claims[address] = words
+        words[0] = version
+        return words
 
     def _ready_map(self, address: int, count: int) -> numpy.ndarray:
         """The readiness map of the staging buffer at ``address`` (made or grown, and
@@ -1194,6 +1224,7 @@ class NixlPicker:
         self._sizes.clear()
         self._peer_offers.clear()
         self._ready_maps.clear()
+        self._claims.clear()
         self._sparse.clear()
         if reader is not None:
             reader.close()

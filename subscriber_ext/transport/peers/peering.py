@@ -382,6 +382,9 @@ class Peering(ChunkSource):
         """Plans follow versions: say hello now; without a place in the plan held, the
         fetch waits up to ``plan_wait`` for the answer (a member that joined last version)."""
         now = time.monotonic()
+        target = self.client.target
+        if self.nixl is not None and target is not None and target.manifest is manifest:
+            self.nixl.claim(target.buffer, manifest.version)  # before its first byte lands
         self.sources.chunk_size(manifest.chunk_size)
         self._awaiting = ((manifest.publisher_id, manifest.version), now)
         self._hello(now)
