@@ -187,3 +187,23 @@ def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
     staged = second.latest()
     assert staged is not None and staged.version == 3  # version 1 was given up, not torn
     assert digests(staged.items()) == digests(det_weights(SEED, 3, spec).items())
+
+
+def test_a_bad_peer_nixl_offer_is_refused_naming_the_field() -> None:
+    """A peer's answer is decoded with the offer's bounds (regions, metadata, names)
+    before anything is built: a bad one is a ``ProtocolError`` naming the field."""
+    from weightpub_wire.errors import ProtocolError
+    from weightpub_wire.nixl_link import NixlOffer, NixlRegion
+    from weightpub_wire.peer_protocol import PEER_NIXL_REPLIES
+
+    good = NixlOffer("agent", b"meta", [NixlRegion(4096, 1 << 20)])
+    reply = PeerNixlOffer(req=3, version=2, offer=good)
+    assert wire.decode(wire.encode(reply), expect=PEER_NIXL_REPLIES) == reply
+    many = msgspec.structs.replace(good, regions=[NixlRegion(4096 * i, 4096)
+                                                  for i in range(1, 66)])
+    with pytest.raises(ProtocolError, match=r"offer\.regions"):
+        wire.decode(wire.encode(PeerNixlOffer(req=3, version=2, offer=many)),
+                    expect=PEER_NIXL_REPLIES)
+    with pytest.raises(ProtocolError, match=r"offer\.agent"):
+        wire.decode(wire.encode(PeerNixlOffer(req=3, version=2, offer=msgspec.structs.replace(
+            good, agent=""))), expect=PEER_NIXL_REPLIES)
