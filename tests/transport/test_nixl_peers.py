@@ -59,6 +59,23 @@ def test_the_second_member_reads_the_version_from_the_first_over_nixl(
     assert pub.data_stats()["bytes_sent_full"] == 0  # the publisher's bytes went one-sided
 
 
+def test_a_chain_of_three_reads_what_the_middle_member_read_over_nixl(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+    """The last member READs from the middle one, which READ it from the first: the
+    middle member offers staging its own ``PeerNixlSource`` registered."""
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1, nixl=True)
+    members = join(spawn, pub, 3, SPEC, lambda i: _options(True))
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    for child in members:
+        assert staged_ok(child, 1)["data_path"] == "nixl"
+    total = pub.manifest(1).total_bytes
+    statuses = [peers_status(child) for child in members]
+    assert [s["peers"]["nixl_bytes_from_peers"] for s in statuses] == [0, total, total]
+    assert [s["peers"]["served_chunks"] for s in statuses] == [0, 0, 0]
+    assert [s["peers"]["nixl_offers"] for s in statuses[:2]] == [1, 1], statuses
+    assert all(s["nixl"]["fallbacks"] == 0 for s in statuses), [s["nixl"] for s in statuses]
+
+
 @pytest.mark.parametrize("where", ["member", "publisher"])
 def test_a_first_member_without_nixl_costs_frames_with_the_cause_counted(
         make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
@@ -86,7 +103,7 @@ def test_the_first_member_killed_mid_read_stages_nothing_partial(
         make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
         closing: Callable[[Any], Any], paced_reads: Callable[[int], list[float]]) -> None:
     chunk = 1 << 20
-    spec = [("big", "uint8", [24 * chunk])]
+    spec = [("big", "uint8", [12 * chunk])]
     pub = make_pub(chunk_size=chunk, peer_fanout=1, nixl=True)
     (first,) = join(spawn, pub, 1, spec, lambda i: _options(True))
     second = closing(WeightSubscriber(pub.endpoint, peer_share=True, nixl=True,
@@ -153,8 +170,8 @@ def test_under_curve_a_stranger_gets_no_offer(
     answer = ask(secrets[1], 20)  # a member the tracker vouched for: an offer
     assert answer is not None and answer.req == 7 and answer.offer is not None, answer
     assert answer.offer.regions[0].length >= pub.manifest(1).total_bytes
-    assert ask(stranger, 3) is None  # a key the publisher never saw: nothing
-    assert ask(None, 3) is None  # no CURVE at all: nothing
+    assert ask(stranger, 1.5) is None  # a key the publisher never saw: nothing
+    assert ask(None, 1.5) is None  # no CURVE at all: nothing
 
 
 def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
@@ -165,7 +182,7 @@ def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
     chunks read after that fail their checksum, and the buffer's claims word (version
     3, stored before its first byte landed) tells ``reused`` from corrupt."""
     chunk = 1 << 20
-    spec = [("big", "uint8", [24 * chunk])]
+    spec = [("big", "uint8", [12 * chunk])]
     pub = make_pub(chunk_size=chunk, peer_fanout=1, nixl=True)
     (first,) = join(spawn, pub, 1, spec, lambda i: _options(True))
     second = closing(WeightSubscriber(pub.endpoint, peer_share=True, nixl=True,

@@ -114,6 +114,7 @@ READY_MIN_S = 0.002
 READY_MAX_S = 0.05
 _MAX_CAUSES = 16
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
+_MAX_PEER_AGENTS = 64  # ``MAX_STRIPES`` x ``MAX_CHAIN`` peers in a plan
 #: ranges of a sparse staging buffer registered at most (``touched_ranges``)
 MAX_SPARSE_RANGES = 1024
 _READ_BYTES = 16 << 20  # bytes per READ: large enough to stream, small enough to hand back
@@ -901,6 +902,9 @@ class NixlPicker:
         #: a claims word per staging buffer (its start address): the newest version
         #: started in it, so a peer READing an older one there tells ``reused`` apart
         self._claims: dict[int, numpy.ndarray] = {}
+        #: peers' agents READ from lately, newest last (kept across versions, at most
+        #: ``_MAX_PEER_AGENTS``: a plan's chains)
+        self._peer_agents: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._peer_offers: collections.OrderedDict[tuple[int, int], NixlOffer] = \
             collections.OrderedDict()
 
@@ -931,7 +935,7 @@ class NixlPicker:
             return None
         assert self.reader is not None
         # holders of earlier versions (a restarted rank's old agent) are not kept
-        self.reader.keep({h.offer.agent for h in holders if h is not None})
+        self.reader.keep({h.offer.agent for h in holders if h is not None} | set(self._peer_agents))
         self._source = NixlSource(self, sink, manifest, holders)
         return [self._source]
 
@@ -1062,6 +1066,10 @@ class NixlPicker:
             self.count("bad_offer", f"peer {peer}: the offer's {misfit}",
                        version=manifest.version)
             return None
+        self._peer_agents[offer.agent] = None
+        self._peer_agents.move_to_end(offer.agent)
+        while len(self._peer_agents) > _MAX_PEER_AGENTS:
+            self._peer_agents.popitem(last=False)
         holder = NixlHolder(offer, 0, manifest.num_chunks, manifest.chunk_size)
         return PeerNixlSource(self, self._sink, manifest, holder, peer, arrived)
 
