@@ -76,8 +76,9 @@ __all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]  # optio
 
 log = logging.getLogger("weightpub.peers")
 _THREAD_PREFIXES = itertools.count(7100)
-#: how long chunks for a peer wait for its ``peer_nixl`` answer (at least): a member's
-#: first NIXL contact (UCX wire-up with its own holder) held its loop ~0.5 s here
+#: how long chunks for a peer wait for its ``peer_nixl`` answer (at least): a member
+#: starts its NIXL agent at the first manifest offering NIXL, on its loop (0.45 s here:
+#: UCX's backend), and answers only after that
 NIXL_WAIT_S = 2.0  # names this Peering's ZeroMQ I/O thread
 
 
