@@ -16,6 +16,10 @@ subscriber is the stripe's root, or has no place in the plan yet)::
                                      group} ]
     DEALER -> ROUTER (a peer)     the publisher's own ``fetch`` / ``chunk`` / ``error`` frames
                                   (a sliced member: ``slice_fetch``, ``slice_messages.py``)
+    DEALER -> ROUTER (a peer)     [ {t: "peer_nixl", req, publisher_id, version} ]
+    ROUTER -> DEALER              [ {t: "peer_nixl_offer", req, version, offer, why} ]
+                                  (peers over NIXL, issue 31: the peer's NIXL offer of its
+                                  staging of that version, or None and why)
 
 Peers speak to each other exactly as a subscriber speaks to its publisher
 (``FetchRequest``, ``ChunkHeader``, ``ErrorReply``; the same per-chunk
