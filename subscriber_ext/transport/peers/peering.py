@@ -75,11 +75,11 @@ from weightpub_wire.sockets import bind, configure_socket
 __all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]  # options: re-exported
 
 log = logging.getLogger("weightpub.peers")
-_THREAD_PREFIXES = itertools.count(7100)
+_THREAD_PREFIXES = itertools.count(7100)  # names this Peering's ZeroMQ I/O thread
 #: how long chunks for a peer wait for its ``peer_nixl`` answer (at least): a member
 #: starts its NIXL agent at the first manifest offering NIXL, on its loop (0.45 s here:
 #: UCX's backend), and answers only after that
-NIXL_WAIT_S = 2.0  # names this Peering's ZeroMQ I/O thread
+NIXL_WAIT_S = 2.0
 
 
 class Peering(ChunkSource):
