@@ -99,6 +99,36 @@ def test_a_first_member_without_nixl_costs_frames_with_the_cause_counted(
         assert served["nixl_unoffered"] == {} and "nixl_bytes_from_peers" not in served
 
 
+def test_a_peer_that_never_answers_costs_the_wait_once(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+        closing: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first member that drops ``peer_nixl`` (one that predates it): the second holds
+    its chunks for the answer once (``NIXL_WAIT_S``), counts ``peer_unoffered``, and for
+    later versions asks again without holding (frames at once)."""
+    from subscriber_ext.transport.peers.peer_server import PeerServer
+    from subscriber_ext.transport.peers.peering import NIXL_WAIT_S
+
+    monkeypatch.setattr(PeerServer, "_answer_nixl", lambda self, identity, request: None)
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1, nixl=True)
+    first = closing(WeightSubscriber(pub.endpoint, peer_share=True, nixl=True,
+                                     subscriber_id="m0"))
+    wait_until(lambda: first.status()["peers"]["slot"] == 0, 20, "the first slot")
+    second = spawn("peer", endpoint=pub.endpoint, seed=SEED, spec=SPEC, name="m1",
+                   **_options(True))
+    second.event("ready", timeout=60)
+    wait_until(lambda: peers_status(second)["peers"]["slot"] == 1, 20, "the second slot")
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    assert staged_ok(second, 1)["fetch_seconds"] >= NIXL_WAIT_S  # held for the answer
+    assert peers_status(second)["nixl"]["fallback_causes"] == {"peer_unoffered": 1}
+    total = pub.manifest(1).total_bytes
+    pub.publish(det_weights(SEED, 2, SPEC), version=2)
+    assert staged_ok(second, 2)["data_path"] == "zmq"
+    status = peers_status(second)
+    # not held: staged before its question ran out (which would count a second one)
+    assert status["nixl"]["fallback_causes"] == {"peer_unoffered": 1}, status["nixl"]
+    assert status["peers"]["bytes_from_peers"] == total + pub.manifest(2).total_bytes
+
+
 def test_the_first_member_killed_mid_read_stages_nothing_partial(
         make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
         closing: Callable[[Any], Any], paced_reads: Callable[[int], list[float]]) -> None:

@@ -80,6 +80,9 @@ class PeerNixlReads:
         self.next_id = next_id
         self.wait = wait
         self._asks: dict[tuple[str, VersionKey], _Ask] = {}
+        #: peers that did not answer in ``wait`` (one that predates ``peer_nixl`` drops it):
+        #: still asked, but their chunks go as frames meanwhile (64 remembered at most)
+        self._silent: dict[str, None] = {}
         self.bytes_read = 0  # chunk bytes READ from peers and verified
         self.chunks_read = 0
 
@@ -96,10 +99,13 @@ class PeerNixlReads:
             if now - ask.first >= self.wait:
                 self._unoffered(ask, endpoint, manifest.version,
                                 f"no answer in {self.wait:.2f} s")
+                self._silent[endpoint] = None
+                while len(self._silent) > 64:
+                    del self._silent[next(iter(self._silent))]
                 return list(chunks)
-            if now >= ask.again and not self._send(sock, ask, key, now):
-                return list(chunks) if ask.answered else None
-            return None
+            if now >= ask.again:
+                self._send(sock, ask, key, now)
+            return list(chunks) if endpoint in self._silent else None
         source = ask.source
         if source is None or not getattr(source, "up", False):
             return list(chunks)
@@ -124,6 +130,7 @@ class PeerNixlReads:
         ask = self._asks.get((endpoint, (manifest.publisher_id, manifest.version)))
         if ask is None or ask.answered or ask.req != reply.req:
             return
+        self._silent.pop(endpoint, None)
         if reply.offer is None:
             if reply.why == "later" and now - ask.first < self.wait:
                 ask.again = now + _AGAIN_S  # it has not started the version: ask again
