@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from publisher.store.nixl_export import UNOFFERED_CAUSES
+from publisher.store.nixl_export import UNOFFERED_CAUSES, WORDS_KINDS
 from weightpub_wire.errors import TransportError
 from weightpub_wire.protocol import Report
 
@@ -101,6 +101,16 @@ def _nixl_families(nixl: dict[str, object]) -> Iterator[Metric]:
         "complete)", labels=["cause"])
     for cause in dict.fromkeys((*UNOFFERED_CAUSES, *unoffered)):
         family.add_metric([cause], _int(unoffered.get(cause, 0)))
+    yield family
+    refused = nixl.get("words_refused", {})
+    assert isinstance(refused, dict)
+    family = CounterMetricFamily(
+        "weightpub_publisher_nixl_words_refused",
+        "Buffers whose words UCX refused to register (once per buffer; their offers went "
+        "without them), by kind: claims (claims words), ready (readiness map)",
+        labels=["kind"])
+    for kind in dict.fromkeys((*WORDS_KINDS, *refused)):
+        family.add_metric([kind], _int(refused.get(kind, 0)))
     yield family
 
 

@@ -99,6 +99,10 @@ def nixl_line(nixl: wire.NixlHolding | None) -> Text | None:
         line.append("; unoffered: ", style="yellow")
         line.append_text(printable(", ".join(f"{cause}={count}" for cause, count
                                              in nixl.unoffered), 200, style="yellow"))
+    if nixl.words_refused:
+        line.append("; words refused: ", style="yellow")
+        line.append_text(printable(", ".join(f"{kind}={count}" for kind, count
+                                             in nixl.words_refused), 200, style="yellow"))
     if not nixl.on:
         line.stylize("yellow")
     return line

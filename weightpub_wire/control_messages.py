@@ -182,6 +182,10 @@ class NixlHolding(msgspec.Struct, frozen=True, kw_only=True):
     #: versions announced without an offer, by cause (off, unregistered, copy)
     unoffered: Annotated[tuple[tuple[Annotated[str, Meta(max_length=32)], U63], ...],
                          Meta(max_length=16)] = ()
+    #: buffers whose claims words or readiness map UCX refused to register, by kind
+    #: (claims, ready): their offers went without them (once per buffer)
+    words_refused: Annotated[tuple[tuple[Annotated[str, Meta(max_length=32)], U63], ...],
+                             Meta(max_length=16)] = ()
 
 
 class StreamPort(msgspec.Struct, frozen=True, kw_only=True):

@@ -16,6 +16,10 @@ subscriber is the stripe's root, or has no place in the plan yet)::
                                      group} ]
     DEALER -> ROUTER (a peer)     the publisher's own ``fetch`` / ``chunk`` / ``error`` frames
                                   (a sliced member: ``slice_fetch``, ``slice_messages.py``)
+    DEALER -> ROUTER (a peer)     [ {t: "peer_nixl", req, publisher_id, version} ]
+    ROUTER -> DEALER              [ {t: "peer_nixl_offer", req, version, offer, why} ]
+                                  (peers over NIXL, issue 31: the peer's NIXL offer of its
+                                  staging of that version, or None and why)
 
 Peers speak to each other exactly as a subscriber speaks to its publisher
 (``FetchRequest``, ``ChunkHeader``, ``ErrorReply``; the same per-chunk
@@ -45,6 +49,7 @@ import msgspec
 from msgspec import Meta
 
 from weightpub_wire.message_base import U63, Name, Text, _FromPublisher, _Message
+from weightpub_wire.nixl_link import NixlOffer
 
 __all__ = [
     "MAX_ADMITTED_KEYS",
@@ -52,7 +57,10 @@ __all__ = [
     "MAX_STRIPES",
     "PEER_REPLIES",
     "PlanDigest",
+    "PEER_NIXL_REPLIES",
     "PeerHello",
+    "PeerNixl",
+    "PeerNixlOffer",
     "PeerPlan",
     "PeerSource",
 ]
@@ -121,3 +129,29 @@ class PeerPlan(_FromPublisher, tag="peer_plan", kw_only=True, frozen=True):
 
 #: what a subscriber's DEALER may receive from the publisher besides the core replies
 PEER_REPLIES: tuple[type[_Message], ...] = (PeerPlan,)
+
+
+class PeerNixl(_Message, tag="peer_nixl", kw_only=True, frozen=True):
+    """Peers over NIXL (issue 31): may this member READ ``version`` one-sided where it
+    sits in the peer's staging? Asked on the peer ROUTER (CURVE: admitted keys only),
+    once per peer and version; the answer is a ``PeerNixlOffer``. Not in ``PeerPlan``:
+    the tracker would carry every member's agent metadata to every member."""
+
+    req: U63
+    publisher_id: Name
+    version: U63
+
+
+class PeerNixlOffer(_Message, tag="peer_nixl_offer", kw_only=True, frozen=True):
+    """The answer: the peer's offer of the version's staging (a readiness map while it is
+    still arriving: ``NixlOffer.ready``), or None and why (counted there as
+    ``unoffered``): frames then."""
+
+    req: U63
+    version: U63
+    offer: NixlOffer | None = None
+    why: Text = ""
+
+
+#: what a peer's DEALER may receive besides chunks and errors
+PEER_NIXL_REPLIES: tuple[type[_Message], ...] = (PeerNixlOffer,)

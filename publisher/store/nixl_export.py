@@ -43,8 +43,11 @@ from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.message_base import MIN_CHUNK_SIZE
 from weightpub_wire.nixl_link import NixlClaims, NixlExporter, NixlOffer, NixlRegion, nixl_error
 
-__all__ = ["UNOFFERED_CAUSES", "NixlExport", "RegisteringAllocator"]
+__all__ = ["UNOFFERED_CAUSES", "WORDS_KINDS", "NixlExport", "RegisteringAllocator"]
 
+#: the words registered beside a buffer (``NixlExport.words_refused``): claims words,
+#: the readiness map
+WORDS_KINDS = ("claims", "ready")
 #: why a version went out without a NIXL offer (``NixlExport.unoffered``)
 UNOFFERED_CAUSES = (
     "off",  # NIXL does not run here (missing, agent did not start, a registration failed)
@@ -270,9 +273,10 @@ class NixlExport:
         """``status()`` as a status reply carries it (``weightpub status``)."""
         with self._lock:
             unoffered = tuple((cause, n) for cause, n in self.unoffered.items() if n)
+            refused = tuple((kind, n) for kind, n in self.words_refused.items() if n)
         return wire.NixlHolding(on=self.on, registrations=self.registrations,
                                 registered_bytes=self.registered_bytes, offers=self.offers,
-                                unoffered=unoffered[:16])
+                                unoffered=unoffered[:16], words_refused=refused[:16])
 
     def close(self) -> None:
         exporter, self._exporter = self._exporter, None

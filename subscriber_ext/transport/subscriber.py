@@ -191,7 +191,8 @@ class WeightSubscriber:
                                                shard_slices]
                                       if self._slices and shard_slices
                                       else [self._nixl, self._stream],
-                                      targets=self._slices, repliers=[self._stream])
+                                      targets=self._slices, repliers=[self._stream],
+                                      peer_nixl=self._nixl)
         except BaseException:  # e.g. a peer_bind the rules refuse: leave nothing running
             self._nixl.close()
             if self._own_context:

@@ -56,7 +56,8 @@ def test_status_and_metrics_show_the_offers_of_a_publisher_and_a_relay(
     for url in urls.values():  # nothing registered or offered before the first version
         assert _nixl_samples(url) == {"on": 1, "registrations": 0, "registered_bytes": 0,
                                       "offers": 0, "unoffered:off": 0,
-                                      "unoffered:unregistered": 0, "unoffered:copy": 0}
+                                      "unoffered:unregistered": 0, "unoffered:copy": 0,
+                                      "words_refused:claims": 0, "words_refused:ready": 0}
     for version in (1, 2):
         pub.publish(det_weights(SEED, version, SPEC), version=version)
         pub.wait_announced(version)
@@ -174,10 +175,14 @@ def test_refused_claims_and_readiness_words_are_tried_once_per_buffer(
     (so its words) changes."""
     import logging
 
+    import msgspec
     import torch
 
+    from publisher.publisher_metrics import _nixl_families
     from publisher.store.buffer_claims import BufferClaims
     from publisher.store.nixl_export import NixlExport
+    from weightpub.fleet_view import nixl_line
+    from weightpub_wire import protocol as wire
     from weightpub_wire.nixl_link import NixlExporter
 
     tries: list[int] = []
@@ -216,5 +221,16 @@ def test_refused_claims_and_readiness_words_are_tried_once_per_buffer(
         offer = export.offer(first, first.numel(), claims=BufferClaims(1 << 20), version=6)
         assert offer is not None and offer.claims is not None and offer.claims.version == 6
         assert export.status()["words_refused"] == {"claims": 2, "ready": 1}
+        # and seen from outside: the status reply, its "nixl" line, the metrics
+        holding = export.wire_status()
+        assert holding.words_refused == (("claims", 2), ("ready", 1)), holding
+        line = nixl_line(msgspec.msgpack.decode(msgspec.msgpack.encode(holding),
+                                                type=wire.NixlHolding))
+        assert line is not None and "words refused: claims=2, ready=1" in line.plain, line
+        samples = {(family.name, sample.labels.get("kind")): sample.value
+                   for family in _nixl_families(export.status()) for sample in family.samples
+                   if "words_refused" in family.name}
+        assert samples == {("weightpub_publisher_nixl_words_refused", "claims"): 2,
+                           ("weightpub_publisher_nixl_words_refused", "ready"): 1}, samples
     finally:
         export.close()

@@ -52,9 +52,11 @@ import collections
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+import numpy
 import torch
 
 from subscriber_ext.transport.staging.assembly import Assembly
@@ -65,6 +67,7 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import (
+    NixlClaims,
     NixlOffer,
     NixlReader,
     NixlRegion,
@@ -75,8 +78,8 @@ from weightpub_wire.nixl_link import (
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.slice_layout import PAGE, SliceLayout
 
-__all__ = ["FALLBACK_CAUSES", "NixlHolder", "NixlPicker", "NixlSource", "ReadPace",
-           "RegisteringAllocator", "offer_misfit"]
+__all__ = ["FALLBACK_CAUSES", "NixlHolder", "NixlPicker", "NixlSource", "PeerNixlSource",
+           "ReadPace", "RegisteringAllocator", "offer_misfit"]
 
 log = logging.getLogger("weightpub.subscriber")
 
@@ -94,6 +97,7 @@ FALLBACK_CAUSES = (
     "reused",  # the holder reused the version's buffer for a newer one under a READ
     "unready",  # a cut-through holder's chunks did not become ready by the deadline
     "unanswered",  # a READ of the holder's claims words or readiness map was not done in time
+    "peer_unoffered",  # a peer offered no NIXL for the version (peers over NIXL: frames then)
 )
 #: most seconds a READ of a holder's claims words (``NixlSource.refused``) or readiness
 #: map (``NixlSource._readiness``) may stay in flight (at most ``request_timeout``): past
@@ -110,6 +114,7 @@ READY_MIN_S = 0.002
 READY_MAX_S = 0.05
 _MAX_CAUSES = 16
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
+_MAX_PEER_AGENTS = 64  # ``MAX_STRIPES`` x ``MAX_CHAIN`` peers in a plan
 #: ranges of a sparse staging buffer registered at most (``touched_ranges``)
 MAX_SPARSE_RANGES = 1024
 _READ_BYTES = 16 << 20  # bytes per READ: large enough to stream, small enough to hand back
@@ -540,12 +545,15 @@ class NixlSource(ChunkSource):
                 else self.manifest.num_chunks
             for chunk in chunks:
                 # said before the chunk verifies: the last one stages the version at once
-                last = self.verified + 1 == needed
+                # (counted over every NIXL source of the version: the publisher's, peers')
+                last = self.picker.in_place(self.manifest) + 1 == needed
                 target.data_path = "nixl" if last else "nixl+zmq"
                 if self.sink.in_place(req, target.fetch_version, chunk, self, self):
                     self.verified += 1
+                    self.picker.note_in_place(self.manifest)
                 else:
-                    target.data_path = "nixl+zmq" if self.verified else "zmq"
+                    target.data_path = "nixl+zmq" if self.picker.in_place(self.manifest) \
+                        else "zmq"
         for holder in self.holders:  # claims READs done: their chunks judged
             if holder is not None and holder.claims_read is not None:
                 self._judge(holder.claims_read)
@@ -765,6 +773,29 @@ class NixlSource(ChunkSource):
         self.drain(self.picker.request_timeout)
 
 
+class PeerNixlSource(NixlSource):
+    """A version READ from a peer's staging (peers over NIXL, issue 31): one holder, the
+    peer's offer (chunk ``c`` at ``c * chunk_size``; a readiness map while the peer is
+    still receiving it). Owned and ticked by ``Peering``, which routes it the chunks
+    its plan gives that peer; what it cannot read goes back as frames, counted as for
+    the publisher's."""
+
+    kind = "nixl_peer"
+
+    def __init__(self, picker: NixlPicker, sink: SourceSink, manifest: wire.Manifest,
+                 holder: NixlHolder, peer: str, arrived: Callable[[int], None]) -> None:
+        super().__init__(picker, sink, manifest, [holder])
+        self.peer = peer
+        self._arrived = arrived
+
+    @property
+    def label(self) -> str:
+        return "nixl-peer"
+
+    def arrived(self, via: Any, size: int, now: float) -> None:
+        self._arrived(size)
+
+
 class ReadPace:
     """When to look at the READs in flight next, instead of a fixed short poll.
 
@@ -862,9 +893,24 @@ class NixlPicker:
         self._unavailable: str | None = None
         self._checked = False  # NIXL imported (seconds) only once a manifest offers it
         self._warn = RateLimitedLog(log)
+        self._sink: SourceSink | None = None
+        #: chunks of a version verified in place by any of its NIXL sources (``data_path``)
+        self._in_place: tuple[wire.Manifest | None, int] = (None, 0)
+        #: peers over NIXL, serving side: a readiness map per staging buffer (its start
+        #: address), registered with the reader's agent; offers made per (buffer, version)
+        self._ready_maps: dict[int, numpy.ndarray] = {}
+        #: a claims word per staging buffer (its start address): the newest version
+        #: started in it, so a peer READing an older one there tells ``reused`` apart
+        self._claims: dict[int, numpy.ndarray] = {}
+        #: peers' agents READ from lately, newest last (kept across versions, at most
+        #: ``_MAX_PEER_AGENTS``: a plan's chains)
+        self._peer_agents: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._peer_offers: collections.OrderedDict[tuple[int, int], NixlOffer] = \
+            collections.OrderedDict()
 
     # -- the picker --------------------------------------------------------------------------
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
+        self._sink = sink
         offered = manifest.nixl is not None if manifest.shards is None \
             else any(shard.nixl is not None for shard in manifest.shards)
         if not offered or manifest.num_chunks == 0:
@@ -883,6 +929,18 @@ class NixlPicker:
         holders = self._holders(manifest)
         if not any(holders):
             return None
+        if not self._start():
+            self.count("missing", self._unavailable or "NIXL cannot run here",
+                       version=manifest.version)
+            return None
+        assert self.reader is not None
+        # holders of earlier versions (a restarted rank's old agent) are not kept
+        self.reader.keep({h.offer.agent for h in holders if h is not None} | set(self._peer_agents))
+        self._source = NixlSource(self, sink, manifest, holders)
+        return [self._source]
+
+    def _start(self) -> bool:
+        """The reader, started once (False: NIXL cannot run here, ``_unavailable`` says why)."""
         if not self._checked:
             self._checked = True
             self._unavailable = nixl_error()
@@ -893,14 +951,127 @@ class NixlPicker:
                 self.reader = NixlReader("weightpub-subscriber")
             except Exception as exc:
                 self._unavailable = f"NIXL agent did not start ({type(exc).__name__}: {exc})"
-        if self._unavailable is not None:
-            self.count("missing", self._unavailable, version=manifest.version)
+        return self._unavailable is None
+
+    def in_place(self, manifest: wire.Manifest) -> int:
+        held, count = self._in_place
+        return count if held is manifest else 0
+
+    def note_in_place(self, manifest: wire.Manifest) -> None:
+        self._in_place = (manifest, self.in_place(manifest) + 1)
+
+    # -- peers over NIXL (issue 31, ``docs/peers-over-nixl.md``) -------------------------------
+    @property
+    def peers_on(self) -> bool:
+        """Peers over NIXL run only where the ``nixl`` option is True (not auto): a first
+        slice (whole-version members whose version came over NIXL)."""
+        return self.mode is True
+
+    def peer_offer(self, buffer: torch.Tensor, manifest: wire.Manifest,
+                   verified: Callable[[int], bool] | None) -> tuple[NixlOffer | None, str]:
+        """This member's staging of ``manifest``'s version offered to a peer, or None and
+        the cause: ``later`` (its own NIXL read has not registered the buffer yet: ask
+        again), ``frames`` (it came over frames: staging not registered), ``off``.
+        ``verified``: which chunks are final (None: all, a complete version); while some
+        are not, the offer carries a readiness map (one word per chunk, the version's
+        number once the chunk verified: ``chunk_verified``). Made on the client's thread
+        (the agent is not thread-safe), cached per (buffer, version)."""
+        reader = self.reader
+        if not self.peers_on or (self._checked and self._unavailable is not None):
+            return None, "off"
+        if reader is None:  # nothing was offered to it over NIXL: its staging is not registered
+            return None, "frames"
+        base = _base(buffer).data_ptr()
+        if base not in self._sizes:
+            source = self._source
+            if source is not None and source.manifest is manifest and source.up or \
+                    verified is not None and not any(map(verified, range(manifest.num_chunks))):
+                return None, "later"  # its READs may register the buffer: ask again
+            return None, "frames"
+        key = (buffer.data_ptr(), manifest.version)
+        cached = self._peer_offers.get(key)
+        if cached is not None and (verified is None or cached.ready is not None):
+            return cached, ""
+        ready = None
+        if verified is not None:
+            words = self._ready_map(buffer.data_ptr(), manifest.num_chunks)
+            words[:manifest.num_chunks] = [manifest.version if verified(c) else 0
+                                           for c in range(manifest.num_chunks)]
+            ready = NixlClaims(words.ctypes.data, words.nbytes, manifest.chunk_size,
+                               manifest.version)
+        claims = self._claims.get(buffer.data_ptr())
+        if claims is None:  # not claimed at its start: it holds this version now
+            claims = self.claim(buffer, manifest.version)
+        try:
+            offer = reader.offer([NixlRegion(buffer.data_ptr(), manifest.total_bytes)],
+                                 claims=None if claims is None else NixlClaims(
+                                     claims.ctypes.data, claims.nbytes,
+                                     max(4096, manifest.total_bytes), manifest.version))
+        except ProtocolError as exc:
+            return None, f"frames ({exc})"
+        offer = msgspec.structs.replace(offer, ready=ready)
+        self._peer_offers[key] = offer
+        while len(self._peer_offers) > 8:
+            self._peer_offers.popitem(last=False)
+        return offer, ""
+
+    def claim(self, buffer: torch.Tensor, version: int) -> numpy.ndarray | None:
+        """Store ``version`` in the claims word of the staging buffer (one word for the
+        whole buffer: a peer READing an older version there then counts ``reused``, not
+        ``checksum``), before its first byte lands (``Peering.target_started``); made and
+        registered once per buffer. None where NIXL does not run here."""
+        reader = self.reader
+        if reader is None or not self.peers_on:
             return None
+        address = buffer.data_ptr()
+        words = self._claims.get(address)
+        if words is None:
+            while len(self._claims) >= 4:  # a pool of 2 buffers: older ones are gone
+                _, old = self._claims.popitem()
+                reader.forget_local(old.ctypes.data, old.nbytes)
+            words = numpy.zeros(1, dtype="<i8")
+            reader.register(words.ctypes.data, words.nbytes)
+            self._claims[address] = words
+        words[0] = version
+        return words
+
+    def _ready_map(self, address: int, count: int) -> numpy.ndarray:
+        """The readiness map of the staging buffer at ``address`` (made or grown, and
+        registered, here; words keep their versions across versions in the buffer)."""
         assert self.reader is not None
-        # holders of earlier versions (a restarted rank's old agent) are not kept
-        self.reader.keep({h.offer.agent for h in holders if h is not None})
-        self._source = NixlSource(self, sink, manifest, holders)
-        return [self._source]
+        words = self._ready_maps.get(address)
+        if words is not None and len(words) >= count:
+            return words
+        if words is not None:
+            self.reader.forget_local(words.ctypes.data, words.nbytes)
+        while len(self._ready_maps) >= 4:  # a pool of 2 buffers: older ones are gone
+            _, old = self._ready_maps.popitem()
+            self.reader.forget_local(old.ctypes.data, old.nbytes)
+        words = numpy.zeros(max(count, 1), dtype="<i8")
+        self.reader.register(words.ctypes.data, words.nbytes)
+        self._ready_maps[address] = words
+        return words
+
+    def peer_source(self, manifest: wire.Manifest, offer: NixlOffer, peer: str,
+                    arrived: Callable[[int], None]) -> PeerNixlSource | None:
+        """A source READing ``manifest``'s version from a peer's offer; None (counted)
+        where it does not fit or NIXL cannot run here."""
+        if self._sink is None or not self._start():
+            self.count("missing", self._unavailable or "the client has not started",
+                       version=manifest.version)
+            return None
+        misfit = offer_misfit(offer, manifest.total_bytes, manifest.num_chunks,
+                              manifest.chunk_size, manifest.version, "the version's")
+        if misfit is not None:
+            self.count("bad_offer", f"peer {peer}: the offer's {misfit}",
+                       version=manifest.version)
+            return None
+        self._peer_agents[offer.agent] = None
+        self._peer_agents.move_to_end(offer.agent)
+        while len(self._peer_agents) > _MAX_PEER_AGENTS:
+            self._peer_agents.popitem(last=False)
+        holder = NixlHolder(offer, 0, manifest.num_chunks, manifest.chunk_size)
+        return PeerNixlSource(self, self._sink, manifest, holder, peer, arrived)
 
     def _holders(self, manifest: wire.Manifest) -> list[NixlHolder | None]:
         """Who READs come from: the publisher, or each rank offering its range (None for
@@ -1023,7 +1194,14 @@ class NixlPicker:
         return None
 
     def chunk_verified(self, manifest: wire.Manifest, chunk: int, data: memoryview) -> None:
-        return None
+        """A peer READing this version sees the chunk final (its readiness map)."""
+        if not self._ready_maps:
+            return
+        start = numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data \
+            - manifest.chunk_span(chunk)[0]
+        words = self._ready_maps.get(start)
+        if words is not None and chunk < len(words):
+            words[chunk] = manifest.version
 
     def target_completed(self, manifest: wire.Manifest) -> None:
         return None
@@ -1052,6 +1230,9 @@ class NixlPicker:
             source.close()
         reader, self.reader = self.reader, None
         self._sizes.clear()
+        self._peer_offers.clear()
+        self._ready_maps.clear()
+        self._claims.clear()
         self._sparse.clear()
         if reader is not None:
             reader.close()

@@ -51,6 +51,7 @@ from subscriber_ext.transport.client.shard_links import ShardLinks
 from subscriber_ext.transport.client.source_choice import SourceChoice
 from subscriber_ext.transport.client.sync_options import SyncOptions
 from subscriber_ext.transport.client.version_choice import VersionChoice
+from subscriber_ext.transport.peers.peer_nixl import NixlHost
 from subscriber_ext.transport.peers.peering import Peering
 from subscriber_ext.transport.staging.assembly import Assembly, StagedVersion, TargetMaker
 from subscriber_ext.transport.staging.budget_gate import BudgetGate
@@ -85,8 +86,9 @@ class SyncClient:
                  listeners: list[ChunkListener] | None = None,
                  pickers: Sequence[SourcePicker] = (),
                  targets: TargetMaker | None = None,
-                 repliers: Sequence[Any] = ()) -> None:
-        """``pickers``: chunk sources of other kinds, asked first (chunk_source.py);
+                 repliers: Sequence[Any] = (), peer_nixl: NixlHost | None = None) -> None:
+        """``peer_nixl``: the NIXL reader peers READ through (peers over NIXL);
+        ``pickers``: chunk sources of other kinds, asked first (chunk_source.py);
         ``targets``: makes each target instead of a whole ``Assembly`` and sizes it for
         the budget (a slice plan's ``SparseAssembly``); its staged versions are delta bases
         only if it rebuilds from them (``TargetMaker.delta_plan``); ``repliers``: parts
@@ -122,7 +124,7 @@ class SyncClient:
         self.peering: Peering | None = None
         if options.peers is not None:
             try:
-                self.peering = Peering(self, options.peers, curve)
+                self.peering = Peering(self, options.peers, curve, peer_nixl)
                 self.deltas.keep_newest = True  # what peers ask for after it staged
             except BaseException:
                 self.close()

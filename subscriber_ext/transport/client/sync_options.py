@@ -51,7 +51,9 @@ class SyncSettings(OptionSet):
         None, description="nccl / cuda_ipc: this node's GPU, e.g. 'cuda:0'")
     nixl: bool | None = Field(
         None, description="read versions one-sided with NIXL when the manifests offer it "
-                          "(None: where NIXL imports; False: never, counted as a fallback)")
+                          "(None: where NIXL imports; False: never, counted as a fallback); "
+                          "True also READs from peers (peer_share) and offers them what "
+                          "came over NIXL")
     stream: bool = Field(
         False, description="fetch chunks on the publisher's plain TCP stream port when the "
                            "manifests announce one (a one-time token asked over the DEALER, "

@@ -55,12 +55,14 @@ from subscriber_ext.transport.peers.upload_budget import UploadBudget
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
+from weightpub_wire.nixl_link import NixlOffer
+from weightpub_wire.peer_protocol import PeerNixl, PeerNixlOffer
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.slice_messages import SliceFetch
 from weightpub_wire.sockets import cut_connection, peer_name
 
-__all__ = ["GONE", "WAIT", "Lookup", "PeerServer", "PeerServerLimits", "SendCounts", "Served",
-           "SliceLookup"]
+__all__ = ["GONE", "WAIT", "Lookup", "NixlLookup", "PeerServer", "PeerServerLimits", "SendCounts",
+           "Served", "SliceLookup"]
 
 log = logging.getLogger("weightpub.peers")
 
@@ -81,6 +83,9 @@ Lookup = Callable[[str, int, int], "Served | str"]
 #: ``slice_lookup(publisher_id, version, chunk, digest)``: plan ``digest``'s verified bytes
 #: of the chunk gathered back to back, WAIT or GONE
 SliceLookup = Callable[[str, int, int, str], "Served | str"]
+#: ``nixl_lookup(publisher_id, version)``: this member's NIXL offer of the version's
+#: staging, or None and why (peers over NIXL, issue 31)
+NixlLookup = Callable[[str, int], "tuple[NixlOffer | None, str]"]
 
 
 class SendCounts(Protocol):
@@ -146,13 +151,16 @@ class PeerServer:
                  limits: PeerServerLimits,
                  admitted: Callable[[str], bool] | None = None,
                  sends: SendCounts | None = None,
-                 slice_lookup: SliceLookup | None = None) -> None:
+                 slice_lookup: SliceLookup | None = None,
+                 nixl_lookup: NixlLookup | None = None) -> None:
         """``sends``: where sends out of pooled buffers are counted (required once
         ``lookup`` returns such buffers); ``slice_lookup``: a sliced subscriber's planned
-        bytes (None: ``slice_fetch`` is answered ``version_unavailable``)."""
+        bytes (None: ``slice_fetch`` is answered ``version_unavailable``);
+        ``nixl_lookup``: its NIXL offers (None: every ``peer_nixl`` is answered None)."""
         self.router = router
         self.lookup = lookup
         self.slice_lookup = slice_lookup
+        self.nixl_lookup = nixl_lookup
         self.budget = budget
         self.limits = limits
         self.admitted = admitted  # CURVE: the request's User-Id must pass
@@ -166,6 +174,7 @@ class PeerServer:
         self._warn = RateLimitedLog(log)
         self.chunks_served = 0
         self.slices_served = 0  # of those, a plan's bytes (``slice_fetch``)
+        self.nixl_offers = 0  # ``peer_nixl`` answered with an offer
         self.bad_requests = 0
         self.unavailable_replies = 0
         self.dropped_clients = 0
@@ -203,9 +212,10 @@ class PeerServer:
                           "publisher's tracker")
                 return
         try:
-            request = wire.decode(frames[1].buffer, expect=(wire.FetchRequest, SliceFetch))
-            if not isinstance(request, wire.FetchRequest | SliceFetch):  # pragma: no cover
-                raise ProtocolError("message.t: expected fetch or slice_fetch")
+            request = wire.decode(frames[1].buffer,
+                                  expect=(wire.FetchRequest, SliceFetch, PeerNixl))
+            if not isinstance(request, wire.FetchRequest | SliceFetch | PeerNixl):
+                raise ProtocolError("message.t: expected fetch, slice_fetch or peer_nixl")
         except ProtocolVersionError as exc:  # say so: the asker then moves on
             self._bad(f"refused a request: {exc}")
             client = self._client(frames[0].bytes, now)
@@ -216,6 +226,9 @@ class PeerServer:
             return
         except ProtocolError as exc:
             self._bad(f"dropped a bad request: {exc}")
+            return
+        if isinstance(request, PeerNixl):  # answered at once, from the cache (no bytes move)
+            self._answer_nixl(frames[0].bytes, request)
             return
         client = self._client(frames[0].bytes, now)
         if client is None:
@@ -240,6 +253,18 @@ class PeerServer:
         client.pending.extend(_Ask(request.req, request.publisher_id, request.version, chunk,
                                    deadline, digest) for chunk in request.chunks)
         self._dirty = True
+
+    def _answer_nixl(self, identity: bytes, request: PeerNixl) -> None:
+        """The member's offer of ``request.version`` (an admitted key's: checked above)."""
+        offer, why = (None, "peers over NIXL are off here") if self.nixl_lookup is None \
+            else self.nixl_lookup(request.publisher_id, request.version)
+        self.nixl_offers += offer is not None
+        body = wire.encode(PeerNixlOffer(req=request.req, version=request.version, offer=offer,
+                                         why=why[: wire.MAX_ERROR_CHARS]))
+        try:
+            self.router.send_multipart([identity, body], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # not reading, or gone: it asks again or fetches frames
 
     def _client(self, identity: bytes, now: float) -> _Client | None:
         client = self._clients.get(identity)
@@ -455,6 +480,7 @@ class PeerServer:
 
     def stats(self) -> dict[str, int]:
         return {"served_chunks": self.chunks_served, "served_slices": self.slices_served,
+                "nixl_offers": self.nixl_offers,
                 "clients": len(self._clients),
                 "bad_requests": self.bad_requests, "dropped_clients": self.dropped_clients,
                 "unavailable_replies": self.unavailable_replies,

@@ -50,6 +50,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from subscriber_ext.transport.peers.chunk_sources import PeerLink, Sources, VersionKey
+from subscriber_ext.transport.peers.peer_nixl import NixlHost, PeerNixlReads
 from subscriber_ext.transport.peers.peer_options import PeerClient, PeerOptions, default_peer_bind
 from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer, Served
 from subscriber_ext.transport.peers.slice_cache import SliceCache
@@ -63,7 +64,8 @@ from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, ProtocolError
-from weightpub_wire.peer_protocol import PeerHello, PeerPlan
+from weightpub_wire.nixl_link import NixlOffer
+from weightpub_wire.peer_protocol import PEER_NIXL_REPLIES, PeerHello, PeerNixlOffer, PeerPlan
 from weightpub_wire.reply_reader import read_replies
 from weightpub_wire.security import CurveIdentity, SocketHook, is_local
 from weightpub_wire.slice_layout import SliceLayout
@@ -74,6 +76,10 @@ __all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]  # optio
 
 log = logging.getLogger("weightpub.peers")
 _THREAD_PREFIXES = itertools.count(7100)  # names this Peering's ZeroMQ I/O thread
+#: how long chunks for a peer wait for its ``peer_nixl`` answer (at least): a member
+#: starts its NIXL agent at the first manifest offering NIXL, on its loop (0.45 s here:
+#: UCX's backend), and answers only after that
+NIXL_WAIT_S = 2.0
 
 
 class Peering(ChunkSource):
@@ -83,8 +89,13 @@ class Peering(ChunkSource):
     kind: ClassVar[str] = "peers"
 
     def __init__(self, client: PeerClient, options: PeerOptions,
-                 curve: CurveIdentity | None) -> None:
+                 curve: CurveIdentity | None, nixl: NixlHost | None = None) -> None:
+        """``nixl``: the client's NIXL reader, for peers over NIXL (``peer_nixl.py``;
+        only where ``nixl.peers_on``)."""
         self.client = client
+        self.nixl = nixl if nixl is not None and nixl.peers_on else None
+        #: versions asked of this member over NIXL and not offered, by cause
+        self.nixl_unoffered: dict[str, int] = {}
         self.options = options
         self.curve = curve
         targets = getattr(client, "targets", None)
@@ -122,7 +133,10 @@ class Peering(ChunkSource):
         self.server = PeerServer(router, self._lookup, self.budget, options.server,
                                  self._admitted if curve is not None else None,
                                  sends=client.pool,
-                                 slice_lookup=self._slice_lookup if self.digest else None)
+                                 slice_lookup=self._slice_lookup if self.digest else None,
+                                 nixl_lookup=self._nixl_lookup if self.nixl else None)
+        self.nixl_reads: PeerNixlReads | None = None if self.nixl is None else \
+            PeerNixlReads(self.nixl, client.requests.next_id, max(options.plan_wait, NIXL_WAIT_S))
         self.sources = Sources(
             client.dealer.context, self._hooks_for, window=options.window_chunks,
             timeout=client.options.request_timeout,
@@ -196,7 +210,10 @@ class Peering(ChunkSource):
         if now >= self._next_hello:
             self._hello(now)
         self.sources.redial(now)
-        return self.server.pump(now)
+        wake = self.server.pump(now)
+        if self.nixl_reads is not None:
+            wake = min(wake, self.nixl_reads.tick(now))
+        return wake
 
     def expire(self, now: float, retry: Retry) -> bool:
         """Give up on silent peers: their chunks go to the next source, no try counted."""
@@ -205,6 +222,8 @@ class Peering(ChunkSource):
         for link in self.sources.expired(in_flight, now):
             self._fail(link, key, "timeout",
                        f"no progress for {self.sources.stall_timeout:.2f}s", now)
+        if self.nixl_reads is not None:
+            self.nixl_reads.expire(now, retry)
         return False
 
     def _hello(self, now: float) -> None:
@@ -240,11 +259,19 @@ class Peering(ChunkSource):
             if reply.req in self.client.requests.peer_requests(link):
                 self._fail(link, self._key(), reply.code, reply.message[:200], now)
 
+        def other(reply: Any) -> None:
+            reads, target = self.nixl_reads, self.client.target
+            if isinstance(reply, PeerNixlOffer) and reads is not None:
+                reads.answered(link.endpoint, reply,
+                               None if target is None else target.manifest, now)
+
         read_replies(link.sock, self.client.options.limits, most=64, pairing=link.pairing,
                      discard_rest=self.client.discard_rest,
                      on_chunk=lambda header, frame: self.client.on_chunk(header, frame,
                                                                          self, link),
-                     on_error=error, on_bad=bad)
+                     on_error=error, on_bad=bad,
+                     others=PEER_NIXL_REPLIES if self.nixl_reads is not None else (),
+                     on_other=other)
 
     def _key(self) -> VersionKey | None:
         target = self.client.target
@@ -288,7 +315,13 @@ class Peering(ChunkSource):
         if plan.other_plans and plan.group <= 1:  # alone on its plan: peers hold other bytes
             self.other_plan_chunks += len(to_publisher)
         per_request = self.client.options.chunks_per_request
-        for link, chunks in to_peers.items():
+        for link, routed in to_peers.items():
+            if self.nixl_reads is not None and not sliced:  # READ where the peer offers
+                frames = self.nixl_reads.route(link.sock, link.endpoint, target, routed, now)
+                if frames is None:
+                    continue  # its answer is due: asked again at the next top-up
+                routed = frames
+            chunks = routed
             for start in range(0, len(chunks), per_request):
                 batch = tuple(chunks[start: start + per_request])
                 req = self.client.requests.next_id()
@@ -350,6 +383,9 @@ class Peering(ChunkSource):
         """Plans follow versions: say hello now; without a place in the plan held, the
         fetch waits up to ``plan_wait`` for the answer (a member that joined last version)."""
         now = time.monotonic()
+        target = self.client.target
+        if self.nixl is not None and target is not None and target.manifest is manifest:
+            self.nixl.claim(target.buffer, manifest.version)  # before its first byte lands
         self.sources.chunk_size(manifest.chunk_size)
         self._awaiting = ((manifest.publisher_id, manifest.version), now)
         self._hello(now)
@@ -362,10 +398,14 @@ class Peering(ChunkSource):
     def target_completed(self, manifest: wire.Manifest) -> None:
         self._prune()
         self.server.changed()
+        if self.nixl_reads is not None:
+            self.nixl_reads.keep(None)
 
     def target_dropped(self, manifest: wire.Manifest) -> None:
         self._prune(manifest)
         self.server.changed()
+        if self.nixl_reads is not None:  # before the buffer goes back to the pool
+            self.nixl_reads.keep(None)
 
     def _prune(self, dropped: wire.Manifest | None = None) -> None:
         """Gathered slices are kept for the versions ``_slice_lookup`` serves only."""
@@ -403,6 +443,40 @@ class Peering(ChunkSource):
                                                                 client.gate.waiting)):
             return WAIT
         return WAIT if version > client.latest_seen else GONE
+
+    def _nixl_lookup(self, publisher_id: str, version: int) -> tuple[NixlOffer | None, str]:
+        """This member's offer of ``version`` (peers over NIXL): the version being received
+        (with a readiness map) or the staged base; None and why (counted, but ``later``:
+        not started here yet, the asker asks again)."""
+        offer, why = self._nixl_offer(publisher_id, version)
+        if offer is None and why != "later":
+            cause = why.split(" ")[0][:32]
+            if cause in self.nixl_unoffered or len(self.nixl_unoffered) < 16:
+                self.nixl_unoffered[cause] = self.nixl_unoffered.get(cause, 0) + 1
+        return offer, why
+
+    def _nixl_offer(self, publisher_id: str, version: int) -> tuple[NixlOffer | None, str]:
+        client, nixl = self.client, self.nixl
+        if nixl is None:
+            return None, "off"
+        if self.digest:
+            return None, "sliced (a slice member's staging is not offered yet)"
+        if publisher_id != client.instance:
+            return None, "not_held (another publisher instance)"
+        target = client.target
+        if target is not None and target.manifest.version == version:
+            if isinstance(target, DeltaAssembly | SparseAssembly) or target.fetch_base:
+                return None, "delta (bytes not final until rebuilt)"
+            return nixl.peer_offer(target.buffer, target.manifest, target.has_verified)
+        base = client.deltas.base
+        if base is not None and base.version == version \
+                and base.manifest.publisher_id == publisher_id and not base.plan:
+            return nixl.peer_offer(base.buffer, base.manifest, None)
+        if version > client.latest_seen or any(
+                m is not None and m.version == version for m in (client.queued,
+                                                                client.gate.waiting)):
+            return None, "later"
+        return None, "not_held"
 
     def _slice_lookup(self, publisher_id: str, version: int, chunk: int,
                       digest: str) -> Served | str:
@@ -471,6 +545,8 @@ class Peering(ChunkSource):
             "disabled": self.disabled,
             **self.sources.stats(),
             **self.server.stats(),
+            **({} if self.nixl_reads is None else self.nixl_reads.stats()),
+            "nixl_unoffered": dict(self.nixl_unoffered),
             **self.budget.stats(),
             **(SliceCache(0).stats() if self.slice_cache is None
                else self.slice_cache.stats()),
@@ -480,6 +556,8 @@ class Peering(ChunkSource):
         if self.slice_cache is not None:
             self.client.pool.shed = None
             self.slice_cache.clear()
+        if self.nixl_reads is not None:
+            self.nixl_reads.keep(None)
         self.sources.close()
         self.server.router.close(linger=0)
         self._close_context()
