@@ -215,7 +215,10 @@ def test_the_server_gathers_what_is_asked_and_cuts_a_bad_request(
     want = torch.cat([flat[100 + r * ROW: 100 + r * ROW + 512] for r in range(3)])
     assert got[stream_link.REPLY_BYTES:] == bytes(want.numpy())
     assert pub._stream is not None and pub._stream.slice_bytes_gathered == 1536
-    assert pub._stream.scratch_bytes == 0  # the gather went once sent (the kernel's copy)
+    # the gather goes once sent (the kernel's copy), on the connection's thread: the reply
+    # may be read here before that thread counts it back
+    wait_until(lambda: pub._stream is not None and pub._stream.scratch_bytes == 0, 10,
+               "the gather counted back once sent")
     # a block past its chunk: the connection is cut, counted, nothing sent
     assert _slice_exchange(pub, stream_link.slice_request(
         6, 1, [(0, [(CHUNK - 10, 20, 0, 1)])])) == b""
