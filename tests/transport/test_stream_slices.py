@@ -22,6 +22,7 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from tests.transport.data_path_cases import (
     CHUNK,
     SPEC,
@@ -93,6 +94,60 @@ def test_sliced_versions_come_over_the_stream_bit_exact(
     assert reply is not None and (reply.slice_bytes_sent, reply.slice_bytes_gathered) == (
         stream["slice_bytes_sent"], stream["slice_bytes_gathered"])
     assert "slices 5.4 MiB (4.5 gathered)" in str(stream_line(reply))
+
+
+def test_the_landing_buffer_is_counted_while_held_and_given_back(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scratch short rows land in is counted in the staging budget each time a slice
+    is scattered out of it, and given back once the version is in."""
+    pub, endpoint = start_publisher(spawn, stream=True)
+    subs: list[WeightSubscriber] = []
+    seen: list[tuple[int, int]] = []  # (the stream's scratch, the pool's bytes beside)
+    place = SparseAssembly.place
+
+    def counted_place(self: SparseAssembly, chunk: int, payload: memoryview) -> int | None:
+        seen.append((subs[0].status()["stream"]["scratch_bytes"],
+                     subs[0].status()["staging_cache_bytes"]))
+        return place(self, chunk, payload)
+
+    monkeypatch.setattr(SparseAssembly, "place", counted_place)
+    subs.append(subscriber(closing, endpoint, stream=True, slice_plan=PLAN))
+    publish(pub, 1)
+    staged = subs[0].wait_for_version(1, timeout=60)
+    assert staged.data_path == "stream" and planned_exact(staged, 1)
+    staged.release()
+    # the short rows of "w" (its four chunks) and "e" (12 KiB, one short piece) landed,
+    # each counted while it was there
+    assert len(seen) == 5, seen
+    assert all(scratch == beside >= CHUNK0_BYTES for scratch, beside in seen), seen
+    status = wait_until(lambda: (s := subs[0].status())["stream"]["scratch_bytes"] == 0
+                        and s, 10, "the scratch given back")
+    assert status["staging_cache_bytes"] == 0 and status["stream"]["landing_refused"] == 0
+
+
+def test_no_room_to_land_short_rows_reads_them_in_place_bit_exact(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    """A staging budget that holds the plan's pages and not one byte more: the short rows
+    are scatter-read in place (counted), the version comes over the stream bit-exact and
+    the budget is never passed."""
+    pub, endpoint = start_publisher(spawn, stream=True)
+    measure = subscriber(closing, endpoint, stream=True, slice_plan=PLAN)
+    publish(pub, 1)
+    measure.wait_for_version(1, timeout=60).release()
+    # the plan's pages, idle in the pool, once the scratch went: the version's staging
+    staging = wait_until(lambda: (s := measure.status())["stream"]["scratch_bytes"] == 0
+                         and s["staging_bytes"], 10, "the scratch given back")
+    measure.close()
+    tight = subscriber(closing, endpoint, stream=True, slice_plan=PLAN,
+                       staging_budget_bytes=staging)
+    staged = tight.wait_for_version(1, timeout=60)
+    assert staged.data_path == "stream" and planned_exact(staged, 1)
+    status = tight.status()
+    assert status["stream"]["fallbacks"] == 0, status["stream"]
+    assert status["stream"]["landing_refused"] == 5  # the chunks of short pieces
+    assert status["stream"]["scratch_bytes"] == 0
+    assert status["staging_bytes"] == status["staging_budget_bytes"] == staging
 
 
 def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
