@@ -22,6 +22,9 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client.stream_source import StreamPicker, StreamSource
+from subscriber_ext.transport.staging.chunk_source import SourceSink
+from subscriber_ext.transport.staging.request_table import RequestTable
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from tests.transport.data_path_cases import (
     CHUNK,
@@ -37,6 +40,7 @@ from tests.transport.procs import Child, as_bytes, det_weights, wait_until
 from weightpub.fleet_view import stream_line
 from weightpub.status import fetch_status
 from weightpub_wire import stream_link
+from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.slice_plan import from_ranges
 
@@ -148,6 +152,25 @@ def test_no_room_to_land_short_rows_reads_them_in_place_bit_exact(
     assert status["stream"]["landing_refused"] == 5  # the chunks of short pieces
     assert status["stream"]["scratch_bytes"] == 0
     assert status["staging_bytes"] == status["staging_budget_bytes"] == staging
+
+
+def test_the_scratch_is_shed_when_staging_needs_the_room() -> None:
+    """A version that would wait for staging memory takes the stream's scratch back first
+    (``BufferPool.on_shed``); scratch past the budget is refused, nothing counted."""
+    pool = BufferPool(pinned=False, budget_bytes=1 << 20)
+    picker = StreamPicker(True, "127.0.0.1", request_timeout=1.0, window_bytes=1 << 20,
+                          pool=pool)
+    sink = SourceSink(RequestTable(), chunk=lambda *a: None, error=lambda e: None,
+                      bad=lambda e: None, discard_rest=lambda *a: None)
+    source = picker.source = StreamSource(picker, sink)
+    assert source._grow(256 << 10) and source._grow(512 << 10)  # grown: the difference held
+    assert pool.side_bytes == picker.status()["scratch_bytes"] == 512 << 10
+    assert not source._grow(2 << 20) and pool.side_bytes == 512 << 10  # over the budget
+    assert pool.room_for(768 << 10)  # staging needs the room: the scratch goes first
+    assert source.scratch_bytes == 0 == pool.side_bytes
+    picker.close()  # no longer asked to shed
+    assert pool.hold(512 << 10) and not pool.room_for(768 << 10)  # nobody gives it back
+    assert pool.side_bytes == 512 << 10
 
 
 def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
