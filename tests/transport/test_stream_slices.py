@@ -173,6 +173,40 @@ def test_the_scratch_is_shed_when_staging_needs_the_room() -> None:
     assert pool.side_bytes == 512 << 10
 
 
+def test_stale_bytes_land_in_counted_scratch_or_cost_a_named_fallback() -> None:
+    """A reply nobody waits for any more is read into scratch counted in the budget and
+    given back once nothing is asked; with no room for it, the connection is dropped
+    instead, counted as ``staging_budget``."""
+    for room in (True, False):
+        pool = BufferPool(pinned=False, budget_bytes=1 << 20)
+        picker = StreamPicker(True, "127.0.0.1", request_timeout=1.0, window_bytes=1 << 20,
+                              pool=pool)
+        sink = SourceSink(RequestTable(), chunk=lambda *a: None, error=lambda e: None,
+                          bad=lambda e: None, discard_rest=lambda *a: None)
+        source = picker.source = StreamSource(picker, sink)
+        if not room:
+            assert pool.hold(1 << 20)  # another holder took the whole budget
+        mine, theirs = socket.socketpair()
+        with theirs:
+            mine.setblocking(False)
+            source.sock, source.state = mine, "up"
+            stale = 50_000  # bytes of request 7, not in the client's table (fits the pair's buffer)
+            theirs.sendall(stream_link.reply_header(stream_link.OK, 7, 1, 0, stale)
+                           + bytes(stale))
+            source._read()  # every byte is in the kernel already: one look reads them
+            if room:
+                assert source._reply is None and source.state == "up"  # read and dropped
+                assert pool.side_bytes == source.scratch_bytes == stale  # counted, < 1 MiB
+                source.tick(0.0)  # nothing asked here: given back
+                assert pool.side_bytes == source.scratch_bytes == 0
+                assert picker.fallback_causes == {}
+            else:
+                assert source.sock is None and source.down
+                assert picker.fallback_causes == {"staging_budget": 1}
+                assert pool.side_bytes == 1 << 20 and source.scratch_bytes == 0
+        picker.close()
+
+
 def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
         spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
     pub, endpoint = start_publisher(spawn, stream=True, stream_fault="corrupt:0")
