@@ -116,9 +116,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options.transport_rounds = args.rounds
     if args.schemes:
         options.schemes = [m.strip() for m in args.schemes.split(",") if m.strip()]
-        wrong = sorted(set(options.schemes) - {"tcp", "ipc", "peer", "stream"})
+        wrong = sorted(set(options.schemes) - {"tcp", "ipc", "peer", "stream", "slices"})
         if wrong:
-            raise ConfigError(f"--schemes: unknown {wrong} (known: tcp, ipc, peer, stream)")
+            raise ConfigError(f"--schemes: unknown {wrong} (known: tcp, ipc, peer, stream, "
+                              "slices)")
     if args.scale_mib:
         options.scale_mib = [int(m) for m in args.scale_mib.split(",")]
     if args.scale_replica_layers:
@@ -223,7 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--schemes", default="",
                        help="transport paths, comma-separated: tcp, ipc, peer (a subscriber "
                             "fed by a forwarding peer), stream (the plain-TCP stream path, "
-                            "beside raw TCP and frames in one run); default all four")
+                            "beside raw TCP and frames in one run), slices (a sliced "
+                            "subscriber, half of every 4 KiB row, over the stream beside "
+                            "frames); default all five (quick: not slices)")
     bench.add_argument("--rounds", type=int, default=0,
                        help="transport rounds per pair (default 8; quick 4)")
     bench.add_argument("--no-prepare-while-arriving", action="store_true",

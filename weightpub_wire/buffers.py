@@ -37,11 +37,12 @@ each buffer once, as long as it lives. The sender bounds the wait: a reader that
 does not read is cut (``subscriber_ext/transport/peers/peer_server.py``).
 
 Bytes beside the buffers: memory a caller keeps of its own next to the staged versions (a
-peer server's cache of gathered slices, ``subscriber_ext/transport/peers/slice_cache.py``)
-is counted against the same budget with ``hold``/``unhold`` (``held_bytes`` includes
-it; ``side_bytes`` says how much). ``hold`` refuses what does not fit instead of waiting,
-and ``room_for`` calls ``shed`` (the holder gives its bytes back) before a version would
-have to wait for them.
+peer server's cache of gathered slices, ``subscriber_ext/transport/peers/slice_cache.py``;
+a stream source's scratch, ``subscriber_ext/transport/client/stream_source.py``) is counted
+against the same budget with ``hold``/``unhold`` (``held_bytes`` includes it;
+``side_bytes`` says how much). ``hold`` refuses what does not fit instead of waiting, and
+``room_for`` calls each holder's shedder (``on_shed``: it gives its bytes back) before a
+version would have to wait for them.
 """
 
 from __future__ import annotations
@@ -181,9 +182,9 @@ class BufferPool:
         #: were counted; counted as held, never handed out, until the last one ends
         self._draining: dict[int, tuple[torch.Tensor | None, int]] = {}
         self._side = 0  # bytes held beside the buffers (``hold``)
-        #: gives the bytes beside the buffers back (``unhold``) when a buffer needs the room;
-        #: called by ``room_for``, on the thread that calls it
-        self.shed: Callable[[], None] | None = None
+        #: give the bytes beside the buffers back (``unhold``) when a buffer needs the room;
+        #: called by ``room_for``, on the thread that calls it (``on_shed``)
+        self._shedders: list[Callable[[], None]] = []
         self._lock = threading.Lock()
 
     # -- accounting ------------------------------------------------------------------------
@@ -217,6 +218,16 @@ class BufferPool:
             if not 0 <= nbytes <= self._side:
                 raise ValueError(f"unhold: {nbytes} bytes, {self._side} held")
             self._side -= nbytes
+
+    def on_shed(self, shedder: Callable[[], None]) -> None:
+        """``shedder()`` gives back what its holder counted with ``hold`` when a buffer
+        needs the room (``room_for``, on the thread calling it)."""
+        self._shedders.append(shedder)
+
+    def off_shed(self, shedder: Callable[[], None]) -> None:
+        """``shedder`` is called no more (its holder is closing)."""
+        if shedder in self._shedders:
+            self._shedders.remove(shedder)
 
     @property
     def side_bytes(self) -> int:
@@ -287,10 +298,10 @@ class BufferPool:
         with self._lock:
             if self._best_free_locked(nbytes, self.will_pin(nbytes)) is not None:
                 return True
-            shed = self.shed if self._side and \
-                self._held_locked() + outside + nbytes > budget else None
-        if shed is not None:
-            shed()  # bytes beside the buffers go before idle buffers do
+            shed = list(self._shedders) if self._side and \
+                self._held_locked() + outside + nbytes > budget else []
+        for shedder in shed:
+            shedder()  # bytes beside the buffers go before idle buffers do
         dropped: list[int] = []
         with self._lock:
             self._free.sort(key=lambda b: b.numel())

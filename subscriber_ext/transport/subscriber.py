@@ -164,14 +164,14 @@ class WeightSubscriber:
         # rest over ZeroMQ frames; staging buffers registered once, dropped with the pool
         self._nixl = NixlPicker(base.nixl, request_timeout=base.request_timeout,
                                 window_bytes=base.window_bytes)
-        # a manifest with a stream port: chunks on that plain TCP socket (first), the rest
-        # (and whatever fails there) over ZeroMQ frames
-        self._stream = StreamPicker(base.stream, router.host, request_timeout=base.request_timeout,
-                                    window_bytes=base.window_bytes)
         # pinned where CUDA exists, a node's shared segments too (page-locked exactly,
         # weightpub_wire.buffers.page_locked), so the owner rank copies at full PCIe speed
         pool = BufferPool(max_buffers=2, allocator=self._nixl.allocator(allocator),
                           budget_bytes=budget, max_pinned_bytes=base.limits.max_pinned_bytes)
+        # a manifest with a stream port: chunks on that plain TCP socket (first), the rest
+        # (and whatever fails there) over ZeroMQ frames; its scratch counted in the budget
+        self._stream = StreamPicker(base.stream, router.host, request_timeout=base.request_timeout,
+                                    window_bytes=base.window_bytes, pool=pool)
         self._slices: SliceFetcher | None = None
         shard_slices: ShardSlices | None = None
         if opts.slice_plan is not None:  # only this plan's bytes of each version (issue 30)
@@ -342,7 +342,8 @@ class WeightSubscriber:
             client.gate.waiting.version,
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
-            # of those, bytes kept beside the staged versions (a peer server's slices)
+            # of those, bytes kept beside the staged versions (a peer server's slices, the
+            # stream path's scratch: ``stream.scratch_bytes``)
             "staging_cache_bytes": client.pool.side_bytes,
             "data_path": client.report.applied_path or None,  # how the applied version came
             # what the applied version cost here: payload bytes by source kind, and their

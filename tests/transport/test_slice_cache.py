@@ -76,15 +76,22 @@ def test_versions_no_longer_held_are_dropped() -> None:
 def test_the_budget_bounds_the_cache_and_staging_takes_the_room_back() -> None:
     pool = BufferPool(pinned=False, budget_bytes=64 * KIB)
     cache = SliceCache(1 << 20, pool)  # its own bound is not the limit here
-    pool.shed = cache.shed
+    pool.on_shed(cache.shed)
+    other = [4 * KIB]  # another holder beside it (a stream's scratch): shed too
+    assert pool.hold(other[0])
+    pool.on_shed(lambda: pool.unhold(other.pop()) if other else None)
     staged = pool.take(48 * KIB)
     for chunk in range(8):
         cache.put(("p", 1, "plan", chunk), slice_of(chunk))
-    assert cache.nbytes == 16 * KIB and cache.not_kept == 4  # what the budget left
+    assert cache.nbytes == 12 * KIB and cache.not_kept == 5  # what the budget left
     assert pool.held_bytes == 64 * KIB
     pool.give(staged)  # kept idle for reuse, still counted
-    assert pool.room_for(60 * KIB)  # the cache goes first; the idle buffer then
-    assert cache.nbytes == 0 == pool.side_bytes and cache.sheds == 1
+    assert pool.room_for(60 * KIB)  # the holders go first; the idle buffer then
+    assert cache.nbytes == 0 == pool.side_bytes and cache.sheds == 1 and not other
+    pool.off_shed(cache.shed)
+    assert pool.hold(4 * KIB) and pool.room_for(60 * KIB)  # no shedder left: not shed
+    assert pool.side_bytes == 4 * KIB
+    pool.unhold(4 * KIB)
     with pytest.raises(ValueError, match="unhold"):
         pool.unhold(1)
 

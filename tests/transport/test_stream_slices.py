@@ -22,6 +22,10 @@ import torch
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.transport.client.stream_source import StreamPicker, StreamSource
+from subscriber_ext.transport.staging.chunk_source import SourceSink
+from subscriber_ext.transport.staging.request_table import RequestTable
+from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from tests.transport.data_path_cases import (
     CHUNK,
     SPEC,
@@ -36,6 +40,7 @@ from tests.transport.procs import Child, as_bytes, det_weights, wait_until
 from weightpub.fleet_view import stream_line
 from weightpub.status import fetch_status
 from weightpub_wire import stream_link
+from weightpub_wire.buffers import BufferPool
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.slice_plan import from_ranges
 
@@ -93,6 +98,113 @@ def test_sliced_versions_come_over_the_stream_bit_exact(
     assert reply is not None and (reply.slice_bytes_sent, reply.slice_bytes_gathered) == (
         stream["slice_bytes_sent"], stream["slice_bytes_gathered"])
     assert "slices 5.4 MiB (4.5 gathered)" in str(stream_line(reply))
+
+
+def test_the_landing_buffer_is_counted_while_held_and_given_back(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scratch short rows land in is counted in the staging budget each time a slice
+    is scattered out of it, and given back once the version is in."""
+    pub, endpoint = start_publisher(spawn, stream=True)
+    subs: list[WeightSubscriber] = []
+    seen: list[tuple[int, int]] = []  # (the stream's scratch, the pool's bytes beside)
+    place = SparseAssembly.place
+
+    def counted_place(self: SparseAssembly, chunk: int, payload: memoryview) -> int | None:
+        seen.append((subs[0].status()["stream"]["scratch_bytes"],
+                     subs[0].status()["staging_cache_bytes"]))
+        return place(self, chunk, payload)
+
+    monkeypatch.setattr(SparseAssembly, "place", counted_place)
+    subs.append(subscriber(closing, endpoint, stream=True, slice_plan=PLAN))
+    publish(pub, 1)
+    staged = subs[0].wait_for_version(1, timeout=60)
+    assert staged.data_path == "stream" and planned_exact(staged, 1)
+    staged.release()
+    # the short rows of "w" (its four chunks) and "e" (12 KiB, one short piece) landed,
+    # each counted while it was there
+    assert len(seen) == 5, seen
+    assert all(scratch == beside >= CHUNK0_BYTES for scratch, beside in seen), seen
+    status = wait_until(lambda: (s := subs[0].status())["stream"]["scratch_bytes"] == 0
+                        and s, 10, "the scratch given back")
+    assert status["staging_cache_bytes"] == 0 and status["stream"]["landing_refused"] == 0
+
+
+def test_no_room_to_land_short_rows_reads_them_in_place_bit_exact(
+        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+    """A staging budget that holds the plan's pages and not one byte more: the short rows
+    are scatter-read in place (counted), the version comes over the stream bit-exact and
+    the budget is never passed."""
+    pub, endpoint = start_publisher(spawn, stream=True)
+    measure = subscriber(closing, endpoint, stream=True, slice_plan=PLAN)
+    publish(pub, 1)
+    measure.wait_for_version(1, timeout=60).release()
+    # the plan's pages, idle in the pool, once the scratch went: the version's staging
+    staging = wait_until(lambda: (s := measure.status())["stream"]["scratch_bytes"] == 0
+                         and s["staging_bytes"], 10, "the scratch given back")
+    measure.close()
+    tight = subscriber(closing, endpoint, stream=True, slice_plan=PLAN,
+                       staging_budget_bytes=staging)
+    staged = tight.wait_for_version(1, timeout=60)
+    assert staged.data_path == "stream" and planned_exact(staged, 1)
+    status = tight.status()
+    assert status["stream"]["fallbacks"] == 0, status["stream"]
+    assert status["stream"]["landing_refused"] == 5  # the chunks of short pieces
+    assert status["stream"]["scratch_bytes"] == 0
+    assert status["staging_bytes"] == status["staging_budget_bytes"] == staging
+
+
+def test_the_scratch_is_shed_when_staging_needs_the_room() -> None:
+    """A version that would wait for staging memory takes the stream's scratch back first
+    (``BufferPool.on_shed``); scratch past the budget is refused, nothing counted."""
+    pool = BufferPool(pinned=False, budget_bytes=1 << 20)
+    picker = StreamPicker(True, "127.0.0.1", request_timeout=1.0, window_bytes=1 << 20,
+                          pool=pool)
+    sink = SourceSink(RequestTable(), chunk=lambda *a: None, error=lambda e: None,
+                      bad=lambda e: None, discard_rest=lambda *a: None)
+    source = picker.source = StreamSource(picker, sink)
+    assert source._grow(256 << 10) and source._grow(512 << 10)  # grown: the difference held
+    assert pool.side_bytes == picker.status()["scratch_bytes"] == 512 << 10
+    assert not source._grow(2 << 20) and pool.side_bytes == 512 << 10  # over the budget
+    assert pool.room_for(768 << 10)  # staging needs the room: the scratch goes first
+    assert source.scratch_bytes == 0 == pool.side_bytes
+    picker.close()  # no longer asked to shed
+    assert pool.hold(512 << 10) and not pool.room_for(768 << 10)  # nobody gives it back
+    assert pool.side_bytes == 512 << 10
+
+
+def test_stale_bytes_land_in_counted_scratch_or_cost_a_named_fallback() -> None:
+    """A reply nobody waits for any more is read into scratch counted in the budget and
+    given back once nothing is asked; with no room for it, the connection is dropped
+    instead, counted as ``staging_budget``."""
+    for room in (True, False):
+        pool = BufferPool(pinned=False, budget_bytes=1 << 20)
+        picker = StreamPicker(True, "127.0.0.1", request_timeout=1.0, window_bytes=1 << 20,
+                              pool=pool)
+        sink = SourceSink(RequestTable(), chunk=lambda *a: None, error=lambda e: None,
+                          bad=lambda e: None, discard_rest=lambda *a: None)
+        source = picker.source = StreamSource(picker, sink)
+        if not room:
+            assert pool.hold(1 << 20)  # another holder took the whole budget
+        mine, theirs = socket.socketpair()
+        with theirs:
+            mine.setblocking(False)
+            source.sock, source.state = mine, "up"
+            stale = 50_000  # bytes of request 7, not in the client's table (fits the pair's buffer)
+            theirs.sendall(stream_link.reply_header(stream_link.OK, 7, 1, 0, stale)
+                           + bytes(stale))
+            source._read()  # every byte is in the kernel already: one look reads them
+            if room:
+                assert source._reply is None and source.state == "up"  # read and dropped
+                assert pool.side_bytes == source.scratch_bytes == stale  # counted, < 1 MiB
+                source.tick(0.0)  # nothing asked here: given back
+                assert pool.side_bytes == source.scratch_bytes == 0
+                assert picker.fallback_causes == {}
+            else:
+                assert source.sock is None and source.down
+                assert picker.fallback_causes == {"staging_budget": 1}
+                assert pool.side_bytes == 1 << 20 and source.scratch_bytes == 0
+        picker.close()
 
 
 def test_a_corrupt_slice_fails_its_sum_and_comes_over_frames(
@@ -215,7 +327,10 @@ def test_the_server_gathers_what_is_asked_and_cuts_a_bad_request(
     want = torch.cat([flat[100 + r * ROW: 100 + r * ROW + 512] for r in range(3)])
     assert got[stream_link.REPLY_BYTES:] == bytes(want.numpy())
     assert pub._stream is not None and pub._stream.slice_bytes_gathered == 1536
-    assert pub._stream.scratch_bytes == 0  # the gather went once sent (the kernel's copy)
+    # the gather goes once sent (the kernel's copy), on the connection's thread: the reply
+    # may be read here before that thread counts it back
+    wait_until(lambda: pub._stream is not None and pub._stream.scratch_bytes == 0, 10,
+               "the gather counted back once sent")
     # a block past its chunk: the connection is cut, counted, nothing sent
     assert _slice_exchange(pub, stream_link.slice_request(
         6, 1, [(0, [(CHUNK - 10, 20, 0, 1)])])) == b""

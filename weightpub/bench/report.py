@@ -22,6 +22,9 @@ def summary(result: dict[str, Any]) -> list[Row]:
     transport = result.get("transport")
     if transport:
         for p in transport["pairs"]:
+            if p["scheme"] == "slices":
+                rows.extend(_slice_rows(p))
+                continue
             where = f"{p['mib']} MiB {p['scheme']}://"
             rows.append(_row("transport", f"{where} steady, publish -> staged",
                              f"{p['weightpub_GBps']:.2f} GB/s", f"raw TCP {p['raw_GBps']:.2f} GB/s",
@@ -132,6 +135,26 @@ def summary(result: dict[str, Any]) -> list[Row]:
                          f"{pauses['count']:.0f} commits", f"mean "
                          f"{pauses['sum'] / pauses['count'] * 1e3:.2f} ms", None))
     return rows
+
+
+def _slice_rows(p: dict[str, Any]) -> list[Row]:
+    """A sliced subscriber over the stream vs frames, per GB of the plan's bytes (no
+    target: the plan's short pieces cost scatters that raw TCP never does)."""
+    where = (f"{p['mib']} MiB sliced ({p['bytes'] / (1 << 20):.0f} MiB planned, "
+             f"{p['piece_bytes']} B of every {p['row_bytes']} B row)")
+    cpu, frames_cpu = p["cpu_s_per_GB"], p["frames_cpu_s_per_GB"]
+    return [
+        _row("transport", f"{where}: stream vs ZeroMQ frames, publish -> staged",
+             f"{p['weightpub_GBps']:.2f} GB/s", f"frames {p['frames_GBps']:.2f} GB/s",
+             p["stream_vs_frames"]),
+        _row("transport", f"{where}: CPU-s per GB planned: publisher, subscriber",
+             f"stream {cpu['publisher']:.2f}, {cpu['subscriber']:.2f}",
+             f"frames {frames_cpu['publisher']:.2f}, {frames_cpu['subscriber']:.2f}",
+             frames_cpu["subscriber"] / cpu["subscriber"] if cpu["subscriber"] else None),
+        _row("transport", f"{where}: stream vs raw TCP of the planned bytes",
+             f"{p['weightpub_GBps']:.2f} GB/s", f"raw {p['raw_GBps']:.2f} GB/s "
+             f"(paths: {','.join(sorted(set(p['data_paths'])))})", p["ratio"]),
+    ]
 
 
 def _scale_rows(scale: dict[str, Any]) -> list[Row]:

@@ -45,7 +45,8 @@ class BenchOptions:
     sections: tuple[str, ...] = DEFAULT_SECTIONS
     transport_mib: list[int] = field(default_factory=lambda: [256, 1024])
     transport_rounds: int = 8
-    schemes: list[str] = field(default_factory=lambda: ["tcp", "ipc", "peer", "stream"])
+    schemes: list[str] = field(default_factory=lambda: ["tcp", "ipc", "peer", "stream",
+                                                        "slices"])
     e2e_model: str = "311MB"
     e2e_reps: int = 5
     e2e_warmup: int = 1
@@ -74,7 +75,9 @@ class BenchOptions:
 
     @classmethod
     def quick_run(cls, sections: tuple[str, ...] = DEFAULT_SECTIONS) -> BenchOptions:
-        return cls(sections=sections, transport_mib=[8], transport_rounds=4, e2e_model="tiny",
+        # not ``slices``: the smoke run stays as short as it was (``--schemes`` adds it)
+        return cls(sections=sections, transport_mib=[8], transport_rounds=4,
+                   schemes=["tcp", "ipc", "peer", "stream"], e2e_model="tiny",
                    e2e_reps=1, e2e_warmup=0, stream_model="tiny", cadences=[0.3],
                    stream_rounds=1, stream_round_s=0.3, stream_requests=4, stream_tokens=16,
                    delta_mib=2, delta_steps=2, scale_mib=[4, 8], scale_versions=4,
@@ -83,11 +86,11 @@ class BenchOptions:
     def ticks(self) -> dict[str, int]:
         """Timed rounds per section, for the progress bar."""
         return {
-            # two paths a round per scheme, three for ``stream`` (raw, frames, stream), whose
-            # frames are the tcp pair's when both are asked
+            # two paths a round per scheme, three for ``stream`` and ``slices`` (raw, frames,
+            # stream), the stream's frames being the tcp pair's when both are asked
             "transport": self.transport_rounds * len(self.transport_mib)
-            * sum(3 if scheme == "stream" else 0 if scheme == "tcp" and "stream" in self.schemes
-                  else 2 for scheme in self.schemes),
+            * sum(3 if scheme in ("stream", "slices") else 0 if scheme == "tcp"
+                  and "stream" in self.schemes else 2 for scheme in self.schemes),
             "e2e": 3 * self.e2e_reps,
             "streaming": 2 * self.stream_rounds * len(self.cadences),
             "delta": self.delta_steps + 1,

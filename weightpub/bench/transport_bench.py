@@ -43,6 +43,16 @@ and ZeroMQ's receive buffers then take anew.
   are same-run ratios; ``frames_cpu_s_per_GB`` is the frames path's CPU beside the
   stream's ``cpu_s_per_GB``; ``data_paths`` says how each round's version came (a
   "stream+zmq" or "zmq" there means the stream fell back).
+* ``slices``: a sliced subscriber (issue 30) over the stream vs over ZeroMQ slice frames,
+  interleaved with raw TCP moving the plan's bytes, as ``stream`` is. The version is
+  rows of ``SLICE_ROW`` bytes and the plan takes the first half of each (rank 0 of a
+  TP=2 column split of bf16 rows, hidden 2048: pieces of 2 KiB, the short pieces that
+  land in the stream's scratch and are scattered from there; ``benchmarks/stream_slices.py``
+  measures the same on Qwen-shaped tensors and other plans). Every figure of the row is
+  per GB of the plan's bytes (``bytes``; ``version_bytes`` is the whole version's): GB/s
+  publish -> staged, CPU-s/GB on each side for the stream (``cpu_s_per_GB``) and frames
+  (``frames_cpu_s_per_GB``); ``data_paths`` "stream" each round when nothing fell back.
+  Not in ``--quick``'s schemes (it would lengthen the smoke run; ``--schemes slices``).
 """
 
 from __future__ import annotations
@@ -61,13 +71,23 @@ import torch
 from weightpub.bench.cpu_probe import StackSampler, process_cpu, process_faults, thread_cpu
 from weightpub.bench.forked import forkserver
 from weightpub_wire.buffers import byte_view
+from weightpub_wire.slice_plan import SlicePlan, decode_plan, encode_plan, from_ranges
 
-__all__ = ["run_transport"]
+__all__ = ["SLICE_ROW", "cols_plan", "run_transport"]
 
 STEADY_FROM = 3  # 0-based round from which every buffer on both sides is reused
 #: the receivers are forked from a zygote that imported these once (an interpreter
 #: importing torch costs seconds of CPU on a loaded 2-core machine, per child)
 PRELOAD = ("torch", "zmq", "publisher", "subscriber_ext", __name__)
+#: the ``slices`` row's version is rows of this many bytes; the plan takes half of each
+SLICE_ROW = 4096
+
+
+def cols_plan(nbytes: int, row: int = SLICE_ROW) -> SlicePlan:
+    """The first half of every ``row``-byte row of a flat ``nbytes`` tensor "w"."""
+    half = row // 2
+    return from_ranges(f"bench-cols/{row}", {"w": [(start, start + half)
+                                                  for start in range(0, nbytes, row)]})
 
 
 def _raw_receiver(port: int, nbytes: int, rounds: int, conn: Any) -> None:
@@ -86,10 +106,13 @@ def _raw_receiver(port: int, nbytes: int, rounds: int, conn: Any) -> None:
             conn.send((got, process_cpu() - cpu, process_faults() - faults))
 
 
-def _wp_receiver(endpoint: str, rounds: int, conn: Any, stream: bool = False) -> None:
+def _wp_receiver(endpoint: str, rounds: int, conn: Any, stream: bool = False,
+                 plan: bytes | None = None) -> None:
     from subscriber_ext import WeightSubscriber
 
-    with WeightSubscriber(endpoint, stream=stream) as sub, StackSampler() as sampler:
+    with WeightSubscriber(endpoint, stream=stream,
+                          slice_plan=None if plan is None else decode_plan(plan)) as sub, \
+            StackSampler() as sampler:
         conn.send("ready")
         threads_before = thread_cpu()
         for version in range(1, rounds + 1):
@@ -250,7 +273,8 @@ class _RawPath:
 
 class _WeightpubPath:
     def __init__(self, source: torch.Tensor, rounds: int, endpoint: str,
-                 stream: bool = False) -> None:
+                 stream: bool = False, plan: SlicePlan | None = None) -> None:
+        """``plan``: the subscriber stages only these slices (``stream``: over the stream)."""
         from publisher import WeightPublisher
 
         # its own weights dict: paths sharing ``source`` each publish their own versions
@@ -258,7 +282,9 @@ class _WeightpubPath:
         self.pub = WeightPublisher(endpoint, stream=stream)
         self.conn, child = mp.Pipe()
         self.proc = forkserver(PRELOAD).Process(
-            target=_wp_receiver, args=(self.pub.endpoint, rounds, child, stream), daemon=True)
+            target=_wp_receiver, args=(self.pub.endpoint, rounds, child, stream,
+                                       None if plan is None else encode_plan(plan)),
+            daemon=True)
         self.proc.start()
         if not self.conn.poll(120):
             raise TimeoutError("subscriber process did not start")
@@ -292,15 +318,18 @@ class _WeightpubPath:
 
 def _pairs(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], None],
            ipc_dir: str, frames_too: bool = False) -> list[dict[str, Any]]:
-    """``scheme``'s figures against raw TCP from one interleaved run; ``stream`` runs a
-    frames path in the same rounds (``frames_too``: its figures also as the ``tcp``
-    pair, which then needs no run of its own)."""
+    """``scheme``'s figures against raw TCP from one interleaved run; ``stream`` and
+    ``slices`` run a frames path in the same rounds (``frames_too``: the stream's figures
+    also as the ``tcp`` pair, which then needs no run of its own)."""
     endpoint = "tcp://127.0.0.1:0" if scheme != "ipc" else f"ipc://{ipc_dir}/bench-{rounds}"
-    raw_path = _RawPath(source, rounds)
+    plan = cols_plan(source.numel()) if scheme == "slices" else None
+    moved = source.numel() if plan is None else plan.needed_bytes  # what the subscriber pulls
+    raw_path = _RawPath(source[:moved], rounds)
+    streams = scheme in ("stream", "slices")
     wp_path: _WeightpubPath | _PeerPath = _PeerPath(source, endpoint) if scheme == "peer" \
-        else _WeightpubPath(source, rounds, endpoint, stream=scheme == "stream")
+        else _WeightpubPath(source, rounds, endpoint, stream=streams, plan=plan)
     # the stream's same-run baseline over ZeroMQ frames (the same source, its own versions)
-    frames_path = _WeightpubPath(source, rounds, endpoint) if scheme == "stream" else None
+    frames_path = _WeightpubPath(source, rounds, endpoint, plan=plan) if streams else None
     paths: list[Any] = [p for p in (raw_path, wp_path, frames_path) if p is not None]
     by_path: dict[int, list[dict[str, Any]]] = {id(path): [] for path in paths}
     profile: dict[str, Any] = {}
@@ -318,8 +347,11 @@ def _pairs(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], No
             frames_profile = frames_path.close()
     raw, wp = by_path[id(raw_path)], by_path[id(wp_path)]
     frames = None if frames_path is None else by_path[id(frames_path)]
-    out = [_figures(scheme, source.numel(), rounds, raw, wp, profile, frames)]
-    if frames is not None and frames_too:
+    out = [_figures(scheme, moved, rounds, raw, wp, profile, frames)]
+    if plan is not None:
+        out[0].update(version_bytes=source.numel(), row_bytes=SLICE_ROW,
+                      piece_bytes=SLICE_ROW // 2)
+    if frames is not None and frames_too and scheme == "stream":
         out.insert(0, _figures("tcp", source.numel(), rounds, raw, frames, frames_profile))
     return out
 

@@ -35,8 +35,19 @@ goes to frames alone. A version whose chunks all came over the stream is staged 
 Memory safety: the socket is read on the client's thread only, and bytes go into the
 target only while the request they answer is still in the client's table (the table
 is cleared before a dropped or completed target's buffer is given back); anything
-else is read into a small scratch buffer and dropped. The connection is kept across
-versions of one publisher instance.
+else is read into scratch and dropped. The connection is kept across versions of one
+publisher instance.
+
+Memory bounds: the landing buffer and the scratch dropped bytes go to are one buffer per
+source, made when first needed, as large as the largest use (a chunk's slice, or
+``_SCRATCH``), and counted in the subscriber's staging budget while it lives
+(``BufferPool.hold``; ``status()["stream"]["scratch_bytes"]``). It goes once nothing is
+asked here any more (the version ended), when the source closes or disconnects, and
+when the pool needs the room for a version's staging (``BufferPool.on_shed``; after the
+reply being read into it). A budget with no room for it: a slice of short pieces is
+scatter-read in place instead (slower, the same bytes; counted as ``landing_refused``),
+and bytes nobody waits for cost a fallback to frames (``staging_budget``: the connection
+is dropped instead of read).
 """
 
 from __future__ import annotations
@@ -60,6 +71,7 @@ from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from subscriber_ext.transport.staging.sparse_delta import SparseDeltaAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
+from weightpub_wire.buffers import BufferPool
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.ratelog import RateLimitedLog
@@ -79,10 +91,11 @@ FALLBACK_CAUSES = (
     "checksum",  # a chunk that came over the stream failed its checksum
     "timeout",  # requests out and no byte for request_timeout
     "unsupported",  # a sliced version, and the publisher's stream does not serve slices
+    "staging_budget",  # bytes nobody waits for, and no room in the budget to read them
 )
 _MAX_CAUSES = 16
 _READ_BUDGET = 64 << 20  # bytes read per ``on_events`` (the client's loop turns between)
-_SCRATCH = 1 << 20  # where bytes nobody waits for any more are read and dropped
+_SCRATCH = 1 << 20  # at most this much scratch is made to read and drop stale bytes
 _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the causes only)
 _SCATTER = 512  # slice pieces one ``recvmsg_into`` fills at most
 #: a slice whose pieces average less is read into scratch and scattered by numpy (as a
@@ -150,10 +163,13 @@ class StreamSource(ChunkSource):
         self._pos = 0
         self._chunk = 0  # the union's number of the chunk being read
         self._hasher = xxhash.xxh3_64()
-        self._scratch = memoryview(bytearray(_SCRATCH))
-        #: a slice of short pieces lands here first (at most a chunk; ``_MIN_PIECE``)
-        self._landing = bytearray()
-        self._scatter: SparseAssembly | None = None  # where ``_landing`` goes, if used
+        #: a slice of short pieces lands here first (at most a chunk; ``_MIN_PIECE``), and
+        #: bytes nobody waits for are read here and dropped; made when first needed,
+        #: counted in the staging budget while it lives (``_grow``, ``release_scratch``)
+        self._scratch = bytearray()
+        self._held = 0  # bytes of ``_scratch`` counted in ``picker.pool``
+        self._release_after = False  # given back once the reply read into it ends
+        self._scatter: SparseAssembly | None = None  # where the landed bytes go, if used
 
     @property
     def label(self) -> str:
@@ -168,6 +184,7 @@ class StreamSource(ChunkSource):
         self.manifest = manifest
         self.route = route
         self.target = None
+        self.release_scratch()  # the last version's scratch goes (a stale reply's: after it)
         self.down = False
         self.given_back = set()
         self.verified = 0
@@ -239,6 +256,8 @@ class StreamSource(ChunkSource):
         return False
 
     def tick(self, now: float) -> float:
+        if self._scratch and self._reply is None and not self.queued and not self._in_flight():
+            self.release_scratch()  # nothing asked here any more: the version ended
         if self.outbox:
             self._flush()
             return 0.001 if self.outbox else 0.1
@@ -286,6 +305,7 @@ class StreamSource(ChunkSource):
         self.mine.clear()
         self.queued.clear()
         self.disconnect()
+        self.release_scratch()
 
     # -- the token and the connection ---------------------------------------------------------
     def _ask_token(self, now: float) -> bool:
@@ -375,6 +395,37 @@ class StreamSource(ChunkSource):
         self._reply = None
         self._dest = None
         self._scatter = None
+        self.release_scratch()
+
+    # -- the scratch, counted ------------------------------------------------------------------
+    def _grow(self, size: int) -> bool:
+        """Make the scratch at least ``size`` bytes if the staging budget has room for
+        the difference; False (nothing made) if not."""
+        if len(self._scratch) >= size:
+            return True
+        pool = self.picker.pool
+        if pool is not None and not pool.hold(size - self._held):
+            return False
+        self._scratch = bytearray()  # the old one goes before the new one is made
+        self._scratch = bytearray(size)
+        self._held = size if pool is not None else 0
+        return True
+
+    def release_scratch(self) -> None:
+        """Give the scratch back to the budget; if a reply is being read into it, once
+        that reply ends."""
+        if self._reply is not None and (self._dest is None or self._scatter is not None):
+            self._release_after = bool(self._scratch)
+            return
+        self._release_after = False
+        held, self._held, self._scratch = self._held, 0, bytearray()
+        if held and self.picker.pool is not None:
+            self.picker.pool.unhold(held)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of scratch this source holds (counted in the staging budget)."""
+        return len(self._scratch)
 
     def fall_back(self, cause: str, why: str) -> None:
         """Give every chunk asked here back to frames; take no more of this version."""
@@ -429,6 +480,8 @@ class StreamSource(ChunkSource):
                 return
             except OSError as exc:
                 self.fall_back("closed", str(exc))
+                return
+            if n < 0:  # fallen back (``staging_budget``)
                 return
             if n == 0:
                 self.fall_back("closed", "the publisher closed the stream")
@@ -492,13 +545,13 @@ class StreamSource(ChunkSource):
                                             f"{'manifest' if sparse is None else 'plan'} "
                                             f"says {size}")
                 return
+            short = sparse is not None and size < _MIN_PIECE * _pieces(sparse, chunk)
             if sparse is None:
                 self._dest = [target.chunk_target(chunk)]
-            elif size < _MIN_PIECE * _pieces(sparse, chunk):  # short pieces: land, scatter
-                if len(self._landing) < size:
-                    self._landing = bytearray(size)
-                self._dest, self._scatter = [memoryview(self._landing)[:size]], sparse
-            else:
+            elif short and self._grow(size):  # short pieces: land, scatter
+                self._dest, self._scatter = [memoryview(self._scratch)[:size]], sparse
+            else:  # long pieces, or no room to land them: scatter-read in place
+                self.picker.landing_refused += short
                 self._dest = sparse.slice_targets(chunk)
         else:
             self._dest = None  # nobody waits for it any more: read and dropped
@@ -518,7 +571,11 @@ class StreamSource(ChunkSource):
             self._dest = None  # the target went meanwhile: not one more byte into its buffer
         dest = self._dest
         if dest is None:
-            n = self.sock.recv_into(self._scratch, min(left, _SCRATCH))
+            if not self._scratch and not self._grow(min(left, _SCRATCH)):
+                self.fall_back("staging_budget", f"no room in the staging budget to read and "
+                                                 f"drop {left} bytes nobody waits for")
+                return -1
+            n = self.sock.recv_into(self._scratch, min(left, len(self._scratch)))
         elif len(dest) - self._piece == 1:  # one run (a whole chunk): the plain read
             piece = dest[self._piece][self._piece_pos:]
             n = self.sock.recv_into(piece)
@@ -545,6 +602,13 @@ class StreamSource(ChunkSource):
         return n
 
     def _on_payload(self) -> None:
+        try:
+            self._payload_done()
+        finally:
+            if self._release_after and self._reply is None:
+                self.release_scratch()
+
+    def _payload_done(self) -> None:
         reply, dest = self._reply, self._dest
         self._reply, self._dest = None, None
         assert reply is not None
@@ -610,8 +674,12 @@ class StreamPicker:
     ``SourcePicker``), and counts why chunks came over frames instead."""
 
     def __init__(self, mode: bool, host: str, *, request_timeout: float,
-                 window_bytes: int) -> None:
+                 window_bytes: int, pool: BufferPool | None = None) -> None:
+        """``pool``: the staging pool the sources' scratch is counted in (None: not
+        counted, tests)."""
         self.mode = mode
+        self.pool = pool
+        self.landing_refused = 0  # short-piece slices read in place: no room to land them
         self.host = host  # the ROUTER's host: the stream port is there
         self.request_timeout = request_timeout
         self.window_bytes = window_bytes
@@ -623,6 +691,13 @@ class StreamPicker:
         #: a sharded trainer's ranks' ports, by the rank's endpoint (``shard_links.py``)
         self.ranks: dict[str, StreamSource] = {}
         self._warn = RateLimitedLog(log)
+        if pool is not None:
+            pool.on_shed(self.shed)
+
+    def shed(self) -> None:
+        """The pool needs the room for staging: every source's scratch goes."""
+        for source in self._sources():
+            source.release_scratch()
 
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
         if not self.mode or manifest.stream_port is None or manifest.shards is not None \
@@ -720,9 +795,15 @@ class StreamPicker:
             "fallback_causes": dict(self.fallback_causes),
             "rank_fallbacks": dict(self.rank_fallbacks),
             "last_error": self.last_error,
+            # scratch held now (counted in the staging budget), and slices read in place
+            # for want of room to land them
+            "scratch_bytes": sum(s.scratch_bytes for s in self._sources()),
+            "landing_refused": self.landing_refused,
         }
 
     def close(self) -> None:
+        if self.pool is not None:
+            self.pool.off_shed(self.shed)
         sources = self._sources()
         self.source, self.ranks = None, {}
         for source in sources:

@@ -127,7 +127,7 @@ class Peering(ChunkSource):
         self.slice_cache: SliceCache | None = None
         if self.digest:
             self.slice_cache = SliceCache(options.slice_cache_bytes, client.pool)
-            client.pool.shed = self.slice_cache.shed
+            client.pool.on_shed(self.slice_cache.shed)
         self.budget = UploadBudget(options.upload_bytes_per_s, options.upload_cpu_share,
                                    ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
         self.server = PeerServer(router, self._lookup, self.budget, options.server,
@@ -554,7 +554,7 @@ class Peering(ChunkSource):
 
     def close(self) -> None:
         if self.slice_cache is not None:
-            self.client.pool.shed = None
+            self.client.pool.off_shed(self.slice_cache.shed)
             self.slice_cache.clear()
         if self.nixl_reads is not None:
             self.nixl_reads.keep(None)
