@@ -172,6 +172,7 @@ class WeightSubscriber:
         # weightpub_wire.buffers.page_locked), so the owner rank copies at full PCIe speed
         pool = BufferPool(max_buffers=2, allocator=self._nixl.allocator(allocator),
                           budget_bytes=budget, max_pinned_bytes=base.limits.max_pinned_bytes)
+        self._nixl.words.pool = pool  # the words it keeps for peers count in the budget
         self._slices: SliceFetcher | None = None
         shard_slices: ShardSlices | None = None
         if opts.slice_plan is not None:  # only this plan's bytes of each version (issue 30)
@@ -342,7 +343,8 @@ class WeightSubscriber:
             client.gate.waiting.version,
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
-            # of those, bytes kept beside the staged versions (a peer server's slices)
+            # of those, bytes kept beside the staged versions (a peer server's slices, the
+            # words a member keeps for peers READing it over NIXL)
             "staging_cache_bytes": client.pool.side_bytes,
             "data_path": client.report.applied_path or None,  # how the applied version came
             # what the applied version cost here: payload bytes by source kind, and their

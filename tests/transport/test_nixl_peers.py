@@ -55,6 +55,9 @@ def test_the_second_member_reads_the_version_from_the_first_over_nixl(
     assert read["peers"]["bytes_from_peers"] == 0  # no frame from the first member
     assert served["peers"]["served_chunks"] == 0, served["peers"]
     assert served["peers"]["nixl_offers"] == 2 and served["peers"]["nixl_unoffered"] == {}
+    # its claims words (and readiness maps) for peers, counted in the staging budget
+    assert served["nixl"]["peer_words_bytes"] >= 16, served["nixl"]
+    assert served["staging_cache_bytes"] == served["nixl"]["peer_words_bytes"]
     assert read["nixl"]["fallbacks"] == 0, read["nixl"]
     assert pub.data_stats()["bytes_sent_full"] == 0  # the publisher's bytes went one-sided
 
@@ -234,6 +237,48 @@ def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
     staged = second.latest()
     assert staged is not None and staged.version == 3  # version 1 was given up, not torn
     assert digests(staged.items()) == digests(det_weights(SEED, 3, spec).items())
+
+
+def test_the_words_kept_for_peers_count_in_the_staging_budget(
+        make_pub: Callable[..., WeightPublisher]) -> None:
+    """A member's claims word and readiness map of a staging buffer (8 B a word) are
+    counted in its staging budget while they live, released with the buffer; with no
+    room for a readiness map a version still arriving is not offered (``budget``)."""
+    from subscriber_ext.transport.client.nixl_source import NixlPicker
+    from weightpub_wire.buffers import BufferPool
+
+    pub = make_pub(chunk_size=CHUNK)
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    pub.wait_announced(1)
+    manifest = pub.manifest(1)
+    size, words = manifest.total_bytes, 8 * (manifest.num_chunks + 1)
+    picker = NixlPicker(True, request_timeout=5.0, window_bytes=1 << 20)
+    try:
+        assert picker._start(), picker.status()
+        pool = BufferPool(allocator=picker.allocator(None), budget_bytes=size + words)
+        picker.words.pool = pool
+        buffer = pool.take(size)
+        picker.register(buffer)
+        offer, why = picker.peer_offer(buffer, manifest, lambda chunk: chunk == 0)
+        assert offer is not None and offer.ready is not None and offer.claims is not None, why
+        status = picker.status()
+        assert pool.side_bytes == words == status["peer_words_bytes"], status
+        assert pool.held_bytes == size + words
+        assert status["registered_bytes"] == size + words  # the words are registered too
+        pool.give(buffer)
+        assert not pool.room_for(size + 1)  # the idle buffer is dropped: its words go
+        status = picker.status()
+        assert pool.side_bytes == 0 == status["peer_words_bytes"] == status["registered_bytes"]
+        pool.budget_bytes = size  # a full budget: no room for a word
+        buffer = pool.take(size)
+        picker.register(buffer)
+        assert picker.peer_offer(buffer, manifest, lambda chunk: chunk == 0) == \
+            (None, "budget (no room in the staging budget for its readiness map)")
+        offer, _ = picker.peer_offer(buffer, manifest, None)  # staged: no map needed
+        assert offer is not None and offer.claims is None and pool.side_bytes == 0
+        assert picker.status()["peer_words_refused"] == 2
+    finally:
+        picker.close()
 
 
 def test_a_bad_peer_nixl_offer_is_refused_naming_the_field() -> None:
