@@ -23,8 +23,11 @@ import zmq.auth
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.observe.replica_metrics import peer_nixl_counters
+from subscriber_ext.observe.status_board import StatusBoard
 from tests.transport.procs import Child, det_weights, digests, wait_until
 from tests.transport.test_peers import SEED, join, peers_status, staged_ok
+from tests.unit.scrape import scrape
 from weightpub_wire import protocol as wire
 from weightpub_wire.keys import create_key_pair
 from weightpub_wire.peer_protocol import PeerNixl, PeerNixlOffer
@@ -40,16 +43,18 @@ def _options(nixl: bool | None) -> dict[str, Any]:
 
 
 def test_the_second_member_reads_the_version_from_the_first_over_nixl(
-        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+        tmp_path: Any) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1, nixl=True)
     first, second = join(spawn, pub, 2, SPEC, lambda i: _options(True))
-    total = 0
+    total = chunks = 0
     for version in (1, 2):
         pub.publish(det_weights(SEED, version, SPEC), version=version)
         for child in (first, second):
             staged_ok(child, version)
         assert staged_ok(second, version, timeout=1)["data_path"] == "nixl"
         total += pub.manifest(version).total_bytes
+        chunks += pub.manifest(version).num_chunks
     served, read = peers_status(first), peers_status(second)
     assert read["peers"]["nixl_bytes_from_peers"] == total, read["peers"]
     assert read["peers"]["bytes_from_peers"] == 0  # no frame from the first member
@@ -60,6 +65,17 @@ def test_the_second_member_reads_the_version_from_the_first_over_nixl(
     assert served["staging_cache_bytes"] == served["nixl"]["peer_words_bytes"]
     assert read["nixl"]["fallbacks"] == 0, read["nixl"]
     assert pub.data_stats()["bytes_sent_full"] == 0  # the publisher's bytes went one-sided
+    # on a replica's /metrics: each member's status file, as a worker writes it
+    board = StatusBoard(tmp_path)
+    for rank, status in enumerate((served, read)):
+        board.write(rank, {"rank": rank, "peer_nixl": peer_nixl_counters(status)})
+    text = scrape(board)
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    assert [samples.get(f'weightpub_{name}_total{{rank="{rank}"}}') for name, rank in (
+        ("peer_nixl_offers", 0), ("nixl_bytes_from_peers", 1), ("nixl_chunks_from_peers", 1),
+        ("nixl_bytes_from_peers", 0), ("peer_nixl_offers", 1))] == [2, total, chunks, 0, 0]
+    assert not any(key.startswith("weightpub_peer_nixl_unoffered") for key in samples)
 
 
 def test_a_chain_of_three_reads_what_the_middle_member_read_over_nixl(
@@ -82,7 +98,7 @@ def test_a_chain_of_three_reads_what_the_middle_member_read_over_nixl(
 @pytest.mark.parametrize("where", ["member", "publisher"])
 def test_a_first_member_without_nixl_costs_frames_with_the_cause_counted(
         make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
-        where: str) -> None:
+        where: str, tmp_path: Any) -> None:
     """``member``: the first member runs without NIXL (``nixl=False``); ``publisher``: no
     offer from the publisher, so the first member's version came as frames."""
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1, nixl=where == "member")
@@ -98,6 +114,10 @@ def test_a_first_member_without_nixl_costs_frames_with_the_cause_counted(
     served = peers_status(first)["peers"]
     if where == "publisher":  # asked, and said why not: its staging is not registered
         assert served["nixl_unoffered"] == {"frames": 1}, served
+        board = StatusBoard(tmp_path)
+        board.write(0, {"rank": 0, "peer_nixl": peer_nixl_counters(peers_status(first))})
+        assert 'weightpub_peer_nixl_unoffered_total{cause="frames",rank="0"} 1.0' \
+            in scrape(board)
     else:
         assert served["nixl_unoffered"] == {} and "nixl_bytes_from_peers" not in served
 
