@@ -26,7 +26,19 @@ from prometheus_client.registry import Collector
 
 from subscriber_ext.observe.status_board import StatusBoard
 
-__all__ = ["HISTOGRAMS", "FixedHistogram", "RankMetrics", "ReplicaCollector"]
+__all__ = ["HISTOGRAMS", "PEER_NIXL_COUNTERS", "FixedHistogram", "RankMetrics",
+           "ReplicaCollector", "peer_nixl_counters"]
+
+#: peers over NIXL (``docs/peers-over-nixl.md``): ``status()["peers"]`` key -> (metric
+#: name, help); each a counter of the subscriber's life
+PEER_NIXL_COUNTERS: dict[str, tuple[str, str]] = {
+    "nixl_bytes_from_peers": ("weightpub_nixl_bytes_from_peers",
+                              "Chunk bytes READ one-sided from peers' staging and verified"),
+    "nixl_chunks_from_peers": ("weightpub_nixl_chunks_from_peers",
+                               "Chunks READ one-sided from peers' staging and verified"),
+    "nixl_offers": ("weightpub_peer_nixl_offers",
+                    "peer_nixl questions this member answered with an offer of its staging"),
+}
 
 #: name -> (help, bucket upper bounds in seconds)
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
@@ -91,6 +103,20 @@ class RankMetrics:
             }
 
 
+def peer_nixl_counters(source: dict[str, Any]) -> dict[str, Any]:
+    """A subscriber status's peers-over-NIXL counters, for the status file: the
+    ``PEER_NIXL_COUNTERS`` it has, and ``nixl_unoffered`` (versions asked of it and not
+    offered, by cause); empty without peer sharing."""
+    peers = source.get("peers")
+    if not isinstance(peers, dict):
+        return {}
+    out: dict[str, Any] = {key: peers[key] for key in PEER_NIXL_COUNTERS
+                           if _number(peers.get(key)) is not None}
+    if isinstance(peers.get("nixl_unoffered"), dict):
+        out["nixl_unoffered"] = dict(peers["nixl_unoffered"])
+    return out
+
+
 def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
         else None
@@ -143,6 +169,12 @@ class ReplicaCollector(Collector):
             "weightpub_stream_fallbacks",
             "Versions (checksum: chunks) offered on the stream port but fetched over ZeroMQ, "
             "by cause", labels=["rank", "cause"])
+        peer_nixl = {key: CounterMetricFamily(name, text, labels=["rank"])
+                     for key, (name, text) in PEER_NIXL_COUNTERS.items()}
+        peer_unoffered = CounterMetricFamily(
+            "weightpub_peer_nixl_unoffered",
+            "peer_nixl questions this member answered without an offer, by cause",
+            labels=["rank", "cause"])
         receive_mode = GaugeMetricFamily(
             "weightpub_receive_mode_info",
             "How this rank receives versions (1): slices, node (staging) or rank (whole)",
@@ -192,6 +224,15 @@ class ReplicaCollector(Collector):
             for cause, count in sorted((state.get("stream_fallbacks") or {}).items()):
                 if _number(count) is not None:
                     stream_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
+            counters: dict[str, Any] = state["peer_nixl"] \
+                if isinstance(state.get("peer_nixl"), dict) else {}
+            for key, family in peer_nixl.items():
+                value = _number(counters.get(key))
+                if value is not None:
+                    family.add_metric(label, value)
+            for cause, count in sorted((counters.get("nixl_unoffered") or {}).items()):
+                if _number(count) is not None:
+                    peer_unoffered.add_metric([*label, str(cause)[:32]], float(count))
             if isinstance(receive.get("mode"), str):
                 receive_mode.add_metric([*label, receive["mode"][:16]], 1.0)
             if isinstance(state.get("data_path"), str):
@@ -214,6 +255,8 @@ class ReplicaCollector(Collector):
         yield fallbacks
         yield nixl_fallbacks
         yield stream_fallbacks
+        yield from peer_nixl.values()
+        yield peer_unoffered
         yield receive_mode
         yield path
         yield from histograms.values()

@@ -172,6 +172,7 @@ class WeightSubscriber:
         # (and whatever fails there) over ZeroMQ frames; its scratch counted in the budget
         self._stream = StreamPicker(base.stream, router.host, request_timeout=base.request_timeout,
                                     window_bytes=base.window_bytes, pool=pool)
+        self._nixl.words.pool = pool  # the words it keeps for peers count in the budget
         self._slices: SliceFetcher | None = None
         shard_slices: ShardSlices | None = None
         if opts.slice_plan is not None:  # only this plan's bytes of each version (issue 30)
@@ -343,7 +344,8 @@ class WeightSubscriber:
             "staging_budget_bytes": client.pool.budget_bytes,
             "staging_bytes": client.pool.held_bytes,
             # of those, bytes kept beside the staged versions (a peer server's slices, the
-            # stream path's scratch: ``stream.scratch_bytes``)
+            # stream path's scratch: ``stream.scratch_bytes``; the words a member keeps for peers
+            # READing it over NIXL)
             "staging_cache_bytes": client.pool.side_bytes,
             "data_path": client.report.applied_path or None,  # how the applied version came
             # what the applied version cost here: payload bytes by source kind, and their

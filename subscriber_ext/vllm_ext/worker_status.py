@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from subscriber_ext.observe.receive_table import rank_receive
+from subscriber_ext.observe.replica_metrics import peer_nixl_counters
 from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_ext.worker_state import StateAccess
 
@@ -83,6 +84,8 @@ class WorkerStatus(StateAccess):
             # chunk bytes that came over the stream port (the part of received_bytes)
             "stream_received_bytes": 0 if follower else
             (source.get("stream") or {}).get("bytes_received", 0),
+            # peers over NIXL: bytes and chunks READ from peers, offers made and refused
+            "peer_nixl": {} if follower else peer_nixl_counters(source),
             "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
             # how this rank receives and what its applied version cost (``receive_table.py``)
             "receive": self._wp_receive_row(source),

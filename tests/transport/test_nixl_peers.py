@@ -23,8 +23,11 @@ import zmq.auth
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
+from subscriber_ext.observe.replica_metrics import peer_nixl_counters
+from subscriber_ext.observe.status_board import StatusBoard
 from tests.transport.procs import Child, det_weights, digests, wait_until
 from tests.transport.test_peers import SEED, join, peers_status, staged_ok
+from tests.unit.scrape import scrape
 from weightpub_wire import protocol as wire
 from weightpub_wire.keys import create_key_pair
 from weightpub_wire.peer_protocol import PeerNixl, PeerNixlOffer
@@ -40,23 +43,39 @@ def _options(nixl: bool | None) -> dict[str, Any]:
 
 
 def test_the_second_member_reads_the_version_from_the_first_over_nixl(
-        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+        tmp_path: Any) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1, nixl=True)
     first, second = join(spawn, pub, 2, SPEC, lambda i: _options(True))
-    total = 0
+    total = chunks = 0
     for version in (1, 2):
         pub.publish(det_weights(SEED, version, SPEC), version=version)
         for child in (first, second):
             staged_ok(child, version)
         assert staged_ok(second, version, timeout=1)["data_path"] == "nixl"
         total += pub.manifest(version).total_bytes
+        chunks += pub.manifest(version).num_chunks
     served, read = peers_status(first), peers_status(second)
     assert read["peers"]["nixl_bytes_from_peers"] == total, read["peers"]
     assert read["peers"]["bytes_from_peers"] == 0  # no frame from the first member
     assert served["peers"]["served_chunks"] == 0, served["peers"]
     assert served["peers"]["nixl_offers"] == 2 and served["peers"]["nixl_unoffered"] == {}
+    # its claims words (and readiness maps) for peers, counted in the staging budget
+    assert served["nixl"]["peer_words_bytes"] >= 16, served["nixl"]
+    assert served["staging_cache_bytes"] == served["nixl"]["peer_words_bytes"]
     assert read["nixl"]["fallbacks"] == 0, read["nixl"]
     assert pub.data_stats()["bytes_sent_full"] == 0  # the publisher's bytes went one-sided
+    # on a replica's /metrics: each member's status file, as a worker writes it
+    board = StatusBoard(tmp_path)
+    for rank, status in enumerate((served, read)):
+        board.write(rank, {"rank": rank, "peer_nixl": peer_nixl_counters(status)})
+    text = scrape(board)
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line and not line.startswith("#")}
+    assert [samples.get(f'weightpub_{name}_total{{rank="{rank}"}}') for name, rank in (
+        ("peer_nixl_offers", 0), ("nixl_bytes_from_peers", 1), ("nixl_chunks_from_peers", 1),
+        ("nixl_bytes_from_peers", 0), ("peer_nixl_offers", 1))] == [2, total, chunks, 0, 0]
+    assert not any(key.startswith("weightpub_peer_nixl_unoffered") for key in samples)
 
 
 def test_a_chain_of_three_reads_what_the_middle_member_read_over_nixl(
@@ -79,7 +98,7 @@ def test_a_chain_of_three_reads_what_the_middle_member_read_over_nixl(
 @pytest.mark.parametrize("where", ["member", "publisher"])
 def test_a_first_member_without_nixl_costs_frames_with_the_cause_counted(
         make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
-        where: str) -> None:
+        where: str, tmp_path: Any) -> None:
     """``member``: the first member runs without NIXL (``nixl=False``); ``publisher``: no
     offer from the publisher, so the first member's version came as frames."""
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1, nixl=where == "member")
@@ -95,6 +114,10 @@ def test_a_first_member_without_nixl_costs_frames_with_the_cause_counted(
     served = peers_status(first)["peers"]
     if where == "publisher":  # asked, and said why not: its staging is not registered
         assert served["nixl_unoffered"] == {"frames": 1}, served
+        board = StatusBoard(tmp_path)
+        board.write(0, {"rank": 0, "peer_nixl": peer_nixl_counters(peers_status(first))})
+        assert 'weightpub_peer_nixl_unoffered_total{cause="frames",rank="0"} 1.0' \
+            in scrape(board)
     else:
         assert served["nixl_unoffered"] == {} and "nixl_bytes_from_peers" not in served
 
@@ -234,6 +257,48 @@ def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
     staged = second.latest()
     assert staged is not None and staged.version == 3  # version 1 was given up, not torn
     assert digests(staged.items()) == digests(det_weights(SEED, 3, spec).items())
+
+
+def test_the_words_kept_for_peers_count_in_the_staging_budget(
+        make_pub: Callable[..., WeightPublisher]) -> None:
+    """A member's claims word and readiness map of a staging buffer (8 B a word) are
+    counted in its staging budget while they live, released with the buffer; with no
+    room for a readiness map a version still arriving is not offered (``budget``)."""
+    from subscriber_ext.transport.client.nixl_source import NixlPicker
+    from weightpub_wire.buffers import BufferPool
+
+    pub = make_pub(chunk_size=CHUNK)
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    pub.wait_announced(1)
+    manifest = pub.manifest(1)
+    size, words = manifest.total_bytes, 8 * (manifest.num_chunks + 1)
+    picker = NixlPicker(True, request_timeout=5.0, window_bytes=1 << 20)
+    try:
+        assert picker._start(), picker.status()
+        pool = BufferPool(allocator=picker.allocator(None), budget_bytes=size + words)
+        picker.words.pool = pool
+        buffer = pool.take(size)
+        picker.register(buffer)
+        offer, why = picker.peer_offer(buffer, manifest, lambda chunk: chunk == 0)
+        assert offer is not None and offer.ready is not None and offer.claims is not None, why
+        status = picker.status()
+        assert pool.side_bytes == words == status["peer_words_bytes"], status
+        assert pool.held_bytes == size + words
+        assert status["registered_bytes"] == size + words  # the words are registered too
+        pool.give(buffer)
+        assert not pool.room_for(size + 1)  # the idle buffer is dropped: its words go
+        status = picker.status()
+        assert pool.side_bytes == 0 == status["peer_words_bytes"] == status["registered_bytes"]
+        pool.budget_bytes = size  # a full budget: no room for a word
+        buffer = pool.take(size)
+        picker.register(buffer)
+        assert picker.peer_offer(buffer, manifest, lambda chunk: chunk == 0) == \
+            (None, "budget (no room in the staging budget for its readiness map)")
+        offer, _ = picker.peer_offer(buffer, manifest, None)  # staged: no map needed
+        assert offer is not None and offer.claims is None and pool.side_bytes == 0
+        assert picker.status()["peer_words_refused"] == 2
+    finally:
+        picker.close()
 
 
 def test_a_bad_peer_nixl_offer_is_refused_naming_the_field() -> None:

@@ -59,6 +59,7 @@ import msgspec
 import numpy
 import torch
 
+from subscriber_ext.transport.client.peer_words import PeerWords
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
@@ -896,12 +897,10 @@ class NixlPicker:
         self._sink: SourceSink | None = None
         #: chunks of a version verified in place by any of its NIXL sources (``data_path``)
         self._in_place: tuple[wire.Manifest | None, int] = (None, 0)
-        #: peers over NIXL, serving side: a readiness map per staging buffer (its start
-        #: address), registered with the reader's agent; offers made per (buffer, version)
-        self._ready_maps: dict[int, numpy.ndarray] = {}
-        #: a claims word per staging buffer (its start address): the newest version
-        #: started in it, so a peer READing an older one there tells ``reused`` apart
-        self._claims: dict[int, numpy.ndarray] = {}
+        #: peers over NIXL, serving side: a claims word and a readiness map per staging
+        #: buffer, registered with the reader's agent, counted in the staging budget
+        #: (``peer_words.py``; the client sets ``words.pool``); offers per (buffer, version)
+        self.words = PeerWords()
         #: peers' agents READ from lately, newest last (kept across versions, at most
         #: ``_MAX_PEER_AGENTS``: a plan's chains)
         self._peer_agents: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -994,12 +993,14 @@ class NixlPicker:
             return cached, ""
         ready = None
         if verified is not None:
-            words = self._ready_map(buffer.data_ptr(), manifest.num_chunks)
+            words = self.words.ready_map(reader, buffer.data_ptr(), manifest.num_chunks)
+            if words is None:
+                return None, "budget (no room in the staging budget for its readiness map)"
             words[:manifest.num_chunks] = [manifest.version if verified(c) else 0
                                            for c in range(manifest.num_chunks)]
             ready = NixlClaims(words.ctypes.data, words.nbytes, manifest.chunk_size,
                                manifest.version)
-        claims = self._claims.get(buffer.data_ptr())
+        claims = self.words.claims.get(buffer.data_ptr())
         if claims is None:  # not claimed at its start: it holds this version now
             claims = self.claim(buffer, manifest.version)
         try:
@@ -1018,39 +1019,12 @@ class NixlPicker:
     def claim(self, buffer: torch.Tensor, version: int) -> numpy.ndarray | None:
         """Store ``version`` in the claims word of the staging buffer (one word for the
         whole buffer: a peer READing an older version there then counts ``reused``, not
-        ``checksum``), before its first byte lands (``Peering.target_started``); made and
-        registered once per buffer. None where NIXL does not run here."""
+        ``checksum``), before its first byte lands (``Peering.target_started``). None
+        where NIXL does not run here or the staging budget has no room for the word."""
         reader = self.reader
         if reader is None or not self.peers_on:
             return None
-        address = buffer.data_ptr()
-        words = self._claims.get(address)
-        if words is None:
-            while len(self._claims) >= 4:  # a pool of 2 buffers: older ones are gone
-                _, old = self._claims.popitem()
-                reader.forget_local(old.ctypes.data, old.nbytes)
-            words = numpy.zeros(1, dtype="<i8")
-            reader.register(words.ctypes.data, words.nbytes)
-            self._claims[address] = words
-        words[0] = version
-        return words
-
-    def _ready_map(self, address: int, count: int) -> numpy.ndarray:
-        """The readiness map of the staging buffer at ``address`` (made or grown, and
-        registered, here; words keep their versions across versions in the buffer)."""
-        assert self.reader is not None
-        words = self._ready_maps.get(address)
-        if words is not None and len(words) >= count:
-            return words
-        if words is not None:
-            self.reader.forget_local(words.ctypes.data, words.nbytes)
-        while len(self._ready_maps) >= 4:  # a pool of 2 buffers: older ones are gone
-            _, old = self._ready_maps.popitem()
-            self.reader.forget_local(old.ctypes.data, old.nbytes)
-        words = numpy.zeros(max(count, 1), dtype="<i8")
-        self.reader.register(words.ctypes.data, words.nbytes)
-        self._ready_maps[address] = words
-        return words
+        return self.words.claim(reader, buffer.data_ptr(), version)
 
     def peer_source(self, manifest: wire.Manifest, offer: NixlOffer, peer: str,
                     arrived: Callable[[int], None]) -> PeerNixlSource | None:
@@ -1160,7 +1134,11 @@ class NixlPicker:
         weakref.finalize(base, self._gone.append, key)
 
     def freed(self, address: int) -> None:
-        """The pool dropped a staging buffer (or a sparse one went): deregister it."""
+        """The pool dropped a staging buffer (or a sparse one went): deregister it, and
+        its peers' words go (their offers with them)."""
+        self.words.freed(self.reader, address)
+        for key in [key for key in list(self._peer_offers) if key[0] == address]:
+            self._peer_offers.pop(key, None)
         ranges = self._sparse.pop(address, [])
         length = self._sizes.pop(address, None)
         if length is not None:
@@ -1195,13 +1173,11 @@ class NixlPicker:
 
     def chunk_verified(self, manifest: wire.Manifest, chunk: int, data: memoryview) -> None:
         """A peer READing this version sees the chunk final (its readiness map)."""
-        if not self._ready_maps:
+        if not self.words.maps:
             return
         start = numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data \
             - manifest.chunk_span(chunk)[0]
-        words = self._ready_maps.get(start)
-        if words is not None and chunk < len(words):
-            words[chunk] = manifest.version
+        self.words.verified(start, chunk, manifest.version)
 
     def target_completed(self, manifest: wire.Manifest) -> None:
         return None
@@ -1222,6 +1198,9 @@ class NixlPicker:
             # a sharded trainer's ranks whose ranges came (partly) as frames: how often
             "rank_fallbacks": dict(self.rank_fallbacks),
             "last_error": self.last_error,
+            # peers over NIXL: the claims words and readiness maps kept for peers (bytes
+            # counted in the staging budget), and words not made for want of room there
+            **self.words.stats(),
         }
 
     def close(self) -> None:
@@ -1231,8 +1210,7 @@ class NixlPicker:
         reader, self.reader = self.reader, None
         self._sizes.clear()
         self._peer_offers.clear()
-        self._ready_maps.clear()
-        self._claims.clear()
+        self.words.clear(reader)
         self._sparse.clear()
         if reader is not None:
             reader.close()

@@ -384,7 +384,8 @@ class Peering(ChunkSource):
         fetch waits up to ``plan_wait`` for the answer (a member that joined last version)."""
         now = time.monotonic()
         target = self.client.target
-        if self.nixl is not None and target is not None and target.manifest is manifest:
+        if self.nixl is not None and target is not None and target.manifest is manifest \
+                and not self.digest:  # (a sliced member's staging is not offered)
             self.nixl.claim(target.buffer, manifest.version)  # before its first byte lands
         self.sources.chunk_size(manifest.chunk_size)
         self._awaiting = ((manifest.publisher_id, manifest.version), now)
