@@ -161,8 +161,10 @@ class TestTP1:
         prompt = [*P, 21, 22]
         llm.generate([{"prompt_token_ids": prompt}], _sp(N), use_tqdm=False)  # cache it
         w = new_weights(KIND, 42)
-        v = pub.publish(w)
+        # read before publishing: read after, it raced the commit (CI1 of session 15 saw
+        # the wake counted already, 4 > 4)
         wakes = _driver(llm)["idle_wakes"]
+        v = pub.publish(w)
         # no request, no RPC (each would wake the engine), no poll (600 s backstop): the
         # rank's slot write wakes the engine from its input wait and it commits; we watch
         # from outside, through the replica's report to the publisher
