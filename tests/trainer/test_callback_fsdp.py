@@ -5,12 +5,13 @@ its half, and a subscriber of the union gets the same trained weights, versioned
 
 The CPU ``Trainer`` runs DDP, not FSDP (accelerate enables FSDP on GPUs only), so
 the ranks drive the callback's events themselves, with real ``TrainerState`` objects,
-the way ``Trainer`` does after each optimizer step.
+the way ``Trainer`` does after each optimizer step. The ranks and the subscriber are
+forked from the tests' torch-preloaded forkserver (``tests/transport/zygote.py``): a
+spawned rank spends seconds importing torch.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from datetime import timedelta
 
@@ -19,6 +20,8 @@ import torch
 
 from subscriber_ext import WeightSubscriber
 from tests.transport.procs import REPO, Child, digests
+from tests.transport.zygote import PRELOAD
+from weightpub.bench.forked import forkserver
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,7 +97,7 @@ def _rank(rank: int, store: str, conn) -> None:
 
 
 def test_fsdp2_rank0_publishes_the_others_gather_or_every_rank_publishes_its_shard(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = forkserver(PRELOAD)
     parent, child = ctx.Pipe()
     procs = [ctx.Process(target=_rank, args=(r, str(tmp_path / "store"), child), daemon=True)
              for r in (0, 1)]
@@ -104,7 +107,7 @@ def test_fsdp2_rank0_publishes_the_others_gather_or_every_rank_publishes_its_sha
     try:
         assert parent.poll(90), "rank 0 did not start its publisher"
         endpoint, announce = parent.recv()
-        sub = Child("subscriber", {"endpoint": endpoint})
+        sub = Child("subscriber", {"endpoint": endpoint}, forked=True)
         union = WeightSubscriber(announce)  # the sharded ranks' union, in this process
         sub.event("ready", 60)
         parent.send("subscribed")

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,7 +14,6 @@ import publisher.deltas.delta_encoder as publisher_delta
 from publisher import ProtocolError, WeightPublisher
 from subscriber_ext import StagedVersion, WeightSubscriber
 from tests.transport.procs import (
-    REPO,
     InlineChunks,
     digests,
     drift_weights,
@@ -24,6 +21,7 @@ from tests.transport.procs import (
     wait_until,
 )
 from tests.transport.test_metrics import scrape
+from weightpub.cli import main as cli_main
 from weightpub.deployment_config import RelayConfig
 from weightpub.relay import Relay
 from weightpub_wire import chunk_frame
@@ -231,7 +229,10 @@ def test_hostile_delta_fetches_get_errors_and_the_publisher_keeps_serving(
         ctx.term()
 
 
-def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublisher]) -> None:
+def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublisher],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``weightpub status --json`` of the relay runs ``main`` in this process (an
+    interpreter start costs seconds of CPU; ``test_config_cli`` runs the real one)."""
     trainer = make_pub(chunk_size=CHUNK, delta_anchor_every=8, metrics_port=0)
     config = RelayConfig.model_validate({
         "upstream": {"endpoint": trainer.endpoint},
@@ -251,10 +252,11 @@ def test_a_relay_passes_deltas_downstream(make_pub: Callable[..., WeightPublishe
         for hop in (upstream, downstream):
             assert (hop["versions_full"], hop["versions_delta"]) == (1, 3), hop
             assert 0 < hop["bytes_received_delta"] < 0.5 * full, hop
-        run = subprocess.run([sys.executable, "-m", "weightpub", "status", relay.endpoint,
-                              "--json"], cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert run.returncode == 0, run.stderr
-        reply = json.loads(run.stdout)
+        capsys.readouterr()
+        code = cli_main(["status", relay.endpoint, "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        reply = json.loads(out)
         assert reply["bytes_sent_delta"] == downstream["bytes_received_delta"]
         assert reply["bytes_sent_full"] == downstream["bytes_received_full"]
         sent = trainer.data_stats()

@@ -1,8 +1,11 @@
-"""FSDP/TP-sharded DTensors are published whole: rank 0 publishes, the others gather."""
+"""FSDP/TP-sharded DTensors are published whole: rank 0 publishes, the others gather.
+
+The two gloo ranks are forked from the tests' torch-preloaded forkserver
+(``tests/transport/zygote.py``): a spawned rank spends seconds importing torch.
+"""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import traceback
@@ -12,6 +15,8 @@ import pytest
 import torch
 
 from subscriber_ext import WeightSubscriber
+from tests.transport.zygote import PRELOAD
+from weightpub.bench.forked import forkserver
 
 
 def _rank(rank: int, store: str, conn) -> None:
@@ -53,7 +58,7 @@ def _rank(rank: int, store: str, conn) -> None:
 
 @pytest.mark.timeout(120)
 def test_sharded_dtensors_arrive_whole(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = forkserver(PRELOAD)
     parent, child = ctx.Pipe()
     store = str(tmp_path / "store")
     procs = [ctx.Process(target=_rank, args=(r, store, child), daemon=True) for r in (0, 1)]

@@ -6,6 +6,7 @@ public members of the package.)
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import types
@@ -113,18 +114,34 @@ def test_worker_extension_path_resolves_to_the_class() -> None:
         worker_extension.BatchWeightSyncWorkerExtension
 
 
-def test_the_transport_side_loads_no_vllm() -> None:
+#: one fresh interpreter for both import checks (a start imports torch: seconds of CPU):
+#: what importing the three packages loaded, then what the transport side added to it
+_IMPORTS = """
+import json, sys
+def bad(extra=()):
+    return sorted(m for m in sys.modules
+                  if m.split('.')[0] in ('vllm', 'transformers') or m in extra)
+import weightpub_wire, publisher, subscriber_ext
+packages = bad(('subscriber_ext.vllm_ext.worker_extension', 'publisher.callback'))
+import subscriber_ext.transport.subscriber, subscriber_ext.transport.node.node_owner
+import subscriber_ext.staleness, subscriber_ext.observe.replica_metrics
+print(json.dumps({"packages": packages, "transport": bad()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict[str, list[str]]:
+    """The modules ``_IMPORTS`` found loaded (vLLM, transformers, the vLLM-only modules)."""
+    result = subprocess.run([sys.executable, "-c", _IMPORTS], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    found: dict[str, list[str]] = json.loads(result.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_the_transport_side_loads_no_vllm(fresh_imports: dict[str, list[str]]) -> None:
     """A non-vLLM consumer (``WeightSubscriber``, the staleness helpers) never imports vLLM."""
-    import subprocess
-    import sys
-    code = ("import sys, subscriber_ext, subscriber_ext.transport.subscriber, "
-            "subscriber_ext.transport.node.node_owner, subscriber_ext.staleness, "
-            "subscriber_ext.observe.replica_metrics, publisher; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('vllm', 'transformers')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.strip()
-    assert out == "[]"
+    assert fresh_imports["transport"] == []
 
 
 def test_all_entries_are_unique_and_errors_share_one_base() -> None:
@@ -137,11 +154,6 @@ def test_all_entries_are_unique_and_errors_share_one_base() -> None:
     assert issubclass(publisher.WeightPubTimeout, TimeoutError)
 
 
-def test_importing_the_packages_does_not_import_vllm_or_transformers() -> None:
-    code = ("import sys, weightpub_wire, publisher, subscriber_ext; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'transformers') "
-            "or m in ('subscriber_ext.vllm_ext.worker_extension', 'publisher.callback')); "
-            "print(bad); assert not bad")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+def test_importing_the_packages_does_not_import_vllm_or_transformers(
+        fresh_imports: dict[str, list[str]]) -> None:
+    assert fresh_imports["packages"] == []

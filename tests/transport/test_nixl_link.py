@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 
@@ -21,6 +19,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from tests.transport.zygote import PRELOAD
+from weightpub.bench.forked import ForkedProcess
 from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import (
     NixlClaims,
@@ -35,28 +35,30 @@ from weightpub_wire.nixl_link import (
 pytestmark = pytest.mark.timeout(120)
 SIZE = 4 << 20
 
-HOLDER = textwrap.dedent("""
-    import sys, numpy as np
-    from weightpub_wire.nixl_link import NixlExporter, encode_offer
-    data = (np.arange({size}, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
+def _holder_main(size: int) -> None:
+    """The holder, in a process forked from the tests' torch-preloaded forkserver (an
+    interpreter start costs seconds of CPU): registers ``size`` known bytes, prints its
+    offer, holds them until a line (or EOF) on stdin."""
+    os.environ["UCX_NET_DEVICES"] = "lo"
+    from weightpub_wire.nixl_link import NixlExporter
+
+    data = _expected(size)
     holder = NixlExporter("test-holder")
     region = holder.register(data.ctypes.data, data.nbytes)
     print("OFFER", encode_offer(holder.offer([region])).hex(), flush=True)
     sys.stdin.readline()
     holder.close()
-""")
 
 
-def _expected() -> np.ndarray:
-    return (np.arange(SIZE, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
+def _expected(size: int = SIZE) -> np.ndarray:
+    return (np.arange(size, dtype=np.int64) * 2654435761 % 251).astype(np.uint8)
 
 
-def _start_holder() -> tuple[subprocess.Popen, NixlOffer]:
+def _start_holder() -> tuple[ForkedProcess, NixlOffer]:
     """A holder process of ``SIZE`` known bytes, and its offer (UCX on loopback)."""
     assert nixl_error() is None, nixl_error()  # a test dependency: installed in CI
-    env = {**os.environ, "UCX_NET_DEVICES": "lo"}
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(size=SIZE)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    proc = ForkedProcess(_holder_main, (SIZE,), stderr=sys.__stderr__, preload=PRELOAD,
+                         name="test-nixl-holder")
     try:
         assert proc.stdout is not None
         line = ""
@@ -69,7 +71,7 @@ def _start_holder() -> tuple[subprocess.Popen, NixlOffer]:
         raise
 
 
-def _stop_holder(proc: subprocess.Popen) -> None:
+def _stop_holder(proc: ForkedProcess) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(timeout=10)
@@ -88,7 +90,7 @@ def shared_holder() -> Iterator[NixlOffer]:
 
 
 @pytest.fixture
-def holder(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[subprocess.Popen, NixlOffer]]:
+def holder(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ForkedProcess, NixlOffer]]:
     """A holder of the test's own (it may kill it)."""
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     proc, offer = _start_holder()
