@@ -26,7 +26,7 @@ from subscriber_ext import WeightSubscriber
 from subscriber_ext.observe.replica_metrics import peer_nixl_counters
 from subscriber_ext.observe.status_board import StatusBoard
 from tests.transport.procs import Child, det_weights, digests, wait_until
-from tests.transport.test_peers import SEED, join, peers_status, staged_ok
+from tests.transport.test_peers import SEED, join, peer_dealer, peers_status, staged_ok
 from tests.unit.scrape import scrape
 from weightpub_wire import protocol as wire
 from weightpub_wire.keys import create_key_pair
@@ -205,20 +205,11 @@ def test_under_curve_a_stranger_gets_no_offer(
 
     def ask(client_secret: str | None, wait: float) -> PeerNixlOffer | None:
         """Ask the first member for its offer of version 1 (None: no answer)."""
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        if client_secret is not None:
-            public, secret = zmq.auth.load_certificate(client_secret)
-            dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = \
-                server_key, public, secret
-        dealer.connect(endpoint)
-        try:
+        with peer_dealer(endpoint, server_key, client_secret) as dealer:
             dealer.send(wire.encode(PeerNixl(req=7, publisher_id=publisher_id, version=1)))
             if not dealer.poll(int(wait * 1000)):
                 return None
             return msgspec.msgpack.decode(dealer.recv(), type=PeerNixlOffer)
-        finally:
-            dealer.close()
 
     answer = ask(secrets[1], 20)  # a member the tracker vouched for: an offer
     assert answer is not None and answer.req == 7 and answer.offer is not None, answer

@@ -9,11 +9,12 @@ test put a bad peer exactly in the middle.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -58,6 +59,24 @@ def join(spawn: Callable[..., Child], pub: WeightPublisher, count: int, spec: li
         wait_until(lambda c=child: peers_status(c)["peers"]["plan_epoch"] ==
                    peers_status(members[-1])["peers"]["plan_epoch"], 20, "the final plan")
     return members
+
+
+@contextlib.contextmanager
+def peer_dealer(endpoint: str, server_key: bytes,
+                client_secret: str | None) -> Iterator[zmq.Socket[bytes]]:
+    """A fresh DEALER to a member's peer ROUTER: a CURVE client with ``client_secret``'s
+    key pair, or plain with None (which a CURVE member never answers)."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    if client_secret is not None:
+        public, secret = zmq.auth.load_certificate(client_secret)
+        dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = \
+            server_key, public, secret
+    dealer.connect(endpoint)
+    try:
+        yield dealer
+    finally:
+        dealer.close()
 
 
 def staged_ok(child: Child, version: int, timeout: float = 60) -> dict[str, Any]:
@@ -166,15 +185,7 @@ def test_curve_between_peers_and_strangers_get_nothing(
 
     def fetch(client_secret: str | None, wait: float) -> bool:
         """Ask member 0 for chunk 0 of version 1: True if the right bytes came back."""
-        ctx = zmq.Context.instance()
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        if client_secret is not None:
-            public, secret = zmq.auth.load_certificate(client_secret)
-            dealer.curve_serverkey, dealer.curve_publickey, dealer.curve_secretkey = \
-                server_key, public, secret
-        dealer.connect(endpoint)
-        try:
+        with peer_dealer(endpoint, server_key, client_secret) as dealer:
             dealer.send(wire.encode(wire.FetchRequest(
                 req=1, publisher_id=manifest.publisher_id, version=1, chunks=(0,))))
             if not dealer.poll(int(wait * 1000)):
@@ -183,8 +194,6 @@ def test_curve_between_peers_and_strangers_get_nothing(
             assert header.follows and dealer.poll(int(wait * 1000))  # the payload is next
             payload = dealer.recv()
             return chunk_checksum(payload) == manifest.checksums[header.chunk]
-        finally:
-            dealer.close()
 
     assert fetch(secrets[2], 20)  # a member the tracker vouched for gets verified bytes
     assert not fetch(stranger_secret, 3)  # a key the publisher never saw: refused
