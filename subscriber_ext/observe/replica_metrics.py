@@ -137,7 +137,23 @@ class ReplicaCollector(Collector):
                                     "(absent: no plan, whole versions)",
         "received_fraction": "Bytes this rank received for its applied version, as a share "
                              "of that version (absent: unknown, or a node-staging follower)",
+        "stream_scratch_bytes": "Bytes the stream path's landing scratch holds now (in the "
+                                "staging budget; stream=True)",
     }
+
+    #: status file key -> (counter name, help); a series only where the key is
+    COUNTERS = {
+        "stream_landing_refused": (
+            "weightpub_stream_landing_refused",
+            "Stream slices read in place for want of room to land them (slower, the same "
+            "bytes)"),
+        "versions_abandoned": ("weightpub_versions_abandoned",
+                               "Versions the subscription gave up (the newest, and why: the "
+                               "worker's status)"),
+    }
+
+    #: ``early_sums`` status key -> ``what`` label of ``weightpub_early_sums``
+    EARLY_SUMS = {"versions": "versions", "replies": "replies", "held": "chunks_held"}
 
     def __init__(self, board: StatusBoard) -> None:
         self.board = board
@@ -171,6 +187,12 @@ class ReplicaCollector(Collector):
             "by cause", labels=["rank", "cause"])
         peer_nixl = {key: CounterMetricFamily(name, text, labels=["rank"])
                      for key, (name, text) in PEER_NIXL_COUNTERS.items()}
+        counters = {key: CounterMetricFamily(name, text, labels=["rank"])
+                    for key, (name, text) in self.COUNTERS.items()}
+        early_sums = CounterMetricFamily(
+            "weightpub_early_sums",
+            "Versions announced before their checksums (announce_early), sum replies taken, "
+            "chunks whose bytes waited for their sum", labels=["rank", "what"])
         peer_unoffered = CounterMetricFamily(
             "weightpub_peer_nixl_unoffered",
             "peer_nixl questions this member answered without an offer, by cause",
@@ -202,6 +224,7 @@ class ReplicaCollector(Collector):
                 "prepare_held_bytes": _number(budget.get("held_bytes")),
                 "receive_planned_fraction": _number(receive.get("planned_fraction")),
                 "received_fraction": _number(cost.get("fraction")),
+                "stream_scratch_bytes": _number(state.get("stream_scratch_bytes")),
             }
             for name, value in values.items():
                 if value is not None:
@@ -224,13 +247,23 @@ class ReplicaCollector(Collector):
             for cause, count in sorted((state.get("stream_fallbacks") or {}).items()):
                 if _number(count) is not None:
                     stream_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
-            counters: dict[str, Any] = state["peer_nixl"] \
+            peer: dict[str, Any] = state["peer_nixl"] \
                 if isinstance(state.get("peer_nixl"), dict) else {}
             for key, family in peer_nixl.items():
-                value = _number(counters.get(key))
+                value = _number(peer.get(key))
                 if value is not None:
                     family.add_metric(label, value)
-            for cause, count in sorted((counters.get("nixl_unoffered") or {}).items()):
+            for key, family in counters.items():
+                value = _number(state.get(key))
+                if value is not None:
+                    family.add_metric(label, value)
+            sums: dict[str, Any] = state["early_sums"] \
+                if isinstance(state.get("early_sums"), dict) else {}
+            for key, what in self.EARLY_SUMS.items():
+                value = _number(sums.get(key))
+                if value is not None:
+                    early_sums.add_metric([*label, what], value)
+            for cause, count in sorted((peer.get("nixl_unoffered") or {}).items()):
                 if _number(count) is not None:
                     peer_unoffered.add_metric([*label, str(cause)[:32]], float(count))
             if isinstance(receive.get("mode"), str):
@@ -257,6 +290,8 @@ class ReplicaCollector(Collector):
         yield stream_fallbacks
         yield from peer_nixl.values()
         yield peer_unoffered
+        yield from counters.values()
+        yield early_sums
         yield receive_mode
         yield path
         yield from histograms.values()

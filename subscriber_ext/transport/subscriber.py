@@ -336,6 +336,7 @@ class WeightSubscriber:
             "last_error": client.report.last_error,
             # the newest version given up ({"version", "why"}), or None
             "abandoned": client.report.abandoned,
+            "abandoned_versions": client.report.abandoned_count,  # versions given up
             **client.deltas.stats(),  # bytes received full vs delta, the delta base
             "refused": None if client.gate.refused is None else
             f"StagingBudgetError: {client.gate.refused}",

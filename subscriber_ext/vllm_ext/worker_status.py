@@ -84,6 +84,17 @@ class WorkerStatus(StateAccess):
             # chunk bytes that came over the stream port (the part of received_bytes)
             "stream_received_bytes": 0 if follower else
             (source.get("stream") or {}).get("bytes_received", 0),
+            # the stream path's landing scratch held now, and slices read in place for want
+            # of room to land them (``stream_source.py``)
+            "stream_scratch_bytes": 0 if follower else
+            (source.get("stream") or {}).get("scratch_bytes", 0),
+            "stream_landing_refused": 0 if follower else
+            (source.get("stream") or {}).get("landing_refused", 0),
+            # versions the subscription gave up (the newest: ``abandoned`` in its status)
+            "versions_abandoned": 0 if follower else source.get("abandoned_versions", 0),
+            # versions announced before their sums (``announce_early``): versions, sum
+            # replies, chunks whose bytes waited for their sum
+            "early_sums": {} if follower else dict(source.get("early_sums") or {}),
             # peers over NIXL: bytes and chunks READ from peers, offers made and refused
             "peer_nixl": {} if follower else peer_nixl_counters(source),
             "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
@@ -145,6 +156,13 @@ class WorkerStatus(StateAccess):
             # the node's stream path (``stream=True``): chunks fetched as frames, by cause
             "stream_fallbacks": dict(((source_status or {}).get("stream") or {})
                                      .get("fallback_causes") or {}),
+            # its landing scratch held now, slices read in place for want of room
+            "stream_scratch_bytes": ((source_status or {}).get("stream") or {})
+            .get("scratch_bytes", 0),
+            "stream_landing_refused": ((source_status or {}).get("stream") or {})
+            .get("landing_refused", 0),
+            # the newest version the subscription gave up ({"version", "why"}), or None
+            "abandoned": (source_status or {}).get("abandoned"),
             # each rank its own slices, node staging or whole (``receive_choice.py``), with
             # its plan's share and what the applied version cost it (``receive_table.py``)
             "receive": self._wp_receive_row(source_status),

@@ -44,6 +44,7 @@ from tests.transport.procs import (
     spec_bytes,
     wait_until,
 )
+from tests.unit.scrape import worker_view
 from weightpub_wire import protocol as wire
 from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.errors import ProtocolError, VersionUnavailable
@@ -212,7 +213,8 @@ def _sums_in_manifest(staged: Any) -> bool:
 
 
 def test_versions_come_bit_exact_while_their_sums_follow(
-        spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate) -> None:
+        spawn: Callable[..., Child], closing: Callable[[Any], Any], gate: Gate,
+        tmp_path: Path) -> None:
     pub, endpoint = start_publisher(spawn, stream=True, announce_early=True,
                                     sums_gate=str(gate.path))
     streamed = subscriber(closing, endpoint, stream=True)
@@ -235,6 +237,13 @@ def test_versions_come_bit_exact_while_their_sums_follow(
         assert status["checksum_failures"] == 0 and status["last_error"] is None, status
         early = status["early_sums"]
         assert early["versions"] == 3 and early["held"] >= 3 * chunks, early
+    # the replica's /metrics counts them (nothing changes them once every version is in)
+    early = framed.status()["early_sums"]
+    _, text = worker_view(framed, tmp_path / "board")
+    for key, what in (("versions", "versions"), ("replies", "replies"),
+                      ("held", "chunks_held")):
+        assert f'weightpub_early_sums_total{{rank="0",what="{what}"}} {float(early[key])}' \
+            in text, text
     assert streamed.status()["stream"]["fallbacks"] == 0
     # and the publisher's manifest is the complete one now, as a late subscriber sees it
     late = subscriber(closing, endpoint)

@@ -13,6 +13,7 @@ serve slices (whole chunks, the touched ones), and plans the publisher refuses.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from subscriber_ext.transport.client.slice_source import register_parts
 from subscriber_ext.transport.staging.assembly import StagedVersion
 from tests.transport.byte_relay import ByteRelay
 from tests.transport.procs import Child, as_bytes, det_weights, spec_bytes, wait_until
+from tests.unit.scrape import worker_view
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
 from weightpub_wire.dtypes import DTYPE_BY_NAME, itemsize
@@ -201,7 +203,7 @@ def test_conflation_moves_a_slow_slice_fetch_to_the_newest_version(
 
 def test_kill9_of_the_publisher_mid_version_stages_nothing_partial(
         spawn: Callable[..., Child], make_sub: Callable[..., WeightSubscriber],
-        relays: list[ByteRelay]) -> None:
+        relays: list[ByteRelay], tmp_path: Path) -> None:
     pub = spawn("publisher", endpoint="tcp://127.0.0.1:0", seed=SEED, chunk_size=CHUNK)
     endpoint = pub.event("ready", timeout=60)["endpoint"]
     relays.append(ByteRelay.in_front_of(endpoint, down_rate=1e6))
@@ -220,6 +222,9 @@ def test_kill9_of_the_publisher_mid_version_stages_nothing_partial(
     wait_until(lambda: (sub.status()["abandoned"] or {}).get("version") == 2, 30,
                "version 2 given up against the dead publisher")
     assert "version 2" in sub.status()["abandoned"]["why"]
+    worker, text = worker_view(sub, tmp_path)  # what the operator reads of it
+    assert worker["abandoned"]["version"] == 2 and sub.status()["abandoned_versions"] == 1
+    assert 'weightpub_versions_abandoned_total{rank="0"} 1.0' in text
     assert staged_versions == [1]  # version 2 never staged in part
     latest = sub.latest()
     assert latest is not None and latest.version == 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,6 +38,7 @@ from tests.transport.data_path_cases import (
     subscriber,
 )
 from tests.transport.procs import Child, as_bytes, det_weights, wait_until
+from tests.unit.scrape import worker_view
 from weightpub.fleet_view import stream_line
 from weightpub.status import fetch_status
 from weightpub_wire import stream_link
@@ -102,17 +104,20 @@ def test_sliced_versions_come_over_the_stream_bit_exact(
 
 def test_the_landing_buffer_is_counted_while_held_and_given_back(
         spawn: Callable[..., Child], closing: Callable[[Any], Any],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The scratch short rows land in is counted in the staging budget each time a slice
     is scattered out of it, and given back once the version is in."""
     pub, endpoint = start_publisher(spawn, stream=True)
     subs: list[WeightSubscriber] = []
     seen: list[tuple[int, int]] = []  # (the stream's scratch, the pool's bytes beside)
+    views: list[tuple[dict[str, Any], str]] = []
     place = SparseAssembly.place
 
     def counted_place(self: SparseAssembly, chunk: int, payload: memoryview) -> int | None:
         seen.append((subs[0].status()["stream"]["scratch_bytes"],
                      subs[0].status()["staging_cache_bytes"]))
+        if not views:  # held now, on the worker's status and the replica's /metrics
+            views.append(worker_view(subs[0], tmp_path))
         return place(self, chunk, payload)
 
     monkeypatch.setattr(SparseAssembly, "place", counted_place)
@@ -125,13 +130,16 @@ def test_the_landing_buffer_is_counted_while_held_and_given_back(
     # each counted while it was there
     assert len(seen) == 5, seen
     assert all(scratch == beside >= CHUNK0_BYTES for scratch, beside in seen), seen
+    worker, text = views[0]
+    assert worker["stream_scratch_bytes"] == seen[0][0], worker
+    assert f'weightpub_stream_scratch_bytes{{rank="0"}} {float(seen[0][0])}' in text
     status = wait_until(lambda: (s := subs[0].status())["stream"]["scratch_bytes"] == 0
                         and s, 10, "the scratch given back")
     assert status["staging_cache_bytes"] == 0 and status["stream"]["landing_refused"] == 0
 
 
 def test_no_room_to_land_short_rows_reads_them_in_place_bit_exact(
-        spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
+        spawn: Callable[..., Child], closing: Callable[[Any], Any], tmp_path: Path) -> None:
     """A staging budget that holds the plan's pages and not one byte more: the short rows
     are scatter-read in place (counted), the version comes over the stream bit-exact and
     the budget is never passed."""
@@ -151,6 +159,10 @@ def test_no_room_to_land_short_rows_reads_them_in_place_bit_exact(
     assert status["stream"]["fallbacks"] == 0, status["stream"]
     assert status["stream"]["landing_refused"] == 5  # the chunks of short pieces
     assert status["stream"]["scratch_bytes"] == 0
+    worker, text = worker_view(tight, tmp_path)  # what the operator reads of it
+    assert (worker["stream_landing_refused"], worker["stream_scratch_bytes"]) == (5, 0)
+    assert 'weightpub_stream_landing_refused_total{rank="0"} 5.0' in text
+    assert 'weightpub_stream_scratch_bytes{rank="0"} 0.0' in text
     assert status["staging_bytes"] == status["staging_budget_bytes"] == staging
 
 

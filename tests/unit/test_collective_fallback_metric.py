@@ -41,3 +41,24 @@ def test_stream_fallbacks_are_a_counter_with_a_cause_label(tmp_path) -> None:
     assert 'weightpub_stream_fallbacks_total{cause="refused",rank="0"} 2.0' in text
     assert 'weightpub_stream_fallbacks_total{cause="checksum",rank="0"} 1.0' in text
     assert 'weightpub_data_path_info{path="stream+zmq",rank="0"} 1.0' in text
+
+
+def test_stream_scratch_landing_abandoned_and_early_sums_reach_metrics(tmp_path) -> None:
+    """The stream's scratch (a gauge) and landing refusals, versions given up, and the
+    early-sums counts (one family, by ``what``); a worker without them: no series."""
+    board = StatusBoard(tmp_path)
+    board.write(0, {"rank": 0, "stream_scratch_bytes": 65536, "stream_landing_refused": 5,
+                    "versions_abandoned": 2,
+                    "early_sums": {"versions": 3, "replies": 4, "held": 40}})
+    board.write(1, {"rank": 1})  # a worker that predates them
+    text = scrape(board)
+    assert 'weightpub_stream_scratch_bytes{rank="0"} 65536.0' in text
+    assert 'weightpub_stream_landing_refused_total{rank="0"} 5.0' in text
+    assert 'weightpub_versions_abandoned_total{rank="0"} 2.0' in text
+    assert 'weightpub_early_sums_total{rank="0",what="versions"} 3.0' in text
+    assert 'weightpub_early_sums_total{rank="0",what="replies"} 4.0' in text
+    assert 'weightpub_early_sums_total{rank="0",what="chunks_held"} 40.0' in text
+    assert 'rank="1"' not in "".join(
+        line for line in text.splitlines() if line.startswith(
+            ("weightpub_stream_scratch", "weightpub_stream_landing", "weightpub_versions_ab",
+             "weightpub_early_sums")))

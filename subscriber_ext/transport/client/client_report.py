@@ -89,6 +89,7 @@ class ClientReport:
         # the newest version given up and why: kept when a later problem (a reconnect's
         # handshake, say) replaces ``last_error``
         self.abandoned: dict[str, Any] | None = None
+        self.abandoned_count = 0  # versions given up (a counter on the replica's /metrics)
         self.bad_messages = 0
         self.warn = RateLimitedLog(log)
         self.ranks: tuple[int, ...] = ()  # replica ranks served
@@ -127,6 +128,7 @@ class ClientReport:
     def abandon(self, version: int | None, error: WeightPubError) -> None:
         """A version given up: counted, named in ``last_error`` and kept in ``abandoned``."""
         self.count_failure(error)
+        self.abandoned_count += 1
         self.abandoned = {"version": version,
                           "why": f"{type(error).__name__}: {error}"[: wire.MAX_ERROR_CHARS]}
         self.problem(error)
