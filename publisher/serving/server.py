@@ -204,7 +204,7 @@ class ServingThread(threading.Thread):
                 if commands in events and not self._on_command(commands, pub):
                     return
                 try:
-                    guard.on_events()
+                    guard.on_events(events)
                     if router in events:
                         self._drain_router(router, peers, guard)
                     now = time.monotonic()

@@ -310,7 +310,7 @@ class ShardCoordinator:
         try:
             while not self._closed:
                 events = dict(poller.poll(50))
-                guard.on_events()
+                guard.on_events(events)
                 if sock in events:
                     for _ in range(64):
                         try:
