@@ -396,6 +396,19 @@ class WeightSubscriber:
             self._commands.append(command)
         self._poke()
 
+    def _run_commands(self, client: SyncClient) -> None:
+        with self._cond:
+            commands, self._commands = self._commands, []
+        for command in commands:
+            command(client)
+
+    def settle(self) -> None:
+        """From an ``on_version`` callback (this subscriber's own thread): run what was
+        queued for the thread (``carry_from``'s record) now rather than after the
+        callback returns; from any other thread, nothing."""
+        if threading.current_thread() is self._thread:
+            self._run_commands(self._client)
+
     def _poke(self) -> None:
         push = self._ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 0)
@@ -434,10 +447,7 @@ class WeightSubscriber:
         if self._wake in events:
             while self._wake.poll(0):
                 self._wake.recv()
-            with self._cond:
-                commands, self._commands = self._commands, []
-            for command in commands:
-                command(client)
+            self._run_commands(client)
         for _ in range(256):  # drain, bounded so ticks still run
             if not client.dealer.poll(0):
                 break

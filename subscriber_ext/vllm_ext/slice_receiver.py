@@ -41,6 +41,9 @@ from weightpub_wire.protocol import Manifest
 __all__ = ["SliceReceiver", "layout_key", "manifest_layout"]
 
 logger = logging.getLogger("weightpub.slices")
+#: how long a replan's new subscription holds a staged version until it has taken over
+#: (the old subscription's close is bounded by ``subscriber.CLOSE_WAIT_SECONDS``, 10 s)
+SWITCH_WAIT_S = 15.0
 
 
 
@@ -121,7 +124,8 @@ class SliceReceiver:
         #: None: not decided yet (``decide``); True: slices; False: whole for good
         self.slicing: bool | None = None if decide is not None else True
         self._ready = threading.Event()  # a replan waits until the first subscription is ours
-        self._subscriber = self._subscribe(layout)
+        self._subscriber, switched = self._subscribe(layout)
+        switched.set()
         self._ready.set()
 
     # ------------------------------------------------------------ VersionSource
@@ -189,19 +193,22 @@ class SliceReceiver:
                     self._replanner = None
                 return
             try:
-                new = self._subscribe(layout)
+                new, switched = self._subscribe(layout)
             except Exception:
                 logger.exception("weightpub: rank %d could not resubscribe", self.rank)
                 continue
             with self._lock:
                 old, self._subscriber = self._subscriber, new
                 closed, applied = self._closed, self._applied
-            old.close()
-            if closed:
-                new.close()
-            else:  # what runs here, and what the versions the old one staged cost
-                new.carry_from(old, applied)
-            self.replans += 1
+            try:
+                old.close()
+                if closed:
+                    new.close()
+                else:  # what runs here, and what the versions the old one staged cost
+                    new.carry_from(old, applied)
+                self.replans += 1
+            finally:
+                switched.set()  # its versions go out now, with the record carried over
 
     def _decided(self, decide: Callable[[Layout], bool], layout: Layout) -> bool:
         """Ask ``decide`` once, with the first layout; anything but True: whole."""
@@ -213,7 +220,9 @@ class SliceReceiver:
         self.slicing = slicing
         return slicing
 
-    def _subscribe(self, layout: Layout | None) -> WeightSubscriber:
+    def _subscribe(self, layout: Layout | None) -> tuple[WeightSubscriber, threading.Event]:
+        """A subscription for ``layout``'s plan, and the event that lets its versions out
+        (set once it has taken over: ``replans`` counted, the old record carried)."""
         plan: SlicePlan | None = None
         if layout is not None:
             try:
@@ -229,12 +238,14 @@ class SliceReceiver:
             generation = self._generation
             self._plan = plan
             self._key = None if layout is None else layout_key(layout)
+        switched = threading.Event()
         sub = WeightSubscriber(self.endpoint, options=self._options.replace(slice_plan=wire_plan),
-                               on_version=lambda staged: self._deliver(staged, generation),
+                               on_version=lambda staged: self._deliver(staged, generation,
+                                                                       switched),
                                on_progress=lambda partial: self._progress(partial, generation),
                                chunk_listener=_LayoutWatch(self, generation))
         sub.set_ranks((self.rank,))
-        return sub
+        return sub, switched
 
     def _current(self, manifest: Manifest, generation: int) -> bool:
         """Whether a version came through the running subscription and fits its plan."""
@@ -243,10 +254,18 @@ class SliceReceiver:
         return generation == current and (key is None or key == layout_key(
             manifest_layout(manifest)))
 
-    def _deliver(self, staged: Any, generation: int) -> None:
+    def _deliver(self, staged: Any, generation: int, switched: threading.Event) -> None:
+        # a new subscription may stage a version before the replan thread has closed the
+        # old one and carried its record over: that version waits (bounded by the old
+        # one's close), so status never shows it without ``replans`` and the record
+        switched.wait(timeout=SWITCH_WAIT_S)
         if not self._current(staged.manifest, generation):  # staged under another plan
             staged.release()
             return
+        with self._lock:
+            sub = self._subscriber if generation == self._generation else None
+        if sub is not None:
+            sub.settle()  # the carried record in place before anyone is told of the version
         self._on_version(staged)
 
     def _progress(self, partial: PartialVersion, generation: int) -> None:

@@ -306,10 +306,22 @@ def test_auto_decides_at_start_with_a_layout_and_at_the_first_version_without(
         assert receive.fallbacks == {cause: 1}
 
 
-def test_what_the_applied_version_cost_survives_a_replan() -> None:
+def test_what_the_applied_version_cost_survives_a_replan(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A replan replaces the subscription: the applied version's cost (``received``) and
     the costs of versions the old one staged go with it, so status never shows None for
-    a version applied here, whichever subscription staged it."""
+    a version applied here, whichever subscription staged it. The old subscription's
+    close is slowed (as on a loaded box, CI3 of session 15): the new one has staged the
+    version by then, and it is told of only once the replan is counted and carried."""
+    from subscriber_ext.transport.subscriber import WeightSubscriber
+
+    close = WeightSubscriber.close
+
+    def slow_close(self: WeightSubscriber) -> None:
+        time.sleep(0.5)
+        close(self)
+
+    monkeypatch.setattr(WeightSubscriber, "close", slow_close)
     pub = WeightPublisher("tcp://127.0.0.1:0", heartbeat_interval=0.2, chunk_size=64 << 10)
     got = _Got()
     first = _weights(1, ("a", "b"))
