@@ -152,19 +152,31 @@ def test_a_peer_that_never_answers_costs_the_wait_once(
     assert status["peers"]["bytes_from_peers"] == total + pub.manifest(2).total_bytes
 
 
+#: the paced tests' version: 12 chunks of 1 MiB, one READ each
+BIG_CHUNK = 1 << 20
+BIG_SPEC = [("big", "uint8", [12 * BIG_CHUNK])]
+
+
+def _big_chain(make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+               closing: Callable[[Any], Any],
+               **second_options: Any) -> tuple[WeightPublisher, Child, WeightSubscriber]:
+    """A publisher of ``BIG_SPEC``, a first member (a child) and a second one here, in
+    one chain (``peer_fanout`` 1), the second in its slot."""
+    pub = make_pub(chunk_size=BIG_CHUNK, peer_fanout=1, nixl=True)
+    (first,) = join(spawn, pub, 1, BIG_SPEC, lambda i: _options(True))
+    second = closing(WeightSubscriber(pub.endpoint, peer_share=True, nixl=True,
+                                      request_timeout=2.0, window_bytes=2 * BIG_CHUNK,
+                                      subscriber_id="m1", **second_options))
+    wait_until(lambda: second.status()["peers"]["slot"] == 1, 20, "the second slot")
+    return pub, first, second
+
+
 def test_the_first_member_killed_mid_read_stages_nothing_partial(
         make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
         closing: Callable[[Any], Any], paced_reads: Callable[[int], list[float]]) -> None:
-    chunk = 1 << 20
-    spec = [("big", "uint8", [12 * chunk])]
-    pub = make_pub(chunk_size=chunk, peer_fanout=1, nixl=True)
-    (first,) = join(spawn, pub, 1, spec, lambda i: _options(True))
-    second = closing(WeightSubscriber(pub.endpoint, peer_share=True, nixl=True,
-                                      request_timeout=2.0, window_bytes=2 * chunk,
-                                      subscriber_id="m1"))
-    wait_until(lambda: second.status()["peers"]["slot"] == 1, 20, "the second slot")
-    paced = paced_reads(chunk)  # one chunk per READ, seen done one per 0.3 s
-    pub.publish(det_weights(SEED, 1, spec), version=1)
+    pub, first, second = _big_chain(make_pub, spawn, closing)
+    paced = paced_reads(BIG_CHUNK)  # one chunk per READ, seen done one per 0.3 s
+    pub.publish(det_weights(SEED, 1, BIG_SPEC), version=1)
     staged_ok(first, 1)
     wait_until(lambda: len(paced) >= 2, 60, "chunks read one-sided from the first member")
     first.kill9()
@@ -173,7 +185,7 @@ def test_the_first_member_killed_mid_read_stages_nothing_partial(
     wait_until(lambda: second.latest() is not None, 60, "the version, from the publisher")
     staged = second.latest()
     assert staged is not None and staged.version == 1
-    assert digests(staged.items()) == digests(det_weights(SEED, 1, spec).items())
+    assert digests(staged.items()) == digests(det_weights(SEED, 1, BIG_SPEC).items())
     # the rest came from the next source in the chain, the publisher: its own offer
     assert staged.data_path == "nixl", staged.data_path
     status, total = second.status(), pub.manifest(1).total_bytes
@@ -225,20 +237,13 @@ def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
     from it: version 3 lands in version 1's staging buffer (a pool of two), so the
     chunks read after that fail their checksum, and the buffer's claims word (version
     3, stored before its first byte landed) tells ``reused`` from corrupt."""
-    chunk = 1 << 20
-    spec = [("big", "uint8", [12 * chunk])]
-    pub = make_pub(chunk_size=chunk, peer_fanout=1, nixl=True)
-    (first,) = join(spawn, pub, 1, spec, lambda i: _options(True))
-    second = closing(WeightSubscriber(pub.endpoint, peer_share=True, nixl=True,
-                                      request_timeout=2.0, window_bytes=2 * chunk,
-                                      switch_below_fraction=0.0, subscriber_id="m1"))
-    wait_until(lambda: second.status()["peers"]["slot"] == 1, 20, "the second slot")
-    paced = paced_reads(chunk)  # one chunk per READ, seen done one per 0.3 s
-    pub.publish(det_weights(SEED, 1, spec), version=1)
+    pub, first, second = _big_chain(make_pub, spawn, closing, switch_below_fraction=0.0)
+    paced = paced_reads(BIG_CHUNK)  # one chunk per READ, seen done one per 0.3 s
+    pub.publish(det_weights(SEED, 1, BIG_SPEC), version=1)
     staged_ok(first, 1)
     wait_until(lambda: len(paced) >= 1, 60, "a chunk read one-sided from the first member")
     for version in (2, 3):
-        pub.publish(det_weights(SEED, version, spec), version=version)
+        pub.publish(det_weights(SEED, version, BIG_SPEC), version=version)
         staged_ok(first, version)
     wait_until(lambda: second.status()["nixl"]["fallback_causes"].get("reused", 0) >= 1, 60,
                "a chunk of version 1 overwritten by version 3 at the first member")
@@ -247,7 +252,7 @@ def test_a_staging_buffer_reused_under_the_read_is_counted_reused(
     wait_until(lambda: second.status()["staged_version"] == 3, 60, "version 3")
     staged = second.latest()
     assert staged is not None and staged.version == 3  # version 1 was given up, not torn
-    assert digests(staged.items()) == digests(det_weights(SEED, 3, spec).items())
+    assert digests(staged.items()) == digests(det_weights(SEED, 3, BIG_SPEC).items())
 
 
 def test_the_words_kept_for_peers_count_in_the_staging_budget(

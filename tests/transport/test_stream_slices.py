@@ -166,15 +166,21 @@ def test_no_room_to_land_short_rows_reads_them_in_place_bit_exact(
     assert status["staging_bytes"] == status["staging_budget_bytes"] == staging
 
 
-def test_the_scratch_is_shed_when_staging_needs_the_room() -> None:
-    """A version that would wait for staging memory takes the stream's scratch back first
-    (``BufferPool.on_shed``); scratch past the budget is refused, nothing counted."""
+def _unit_source() -> tuple[BufferPool, StreamPicker, StreamSource]:
+    """A stream source with no connection, its picker on a 1 MiB staging budget."""
     pool = BufferPool(pinned=False, budget_bytes=1 << 20)
     picker = StreamPicker(True, "127.0.0.1", request_timeout=1.0, window_bytes=1 << 20,
                           pool=pool)
     sink = SourceSink(RequestTable(), chunk=lambda *a: None, error=lambda e: None,
                       bad=lambda e: None, discard_rest=lambda *a: None)
     source = picker.source = StreamSource(picker, sink)
+    return pool, picker, source
+
+
+def test_the_scratch_is_shed_when_staging_needs_the_room() -> None:
+    """A version that would wait for staging memory takes the stream's scratch back first
+    (``BufferPool.on_shed``); scratch past the budget is refused, nothing counted."""
+    pool, picker, source = _unit_source()
     assert source._grow(256 << 10) and source._grow(512 << 10)  # grown: the difference held
     assert pool.side_bytes == picker.status()["scratch_bytes"] == 512 << 10
     assert not source._grow(2 << 20) and pool.side_bytes == 512 << 10  # over the budget
@@ -190,12 +196,7 @@ def test_stale_bytes_land_in_counted_scratch_or_cost_a_named_fallback() -> None:
     given back once nothing is asked; with no room for it, the connection is dropped
     instead, counted as ``staging_budget``."""
     for room in (True, False):
-        pool = BufferPool(pinned=False, budget_bytes=1 << 20)
-        picker = StreamPicker(True, "127.0.0.1", request_timeout=1.0, window_bytes=1 << 20,
-                              pool=pool)
-        sink = SourceSink(RequestTable(), chunk=lambda *a: None, error=lambda e: None,
-                          bad=lambda e: None, discard_rest=lambda *a: None)
-        source = picker.source = StreamSource(picker, sink)
+        pool, picker, source = _unit_source()
         if not room:
             assert pool.hold(1 << 20)  # another holder took the whole budget
         mine, theirs = socket.socketpair()
