@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -200,6 +201,8 @@ class SliceReceiver:
             with self._lock:
                 old, self._subscriber = self._subscriber, new
                 closed, applied = self._closed, self._applied
+            if closed:  # its versions go nowhere: let its thread end before closing it
+                switched.set()
             try:
                 old.close()
                 if closed:
@@ -258,8 +261,11 @@ class SliceReceiver:
         # a new subscription may stage a version before the replan thread has closed the
         # old one and carried its record over: that version waits (bounded by the old
         # one's close), so status never shows it without ``replans`` and the record
-        switched.wait(timeout=SWITCH_WAIT_S)
-        if not self._current(staged.manifest, generation):  # staged under another plan
+        deadline = time.monotonic() + SWITCH_WAIT_S
+        while not switched.wait(timeout=0.1) and not self._closed \
+                and time.monotonic() < deadline:
+            pass  # a close meanwhile ends the wait: ``close`` waits for this thread
+        if self._closed or not self._current(staged.manifest, generation):
             staged.release()
             return
         with self._lock:
