@@ -253,16 +253,17 @@ def test_a_read_deadline_scales_with_the_bytes_in_flight_within_bounds() -> None
 
 def test_a_version_staged_over_nixl_is_offered_from_the_subscriber_s_own_agent(
         spawn: Callable[..., Child], closing: Callable[[Any], Any]) -> None:
-    """Toward peers over NIXL (``docs/peers-over-nixl.md``): a member's staging, registered
-    when its version came over NIXL, is offered from the member's own agent with nothing
-    registered for it, and another agent READs the staged version from there bit for
+    """Peers over NIXL (``docs/peers-over-nixl.md``, ``NixlPicker.peer_offer``): a member's
+    staging, registered when its version came over NIXL, is offered from the member's own
+    agent with nothing registered for its bytes (only its claims word), and another
+    agent READs the staged version from there bit for
     bit (through the offer's wire form, as a peer would get it)."""
     import threading
 
     from weightpub_wire.nixl_link import NixlReader, decode_offer, encode_offer
 
     pub, endpoint = start_publisher(spawn, nixl=True)
-    sub = subscriber(closing, endpoint)
+    sub = subscriber(closing, endpoint, nixl=True)  # True: it offers peers what it staged
     publish(pub, 1)
     staged = sub.wait_for_version(1, timeout=60)
     assert staged.data_path == "nixl" and exact(staged, 1)
@@ -271,14 +272,17 @@ def test_a_version_staged_over_nixl_is_offered_from_the_subscriber_s_own_agent(
     made = threading.Event()
 
     def offer_it(client: Any) -> None:  # on the subscriber's thread: the agent's own
-        offers.append(sub._nixl.offer_staged(staged.buffer, staged.total_bytes))
+        offers.append(sub._nixl.peer_offer(staged.buffer, staged.manifest, None))
         made.set()
 
     sub._call(offer_it)
     assert made.wait(30)
-    offer = offers[0]
-    assert offer is not None and [r.length for r in offer.regions] == [staged.total_bytes]
-    assert sub.status()["nixl"]["registered_bytes"] == registered  # no registration more
+    offer, why = offers[0]
+    assert offer is not None and [r.length for r in offer.regions] == [staged.total_bytes], why
+    # nothing registered for the bytes: only the buffer's claims word (8 B), offered with
+    # them so a peer reading a reused buffer tells ``reused`` from corrupt
+    assert offer.claims is not None and offer.claims.length == 8
+    assert sub.status()["nixl"]["registered_bytes"] == registered + 8
     peer = NixlReader("test-peer")
     try:
         into = torch.zeros(staged.total_bytes, dtype=torch.uint8)

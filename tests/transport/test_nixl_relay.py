@@ -454,10 +454,10 @@ def test_an_offer_whose_words_do_not_fit_is_refused_naming_the_field(
     assert good is not None and good.claims is not None
     data, claims = good.regions[0], good.claims
     fit = msgspec.structs.replace(good, ready=None)
-    assert offer_misfit(fit, data.length, 10, CHUNK, 4) is None
+    assert offer_misfit(fit, data.length, CHUNK, 4) is None
     for bad, field in ((msgspec.structs.replace(claims, length=8), "claims.length"),
                        (msgspec.structs.replace(claims, version=3), "claims.version"),
                        (msgspec.structs.replace(claims, address=data.address + 64),
                         "claims.address")):
-        assert offer_misfit(msgspec.structs.replace(fit, claims=bad), data.length, 10, CHUNK,
+        assert offer_misfit(msgspec.structs.replace(fit, claims=bad), data.length, CHUNK,
                             4).startswith(field)  # type: ignore[union-attr]

@@ -50,6 +50,7 @@ from __future__ import annotations
 import bisect
 import collections
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -108,7 +109,6 @@ CLAIMS_TIMEOUT_S = 5.0
 #: most seconds the loop waits for a words READ it just posted (a live holder answers in
 #: well under a millisecond on one host: the answer is then used at once)
 WORDS_WAIT_S = 0.005
-_WORDS_POLL_S = 0.0005  # how often a words READ still in flight is looked at
 #: a readiness map is READ again after this long while chunks are not final, doubling
 #: to ``READY_MAX_S`` while none becomes final
 READY_MIN_S = 0.002
@@ -119,7 +119,9 @@ _MAX_PEER_AGENTS = 64  # ``MAX_STRIPES`` x ``MAX_CHAIN`` peers in a plan
 #: ranges of a sparse staging buffer registered at most (``touched_ranges``)
 MAX_SPARSE_RANGES = 1024
 _READ_BYTES = 16 << 20  # bytes per READ: large enough to stream, small enough to hand back
-_POLL_S = 0.0005  # ``drain``'s poll (closing, dropping a target: not the hot path)
+#: how often a READ still in flight is looked at when waited for (``drain``: closing,
+#: dropping a target) or due (a words READ)
+_POLL_S = 0.0005
 
 
 def _base(buffer: torch.Tensor) -> torch.Tensor:
@@ -149,9 +151,20 @@ def touched_ranges(layout: SliceLayout, limit: int) -> list[tuple[int, int]]:
         gap = max(PAGE, 4 * gap)
 
 
-def offer_misfit(offer: NixlOffer, need: int, count: int, chunk_size: int, version: int,
+def _wait_words(reader: NixlReader, transfer: Any) -> None:
+    """Wait ``WORDS_WAIT_S`` at most for a words READ just posted (or being dropped); a
+    failure is told by the answer (``_words_answer``), not here."""
+    until = time.monotonic() + WORDS_WAIT_S
+    try:
+        while not reader.poll(transfer) and time.monotonic() < until:
+            time.sleep(_POLL_S)
+    except TransportError:
+        pass
+
+
+def offer_misfit(offer: NixlOffer, need: int, chunk_size: int, version: int,
                  whose: str = "the version's") -> str | None:
-    """Why ``offer`` cannot serve ``need`` bytes in ``count`` chunks of ``version``, naming
+    """Why ``offer`` cannot serve ``need`` bytes of ``version`` (chunks of ``chunk_size``), naming
     the field (None: it fits). Its words are READ by the numbers it gives, so they are
     held to the offer: claims words cover every ``region`` bytes of the range, a
     readiness map one word per chunk (``region`` the chunk size), neither inside the
@@ -454,12 +467,7 @@ class NixlSource(ChunkSource):
             self.fall_back("unreachable", f"{what}: {exc}", holder)
             return None
         words = _Words(read, holder, now, **judge)
-        until = time.monotonic() + WORDS_WAIT_S
-        try:
-            while not reader.poll(read.transfer) and time.monotonic() < until:
-                time.sleep(_POLL_S)
-        except TransportError:
-            pass  # ``_words_answer`` tells
+        _wait_words(reader, read.transfer)
         return words
 
     def _words_answer(self, read: _Words, what: str) -> Any:
@@ -565,7 +573,7 @@ class NixlSource(ChunkSource):
             else float("inf")
         if self.ready_read is not None or any(
                 h is not None and h.claims_read is not None for h in self.holders):
-            due = min(due, _WORDS_POLL_S)  # a words READ in flight: looked at soon
+            due = min(due, _POLL_S)  # a words READ in flight: looked at soon
         if not self.pending:
             self.pace.idle()
             return due
@@ -755,12 +763,7 @@ class NixlSource(ChunkSource):
             if holder is None or holder.claims_read is None or reader is None:
                 continue
             read = holder.claims_read
-            until = time.monotonic() + WORDS_WAIT_S
-            try:
-                while not reader.poll(read.read.transfer) and time.monotonic() < until:
-                    time.sleep(_POLL_S)
-            except TransportError:
-                pass
+            _wait_words(reader, read.read.transfer)
             unasked, holder.suspects = holder.suspects, []
             self._judge(read)
             if holder.claims_read is read:  # still in flight: released, not judged
@@ -906,6 +909,7 @@ class NixlPicker:
         self._peer_agents: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._peer_offers: collections.OrderedDict[tuple[int, int], NixlOffer] = \
             collections.OrderedDict()
+        self._offers_lock = threading.Lock()  # ``freed`` runs on whichever thread drops
 
     # -- the picker --------------------------------------------------------------------------
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
@@ -988,7 +992,8 @@ class NixlPicker:
                 return None, "later"  # its READs may register the buffer: ask again
             return None, "frames"
         key = (buffer.data_ptr(), manifest.version)
-        cached = self._peer_offers.get(key)
+        with self._offers_lock:  # ``freed`` may drop offers from another thread
+            cached = self._peer_offers.get(key)
         if cached is not None and (verified is None or cached.ready is not None):
             return cached, ""
         ready = None
@@ -1000,7 +1005,7 @@ class NixlPicker:
                                            for c in range(manifest.num_chunks)]
             ready = NixlClaims(words.ctypes.data, words.nbytes, manifest.chunk_size,
                                manifest.version)
-        claims = self.words.claims.get(buffer.data_ptr())
+        claims = self.words.claim_of(buffer.data_ptr())
         if claims is None:  # not claimed at its start: it holds this version now
             claims = self.claim(buffer, manifest.version)
         try:
@@ -1011,9 +1016,10 @@ class NixlPicker:
         except ProtocolError as exc:
             return None, f"frames ({exc})"
         offer = msgspec.structs.replace(offer, ready=ready)
-        self._peer_offers[key] = offer
-        while len(self._peer_offers) > 8:
-            self._peer_offers.popitem(last=False)
+        with self._offers_lock:
+            self._peer_offers[key] = offer
+            while len(self._peer_offers) > 8:
+                self._peer_offers.popitem(last=False)
         return offer, ""
 
     def claim(self, buffer: torch.Tensor, version: int) -> numpy.ndarray | None:
@@ -1034,8 +1040,8 @@ class NixlPicker:
             self.count("missing", self._unavailable or "the client has not started",
                        version=manifest.version)
             return None
-        misfit = offer_misfit(offer, manifest.total_bytes, manifest.num_chunks,
-                              manifest.chunk_size, manifest.version, "the version's")
+        misfit = offer_misfit(offer, manifest.total_bytes, manifest.chunk_size,
+                              manifest.version, "the version's")
         if misfit is not None:
             self.count("bad_offer", f"peer {peer}: the offer's {misfit}",
                        version=manifest.version)
@@ -1064,7 +1070,7 @@ class NixlPicker:
                 self.count("unoffered", "offers no NIXL (off or missing there)",
                            version=manifest.version, rank=rank)
                 holders.append(None)
-            elif (misfit := offer_misfit(offer, need, count, size, manifest.version,
+            elif (misfit := offer_misfit(offer, need, size, manifest.version,
                                          "the version's" if rank is None else "its range's")):
                 self.count("bad_offer", f"the offer's {misfit}", version=manifest.version,
                            rank=rank)
@@ -1137,8 +1143,9 @@ class NixlPicker:
         """The pool dropped a staging buffer (or a sparse one went): deregister it, and
         its peers' words go (their offers with them)."""
         self.words.freed(self.reader, address)
-        for key in [key for key in list(self._peer_offers) if key[0] == address]:
-            self._peer_offers.pop(key, None)
+        with self._offers_lock:
+            for key in [key for key in self._peer_offers if key[0] == address]:
+                del self._peer_offers[key]
         ranges = self._sparse.pop(address, [])
         length = self._sizes.pop(address, None)
         if length is not None:
@@ -1150,19 +1157,6 @@ class NixlPicker:
                 self.reader.forget_local(start, size)
             except Exception as exc:
                 log.warning("nixl: deregistering a staging buffer failed: %s", exc)
-
-    def offer_staged(self, buffer: torch.Tensor, total_bytes: int) -> NixlOffer | None:
-        """A staged version's bytes (``StagedVersion.buffer``, flat layout) offered from this
-        subscriber's own agent, for a peer to READ (toward peers over NIXL,
-        ``docs/peers-over-nixl.md``); None where its staging is not registered (it did
-        not come over NIXL, or is a sparse slice buffer: up to ``MAX_SPARSE_RANGES``
-        ranges where an offer carries ``MAX_REGIONS``). On the subscriber's thread (the
-        agent is not thread-safe). Valid only while the version is retained: a released
-        buffer is reused for a newer version (no claims words on staging yet)."""
-        reader = self.reader
-        if reader is None or _base(buffer).data_ptr() not in self._sizes or total_bytes <= 0:
-            return None
-        return reader.offer([NixlRegion(buffer.data_ptr(), total_bytes)])
 
     def allocator(self, inner: Allocator | None) -> Allocator:
         return RegisteringAllocator(self, inner)
@@ -1209,7 +1203,8 @@ class NixlPicker:
             source.close()
         reader, self.reader = self.reader, None
         self._sizes.clear()
-        self._peer_offers.clear()
+        with self._offers_lock:
+            self._peer_offers.clear()
         self.words.clear(reader)
         self._sparse.clear()
         if reader is not None:

@@ -86,9 +86,15 @@ class PeerWords:
 
     def verified(self, address: int, chunk: int, version: int) -> None:
         """Chunk ``chunk`` of the version in the buffer at ``address`` is final."""
-        words = self.maps.get(address)
-        if words is not None and chunk < len(words):
-            words[chunk] = version
+        with self._lock:
+            words = self.maps.get(address)
+            if words is not None and chunk < len(words):
+                words[chunk] = version
+
+    def claim_of(self, address: int) -> numpy.ndarray | None:
+        """The claims word of the buffer at ``address`` (None: not claimed)."""
+        with self._lock:
+            return self.claims.get(address)
 
     def freed(self, reader: NixlReader | None, address: int) -> None:
         """The pool dropped the staging buffer at ``address``: its words go too."""
