@@ -37,15 +37,21 @@ from publisher.store.snapshot import (
     copy_into,
     hashable_in_place,
     source_chunks,
+    tell_sum,
     whole_chunks,
 )
 from publisher.store.sum_feed import SumFeed
 from weightpub_wire.checksums import pieces_checksum
 from weightpub_wire.chunk_order import priority_chunk_ids
+from weightpub_wire.errors import WeightPubTimeout
 
 __all__ = ["Announce", "EarlyHooks", "VersionPreparer"]
 
 log = logging.getLogger("weightpub.publisher")
+#: most seconds the announcing thread waits for an early version's snapshot copy (done by
+#: ``publish()``, which always ends it: a bound for a copy that hangs, far above a host
+#: copy of any version at GB/s)
+COPY_WAIT_S = 900.0
 
 #: (version, snapshot, chunk_size, checksums, created_at): builds the manifest, announces it
 Announce = Callable[[int, Snapshot, int, tuple[int, ...], float], None]
@@ -108,7 +114,7 @@ class VersionPreparer:
         copied = threading.Event()
         if feed is not None:  # announced now; the sums follow the copy chunk by chunk
             self._pending.put((number, snapshot, chunk_size,
-                               functools.partial(_after_copy, copied, snapshot, hasher),
+                               functools.partial(_after_copy, copied, snapshot, hasher.checksums),
                                created, feed))
         try:
             if isinstance(pairs, StreamedPairs):  # sharded / WeightSource: group by group
@@ -137,10 +143,11 @@ class VersionPreparer:
         for chunk in priority_chunk_ids(snapshot.entries, total, chunk_size):
             if chunk not in whole:
                 hashes.append(self._hash_executor.submit(pieces_checksum, chunks[chunk]))
-                hashes[-1].add_done_callback(functools.partial(_fed, feed, chunk))
+                hashes[-1].add_done_callback(functools.partial(tell_sum, feed.put, chunk))
         copied = threading.Event()
         self._pending.put((number, snapshot, chunk_size,
-                           functools.partial(_all_fed, copied, snapshot, feed, hashes),
+                           functools.partial(_after_copy, copied, snapshot,
+                                             functools.partial(_fed_sums, feed, hashes)),
                            created, feed))
         try:
             copy_in_priority_order(snapshot, pairs, chunk_size, on_sum=feed.put)
@@ -176,26 +183,18 @@ class VersionPreparer:
                 log.exception("failed to prepare version %d", number)
 
 
-def _fed(feed: SumFeed, chunk: int, future: Future[int]) -> None:
-    if not future.cancelled() and future.exception() is None:
-        feed.put(chunk, future.result())
-
-
-def _all_fed(copied: threading.Event, snapshot: Snapshot, feed: SumFeed,
-             hashes: list[Future[int]]) -> tuple[int, ...]:
-    """Every sum of an early version (copied-and-hashed chunks and the workers' ones)."""
-    copied.wait()
+def _fed_sums(feed: SumFeed, hashes: list[Future[int]]) -> tuple[int, ...]:
+    """Every sum of a copied-and-hashed early version (the workers' ones included)."""
     for future in hashes:
         future.result()  # raises what a hash raised
-    if snapshot.failed:
-        raise RuntimeError("the snapshot's copy failed")
     return feed.checksums()
 
 
 def _after_copy(copied: threading.Event, snapshot: Snapshot,
-                hasher: ChunkHasher) -> tuple[int, ...]:
-    """The sums of a copy that ended (an early version's, on the announcing thread)."""
-    copied.wait()
+                sums: Callable[[], tuple[int, ...]]) -> tuple[int, ...]:
+    """The sums of an early version once its copy ended (on the announcing thread)."""
+    if not copied.wait(timeout=COPY_WAIT_S):  # set in a finally: a safety net only
+        raise WeightPubTimeout(f"the snapshot's copy did not end in {COPY_WAIT_S:.0f}s")
     if snapshot.failed:
         raise RuntimeError("the snapshot's copy failed")
-    return hasher.checksums()
+    return sums()

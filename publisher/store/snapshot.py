@@ -36,6 +36,7 @@ __all__ = [
     "named_tensors",
     "plan_snapshot",
     "source_chunks",
+    "tell_sum",
     "wait_for_copies",
     "whole_chunks",
 ]
@@ -123,7 +124,7 @@ class ChunkHasher:
             piece = self._view[start: min(start + size, self._total)]
             future = self._executor.submit(chunk_checksum, piece)
             if self._on_sum is not None:
-                future.add_done_callback(functools.partial(_told, self._on_sum, self._next))
+                future.add_done_callback(functools.partial(tell_sum, self._on_sum, self._next))
             self._futures.append(future)
             self._next += 1
 
@@ -132,7 +133,9 @@ class ChunkHasher:
         return tuple(f.result() for f in self._futures)
 
 
-def _told(on_sum: Callable[[int, int], None], chunk: int, future: Future[int]) -> None:
+def tell_sum(on_sum: Callable[[int, int], None], chunk: int, future: Future[int]) -> None:
+    """A hash's done-callback: ``on_sum(chunk, sum)`` once it ended well (a failed or
+    cancelled hash tells nothing: the version is then never complete)."""
     if not future.cancelled() and future.exception() is None:
         on_sum(chunk, future.result())
 

@@ -23,7 +23,6 @@ class SumFeed:
         self._chunks: list[int] = []
         self._sums: list[int] = []
         self._by_chunk: list[int | None] = [None] * num_chunks
-        self.failed = False  # a hash failed: the version is never complete
 
     def put(self, chunk: int, value: int) -> None:
         """Chunk ``chunk``'s sum is ``value`` (a second put of a chunk is ignored)."""
