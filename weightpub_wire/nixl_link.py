@@ -46,6 +46,10 @@ MAX_NAME = 128
 _U64 = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit
 _POLL_S = 0.0002
 _MAX_LANDINGS = 8  # words landings kept for reuse (one per holder's READ in flight)
+#: words landings NIXL would not let go of, kept registered (bytes may still land there):
+#: past this many, no more words READs are posted (``TransportError``: the caller falls
+#: back), so a holder that keeps failing cannot grow this reader's registered memory
+_MAX_STUCK = 64
 _names = itertools.count()
 #: ``StagedVersion.data_path`` / ``Report.data_path`` of a version read one-sided: every
 #: chunk over NIXL, or some over ZeroMQ frames after a fallback
@@ -385,6 +389,9 @@ class NixlReader:
         if first < 0 or count <= 0 or (first + count) * 8 > where.length:
             raise ProtocolError(f"nixl offer: words of {where.length} bytes do not cover "
                                 f"[{first}, {first + count}) (one per {where.region} bytes)")
+        if len(self._stuck) >= _MAX_STUCK:
+            raise TransportError(f"nixl: {len(self._stuck)} words READs were never let go "
+                                 "of; no more are posted")
         landing = next((each for each in self._landings if len(each) >= count), None)
         if landing is None:
             landing = numpy.zeros(max(count, 512), dtype="<i8")
@@ -532,3 +539,4 @@ class NixlReader:
         self._kinds = {}
         self._starts = []
         self._landings = []
+        self._stuck = []

@@ -21,6 +21,7 @@ import pytest
 
 from tests.transport.zygote import PRELOAD
 from weightpub.bench.forked import ForkedProcess
+from weightpub_wire import nixl_link
 from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import (
     NixlClaims,
@@ -160,8 +161,14 @@ def test_bad_offers_and_reads_are_refused_before_any_transfer(shared_holder: Nix
             with pytest.raises(ProtocolError, match="nixl offer"):
                 decode_offer(msgspec.msgpack.encode(
                     {"agent": "a", "metadata": b"x", "regions": [], "claims": bad}))
+        # landings NIXL never let go of are bounded: past the limit no words READ is posted
+        words = NixlClaims(offer.regions[0].address, 64, 65536, 1)
+        reader._stuck.extend(np.zeros(1, dtype="<i8") for _ in range(nixl_link._MAX_STUCK))
+        with pytest.raises(TransportError, match="never let go of"):
+            reader.start_words(offer, words, 0, 8)
     finally:
         reader.close()
+    assert reader.stuck_landings == 0  # forgotten with the rest on close
 
 
 def test_a_holder_killed_mid_version_costs_a_named_error_not_a_hang(holder) -> None:
