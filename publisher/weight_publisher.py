@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Unpack
+from typing import Any, Unpack
 
 import msgspec
 import zmq
@@ -607,6 +607,18 @@ class WeightPublisher:
         if self._closed:
             raise ClosedError("publisher is closed")
 
+    def _manifest(self, number: int, snapshot: Snapshot, chunk_size: int, created_at: float,
+                  **fields: Any) -> wire.Manifest:
+        """Version ``number``'s manifest: what every announcement of it carries, plus
+        ``fields`` (checksums, and the data paths or the early-sums mark)."""
+        return wire.Manifest(
+            publisher_id=self.publisher_id, started_at=self.started_at, version=number,
+            created_at=created_at, model_id=self.model_id, chunk_size=chunk_size,
+            total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
+            adapters=self._adapters_of.pop(number, None),
+            stream_port=None if self._stream is None else self._stream.port, **fields,
+        )
+
     def _announce(self, number: int, snapshot: Snapshot, chunk_size: int,
                   checksums: tuple[int, ...], created_at: float) -> None:
         if snapshot.failed:
@@ -615,15 +627,11 @@ class WeightPublisher:
         previous = self._store.latest()
         delta = self._deltas.plan(number, snapshot.entries, snapshot.total_bytes,
                                   chunk_size, checksums, previous)
-        manifest = wire.Manifest(
-            publisher_id=self.publisher_id, started_at=self.started_at, version=number,
-            created_at=created_at, model_id=self.model_id, chunk_size=chunk_size,
-            total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
+        manifest = self._manifest(
+            number, snapshot, chunk_size, created_at,
             checksums=checksums, delta=delta, deltas_follow=self._deltas.enabled,
             collective=None if self._collective is None else self._collective.announce(),
-            adapters=self._adapters_of.pop(number, None),
             nixl=self._nixl_offer(snapshot, number),
-            stream_port=None if self._stream is None else self._stream.port,
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer, view=view,
                                      snapshot=snapshot)
@@ -638,13 +646,9 @@ class WeightPublisher:
         if snapshot.failed:
             return
         num_chunks = -(-snapshot.total_bytes // chunk_size)
-        manifest = wire.Manifest(
-            publisher_id=self.publisher_id, started_at=self.started_at, version=number,
-            created_at=created_at, model_id=self.model_id, chunk_size=chunk_size,
-            total_bytes=snapshot.total_bytes, tensors=tuple(snapshot.entries),
-            checksums=(0,) * num_chunks, checksum_algorithm=wire.SUMS_FOLLOW, sums_follow=True,
-            adapters=self._adapters_of.pop(number, None),
-            stream_port=None if self._stream is None else self._stream.port,
+        manifest = self._manifest(
+            number, snapshot, chunk_size, created_at, checksums=(0,) * num_chunks,
+            checksum_algorithm=wire.SUMS_FOLLOW, sums_follow=True,
         )
         published = PublishedVersion(manifest=manifest, buffer=snapshot.buffer,
                                      view=byte_view(snapshot.buffer, snapshot.total_bytes),
