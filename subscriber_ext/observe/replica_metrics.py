@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from subscriber_ext.observe.status_board import StatusBoard
+from weightpub_wire.bounded_counts import count_bounded
 
 __all__ = ["HISTOGRAMS", "PEER_NIXL_COUNTERS", "FixedHistogram", "RankMetrics",
            "ReplicaCollector", "peer_nixl_counters"]
@@ -91,8 +92,7 @@ class RankMetrics:
 
     def failed(self, reason: str) -> None:
         with self._lock:
-            if reason in self.failures or len(self.failures) < 32:  # bounded label set
-                self.failures[reason] = self.failures.get(reason, 0) + 1
+            count_bounded(self.failures, reason, 32)  # a bounded label set
 
     def to_json(self) -> dict[str, Any]:
         with self._lock:

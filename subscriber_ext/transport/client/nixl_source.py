@@ -66,6 +66,7 @@ from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, So
 from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import protocol as wire
+from weightpub_wire.bounded_counts import count_bounded
 from weightpub_wire.buffers import Allocator, HostAllocator
 from weightpub_wire.errors import ProtocolError, TransportError
 from weightpub_wire.nixl_link import (
@@ -1083,11 +1084,9 @@ class NixlPicker:
               rank: int | None = None) -> None:
         """One more fallback of ``cause`` (a version, or a chunk for ``checksum``), of a
         sharded trainer's ``rank`` (also counted in ``rank_fallbacks``)."""
-        if cause in self.fallback_causes or len(self.fallback_causes) < _MAX_CAUSES:
-            self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
+        count_bounded(self.fallback_causes, cause, _MAX_CAUSES)
         if rank is not None:
-            if rank in self.rank_fallbacks or len(self.rank_fallbacks) < _MAX_RANKS:
-                self.rank_fallbacks[rank] = self.rank_fallbacks.get(rank, 0) + 1
+            count_bounded(self.rank_fallbacks, rank, _MAX_RANKS)
             why = f"trainer rank {rank}: {why}"
         self.last_error = f"version {version}: {why} ({cause})"[:1024]
         if cause != "off":

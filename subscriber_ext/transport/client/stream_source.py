@@ -71,6 +71,7 @@ from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from subscriber_ext.transport.staging.sparse_delta import SparseDeltaAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
+from weightpub_wire.bounded_counts import count_bounded
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ProtocolError
@@ -766,11 +767,9 @@ class StreamPicker:
               rank: int | None = None) -> None:
         """A fallback to frames by ``cause``; a sharded trainer's ``rank`` is counted in
         ``rank_fallbacks`` too and named in ``last_error``."""
-        if cause in self.fallback_causes or len(self.fallback_causes) < _MAX_CAUSES:
-            self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
-        if rank is not None and (rank in self.rank_fallbacks
-                                 or len(self.rank_fallbacks) < _MAX_RANKS):
-            self.rank_fallbacks[rank] = self.rank_fallbacks.get(rank, 0) + 1
+        count_bounded(self.fallback_causes, cause, _MAX_CAUSES)
+        if rank is not None:
+            count_bounded(self.rank_fallbacks, rank, _MAX_RANKS)
         version = 0 if manifest is None else manifest.version
         whose = "" if rank is None else f"trainer rank {rank}: "
         self.last_error = f"version {version}: {whose}{why} ({cause})"[:1024]

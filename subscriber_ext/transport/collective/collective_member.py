@@ -51,6 +51,7 @@ from subscriber_ext.transport.staging.budget_gate import BudgetGate
 from subscriber_ext.transport.staging.chunk_listener import ChunkListener
 from subscriber_ext.transport.staging.progress import ProgressFeed
 from weightpub_wire import protocol as wire
+from weightpub_wire.bounded_counts import count_bounded
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.collective_backends import collective_backend
 from weightpub_wire.collective_layout import MAX_FALLBACK_CAUSES, CollectiveAnnounce
@@ -426,8 +427,7 @@ class CollectiveMember:
             self._given_up.popitem(last=False)
         if version <= client.current_version:
             return
-        if cause in self.fallback_causes or len(self.fallback_causes) < MAX_FALLBACK_CAUSES:
-            self.fallback_causes[cause] = self.fallback_causes.get(cause, 0) + 1
+        count_bounded(self.fallback_causes, cause, MAX_FALLBACK_CAUSES)
         self.last_error = f"version {version}: {why} ({cause})"[:1024]
         self._warn.warning(f"fallback:{cause}", f"collective path: {self.last_error}; fetching "
                                                 "it over ZeroMQ frames")

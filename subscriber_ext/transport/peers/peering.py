@@ -62,6 +62,7 @@ from subscriber_ext.transport.staging.delta_assembly import DeltaAssembly
 from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import chunk_frame
 from weightpub_wire import protocol as wire
+from weightpub_wire.bounded_counts import count_bounded
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.errors import ConfigError, ProtocolError
 from weightpub_wire.nixl_link import NixlOffer
@@ -452,8 +453,7 @@ class Peering(ChunkSource):
         offer, why = self._nixl_offer(publisher_id, version)
         if offer is None and why != "later":
             cause = why.split(" ")[0][:32]
-            if cause in self.nixl_unoffered or len(self.nixl_unoffered) < 16:
-                self.nixl_unoffered[cause] = self.nixl_unoffered.get(cause, 0) + 1
+            count_bounded(self.nixl_unoffered, cause, 16)
         return offer, why
 
     def _nixl_offer(self, publisher_id: str, version: int) -> tuple[NixlOffer | None, str]:
