@@ -21,6 +21,7 @@ from weightpub_wire.buffers import BufferPool, byte_view, copy_bytes, flat_bytes
 from weightpub_wire.checksums import COPY_BLOCK, chunk_checksum
 from weightpub_wire.chunk_order import priority_tensors
 from weightpub_wire.dtypes import dtype_name
+from weightpub_wire.manifest import chunks_of
 from weightpub_wire.protocol import TENSOR_ALIGN, TensorEntry
 
 __all__ = [
@@ -220,8 +221,7 @@ def whole_chunks(entries: list[TensorEntry], total: int, chunk_size: int) -> set
     ``copy_in_priority_order(on_sum=...)`` copies and hashes each in one pass."""
     whole: set[int] = set()
     for entry in entries:
-        end = entry.offset + entry.nbytes
-        for chunk in range(-(-entry.offset // chunk_size), -(-end // chunk_size)):
+        for chunk in chunks_of(entry, chunk_size):
             if _whole(chunk, entry, total, chunk_size):
                 whole.add(chunk)
     return whole
