@@ -17,12 +17,13 @@ once they are all in. A copy that fails never completes: its sums are never all 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -102,11 +103,8 @@ class VersionPreparer:
             hashes = [self._hash_executor.submit(pieces_checksum, c) for c in chunks]
             self._pending.put((number, snapshot, chunk_size,
                                lambda: tuple(h.result() for h in hashes), created, None))
-            try:
+            with _copying(snapshot):
                 copy_in_priority_order(snapshot, pairs, chunk_size)  # as subscribers fetch
-            except BaseException:
-                snapshot.failed = True  # never served, an early version never completed
-                raise
             wait(hashes)  # the sources are read until every hash ends
             return
         hasher = ChunkHasher(self._hash_executor, snapshot.buffer, total, chunk_size,
@@ -116,16 +114,11 @@ class VersionPreparer:
             self._pending.put((number, snapshot, chunk_size,
                                functools.partial(_after_copy, copied, snapshot, hasher.checksums),
                                created, feed))
-        try:
+        with _copying(snapshot, copied):
             if isinstance(pairs, StreamedPairs):  # sharded / WeightSource: group by group
                 copy_streamed(snapshot, pairs, chunk_size, hasher.written_up_to)
             else:
                 copy_into(snapshot, pairs, chunk_size, hasher.written_up_to)
-        except BaseException:
-            snapshot.failed = True  # an early version's sums are then never complete
-            raise
-        finally:
-            copied.set()
         if feed is None:
             self._pending.put((number, snapshot, chunk_size, hasher.checksums, created, None))
 
@@ -150,12 +143,9 @@ class VersionPreparer:
                                              functools.partial(_fed_sums, feed, hashes)),
                            created, feed))
         try:
-            copy_in_priority_order(snapshot, pairs, chunk_size, on_sum=feed.put)
-        except BaseException:
-            snapshot.failed = True  # never served, never completed
-            raise
+            with _copying(snapshot, copied):
+                copy_in_priority_order(snapshot, pairs, chunk_size, on_sum=feed.put)
         finally:
-            copied.set()
             wait(hashes)  # the sources are read until every hash ends
 
     def close(self) -> None:
@@ -181,6 +171,20 @@ class VersionPreparer:
                     self._early.complete(number, snapshot, sums)
             except Exception:  # keep serving older versions whatever happened
                 log.exception("failed to prepare version %d", number)
+
+
+@contextlib.contextmanager
+def _copying(snapshot: Snapshot, copied: threading.Event | None = None) -> Iterator[None]:
+    """A snapshot's copy: if it raises, the snapshot is marked failed (never served, an
+    early version never completed); ``copied`` is set however it ends."""
+    try:
+        yield
+    except BaseException:
+        snapshot.failed = True
+        raise
+    finally:
+        if copied is not None:
+            copied.set()
 
 
 def _fed_sums(feed: SumFeed, hashes: list[Future[int]]) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from weightpub_wire.manifest import chunks_of
 from weightpub_wire.protocol import Manifest, TensorEntry
 
 __all__ = ["BIG_FRACTION", "priority_chunk_ids", "priority_chunks", "priority_tensors"]
@@ -39,11 +40,7 @@ def priority_chunk_ids(entries: Sequence[TensorEntry], total_bytes: int,
     seen: set[int] = set()
     order: list[int] = []
     for index in priority_tensors(entries, total_bytes):
-        entry = entries[index]
-        if not entry.nbytes:
-            continue
-        first = entry.offset // chunk_size
-        for chunk in range(first, (entry.offset + entry.nbytes - 1) // chunk_size + 1):
+        for chunk in chunks_of(entries[index], chunk_size):
             if chunk not in seen:
                 seen.add(chunk)
                 order.append(chunk)

@@ -41,7 +41,8 @@ from weightpub_wire.message_base import (
 )
 from weightpub_wire.nixl_link import NixlOffer
 
-__all__ = ["DeltaBase", "DeltaInfo", "Heartbeat", "Manifest", "ShardSource", "TensorEntry"]
+__all__ = ["DeltaBase", "DeltaInfo", "Heartbeat", "Manifest", "ShardSource", "TensorEntry",
+           "chunks_of"]
 
 MAX_SHARDS = 1 << 16  # trainer ranks serving one version
 
@@ -280,11 +281,15 @@ class Manifest(_FromPublisher, tag="manifest", kw_only=True, frozen=True):
 
     def chunks_of(self, entry: TensorEntry) -> range:
         """The chunk ids that hold a tensor's bytes."""
-        if entry.nbytes == 0:
-            return range(0)
-        first = entry.offset // self.chunk_size
-        last = (entry.offset + entry.nbytes - 1) // self.chunk_size
-        return range(first, last + 1)
+        return chunks_of(entry, self.chunk_size)
+
+
+def chunks_of(entry: TensorEntry, chunk_size: int) -> range:
+    """The chunk ids that hold a tensor's bytes (``Manifest.chunks_of``; also for a layout
+    that has no manifest yet, as the publisher's early sums)."""
+    if entry.nbytes == 0:
+        return range(0)
+    return range(entry.offset // chunk_size, (entry.offset + entry.nbytes - 1) // chunk_size + 1)
 
 
 class Heartbeat(_FromPublisher, tag="heartbeat", kw_only=True, frozen=True):

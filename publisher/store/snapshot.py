@@ -21,6 +21,7 @@ from weightpub_wire.buffers import BufferPool, byte_view, copy_bytes, flat_bytes
 from weightpub_wire.checksums import COPY_BLOCK, chunk_checksum
 from weightpub_wire.chunk_order import priority_tensors
 from weightpub_wire.dtypes import dtype_name
+from weightpub_wire.manifest import chunks_of
 from weightpub_wire.protocol import TENSOR_ALIGN, TensorEntry
 
 __all__ = [
@@ -220,11 +221,16 @@ def whole_chunks(entries: list[TensorEntry], total: int, chunk_size: int) -> set
     ``copy_in_priority_order(on_sum=...)`` copies and hashes each in one pass."""
     whole: set[int] = set()
     for entry in entries:
-        end = entry.offset + entry.nbytes
-        for chunk in range(-(-entry.offset // chunk_size), -(-end // chunk_size)):
-            if min((chunk + 1) * chunk_size, total) <= end:
+        for chunk in chunks_of(entry, chunk_size):
+            if _whole(chunk, entry, total, chunk_size):
                 whole.add(chunk)
     return whole
+
+
+def _whole(chunk: int, entry: TensorEntry, total: int, chunk_size: int) -> bool:
+    """Whether ``chunk`` lies wholly inside ``entry``'s bytes (``whole_chunks``' test)."""
+    start = chunk * chunk_size
+    return entry.offset <= start and min(start + chunk_size, total) <= entry.offset + entry.nbytes
 
 
 def copy_hash(dst: torch.Tensor, src: torch.Tensor, block: int = COPY_BLOCK) -> int:
@@ -295,7 +301,7 @@ def _copy_hashing(snapshot: Snapshot, entry: TensorEntry, src: torch.Tensor, chu
         stop = min(end, chunk_end)
         snapshot.claim_range(position, stop)
         dst, piece = buffer[position:stop], src[position - entry.offset: stop - entry.offset]
-        if position == chunk * chunk_size and stop == chunk_end:
+        if _whole(chunk, entry, total, chunk_size):  # then [position, stop) is the chunk
             value = copy_hash(dst, piece)
             done(position, stop)
             on_sum(chunk, value)

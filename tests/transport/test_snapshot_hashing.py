@@ -8,7 +8,14 @@ import pytest
 import torch
 import xxhash
 
-from publisher.store.snapshot import ChunkHasher, copy_into, plan_snapshot, source_chunks
+from publisher.store.snapshot import (
+    ChunkHasher,
+    copy_in_priority_order,
+    copy_into,
+    plan_snapshot,
+    source_chunks,
+    whole_chunks,
+)
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.checksums import pieces_checksum as hash_pieces
 
@@ -46,3 +53,17 @@ def test_source_hashes_equal_snapshot_hashes(chunk):
     for entry in snapshot.entries:
         raw = snapshot.buffer[entry.offset: entry.offset + entry.nbytes]
         assert torch.equal(raw, weights[entry.name].reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("chunk", [1024, CHUNK])
+def test_priority_copy_hashes_exactly_the_whole_chunks(chunk):
+    """The early-sums path hashes on the workers every chunk not in ``whole_chunks``: the
+    copy must sum exactly those chunks (one missed never completes, one extra is sent twice)."""
+    snapshot, pairs = plan_snapshot(_weights(), BufferPool())
+    sums: dict[int, int] = {}
+    copy_in_priority_order(snapshot, pairs, chunk, on_sum=sums.__setitem__)
+    whole = whole_chunks(snapshot.entries, snapshot.total_bytes, chunk)
+    assert whole and sorted(sums) == sorted(whole)
+    view = memoryview(snapshot.buffer.numpy())
+    for index, value in sums.items():
+        assert value == xxhash.xxh3_64_intdigest(view[index * chunk: (index + 1) * chunk])

@@ -111,7 +111,7 @@ class PeerNixlReads:
             return list(chunks)
         return source.ask(target, chunks, now)
 
-    def _send(self, sock: zmq.Socket, ask: _Ask, key: VersionKey, now: float) -> bool:
+    def _send(self, sock: zmq.Socket, ask: _Ask, key: VersionKey, now: float) -> None:
         ask.req = self.next_id()
         ask.again = now + self.wait  # answered (or given up) by then
         try:
@@ -119,8 +119,6 @@ class PeerNixlReads:
                       zmq.NOBLOCK)
         except zmq.Again:  # not connected yet: asked again at the next top-up
             ask.again = now + _AGAIN_S
-            return False
-        return True
 
     def answered(self, endpoint: str, reply: PeerNixlOffer, manifest: wire.Manifest | None,
                  now: float) -> None:

@@ -152,7 +152,9 @@ class Assembly:
 
     #: the slice plan whose bytes alone it receives (``sparse_assembly.py``); None: all
     plan: str | None = None
-    #: sums that follow the manifest (``Manifest.sums_follow``; set in ``__init__``)
+    #: ``manifest.sums_follow``: each chunk's sum as it came over the ROUTER (None: not
+    #: yet; set in ``__init__``), how far the publisher's run of sums is in
+    #: (``sum_messages``: the next ``have``), and how many sums are known
     early_sums: list[int | None] | None = None
     early_have = 0
     early_known = 0
@@ -175,13 +177,8 @@ class Assembly:
         self.attempt = 0  # this reception (``progress.ProgressFeed`` numbers it)
         #: payload bytes that arrived for this version, by source kind (``SOURCE_KINDS``)
         self.received_by: dict[str, int] = {}
-        #: ``manifest.sums_follow``: each chunk's sum as it came over the ROUTER (None: not
-        #: yet), how many of the publisher's run of sums are in (``sum_messages``), and
+        self.early_sums = [None] * manifest.num_chunks if manifest.sums_follow else None
         #: chunks whose bytes landed before their sum: chunk -> (digest, size, source, via)
-        self.early_sums: list[int | None] | None = \
-            [None] * manifest.num_chunks if manifest.sums_follow else None
-        self.early_have = 0
-        self.early_known = 0
         self.awaiting: dict[int, tuple[int, int, Any, Any]] = {}
 
     @property
