@@ -11,6 +11,8 @@ per GB on each side and this breakdown (``transport_bench.py``).
   reports them per GB: a fault is about 1-2 us here, so 250 k per GB is 0.25-0.5 s);
 * ``thread_cpu``: the same per thread name (``/proc/<pid>/task/*``): ZeroMQ's I/O
   threads are ``ZMQbg/IO/n``, Python's threads carry the interpreter's name;
+* ``idle_cpu_rate``: this process's CPU a second while the caller sleeps (what idle
+  publishers cost it: a bench subtracts it times a round's wall time, a ``net`` figure);
 * ``task_stats``: per thread id, its run time (``schedstat``, ns), system seconds and
   minor faults (``benchmarks/pub_threads.py``);
 * ``StackSampler``: every ``interval`` seconds, the innermost Python frame of each
@@ -23,12 +25,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["StackSampler", "TaskStat", "process_cpu", "process_faults", "task_stats",
-           "thread_cpu"]
+__all__ = ["StackSampler", "TaskStat", "idle_cpu_rate", "process_cpu", "process_faults",
+           "task_stats", "thread_cpu"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -46,6 +49,15 @@ def _stat_seconds(stat: str) -> float:
 def process_cpu(pid: int | None = None) -> float:
     """User + system CPU seconds of process ``pid`` (default: this one), all threads."""
     return _stat_seconds(Path(f"/proc/{pid or os.getpid()}/stat").read_text())
+
+
+def idle_cpu_rate(seconds: float = 2.0) -> float:
+    """CPU-seconds a second this process spends while the caller sleeps ``seconds``: its
+    other threads' cost of doing nothing (an idle publisher's serving loop, heartbeats),
+    which a round's CPU includes too; ``cpu - rate * wall`` is the round's own."""
+    start = time.process_time()
+    time.sleep(seconds)
+    return (time.process_time() - start) / seconds
 
 
 def process_faults(pid: int | None = None) -> int:
