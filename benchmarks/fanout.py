@@ -50,6 +50,7 @@ from typing import Any
 import orjson
 import torch
 
+from weightpub.bench.cpu_probe import idle_cpu_rate
 from weightpub_wire.buffers import byte_view
 
 GROUPS = ("1", "4", "relay4", "raw4", "raw1", "s1", "s4", "e1", "e4", "z1")
@@ -224,9 +225,7 @@ def main() -> None:
     pub_cpu: dict[str, list[float]] = {g: [] for g in chosen}
     pub_net: dict[str, list[float]] = {g: [] for g in chosen}
     loads: list[float] = []
-    idle_cpu = time.process_time()
-    time.sleep(2.0)
-    idle_rate = (time.process_time() - idle_cpu) / 2.0  # CPU-s a second, every group idle
+    idle_rate = idle_cpu_rate(2.0)  # CPU-s a second, every group idle
     print(f"idle: this process spends {idle_rate * 1000:.0f} ms CPU a second", flush=True)
     for rnd in range(versions):
         shift = rnd % len(chosen)

@@ -22,28 +22,14 @@ import time
 import torch
 
 from benchmarks.fanout import Group
-
-_TICK = os.sysconf("SC_CLK_TCK")
+from weightpub.bench.cpu_probe import task_stats
 
 
 def _threads() -> dict[int, tuple[str, float, float, int]]:
     """tid -> (name, run seconds, system seconds (tick-granular), minor faults)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                run = int(f.read().split()[0]) / 1e9
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                comm = f.read().strip()
-        except OSError:
-            continue  # ended meanwhile
-        fields = stat[stat.rindex(")") + 2:].split()
-        name = names.get(int(tid), comm).split(" (")[0]
-        out[int(tid)] = (name, run, int(fields[12]) / _TICK, int(fields[7]))
-    return out
+    return {tid: (names.get(tid, task.comm).split(" (")[0], task.run, task.system,
+                  task.minor_faults) for tid, task in task_stats().items()}
 
 
 def _split(before: dict[int, tuple[str, float, float, int]],

@@ -10,7 +10,9 @@ publish the same version, interleaved (``peer_slices.interleave``: stream first 
 rounds). Figures over the plan's bytes (what the subscriber pulls), from round 2 on
 (round 1 registers the plan and touches fresh staging): publish -> staged GB/s
 (median), the subscriber process's CPU-seconds per GB (the rounds together; all its
-threads, ZeroMQ's I/O threads too), this process's (the publishers') CPU per GB, and
+threads, ZeroMQ's I/O threads too), this process's (the publishers') CPU per GB (``net``:
+less what the process spends idle, measured over 2 s before the rounds with both
+subscribers attached, times each round's wall time, as ``fanout.py``), and
 stream / frames per round; the load average before and after (a shared box moves the
 times, not the bytes).
 
@@ -39,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.peer_slices import interleave  # noqa: E402
 from benchmarks.slice_fetch import half_plan, model  # noqa: E402
 from publisher import WeightPublisher  # noqa: E402
-from weightpub.bench.cpu_probe import process_cpu  # noqa: E402
+from weightpub.bench.cpu_probe import idle_cpu_rate, process_cpu  # noqa: E402
 from weightpub.bench.forked import forkserver  # noqa: E402
 from weightpub_wire.slice_plan import (  # noqa: E402
     SlicePlan,
@@ -148,6 +150,8 @@ def main() -> None:
           f"{load_before[2]:.2f} on {os.cpu_count()} CPUs")
     stream = Setup(plan, True, rounds, chunk, args.min_piece)
     frames = Setup(plan, False, rounds, chunk)
+    idle = idle_cpu_rate(2.0)  # both publishers idle, both subscribers attached
+    print(f"idle: this process spends {idle * 1000:.0f} ms CPU a second")
     try:
         interleave(stream, frames, shape, rounds)
     finally:
@@ -156,9 +160,11 @@ def main() -> None:
     moved = gb * (rounds - 1)  # CPU over every steady round together: it is read in 10 ms
     for name, setup in (("stream", stream), ("frames", frames)):  # ticks, a round is a few
         seconds = statistics.median(setup.seconds[steady])
+        publisher = sum(setup.publisher_cpu[steady])
+        net = publisher - idle * sum(setup.seconds[steady])
         print(f"  {name:6s}: {gb / seconds:.3f} GB/s of slices (median {seconds:.3f} s), "
               f"subscriber {sum(setup.subscriber_cpu[steady]) / moved:.3f} CPU-s/GB, "
-              f"publisher {sum(setup.publisher_cpu[steady]) / moved:.3f} CPU-s/GB; "
+              f"publisher {publisher / moved:.3f} CPU-s/GB (net {net / moved:.3f}); "
               f"data paths {setup.paths}")
     ratios = [f / s for s, f in zip(stream.seconds, frames.seconds, strict=True)][steady]
     # CPU is read in clock ticks (10 ms): a round too short for a tick reads 0

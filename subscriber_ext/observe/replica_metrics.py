@@ -122,6 +122,15 @@ def _number(value: Any) -> float | None:
         else None
 
 
+def _add_by_key(family: CounterMetricFamily, label: list[str], counts: Any,
+                width: int = 32) -> None:
+    """One series per key of a status file's ``{cause: count}`` (None: none), the key
+    cut to ``width`` characters (a bounded label); counts that are not numbers skipped."""
+    for key, count in sorted((counts or {}).items()):
+        if _number(count) is not None:
+            family.add_metric([*label, str(key)[:width]], float(count))
+
+
 class ReplicaCollector(Collector):
     """Reads every rank's status file at scrape time and yields the metric families."""
 
@@ -235,18 +244,10 @@ class ReplicaCollector(Collector):
                 stream_received.add_metric(label, stream_bytes)
             metrics = state.get("metrics") or {}
             commits.add_metric(label, _number(metrics.get("commits")) or 0.0)
-            for reason, count in sorted((metrics.get("failures") or {}).items()):
-                if _number(count) is not None:
-                    failures.add_metric([*label, str(reason)[:64]], float(count))
-            for cause, count in sorted((state.get("collective_fallbacks") or {}).items()):
-                if _number(count) is not None:
-                    fallbacks.add_metric([*label, str(cause)[:32]], float(count))
-            for cause, count in sorted((state.get("nixl_fallbacks") or {}).items()):
-                if _number(count) is not None:
-                    nixl_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
-            for cause, count in sorted((state.get("stream_fallbacks") or {}).items()):
-                if _number(count) is not None:
-                    stream_fallbacks.add_metric([*label, str(cause)[:32]], float(count))
+            _add_by_key(failures, label, metrics.get("failures"), width=64)
+            _add_by_key(fallbacks, label, state.get("collective_fallbacks"))
+            _add_by_key(nixl_fallbacks, label, state.get("nixl_fallbacks"))
+            _add_by_key(stream_fallbacks, label, state.get("stream_fallbacks"))
             peer: dict[str, Any] = state["peer_nixl"] \
                 if isinstance(state.get("peer_nixl"), dict) else {}
             for key, family in peer_nixl.items():
@@ -263,9 +264,7 @@ class ReplicaCollector(Collector):
                 value = _number(sums.get(key))
                 if value is not None:
                     early_sums.add_metric([*label, what], value)
-            for cause, count in sorted((peer.get("nixl_unoffered") or {}).items()):
-                if _number(count) is not None:
-                    peer_unoffered.add_metric([*label, str(cause)[:32]], float(count))
+            _add_by_key(peer_unoffered, label, peer.get("nixl_unoffered"))
             if isinstance(receive.get("mode"), str):
                 receive_mode.add_metric([*label, receive["mode"][:16]], 1.0)
             if isinstance(state.get("data_path"), str):

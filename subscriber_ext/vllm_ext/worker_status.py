@@ -62,7 +62,8 @@ class WorkerStatus(StateAccess):
         for name, count in (source.get("failures") or {}).items():
             metrics["failures"][name] = metrics["failures"].get(name, 0) + int(count)
         # a follower shows its node owner's subscription; its own bytes come from shared memory
-        follower = (source.get("node_staging") or {}).get("role") == "follower"
+        follower = _part(source, "node_staging").get("role") == "follower"
+        stream = _part(source, "stream")
         return {
             "rank": self.rank,
             "applied_version": coord.applied_version if coord else None,
@@ -73,23 +74,17 @@ class WorkerStatus(StateAccess):
             "data_path": coord.applied_data_path if coord else None,
             # versions held back for the collective path but fetched over ZeroMQ, by cause
             # (the node's subscription: counted at its owner rank only)
-            "collective_fallbacks": {} if follower else dict(
-                (source.get("collective") or {}).get("fallback_causes") or {}),
+            "collective_fallbacks": {} if follower else _fallbacks(source, "collective"),
             # chunks of versions offered over NIXL fetched over ZeroMQ instead, by cause
-            "nixl_fallbacks": {} if follower else dict(
-                (source.get("nixl") or {}).get("fallback_causes") or {}),
+            "nixl_fallbacks": {} if follower else _fallbacks(source, "nixl"),
             # chunks of versions offered on the stream port fetched as frames, by cause
-            "stream_fallbacks": {} if follower else dict(
-                (source.get("stream") or {}).get("fallback_causes") or {}),
+            "stream_fallbacks": {} if follower else _fallbacks(source, "stream"),
             # chunk bytes that came over the stream port (the part of received_bytes)
-            "stream_received_bytes": 0 if follower else
-            (source.get("stream") or {}).get("bytes_received", 0),
+            "stream_received_bytes": 0 if follower else stream.get("bytes_received", 0),
             # the stream path's landing scratch held now, and slices read in place for want
             # of room to land them (``stream_source.py``)
-            "stream_scratch_bytes": 0 if follower else
-            (source.get("stream") or {}).get("scratch_bytes", 0),
-            "stream_landing_refused": 0 if follower else
-            (source.get("stream") or {}).get("landing_refused", 0),
+            "stream_scratch_bytes": 0 if follower else stream.get("scratch_bytes", 0),
+            "stream_landing_refused": 0 if follower else stream.get("landing_refused", 0),
             # versions the subscription gave up (the newest: ``abandoned`` in its status)
             "versions_abandoned": 0 if follower else source.get("abandoned_versions", 0),
             # versions announced before their sums (``announce_early``): versions, sum
@@ -120,6 +115,7 @@ class WorkerStatus(StateAccess):
                 source_status = st.source.status()
             except Exception as exc:
                 source_status = {"error": str(exc)}
+        stream = _part(source_status, "stream")
         return {
             "rank": self.rank,
             "endpoint": st.endpoint,
@@ -148,19 +144,14 @@ class WorkerStatus(StateAccess):
             "driven": coord.driven if coord else st.slots is not None,
             "collectives": coord.strategy.collectives if coord else 0,
             # the node's collective path: versions fetched over ZeroMQ instead, by cause
-            "collective_fallbacks": dict(((source_status or {}).get("collective") or {})
-                                         .get("fallback_causes") or {}),
+            "collective_fallbacks": _fallbacks(source_status, "collective"),
             # the node's NIXL path: versions (or chunks) fetched over ZeroMQ instead, by cause
-            "nixl_fallbacks": dict(((source_status or {}).get("nixl") or {})
-                                   .get("fallback_causes") or {}),
+            "nixl_fallbacks": _fallbacks(source_status, "nixl"),
             # the node's stream path (``stream=True``): chunks fetched as frames, by cause
-            "stream_fallbacks": dict(((source_status or {}).get("stream") or {})
-                                     .get("fallback_causes") or {}),
+            "stream_fallbacks": _fallbacks(source_status, "stream"),
             # its landing scratch held now, slices read in place for want of room
-            "stream_scratch_bytes": ((source_status or {}).get("stream") or {})
-            .get("scratch_bytes", 0),
-            "stream_landing_refused": ((source_status or {}).get("stream") or {})
-            .get("landing_refused", 0),
+            "stream_scratch_bytes": stream.get("scratch_bytes", 0),
+            "stream_landing_refused": stream.get("landing_refused", 0),
             # the newest version the subscription gave up ({"version", "why"}), or None
             "abandoned": (source_status or {}).get("abandoned"),
             # each rank its own slices, node staging or whole (``receive_choice.py``), with
@@ -170,3 +161,13 @@ class WorkerStatus(StateAccess):
             "seed_pending": sorted(st.seed_pending),
             "subscriber": source_status,
         }
+
+
+def _part(status: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """One part of a subscriber's status (``{}``: no status, or no such part)."""
+    return (status or {}).get(name) or {}
+
+
+def _fallbacks(status: dict[str, Any] | None, path: str) -> dict[str, int]:
+    """A data path's fallbacks by cause, from a subscriber's status (a copy)."""
+    return dict(_part(status, path).get("fallback_causes") or {})

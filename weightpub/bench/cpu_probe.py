@@ -11,6 +11,10 @@ per GB on each side and this breakdown (``transport_bench.py``).
   reports them per GB: a fault is about 1-2 us here, so 250 k per GB is 0.25-0.5 s);
 * ``thread_cpu``: the same per thread name (``/proc/<pid>/task/*``): ZeroMQ's I/O
   threads are ``ZMQbg/IO/n``, Python's threads carry the interpreter's name;
+* ``idle_cpu_rate``: this process's CPU a second while the caller sleeps (what idle
+  publishers cost it: a bench subtracts it times a round's wall time, a ``net`` figure);
+* ``task_stats``: per thread id, its run time (``schedstat``, ns), system seconds and
+  minor faults (``benchmarks/pub_threads.py``);
 * ``StackSampler``: every ``interval`` seconds, the innermost Python frame of each
   other thread (perf-style sampling: a C call such as a memcpy or a hash is charged
   to the Python line that made it); py-spy is not installed on the box.
@@ -21,16 +25,24 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["StackSampler", "process_cpu", "process_faults", "thread_cpu"]
+__all__ = ["StackSampler", "TaskStat", "idle_cpu_rate", "process_cpu", "process_faults",
+           "task_stats", "thread_cpu"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _fields(stat: str) -> list[str]:
+    """A ``/proc/.../stat`` line's fields after ``pid (comm) `` (comm may hold spaces)."""
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _stat_seconds(stat: str) -> float:
-    fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+    fields = _fields(stat)
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
 
 
@@ -39,10 +51,18 @@ def process_cpu(pid: int | None = None) -> float:
     return _stat_seconds(Path(f"/proc/{pid or os.getpid()}/stat").read_text())
 
 
+def idle_cpu_rate(seconds: float = 2.0) -> float:
+    """CPU-seconds a second this process spends while the caller sleeps ``seconds``: its
+    other threads' cost of doing nothing (an idle publisher's serving loop, heartbeats),
+    which a round's CPU includes too; ``cpu - rate * wall`` is the round's own."""
+    start = time.process_time()
+    time.sleep(seconds)
+    return (time.process_time() - start) / seconds
+
+
 def process_faults(pid: int | None = None) -> int:
     """Page faults (minor + major) of process ``pid`` (default: this one) so far."""
-    stat = Path(f"/proc/{pid or os.getpid()}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = _fields(Path(f"/proc/{pid or os.getpid()}/stat").read_text())
     return int(fields[7]) + int(fields[9])  # minflt, majflt
 
 
@@ -55,6 +75,31 @@ def thread_cpu(pid: int | None = None) -> dict[str, float]:
             out[name] = out.get(name, 0.0) + _stat_seconds((task / "stat").read_text())
         except OSError:  # the thread ended meanwhile
             continue
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class TaskStat:
+    """One thread's counters so far: ``run`` seconds on a CPU (``schedstat``, ns-precise),
+    ``system`` seconds (tick-granular), minor page faults."""
+
+    comm: str
+    run: float
+    system: float
+    minor_faults: int
+
+
+def task_stats(pid: int | None = None) -> dict[int, TaskStat]:
+    """Thread id -> ``TaskStat`` for each thread of process ``pid`` (default: this one)."""
+    out: dict[int, TaskStat] = {}
+    for task in Path(f"/proc/{pid or os.getpid()}/task").iterdir():
+        try:
+            run = int((task / "schedstat").read_text().split()[0]) / 1e9
+            fields = _fields((task / "stat").read_text())
+            comm = (task / "comm").read_text().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = TaskStat(comm, run, int(fields[12]) / _TICK, int(fields[7]))
     return out
 
 
