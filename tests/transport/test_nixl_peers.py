@@ -270,7 +270,7 @@ def test_the_words_kept_for_peers_count_in_the_staging_budget(
     size, words = manifest.total_bytes, 8 * (manifest.num_chunks + 1)
     picker = NixlPicker(True, request_timeout=5.0, window_bytes=1 << 20)
     try:
-        assert picker._start(), picker.status()
+        assert picker.wait_started(30), picker.status()
         pool = BufferPool(allocator=picker.allocator(None), budget_bytes=size + words)
         picker.words.pool = pool
         buffer = pool.take(size)
