@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from publisher.store.nixl_export import UNOFFERED_CAUSES, WORDS_KINDS
 from weightpub_wire.errors import TransportError
-from weightpub_wire.protocol import Report
+from weightpub_wire.protocol import PeerNixlFigures, Report, peer_nixl_total
 
 __all__ = ["MetricsServer", "PublisherCollector", "PublisherFigures"]
 
@@ -71,10 +71,34 @@ class PublisherCollector(Collector):
         yield GaugeMetricFamily("weightpub_publisher_slowest_subscriber_lag_versions",
                                 "Versions the slowest subscriber's applied version is behind",
                                 lag)
+        yield from _peer_nixl_families(f.fleet)
         if f.stream is not None:
             yield from _stream_families(f.stream)
         if f.nixl is not None:
             yield from _nixl_families(f.nixl)
+
+
+def _peer_nixl_families(fleet: list[Report]) -> Iterator[Metric]:
+    """Peers over NIXL (issue 31) over the fleet: the members' counters summed over the
+    reports seen recently (gauges: a row that expires takes its counts with it)."""
+    total = peer_nixl_total(fleet) or PeerNixlFigures()
+    for name, text, value in (
+            ("nixl_bytes_from_peers", "Chunk bytes members READ from peers over NIXL",
+             total.bytes_from_peers),
+            ("nixl_chunks_from_peers", "Chunks members READ from peers over NIXL",
+             total.chunks_from_peers),
+            ("peer_nixl_offers", "Peers' peer_nixl questions members answered with an offer",
+             total.offers)):
+        yield GaugeMetricFamily(f"weightpub_publisher_fleet_{name}",
+                                f"{text}, summed over the subscribers seen recently", value)
+    family = GaugeMetricFamily(
+        "weightpub_publisher_fleet_peer_nixl_unoffered",
+        "Peers' peer_nixl questions members answered without an offer, by cause (frames: "
+        "the version came as frames; sliced; budget...), summed over the subscribers seen "
+        "recently", labels=["cause"])
+    for cause, count in total.unoffered:
+        family.add_metric([cause], count)
+    yield family
 
 
 def _nixl_families(nixl: dict[str, object]) -> Iterator[Metric]:

@@ -534,6 +534,13 @@ class WeightPublisher:
         """
         return self._server.fleet()
 
+    def peer_nixl_totals(self) -> wire.PeerNixlFigures | None:
+        """The fleet's peers-over-NIXL counters (issue 31), summed over the reports seen
+        recently (each row's own in ``fleet()``): bytes and chunks members READ from
+        peers, offers they made, questions they answered None by cause; None when no
+        report carries them."""
+        return wire.peer_nixl_total(self.fleet())
+
     def wait_for_subscribers(self, version: int, count: int, *, applied: bool = True,
                              timeout: float = 60.0,
                              distinct_keys: bool = True) -> list[wire.Report]:

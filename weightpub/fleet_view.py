@@ -19,7 +19,8 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.errors import WeightPubTimeout
 
-__all__ = ["fleet_table", "group_line", "printable", "received_cell", "watch_fleet"]
+__all__ = ["fleet_table", "group_line", "peer_nixl_cell", "peer_nixl_line", "printable",
+           "received_cell", "watch_fleet"]
 
 
 def printable(text: str, limit: int = 200, style: str = "") -> Text:
@@ -132,6 +133,26 @@ def received_cell(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction:.2f}x"
 
 
+def peer_nixl_cell(figures: wire.PeerNixlFigures | None) -> str:
+    """What a member READ from peers over NIXL: "12.0M"; "-" when it did not say (no
+    peers over NIXL, an older subscriber). Its offers and causes: ``--json``."""
+    return "-" if figures is None else f"{figures.bytes_from_peers / (1 << 20):.1f}M"
+
+
+def peer_nixl_line(figures: wire.PeerNixlFigures | None) -> Text | None:
+    """The fleet's peers over NIXL (issue 31), summed over the rows seen recently."""
+    if figures is None:
+        return None
+    line = Text(f"peers over nixl: {figures.bytes_from_peers / (1 << 20):.1f} MiB in "
+                f"{figures.chunks_from_peers} chunk(s) READ from peers, {figures.offers} "
+                "offer(s) made")
+    if figures.unoffered:
+        line.append("; unoffered: ", style="yellow")
+        line.append_text(printable(", ".join(f"{cause}={count}" for cause, count
+                                             in figures.unoffered), 400, style="yellow"))
+    return line
+
+
 def fleet_table(reply: wire.StatusReply) -> Group:
     """A header line, the collective group (if any) and a table of the subscribers."""
     header = Text(f"publisher {printable(reply.publisher_id, 12)}  "
@@ -141,9 +162,12 @@ def fleet_table(reply: wire.StatusReply) -> Group:
                   + (f", {reply.bytes_sent_slices} as slices of {reply.slice_plans} plans"
                      if reply.slice_plans or reply.bytes_sent_slices else ""))
     table = Table(expand=False)
+    # bytes READ from peers over NIXL: a column only where some member reports them
+    peers = any(report.peer_nixl is not None for report in reply.subscribers)
     for column, justify in (("subscriber", "left"), ("ranks", "left"), ("staged", "right"),
                             ("applied", "right"), ("lag", "right"), ("path", "left"),
-                            ("received", "right"), ("last error", "left")):
+                            ("received", "right"), *([("nixl peers", "right")] if peers
+                                                     else []), ("last error", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for report in sorted(reply.subscribers, key=lambda r: r.subscriber_id):
         lag = max(0, reply.latest_version - report.applied_version)
@@ -155,11 +179,12 @@ def fleet_table(reply: wire.StatusReply) -> Group:
             Text(str(lag), style="yellow" if lag else "green"),
             printable(report.data_path or "-", 16),  # how the applied version came
             received_cell(report.received_fraction),
+            *([peer_nixl_cell(report.peer_nixl)] if peers else []),
             printable(report.last_error or "", style="red"),
         )
     lines = [line for line in (memory_line(reply.memory), shard_line(reply.shard_group),
                                group_line(reply.collective), stream_line(reply.stream),
-                               nixl_line(reply.nixl))
+                               nixl_line(reply.nixl), peer_nixl_line(reply.peer_nixl))
              if line is not None]
     return Group(header, *lines, table)
 

@@ -76,12 +76,14 @@ from weightpub_wire.control_messages import (  # noqa: F401 - ERROR_CODES.. re-e
     LatestReply,
     LatestRequest,
     NixlHolding,
+    PeerNixlFigures,
     PendingShards,
     Report,
     ShardGroup,
     StatusReply,
     StatusRequest,
     StreamPort,
+    peer_nixl_total,
 )
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.manifest import (
@@ -157,6 +159,7 @@ __all__ = [
     "Manifest",
     "Message",
     "NixlHolding",
+    "PeerNixlFigures",
     "PendingShards",
     "Report",
     "ShardGroup",
@@ -170,6 +173,7 @@ __all__ = [
     "encode",
     "peek_protocol",
     "peek_req",
+    "peer_nixl_total",
 ]
 
 Message = (

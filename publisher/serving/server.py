@@ -422,10 +422,11 @@ class ServingThread(threading.Thread):
     def _status(self, req: int) -> wire.StatusReply:
         latest = self.store.latest()
         extras = StatusExtras() if self._status_extras is None else self._status_extras()
+        now = time.time()
         return wire.StatusReply(
             req=req, publisher_id=self.publisher_id, started_at=self.started_at,
             latest_version=0 if latest is None else latest.manifest.version,
-            versions=self.store.versions(), subscribers=self.reports.for_status(time.time()),
+            versions=self.store.versions(), subscribers=self.reports.for_status(now),
             bytes_sent_full=self.served_bytes, bytes_sent_delta=self.delta_serving.bytes_sent,
             collective=None if self.collective is None else self.collective.status(),
             memory=extras.memory, shard_group=extras.shard_group,
@@ -433,6 +434,7 @@ class ServingThread(threading.Thread):
             slice_plans=self.slice_serving.plans, slice_held_bytes=self.slice_serving.held_bytes,
             stream=None if self.stream is None else self.stream.wire_status(),
             nixl=extras.nixl,
+            peer_nixl=wire.peer_nixl_total(self.reports.live(now)),  # every row, not the cut
         )
 
     def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:

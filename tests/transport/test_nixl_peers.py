@@ -22,6 +22,7 @@ import zmq
 import zmq.auth
 
 from publisher import WeightPublisher
+from publisher.publisher_metrics import PublisherCollector
 from subscriber_ext import WeightSubscriber
 from subscriber_ext.observe.replica_metrics import peer_nixl_counters
 from subscriber_ext.observe.status_board import StatusBoard
@@ -76,6 +77,16 @@ def test_the_second_member_reads_the_version_from_the_first_over_nixl(
         ("peer_nixl_offers", 0), ("nixl_bytes_from_peers", 1), ("nixl_chunks_from_peers", 1),
         ("nixl_bytes_from_peers", 0), ("peer_nixl_offers", 1))] == [2, total, chunks, 0, 0]
     assert not any(key.startswith("weightpub_peer_nixl_unoffered") for key in samples)
+    # in the reports the publisher aggregates: its fleet total, each member's row, /metrics
+    expected = wire.PeerNixlFigures(bytes_from_peers=total, chunks_from_peers=chunks, offers=2)
+    wait_until(lambda: pub.peer_nixl_totals() == expected, 20,
+               "the members' reports of their peer NIXL counters")
+    rows = {r.subscriber_id: r.peer_nixl for r in pub.fleet()}
+    assert rows["m0"] == wire.PeerNixlFigures(offers=2), rows
+    assert rows["m1"] == wire.PeerNixlFigures(bytes_from_peers=total, chunks_from_peers=chunks)
+    metrics = {m.name: m.samples for m in PublisherCollector(pub._figures).collect()}
+    assert metrics["weightpub_publisher_fleet_nixl_bytes_from_peers"][0].value == total
+    assert metrics["weightpub_publisher_fleet_peer_nixl_offers"][0].value == 2
 
 
 def test_a_chain_of_three_reads_what_the_middle_member_read_over_nixl(
@@ -118,6 +129,8 @@ def test_a_first_member_without_nixl_costs_frames_with_the_cause_counted(
         board.write(0, {"rank": 0, "peer_nixl": peer_nixl_counters(peers_status(first))})
         assert 'weightpub_peer_nixl_unoffered_total{cause="frames",rank="0"} 1.0' \
             in scrape(board)
+        wait_until(lambda: (pub.peer_nixl_totals() or wire.PeerNixlFigures()).unoffered
+                   == (("frames", 1),), 20, "the first member's report of the cause")
     else:
         assert served["nixl_unoffered"] == {} and "nixl_bytes_from_peers" not in served
 
@@ -270,7 +283,7 @@ def test_the_words_kept_for_peers_count_in_the_staging_budget(
     size, words = manifest.total_bytes, 8 * (manifest.num_chunks + 1)
     picker = NixlPicker(True, request_timeout=5.0, window_bytes=1 << 20)
     try:
-        assert picker._start(), picker.status()
+        assert picker.wait_started(30), picker.status()
         pool = BufferPool(allocator=picker.allocator(None), budget_bytes=size + words)
         picker.words.pool = pool
         buffer = pool.take(size)

@@ -127,3 +127,82 @@ def test_reports_carry_each_ranks_received_share_bounded_and_old_reports_still_p
     shares = {r["subscriber_id"]: r["received_fraction"]
               for r in json.loads(capsys.readouterr().out)["subscribers"]}
     assert shares == {"host-rank0": 0.5213, "host-rank1": 0.5388, "old-node": None}
+
+
+def test_reports_carry_peer_nixl_counters_bounded_and_old_and_new_sides_still_parse(
+    make_pub: Callable[..., WeightPublisher], capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A member's peers-over-NIXL counters (issue 31) ride in its report; the publisher
+    sums them over the fleet (status reply, ``peer_nixl_totals``, /metrics) and shows
+    each row's. A report without them (an older subscriber) is filed as before, and an
+    older publisher's ``Report`` drops the unknown field; a bad value (negative, NaN,
+    past 2**63 - 1, 17 causes, a cause named twice or not a plain word) is refused
+    naming the field, counted, and the publisher goes on serving."""
+    import msgspec
+
+    from publisher.publisher_metrics import PublisherCollector
+
+    pub = make_pub()
+    version = pub.publish({"w": torch.arange(3)})
+    pub.wait_announced(version, timeout=20)
+    fields = {"t": "report", "p": wire.PROTOCOL_VERSION, "staged_version": version,
+              "applied_version": version, "publisher_id": pub.publisher_id}
+    served = wire.PeerNixlFigures(offers=3, unoffered=(("frames", 1),))
+    read = wire.PeerNixlFigures(bytes_from_peers=5 << 20, chunks_from_peers=20,
+                                unoffered=(("budget", 2), ("frames", 1)))
+    bad = {"bytes_from_peers": -1, "offers": float("nan"), "chunks_from_peers": 1 << 63,
+           "unoffered": [[f"c{i}", 1] for i in range(17)]}
+    worse = {"unoffered": [[["frames", 1], ["frames", 2]], [["Bad cause", 1]]]}
+    cases = [({name: value}, name) for name, value in bad.items()] + \
+        [({"unoffered": value}, "unoffered") for value in worse["unoffered"]]
+    for peer_nixl, name in cases:  # each refused naming its field
+        with pytest.raises(wire.ProtocolError, match=rf"report\.peer_nixl\.{name}"):
+            wire.decode(msgspec.msgpack.encode({**fields, "subscriber_id": "liar",
+                                                "peer_nixl": peer_nixl}))
+    ctx = zmq.Context()
+    peer = RawPeer(ctx, pub.endpoint)
+    try:
+        for name, figures in (("member0", served), ("member1", read)):
+            peer.send(wire.Report(subscriber_id=name, staged_version=version,
+                                  applied_version=version, publisher_id=pub.publisher_id,
+                                  peer_nixl=figures))
+        peer.send(msgspec.msgpack.encode({**fields, "subscriber_id": "old-node"}))
+        before = pub._server.bad_messages
+        for peer_nixl, _ in cases:
+            peer.send(msgspec.msgpack.encode({**fields, "subscriber_id": "liar",
+                                              "peer_nixl": peer_nixl}))
+        status = peer.call(wire.StatusRequest(req=1))  # handled in order: all seen
+    finally:
+        peer.close()
+        ctx.destroy(linger=0)
+    assert isinstance(status, wire.StatusReply)
+    assert pub._server.bad_messages - before == len(cases)
+    rows = {r.subscriber_id: r for r in pub.fleet()}
+    assert sorted(rows) == ["member0", "member1", "old-node"]
+    assert rows["member1"].peer_nixl == read and rows["old-node"].peer_nixl is None
+    total = wire.PeerNixlFigures(bytes_from_peers=5 << 20, chunks_from_peers=20, offers=3,
+                                 unoffered=(("budget", 2), ("frames", 2)))
+    assert status.peer_nixl == total == pub.peer_nixl_totals()
+
+    class OldReport(msgspec.Struct, tag_field="t", tag="report", kw_only=True):
+        """A publisher's ``Report`` before the field: unknown fields are dropped."""
+
+        subscriber_id: str
+        staged_version: int
+        applied_version: int
+        p: int = wire.PROTOCOL_VERSION
+
+    new = wire.encode(rows["member1"])
+    assert msgspec.msgpack.decode(new, type=OldReport).subscriber_id == "member1"
+    metrics = {m.name: m.samples for m in PublisherCollector(pub._figures).collect()}
+    assert metrics["weightpub_publisher_fleet_nixl_bytes_from_peers"][0].value == 5 << 20
+    assert {s.labels["cause"]: s.value
+            for s in metrics["weightpub_publisher_fleet_peer_nixl_unoffered"]} == \
+        {"budget": 2, "frames": 2}
+    assert cli_main(["status", pub.endpoint]) == 0
+    out = capsys.readouterr().out
+    assert "peers over nixl: 5.0 MiB in 20 chunk(s) READ from peers, 3 offer(s)" in out
+    assert "budget=2, frames=2" in out and "nixl" in out and "5.0M" in out  # member1's row
+    assert cli_main(["status", pub.endpoint, "--json"]) == 0
+    reply = json.loads(capsys.readouterr().out)
+    assert reply["peer_nixl"]["offers"] == 3

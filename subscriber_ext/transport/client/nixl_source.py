@@ -60,6 +60,7 @@ import msgspec
 import numpy
 import torch
 
+from subscriber_ext.transport.client.nixl_agent_start import AgentStart
 from subscriber_ext.transport.client.peer_words import PeerWords
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import ChunkSource, Retry, SourceSink
@@ -90,6 +91,7 @@ log = logging.getLogger("weightpub.subscriber")
 FALLBACK_CAUSES = (
     "off",  # this subscriber's ``nixl`` option is False
     "missing",  # NIXL does not import here (or its agent did not start)
+    "starting",  # its agent had not started after ``AGENT_WAIT_S`` (chunks held that long)
     "bad_offer",  # the offer does not fit the manifest, or its agent is not who it says
     "unreachable",  # the offer's agent could not be added or a READ could not be posted
     "transfer",  # a READ failed (the holder died, UCX reported an error)
@@ -119,6 +121,11 @@ _MAX_RANKS = 64  # ranks named in ``rank_fallbacks`` (more are counted in the ca
 _MAX_PEER_AGENTS = 64  # ``MAX_STRIPES`` x ``MAX_CHAIN`` peers in a plan
 #: ranges of a sparse staging buffer registered at most (``touched_ranges``)
 MAX_SPARSE_RANGES = 1024
+#: most seconds a version's chunks wait for the agent while it starts (on its own thread,
+#: ``nixl_agent_start.py``: about 0.5 s here); past it they come as frames (``starting``)
+AGENT_WAIT_S = 5.0
+#: how often a source waiting for the agent looks whether it is up (the loop goes on)
+_AGENT_POLL_S = 0.01
 _READ_BYTES = 16 << 20  # bytes per READ: large enough to stream, small enough to hand back
 #: how often a READ still in flight is looked at when waited for (``drain``: closing,
 #: dropping a target) or due (a words READ)
@@ -337,21 +344,48 @@ class NixlSource(ChunkSource):
             return list(chunks)
         taken = set(take)
         rest = [c for c in chunks if c not in taken]
-        base = _base(target.buffer)
-        try:
-            if sparse is None:
-                self.picker.register(base)
-            else:
-                self.picker.register_sparse(sparse)
-        except Exception as exc:
-            self.fall_back("register", f"registering {base.numel()} bytes of staging: {exc}")
+        if self.picker.reader is not None and not self._register(target):
             return list(chunks)
+        # while the agent starts (its own thread) they wait in ``queued``: ``_await_agent``
         for holder, batch, spans in self._batches(take, sparse):
             req = self.sink.requests.next_id()
             self.sink.requests.track(req, batch, now, source=self)
             self.queued.append(_Queued(req, target, holder, batch, spans))
         self._post(now)
         return rest
+
+    def _register(self, target: Assembly) -> bool:
+        """Register ``target``'s staging (once per buffer); False: it failed (counted, every
+        holder falls back for the version)."""
+        base = _base(target.buffer)
+        try:
+            if isinstance(target, SparseAssembly):
+                self.picker.register_sparse(target)
+            else:
+                self.picker.register(base)
+        except Exception as exc:
+            self.fall_back("register", f"registering {base.numel()} bytes of staging: {exc}")
+            return False
+        return True
+
+    def _await_agent(self, now: float) -> float:
+        """The agent is starting on its thread: chunks taken meanwhile wait in ``queued``
+        while the loop goes on; once it is up they are posted; if it failed, or is not up
+        ``AGENT_WAIT_S`` after its start began, they go to frames (``missing``,
+        ``starting``). Returns when to look again."""
+        up = self.picker.started()
+        if up is None:
+            waited = now - self.picker.start_began
+            if waited < AGENT_WAIT_S:
+                return _AGENT_POLL_S
+            self.fall_back("starting", f"the NIXL agent had not started after {waited:.1f} s")
+            return float("inf")
+        if not up:
+            self.fall_back("missing", self.picker.unavailable or "NIXL cannot run here")
+            return float("inf")
+        self.picker.keep_holders(self.holders)
+        self._post(now)
+        return 0.0
 
     def _window(self) -> int:
         """The client's window in chunks (``window_bytes``, at most the protocol's)."""
@@ -368,13 +402,16 @@ class NixlSource(ChunkSource):
         whose holder fell back (or that cannot be posted) is forgotten: its chunks go to
         the serving sources at the next top-up."""
         reader = self.picker.reader
+        if reader is None:
+            return  # its agent is starting: posted once it is up (``_await_agent``)
         posted = sum(len(read.chunks) for read in self.pending.values())
         while self.queued and posted < self._cap():
             queued = self.queued.popleft()
             req, holder, target = queued.req, queued.holder, queued.target
             if req not in self.sink.requests:
                 continue  # the target was given up or dropped meanwhile
-            if reader is None or not holder.up or target.manifest is not self.manifest:
+            if not holder.up or target.manifest is not self.manifest \
+                    or not self._register(target):
                 self.sink.requests.forget(req)
                 continue
             ready = self._readiness(queued, now)
@@ -532,7 +569,7 @@ class NixlSource(ChunkSource):
         backing off)."""
         reader = self.picker.reader
         if reader is None:
-            return float("inf")
+            return self._await_agent(now) if self.up and self.queued else float("inf")
         waiting: set[int] = set()  # holders (by id) with a READ not done yet
         for req, read in list(self.pending.items()):
             if req not in self.pending or id(read.holder) in waiting:
@@ -897,6 +934,9 @@ class NixlPicker:
         self._sparse: dict[int, list[tuple[int, int]]] = {}  # sparse base -> ranges registered
         self._unavailable: str | None = None
         self._checked = False  # NIXL imported (seconds) only once a manifest offers it
+        #: the agent's start on its own thread (``nixl_agent_start.py``): with the option
+        #: True at once, auto at the first manifest offering NIXL; kept for its figures
+        self._agent: AgentStart | None = None
         self._warn = RateLimitedLog(log)
         self._sink: SourceSink | None = None
         #: chunks of a version verified in place by any of its NIXL sources (``data_path``)
@@ -911,6 +951,8 @@ class NixlPicker:
         self._peer_offers: collections.OrderedDict[tuple[int, int], NixlOffer] = \
             collections.OrderedDict()
         self._offers_lock = threading.Lock()  # ``freed`` runs on whichever thread drops
+        if mode is True:  # it will be used: up before the first offer comes, most likely
+            self._begin()
 
     # -- the picker --------------------------------------------------------------------------
     def __call__(self, manifest: wire.Manifest, sink: SourceSink) -> list[ChunkSource] | None:
@@ -933,29 +975,62 @@ class NixlPicker:
         holders = self._holders(manifest)
         if not any(holders):
             return None
-        if not self._start():
+        if self.started() is False:
             self.count("missing", self._unavailable or "NIXL cannot run here",
                        version=manifest.version)
             return None
-        assert self.reader is not None
-        # holders of earlier versions (a restarted rank's old agent) are not kept
-        self.reader.keep({h.offer.agent for h in holders if h is not None} | set(self._peer_agents))
+        # while the agent starts the source holds what it takes (``NixlSource._await_agent``)
+        self.keep_holders(holders)
         self._source = NixlSource(self, sink, manifest, holders)
         return [self._source]
 
-    def _start(self) -> bool:
-        """The reader, started once (False: NIXL cannot run here, ``_unavailable`` says why)."""
-        if not self._checked:
-            self._checked = True
-            self._unavailable = nixl_error()
-            if self._unavailable is not None and self.mode:
-                log.warning("nixl: asked for but %s", self._unavailable)
-        if self._unavailable is None and self.reader is None:
-            try:
-                self.reader = NixlReader("weightpub-subscriber")
-            except Exception as exc:
-                self._unavailable = f"NIXL agent did not start ({type(exc).__name__}: {exc})"
-        return self._unavailable is None
+    def _begin(self) -> None:
+        if self._agent is None and self.reader is None and self._unavailable is None:
+            self._agent = AgentStart("weightpub-subscriber", nixl_error)
+
+    def started(self) -> bool | None:
+        """Whether the reader is up: True, None while its agent starts (begun here if not
+        yet; ``nixl_agent_start.py``), False if NIXL cannot run here (``unavailable`` says
+        why: logged once). Never blocks."""
+        if self.reader is not None:
+            return True
+        if self._unavailable is not None:
+            return False
+        self._begin()
+        agent = self._agent
+        assert agent is not None
+        if not agent.done():
+            return None
+        self._checked = True
+        self.reader = agent.take()
+        if self.reader is None:
+            self._unavailable = agent.error or "NIXL cannot run here"
+            log.warning("nixl: %s%s; fetching over ZeroMQ frames (counted as missing)",
+                        "asked for but " if self.mode else "", self._unavailable)
+            return False
+        return True
+
+    def wait_started(self, timeout: float) -> bool:
+        """``started``, waiting for the agent at most ``timeout`` seconds (not on a loop)."""
+        if self.started() is None and self._agent is not None:
+            self._agent.wait(timeout)
+        return self.started() is True
+
+    @property
+    def start_began(self) -> float:
+        """When the agent's start began (``AGENT_WAIT_S`` counts from it)."""
+        return time.monotonic() if self._agent is None else self._agent.began
+
+    @property
+    def unavailable(self) -> str | None:
+        return self._unavailable
+
+    def keep_holders(self, holders: Sequence[NixlHolder | None]) -> None:
+        """Holders of earlier versions (a restarted rank's old agent) are not kept (once
+        the reader is up)."""
+        if self.reader is not None:
+            self.reader.keep({h.offer.agent for h in holders if h is not None}
+                             | set(self._peer_agents))
 
     def in_place(self, manifest: wire.Manifest) -> int:
         held, count = self._in_place
@@ -980,11 +1055,11 @@ class NixlPicker:
         are not, the offer carries a readiness map (one word per chunk, the version's
         number once the chunk verified: ``chunk_verified``). Made on the client's thread
         (the agent is not thread-safe), cached per (buffer, version)."""
-        reader = self.reader
-        if not self.peers_on or (self._checked and self._unavailable is not None):
+        if not self.peers_on or self.started() is False:
             return None, "off"
-        if reader is None:  # nothing was offered to it over NIXL: its staging is not registered
-            return None, "frames"
+        reader = self.reader
+        if reader is None:  # its agent is starting (own thread): its READs will register it
+            return None, "later"
         base = _base(buffer).data_ptr()
         if base not in self._sizes:
             source = self._source
@@ -1037,10 +1112,10 @@ class NixlPicker:
                     arrived: Callable[[int], None]) -> PeerNixlSource | None:
         """A source READing ``manifest``'s version from a peer's offer; None (counted)
         where it does not fit or NIXL cannot run here."""
-        if self._sink is None or not self._start():
+        if self._sink is None or self.started() is False:
             self.count("missing", self._unavailable or "the client has not started",
                        version=manifest.version)
-            return None
+            return None  # while the agent starts the source holds what it takes
         misfit = offer_misfit(offer, manifest.total_bytes, manifest.chunk_size,
                               manifest.version, "the version's")
         if misfit is not None:
@@ -1089,7 +1164,7 @@ class NixlPicker:
             count_bounded(self.rank_fallbacks, rank, _MAX_RANKS)
             why = f"trainer rank {rank}: {why}"
         self.last_error = f"version {version}: {why} ({cause})"[:1024]
-        if cause != "off":
+        if cause not in ("off", "missing"):  # missing: logged once, by ``started``
             self._warn.warning(f"nixl:{cause}", f"nixl: {self.last_error}; fetching over "
                                                 "ZeroMQ frames")
 
@@ -1184,6 +1259,13 @@ class NixlPicker:
             "mode": {True: "on", False: "off", None: "auto"}[self.mode],
             # None until a manifest offered NIXL (and never with the option off)
             "available": self._unavailable is None if self._checked else None,
+            # the agent's start (its own thread): starting, up, failed, or None (not begun);
+            # the seconds it took
+            "agent": None if self._agent is None and self.reader is None
+            else "up" if self.reader is not None
+            else "failed" if self._unavailable is not None else "starting",
+            "agent_start_s": None if self._agent is None or self._agent.took is None
+            else round(self._agent.took, 3),
             "registered_bytes": 0 if self.reader is None else self.reader.registered_bytes,
             "bytes_read": self.bytes_read,
             "fallbacks": self.fallbacks,
@@ -1201,6 +1283,8 @@ class NixlPicker:
         if source is not None:
             source.close()
         reader, self.reader = self.reader, None
+        if self._agent is not None:
+            self._agent.close()  # one still starting closes its reader when made
         self._sizes.clear()
         with self._offers_lock:
             self._peer_offers.clear()
