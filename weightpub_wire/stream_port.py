@@ -68,8 +68,9 @@ class StreamPort:
         self.limits = limits or PortLimits()
         self._allowed = allowed
         self._name = name
-        #: token -> (expiry (monotonic), the CURVE key it was handed to, None without CURVE)
-        self._tokens: dict[bytes, tuple[float, str | None]] = {}
+        #: token -> (expiry (monotonic), the CURVE key it was handed to (None without
+        #: CURVE), its scope)
+        self._tokens: dict[bytes, tuple[float, str | None, str]] = {}
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
         self._closed = False
@@ -93,12 +94,13 @@ class StreamPort:
         self._accepter.start()
 
     # -- tokens (called on the owner's thread) -------------------------------------------------
-    def issue_token(self, client_key: str | None = None) -> bytes | None:
+    def issue_token(self, client_key: str | None = None, scope: str = "") -> bytes | None:
         """A fresh one-time token for ``client_key`` (the CURVE key it was asked with);
-        None when ``max_tokens`` are outstanding."""
+        None when ``max_tokens`` are outstanding. ``scope``: handed to ``answer`` with
+        every request of the connection it opens (a peer's: the publisher instance)."""
         now = time.monotonic()
         with self._lock:
-            for token, (expiry, _) in list(self._tokens.items()):
+            for token, (expiry, _, _) in list(self._tokens.items()):
                 if expiry < now:
                     del self._tokens[token]
             if len(self._tokens) >= self.limits.max_tokens:
@@ -106,25 +108,26 @@ class StreamPort:
                 return None
             self.tokens_issued += 1
             token = os.urandom(stream_link.TOKEN_BYTES)
-            self._tokens[token] = (now + self.limits.token_ttl, client_key)
+            self._tokens[token] = (now + self.limits.token_ttl, client_key, scope)
             return token
 
-    def _take_token(self, token: bytes) -> tuple[bool, str | None]:
-        """(valid, the key it was handed to); a token is good once."""
+    def _take_token(self, token: bytes) -> tuple[bool, str | None, str]:
+        """(valid, the key it was handed to, its scope); a token is good once."""
         with self._lock:
             entry = self._tokens.pop(token, None)
         if entry is None or entry[0] < time.monotonic():
-            return False, None
-        return True, entry[1]
+            return False, None, ""
+        return True, entry[1], entry[2]
 
     # -- what a subclass says ----------------------------------------------------------------
     def answer(self, conn: socket.socket, request: stream_link.StreamRequest,
-               chunks: tuple[int, ...]) -> None:
-        """Answer a plain request for ``chunks`` (on the connection's thread)."""
+               chunks: tuple[int, ...], scope: str) -> None:
+        """Answer a plain request for ``chunks`` (on the connection's thread; ``scope``:
+        its token's)."""
         raise NotImplementedError
 
     def answer_slices(self, conn: socket.socket, request: stream_link.StreamRequest,
-                      entries: list[tuple[int, list[stream_link.Block]]]) -> None:
+                      entries: list[tuple[int, list[stream_link.Block]]], scope: str) -> None:
         """Answer a ``slices`` request (only where ``serves_slices``)."""
         raise ProtocolError("stream slices: not served here")
 
@@ -181,7 +184,7 @@ class StreamPort:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.limits.hello_timeout)
             token = stream_link.parse_hello(read_exact(conn, stream_link.HELLO_BYTES))
-            valid, client_key = self._take_token(token)
+            valid, client_key, scope = self._take_token(token)
             if not valid:
                 with self._lock:  # every connection's thread counts
                     self.refused += 1
@@ -201,11 +204,11 @@ class StreamPort:
                     raise Cut(f"CURVE key {client_key} is not in the allow-list any more")
                 request = stream_link.parse_request_head(head, slices=self.serves_slices)
                 if request.slices:
-                    self.answer_slices(conn, request, _read_slices(conn, request))
+                    self.answer_slices(conn, request, _read_slices(conn, request), scope)
                     continue
                 chunks = stream_link.request_chunks(
                     read_exact(conn, 4 * request.count), request)
-                self.answer(conn, request, chunks)
+                self.answer(conn, request, chunks, scope)
         except (EOFError, ConnectionError, TimeoutError):
             pass  # the reader went (or never said hello in time)
         except (ProtocolError, Cut) as exc:

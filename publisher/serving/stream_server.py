@@ -138,7 +138,7 @@ class StreamServer(StreamPort):
 
     # -- answers (on a connection's thread) ---------------------------------------------------
     def answer(self, conn: socket.socket, request: stream_link.StreamRequest,
-                chunks: tuple[int, ...]) -> None:
+                chunks: tuple[int, ...], scope: str = "") -> None:
         """Send ``chunks`` of the request whole (see ``_reply``)."""
         def item(version: PublishedVersion, chunk: int) -> _Item:
             data = self.chunk_bytes(version, chunk)
@@ -147,7 +147,8 @@ class StreamServer(StreamPort):
         self._reply(conn, request, chunks, item)
 
     def answer_slices(self, conn: socket.socket, request: stream_link.StreamRequest,
-                       entries: list[tuple[int, list[stream_link.Block]]]) -> None:
+                       entries: list[tuple[int, list[stream_link.Block]]],
+                       scope: str = "") -> None:
         """Send each chunk's blocks back to back (see ``_reply``); a block past its chunk
         in the version is a bad request (the subscriber is cut)."""
         blocks = dict(entries)
