@@ -190,20 +190,30 @@ class PeerStreamServer(StreamPort):
         return None
 
     # -- the subscriber's thread --------------------------------------------------------------
-    def pump(self, now: float) -> float:
-        """Hand over what can go now; seconds until this wants to run again (inf: idle)."""
+    def drain_wake(self) -> None:
+        """The poller saw ``wake_fd``: read the wakes (the pump runs next)."""
         try:
             self._wake_r.recv(4096)
-        except (BlockingIOError, OSError):
+        except OSError:
             pass
-        with self._jobs_lock:
-            cpu, self._cpu = self._cpu, 0.0
-        self.budget.charge(cpu)
+
+    def pump(self, now: float) -> float:
+        """Hand over what can go now; seconds until this wants to run again (inf: idle).
+        Its own CPU and the connection threads' are charged to the upload budget."""
         if not self._dirty and now < self._next_scan:
             return self._next_scan - now
+        cpu = time.thread_time()
+        try:
+            return self._pump(now)
+        finally:
+            self.budget.charge(time.thread_time() - cpu)
+
+    def _pump(self, now: float) -> float:
         self._dirty = False
         with self._jobs_lock:
             jobs = list(self._jobs)
+            cpu, self._cpu = self._cpu, 0.0
+        self.budget.charge(cpu)
         wake = math.inf
         for job in jobs:
             wait = self._resolve(job, now)

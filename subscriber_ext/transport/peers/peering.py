@@ -287,6 +287,8 @@ class Peering(ChunkSource):
     def on_events(self, events: dict[Any, int], now: float) -> None:
         if self.server.router in events:
             self.server.on_readable(now)
+        if self.stream_port is not None and self.stream_port.wake_fd in events:
+            self.stream_port.drain_wake()
         for link in list(self.sources.links.values()):
             if link.monitor in events and self.sources.watch(link, now) and \
                     self.client.requests.peer_in_flight().get(link):
