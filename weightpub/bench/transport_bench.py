@@ -131,7 +131,7 @@ def _wp_receiver(endpoint: str, rounds: int, conn: Any, stream: bool = False,
 
 
 def _peer_member(endpoint: str, name: str, conn: Any, stream: bool = False,
-                 curve: dict[str, str] | None = None) -> None:
+                 curve: dict[str, Any] | None = None) -> None:
     """One ``peer_share`` subscriber: tells its slot, each staged version, and on ``cpu``
     its process CPU and the serving CPU and bytes so far; on ``exit`` its profile.
     ``stream``: peers over the stream (both serving and asking); ``curve``: its CURVE
@@ -190,7 +190,7 @@ class _PeerPath:
 
         self.weights = {"w": source}
         keys: dict[str, Any] = {}
-        curves: list[dict[str, str] | None] = [None, None]
+        curves: list[dict[str, Any] | None] = [None, None]
         if curve_dir is not None:
             from weightpub_wire.keys import create_key_pair
 
