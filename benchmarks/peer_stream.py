@@ -78,6 +78,8 @@ def main() -> None:
         "stream_fallback_causes")
     for arm in ARMS:  # where the forwarder's CPU went over the run, by thread
         out[f"{arm}_forwarder_threads"] = profiles[arm]["forwarder"].get("threads")
+    served = profiles["stream"]["forwarder"].get("peers", {}).get("stream_served") or {}
+    out["stream_forwarder_cpu_s"] = served.get("stream_cpu_s")  # sends vs the pump
     print(json.dumps(out, indent=1))
 
 

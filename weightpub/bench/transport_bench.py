@@ -172,7 +172,7 @@ def _peer_member(endpoint: str, name: str, conn: Any, stream: bool = False,
             "peers": {key: peers.get(key) for key in (
                 "peer_failures", "served_chunks", "dropped_clients", "cut_clients",
                 "bytes_from_peers", "upload_bytes", "stream_bytes_from_peers",
-                "stream_fallback_causes")},
+                "stream_fallback_causes", "stream_served")},
             "threads": {name: round(seconds - threads_before.get(name, 0.0), 3)
                         for name, seconds in threads.items()
                         if seconds - threads_before.get(name, 0.0) >= 0.01},

@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from subscriber_ext.transport.peers.peer_server import (
     GONE,
@@ -90,6 +91,8 @@ class PeerStreamServer(StreamPort):
         self._dirty = True
         self._next_scan = 0.0
         self.unavailable = 0  # requests answered UNAVAILABLE
+        self.send_cpu = 0.0  # CPU seconds the connection threads spent (sends, waits)
+        self.pump_cpu = 0.0  # and the subscriber's thread handing chunks over
         # the subscriber's poller wakes when a connection posts a job (``wake_fd``)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
@@ -151,8 +154,10 @@ class PeerStreamServer(StreamPort):
             with self._jobs_lock:
                 if job in self._jobs:
                     self._jobs.remove(job)
+            spent = time.thread_time() - cpu
             with self._jobs_lock:
-                self._cpu += time.thread_time() - cpu
+                self._cpu += spent
+                self.send_cpu += spent
 
     def _send(self, conn: socket.socket, job: _Job,
               items: list[tuple[int, memoryview | None, int | None]]) -> None:
@@ -206,7 +211,9 @@ class PeerStreamServer(StreamPort):
         try:
             return self._pump(now)
         finally:
-            self.budget.charge(time.thread_time() - cpu)
+            spent = time.thread_time() - cpu
+            self.pump_cpu += spent
+            self.budget.charge(spent)
 
     def _pump(self, now: float) -> float:
         self._dirty = False
@@ -268,7 +275,7 @@ class PeerStreamServer(StreamPort):
             job.cond.notify()
             return True
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """What this member sent over its stream port, and how it was used."""
         status = self.port_status()
         return {"stream_port": status["port"], "stream_connections": status["connections"],
@@ -276,7 +283,9 @@ class PeerStreamServer(StreamPort):
                 "stream_chunks_sent": status["chunks_sent"],
                 "stream_tokens_issued": status["tokens_issued"],
                 "stream_refused": status["refused"], "stream_cut": status["cut"],
-                "stream_unavailable": self.unavailable}
+                "stream_unavailable": self.unavailable,
+                "stream_cpu_s": {"sends": round(self.send_cpu, 3),
+                                 "pump": round(self.pump_cpu, 3)}}
 
     def close(self) -> None:
         super().close()
