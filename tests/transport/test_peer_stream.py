@@ -8,13 +8,16 @@ chain (slot 0 from the publisher, 1 from 0, 2 from 1 then from 0).
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+import subprocess
+import tarfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from publisher import WeightPublisher
-from tests.transport.procs import Child, det_weights, wait_until
+from tests.transport.procs import REPO, Child, det_weights, wait_until
 from tests.transport.test_peers import (
     BIG,
     CHUNK,
@@ -31,6 +34,9 @@ from weightpub_wire.checksums import chunk_checksum
 from weightpub_wire.keys import create_key_pair
 
 pytestmark = pytest.mark.timeout(120)
+
+#: the release before peers over the stream (its members know no ``peer_stream``)
+BEFORE_PEER_STREAM = "d740a75c89efa5743ca7956c114c64613a996863"
 
 
 def _options(stream: bool = True, timeout: float = 10.0) -> dict[str, Any]:
@@ -194,3 +200,45 @@ def _read(conn: socket.socket, nbytes: int) -> bytes:
         assert piece, "the member closed the stream"
         data += piece
     return bytes(data)
+
+
+# -- the release before peers over the stream, from git ------------------------------------------
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    tree = tmp_path_factory.mktemp("before-peer-stream")
+    archive = tree / "tree.tar"
+    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive),
+                    BEFORE_PEER_STREAM], check=True, timeout=60)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tree, filter="data")
+    yield tree
+
+
+@pytest.mark.parametrize("old", ["server", "asker"])
+def test_a_member_of_the_release_before_and_a_new_one_share_over_frames(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+    closing: Callable[[Any], Any], old_tree: Path, old: str,
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    members: list[Child] = []
+    for index in range(2):
+        args = {"endpoint": pub.endpoint, "seed": SEED, "spec": SPEC, "name": f"m{index}",
+                **_options(timeout=2.0)}
+        if (index == 0) == (old == "server"):
+            child = closing(Child("peer", args, repo=old_tree))
+        else:
+            child = spawn("peer", **args)
+        child.event("ready", timeout=60)
+        wait_until(lambda c=child, i=index: peers_status(c)["peers"]["slot"] == i, 20,
+                   f"member {index} to get slot {index}")
+        members.append(child)
+    wait_until(lambda: peers_status(members[1])["peers"]["sources"], 20, "the final plan")
+    sizes = _publish(pub, members, (1, 2), SPEC)
+    asker = peers_status(members[1])["peers"]
+    assert asker["bytes_from_peers"] == sum(sizes), asker  # all of it over the peer's frames
+    if old == "server":  # it dropped the token request (an unknown "t"): counted once
+        assert asker["stream_bytes_from_peers"] == 0
+        wait_until(lambda: peers_status(members[1])["peers"]["stream_fallback_causes"]
+                   == {"no_answer": 1}, 20, "no_answer counted (request_timeout 2 s)")
+    else:  # the old asker never asks: the new member's port stays unused
+        assert peers_status(members[0])["peers"]["stream_served"]["stream_tokens_issued"] == 0

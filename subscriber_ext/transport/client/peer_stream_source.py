@@ -170,7 +170,17 @@ class PeerStreams:
             source.on_events(events, now)
 
     def tick(self, now: float) -> float:
-        return min((s.tick(now) for s in list(self.sources.values())), default=float("inf"))
+        """The sources' own work; a token or connect that is due ends here too (between
+        versions nothing else would end it)."""
+        wake = float("inf")
+        for source in list(self.sources.values()):
+            if source.state in ("token", "connect"):
+                source.expire(now, _no_retry)
+                if source.state in ("token", "connect"):
+                    wake = min(wake, max(0.0, source.since + self.picker.request_timeout - now)
+                               + 0.01)
+            wake = min(wake, source.tick(now))
+        return wake
 
     def expire(self, now: float, retry: Retry) -> None:
         for source in list(self.sources.values()):
@@ -193,3 +203,7 @@ class PeerStreams:
         for source in list(self.sources.values()):
             self._close(source)
         self.picker.close()
+
+
+def _no_retry(chunk: int, why: str, error_type: Any) -> bool:
+    return False  # a stream source gives its chunks back itself (never counts a try)
