@@ -13,6 +13,10 @@ that plan and checked by the asker against the same ``slice_sums``); a plan it d
 not hold gets ``version_unavailable`` at once. Without a ``slice_lookup`` (a
 whole-version member) every ``slice_fetch`` gets that answer.
 
+Peers over the stream: ``peer_stream`` is answered with a one-time token for the
+member's stream port (``stream_token``, ``peer_stream_server.py``), only to admitted keys
+(checked before the request is read), or an error naming why not.
+
 Cut-through: a request for a chunk not verified yet, or for a version this
 subscriber has not heard of yet, waits and goes out the moment the chunk
 verifies, up to ``defer_timeout``; a version it will not have (conflated past,

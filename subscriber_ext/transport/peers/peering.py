@@ -21,6 +21,12 @@ keys the tracker lists (ZAP, and again per request). Binding a non-loopback
 address without CURVE needs ``insecure=True``, as for a publisher.
 ``PeerOptions`` and the ``PeerClient`` view live in ``peer_options.py``.
 
+With ``stream=True`` (a whole-version member) it also serves on a plain TCP stream port
+of its own (``peer_stream_server.py``; tokens over the ROUTER, ``_stream_token``) and
+asks each planned peer's chunks on that peer's port first (``stream_reads``, the
+client's ``PeerStreams`` seen as ``PeerStreamHost``), then as frames
+(``docs/peer-stream.md``).
+
 A sliced subscriber (``slice_plan``, issue 30) shares slices: its hello names its
 plan's digest (the tracker plans it only with members of the same plan), it asks its
 peers with ``slice_fetch`` once the version's ``slice_sums`` are in (the slice source
