@@ -73,6 +73,7 @@ class StreamPort:
         self._tokens: dict[bytes, tuple[float, str | None, str]] = {}
         self._lock = threading.Lock()
         self._conns: dict[int, socket.socket] = {}
+        self._threads: set[threading.Thread] = set()  # connection threads alive
         self._closed = False
         self._warn = RateLimitedLog(logger or logging.getLogger("weightpub.stream"))
         self.bytes_sent = 0
@@ -175,8 +176,11 @@ class StreamPort:
                                                   f"({self.limits.max_connections} open)")
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name=f"{self._name}-conn").start()
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                      name=f"{self._name}-conn")
+            with self._lock:
+                self._threads.add(thread)
+            thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
         key = conn.fileno()
@@ -222,6 +226,7 @@ class StreamPort:
         finally:
             with self._lock:
                 self._conns.pop(key, None)
+                self._threads.discard(threading.current_thread())
             conn.close()
 
     def send_all(self, conn: socket.socket, parts: list[memoryview]) -> None:
@@ -271,6 +276,13 @@ class StreamPort:
             except OSError:
                 pass
         self._accepter.join(timeout=2 * POLL_S + 1)
+        # the connections end within a poll (their sockets are shut down): once joined no
+        # ``sendmsg`` reads the views they were given (the owner may free that memory)
+        with self._lock:
+            threads = list(self._threads)
+        deadline = time.monotonic() + 2 * POLL_S + 1
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _read_slices(conn: socket.socket, request: stream_link.StreamRequest
