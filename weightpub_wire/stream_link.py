@@ -49,14 +49,14 @@ from typing import Annotated
 from msgspec import Meta
 
 from weightpub_wire.errors import ProtocolError
-from weightpub_wire.message_base import MAX_CHUNK_SIZE, MAX_CHUNKS, U63, _Message
+from weightpub_wire.message_base import MAX_CHUNK_SIZE, MAX_CHUNKS, U63, Name, _Message
 
 __all__ = ["ACCEPTED", "FLAG_SLICES", "HELLO_BYTES", "MAX_CHUNK_BLOCKS", "MAX_REQUEST_BLOCKS",
            "OK", "REFUSED", "REPLY_BYTES", "REQUEST_BYTES", "SLICE_CHUNK_BYTES", "STREAM_PATHS",
-           "TOKEN_BYTES", "UNAVAILABLE", "Block", "StreamReply", "StreamRequest", "StreamToken",
-           "StreamTokenRequest", "hello", "parse_blocks", "parse_hello", "parse_reply",
-           "parse_request_head", "parse_slice_chunk", "reply_header", "request",
-           "request_chunks", "slice_request"]
+           "TOKEN_BYTES", "UNAVAILABLE", "Block", "PeerStreamRequest", "StreamReply",
+           "StreamRequest", "StreamToken", "StreamTokenRequest", "hello", "parse_blocks",
+           "parse_hello", "parse_reply", "parse_request_head", "parse_slice_chunk", "reply_header",
+           "request", "request_chunks", "slice_request"]
 
 #: ``data_path`` of a version that came over the stream: every chunk, or some over frames
 STREAM_PATHS = ("stream", "stream+zmq")
@@ -261,3 +261,14 @@ def parse_reply(data: bytes | bytearray | memoryview) -> StreamReply:
     if chunk >= MAX_CHUNKS:
         raise ProtocolError(f"stream reply.chunk: {chunk} (at most {MAX_CHUNKS - 1})")
     return StreamReply(status, req, version, chunk, size, flags)
+
+
+class PeerStreamRequest(_Message, tag="peer_stream", kw_only=True, frozen=True):
+    """Peers over the stream: a one-time token for a member's stream port, please, for
+    the chunks of publisher instance ``publisher_id``. Asked on the member's peer ROUTER
+    (CURVE: admitted keys only); the answer is a ``StreamToken``, or an ``error``
+    naming why not (the stream off there). A member from before drops it (an unknown
+    ``t``): the asker counts ``no_answer`` and keeps to frames."""
+
+    req: U63
+    publisher_id: Name

@@ -8,7 +8,8 @@ serves (a peer gone bad: its own staging stays correct, what it sends is not).
 stays connected and answers ZMTP heartbeats, so nothing but silence gives it away;
 a SIGSTOP'd member instead loses its connections to heartbeats within seconds and
 leaves the plan at ``member_ttl``); its status then counts the requests it swallowed.
-``slice_rank: r`` makes it a sliced member (issue 30): ``test_slice_fetch.half_plan(r,
+``stream_corrupt: true`` does the same to what its stream port sends (peers over the
+stream). ``slice_rank: r`` makes it a sliced member (issue 30): ``test_slice_fetch.half_plan(r,
 spec)``, each staged version checked on its planned bytes only (``assert_planned``).
 """
 
@@ -33,6 +34,23 @@ def _corrupt_what_it_serves() -> None:
         return bool(original(self, client, ask, peer_server.Served(memoryview(bad), None)))
 
     peer_server.PeerServer._send_chunk = send_chunk  # type: ignore[method-assign]
+
+
+def _corrupt_what_it_streams() -> None:
+    """Its stream port flips a byte of every chunk it hands over (a copy: the staging
+    stays correct, and the buffer's count ends as it would)."""
+    from subscriber_ext.transport.peers import peer_stream_server
+
+    original = peer_stream_server.PeerStreamServer._hand
+
+    def hand(self: Any, job: Any, chunk: int, data: Any, key: Any, last: bool = False) -> bool:
+        if data is not None:
+            bad = bytearray(data)
+            bad[len(bad) // 2] ^= 0xFF
+            data = memoryview(bad)
+        return bool(original(self, job, chunk, data, key, last))
+
+    peer_stream_server.PeerStreamServer._hand = hand  # type: ignore[method-assign]
 
 
 SWALLOWED: list[int] = []  # chunks asked of a stalling member, one entry per request
@@ -69,6 +87,8 @@ def run_peer(args: dict[str, Any]) -> None:
         _corrupt_what_it_serves()
     if args.get("stall"):
         _stall_every_request()
+    if args.get("stream_corrupt"):
+        _corrupt_what_it_streams()
     staged_q: queue.Queue[Any] = queue.Queue()
     rank = args.get("slice_rank")
     sliced: dict[str, Any] = {}

@@ -64,6 +64,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,16 +130,20 @@ def _wp_receiver(endpoint: str, rounds: int, conn: Any, stream: bool = False,
                    "python": sampler.top()})
 
 
-def _peer_member(endpoint: str, name: str, conn: Any) -> None:
+def _peer_member(endpoint: str, name: str, conn: Any, stream: bool = False,
+                 curve: dict[str, Any] | None = None) -> None:
     """One ``peer_share`` subscriber: tells its slot, each staged version, and on ``cpu``
-    its process CPU and the serving CPU and bytes so far; on ``exit`` its profile."""
-    from subscriber_ext import WeightSubscriber
+    its process CPU and the serving CPU and bytes so far; on ``exit`` its profile.
+    ``stream``: peers over the stream (both serving and asking); ``curve``: its CURVE
+    keyword arguments (the publisher's key, its own secret)."""
+    from subscriber_ext import SyncOptions, WeightSubscriber
 
     staged_q: queue.Queue[Any] = queue.Queue()
     # no CPU-share bound on serving (default 0.25 cores): the bench measures what
     # forwarding costs, not the policy that paces it
     with WeightSubscriber(endpoint, peer_share=True, subscriber_id=name, upload_cpu_share=64,
-                          on_version=staged_q.put) as sub, StackSampler() as sampler:
+                          on_version=staged_q.put, options=SyncOptions(stream=stream),
+                          **(curve or {})) as sub, StackSampler() as sampler:
         deadline = time.monotonic() + 60
         while (sub.status()["peers"] or {}).get("slot") is None:
             if time.monotonic() > deadline:
@@ -166,7 +171,8 @@ def _peer_member(endpoint: str, name: str, conn: Any) -> None:
         conn.send(("profile", {
             "peers": {key: peers.get(key) for key in (
                 "peer_failures", "served_chunks", "dropped_clients", "cut_clients",
-                "bytes_from_peers", "upload_bytes")},
+                "bytes_from_peers", "upload_bytes", "stream_bytes_from_peers",
+                "stream_fallback_causes", "stream_served")},
             "threads": {name: round(seconds - threads_before.get(name, 0.0), 3)
                         for name, seconds in threads.items()
                         if seconds - threads_before.get(name, 0.0) >= 0.01},
@@ -176,17 +182,33 @@ def _peer_member(endpoint: str, name: str, conn: Any) -> None:
 class _PeerPath:
     """publish() -> staged at a forwarder and at a subscriber fed by the forwarder."""
 
-    def __init__(self, source: torch.Tensor, endpoint: str) -> None:
+    def __init__(self, source: torch.Tensor, endpoint: str, stream: bool = False,
+                 curve_dir: str | None = None) -> None:
+        """``stream``: members forward over their stream ports (peers over the stream);
+        ``curve_dir``: CURVE on every hop, keys made there."""
         from publisher import WeightPublisher
 
         self.weights = {"w": source}
-        self.pub = WeightPublisher(endpoint, peer_fanout=1)
+        keys: dict[str, Any] = {}
+        curves: list[dict[str, Any] | None] = [None, None]
+        if curve_dir is not None:
+            from weightpub_wire.keys import create_key_pair
+
+            allowed = Path(curve_dir) / "allowed"
+            allowed.mkdir(parents=True, exist_ok=True)
+            public, secret = map(str, create_key_pair(curve_dir, "server"))
+            keys = {"curve_secret_key_file": secret,
+                    "curve_allowed_clients_dir": str(allowed)}
+            curves = [{"curve_server_key_file": public, "curve_secret_key_file":
+                       str(create_key_pair(allowed, f"member{i}")[1])} for i in range(2)]
+        self.pub = WeightPublisher(endpoint, peer_fanout=1, **keys)
         self.members: list[tuple[Any, Any]] = []
         self.version = 0
         for index in range(2):  # joined one by one: member i holds slot i
             conn, child = mp.Pipe()
             proc = forkserver(PRELOAD).Process(
-                target=_peer_member, args=(self.pub.endpoint, f"bench-peer{index}", child),
+                target=_peer_member, args=(self.pub.endpoint, f"bench-peer{index}", child,
+                                           stream, curves[index]),
                 daemon=True)
             proc.start()
             slot = self._recv(conn, "ready", 120)

@@ -50,6 +50,7 @@ from subscriber_ext.transport.client.client_sockets import ClientSockets
 from subscriber_ext.transport.client.early_sums import EarlySums
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
 from subscriber_ext.transport.client.instance_following import InstanceFollower
+from subscriber_ext.transport.client.peer_stream_source import PeerStreams
 from subscriber_ext.transport.client.publisher_source import PublisherSource
 from subscriber_ext.transport.client.shard_links import ShardLinks
 from subscriber_ext.transport.client.source_choice import SourceChoice
@@ -128,7 +129,11 @@ class SyncClient:
         self.peering: Peering | None = None
         if options.peers is not None:
             try:
-                self.peering = Peering(self, options.peers, curve, peer_nixl)
+                # peers over the stream (stream=True): a peer's chunks on its stream port
+                streams = PeerStreams(request_timeout=options.request_timeout,
+                                      window_bytes=options.window_bytes, pool=self.pool) \
+                    if options.stream else None
+                self.peering = Peering(self, options.peers, curve, peer_nixl, streams)
                 self.deltas.keep_newest = True  # what peers ask for after it staged
             except BaseException:
                 self.close()

@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 from subscriber_ext.transport.peers.peer_server import PeerServerLimits
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.budget_gate import BudgetGate
+from subscriber_ext.transport.staging.chunk_source import SourceSink
 from subscriber_ext.transport.staging.delta_assembly import DeltaState
 from subscriber_ext.transport.staging.request_table import RequestTable
 from weightpub_wire import chunk_frame
@@ -137,6 +138,8 @@ class PeerClient(Protocol):
     def options(self) -> Any: ...
     @property
     def pool(self) -> BufferPool: ...  # staging buffers: sends without a copy counted there
+    @property
+    def sink(self) -> SourceSink: ...  # where a peer stream source's chunks land
 
     def send(self, message: Any) -> bool: ...
 

@@ -13,6 +13,10 @@ that plan and checked by the asker against the same ``slice_sums``); a plan it d
 not hold gets ``version_unavailable`` at once. Without a ``slice_lookup`` (a
 whole-version member) every ``slice_fetch`` gets that answer.
 
+Peers over the stream: ``peer_stream`` is answered with a one-time token for the
+member's stream port (``stream_token``, ``peer_stream_server.py``), only to admitted keys
+(checked before the request is read), or an error naming why not.
+
 Cut-through: a request for a chunk not verified yet, or for a version this
 subscriber has not heard of yet, waits and goes out the moment the chunk
 verifies, up to ``defer_timeout``; a version it will not have (conflated past,
@@ -60,6 +64,7 @@ from weightpub_wire.peer_protocol import PeerNixl, PeerNixlOffer
 from weightpub_wire.ratelog import RateLimitedLog
 from weightpub_wire.slice_messages import SliceFetch
 from weightpub_wire.sockets import cut_connection, peer_name
+from weightpub_wire.stream_link import PeerStreamRequest, StreamToken
 
 __all__ = ["GONE", "WAIT", "Lookup", "NixlLookup", "PeerServer", "PeerServerLimits", "SendCounts",
            "Served", "SliceLookup"]
@@ -86,6 +91,9 @@ SliceLookup = Callable[[str, int, int, str], "Served | str"]
 #: ``nixl_lookup(publisher_id, version)``: this member's NIXL offer of the version's
 #: staging, or None and why (peers over NIXL, issue 31)
 NixlLookup = Callable[[str, int], "tuple[NixlOffer | None, str]"]
+#: ``stream_token(key, publisher_id)``: a one-time token for this member's stream port
+#: and the port (``peer_stream_server.py``), or why not
+StreamTokens = Callable[[str | None, str], "tuple[bytes, int] | str"]
 
 
 class SendCounts(Protocol):
@@ -152,15 +160,19 @@ class PeerServer:
                  admitted: Callable[[str], bool] | None = None,
                  sends: SendCounts | None = None,
                  slice_lookup: SliceLookup | None = None,
-                 nixl_lookup: NixlLookup | None = None) -> None:
+                 nixl_lookup: NixlLookup | None = None,
+                 stream_token: StreamTokens | None = None) -> None:
         """``sends``: where sends out of pooled buffers are counted (required once
         ``lookup`` returns such buffers); ``slice_lookup``: a sliced subscriber's planned
         bytes (None: ``slice_fetch`` is answered ``version_unavailable``);
-        ``nixl_lookup``: its NIXL offers (None: every ``peer_nixl`` is answered None)."""
+        ``nixl_lookup``: its NIXL offers (None: every ``peer_nixl`` is answered None);
+        ``stream_token``: its stream port's tokens (None: ``peer_stream`` is answered
+        with an error, the asker keeps to frames)."""
         self.router = router
         self.lookup = lookup
         self.slice_lookup = slice_lookup
         self.nixl_lookup = nixl_lookup
+        self.stream_token = stream_token
         self.budget = budget
         self.limits = limits
         self.admitted = admitted  # CURVE: the request's User-Id must pass
@@ -175,6 +187,7 @@ class PeerServer:
         self.chunks_served = 0
         self.slices_served = 0  # of those, a plan's bytes (``slice_fetch``)
         self.nixl_offers = 0  # ``peer_nixl`` answered with an offer
+        self.stream_tokens = 0  # ``peer_stream`` answered with a token
         self.bad_requests = 0
         self.unavailable_replies = 0
         self.dropped_clients = 0
@@ -202,6 +215,7 @@ class PeerServer:
         if len(frames) != 2:
             self._bad(f"dropped a request of {len(frames)} frames (expected 2)")
             return
+        key = None
         if self.admitted is not None:
             try:
                 key = frames[1].get("User-Id")
@@ -213,9 +227,12 @@ class PeerServer:
                 return
         try:
             request = wire.decode(frames[1].buffer,
-                                  expect=(wire.FetchRequest, SliceFetch, PeerNixl))
-            if not isinstance(request, wire.FetchRequest | SliceFetch | PeerNixl):
-                raise ProtocolError("message.t: expected fetch, slice_fetch or peer_nixl")
+                                  expect=(wire.FetchRequest, SliceFetch, PeerNixl,
+                                          PeerStreamRequest))
+            if not isinstance(request, wire.FetchRequest | SliceFetch | PeerNixl
+                              | PeerStreamRequest):
+                raise ProtocolError("message.t: expected fetch, slice_fetch, peer_nixl or "
+                                    "peer_stream")
         except ProtocolVersionError as exc:  # say so: the asker then moves on
             self._bad(f"refused a request: {exc}")
             client = self._client(frames[0].bytes, now)
@@ -229,6 +246,9 @@ class PeerServer:
             return
         if isinstance(request, PeerNixl):  # answered at once, from the cache (no bytes move)
             self._answer_nixl(frames[0].bytes, request)
+            return
+        if isinstance(request, PeerStreamRequest):  # an admitted key's (checked above)
+            self._answer_stream(frames[0].bytes, request, key if isinstance(key, str) else None)
             return
         client = self._client(frames[0].bytes, now)
         if client is None:
@@ -265,6 +285,23 @@ class PeerServer:
             self.router.send_multipart([identity, body], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # not reading, or gone: it asks again or fetches frames
+
+    def _answer_stream(self, identity: bytes, request: PeerStreamRequest,
+                       key: str | None) -> None:
+        """A one-time token for this member's stream port, bound to ``key``, or an error
+        naming why not."""
+        got = "the peer stream is off here" if self.stream_token is None \
+            else self.stream_token(key, request.publisher_id)
+        if isinstance(got, str):
+            body = wire.encode(wire.ErrorReply(req=request.req, code="bad_request",
+                                               message=got[: wire.MAX_ERROR_CHARS]))
+        else:
+            self.stream_tokens += 1
+            body = wire.encode(StreamToken(req=request.req, token=got[0], port=got[1]))
+        try:
+            self.router.send_multipart([identity, body], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # not reading, or gone: it counts no_answer and fetches frames
 
     def _client(self, identity: bytes, now: float) -> _Client | None:
         client = self._clients.get(identity)
@@ -480,7 +517,7 @@ class PeerServer:
 
     def stats(self) -> dict[str, int]:
         return {"served_chunks": self.chunks_served, "served_slices": self.slices_served,
-                "nixl_offers": self.nixl_offers,
+                "nixl_offers": self.nixl_offers, "stream_tokens": self.stream_tokens,
                 "clients": len(self._clients),
                 "bad_requests": self.bad_requests, "dropped_clients": self.dropped_clients,
                 "unavailable_replies": self.unavailable_replies,

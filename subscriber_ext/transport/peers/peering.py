@@ -21,6 +21,12 @@ keys the tracker lists (ZAP, and again per request). Binding a non-loopback
 address without CURVE needs ``insecure=True``, as for a publisher.
 ``PeerOptions`` and the ``PeerClient`` view live in ``peer_options.py``.
 
+With ``stream=True`` (a whole-version member) it also serves on a plain TCP stream port
+of its own (``peer_stream_server.py``; tokens over the ROUTER, ``_stream_token``) and
+asks each planned peer's chunks on that peer's port first (``stream_reads``, the
+client's ``PeerStreams`` seen as ``PeerStreamHost``), then as frames
+(``docs/peer-stream.md``).
+
 A sliced subscriber (``slice_plan``, issue 30) shares slices: its hello names its
 plan's digest (the tracker plans it only with members of the same plan), it asks its
 peers with ``slice_fetch`` once the version's ``slice_sums`` are in (the slice source
@@ -39,6 +45,7 @@ slices).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -53,6 +60,8 @@ from subscriber_ext.transport.peers.chunk_sources import PeerLink, Sources, Vers
 from subscriber_ext.transport.peers.peer_nixl import NixlHost, PeerNixlReads
 from subscriber_ext.transport.peers.peer_options import PeerClient, PeerOptions, default_peer_bind
 from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServer, Served
+from subscriber_ext.transport.peers.peer_stream import PeerStreamHost
+from subscriber_ext.transport.peers.peer_stream_server import PeerStreamServer
 from subscriber_ext.transport.peers.slice_cache import SliceCache
 from subscriber_ext.transport.peers.upload_budget import ThreadCpu, UploadBudget
 from subscriber_ext.transport.staging.assembly import Assembly
@@ -72,6 +81,7 @@ from weightpub_wire.security import CurveIdentity, SocketHook, is_local
 from weightpub_wire.slice_layout import SliceLayout
 from weightpub_wire.slice_messages import SliceFetch
 from weightpub_wire.sockets import bind, configure_socket
+from weightpub_wire.stream_link import StreamToken
 
 __all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]  # options: re-exported
 
@@ -90,9 +100,12 @@ class Peering(ChunkSource):
     kind: ClassVar[str] = "peers"
 
     def __init__(self, client: PeerClient, options: PeerOptions,
-                 curve: CurveIdentity | None, nixl: NixlHost | None = None) -> None:
+                 curve: CurveIdentity | None, nixl: NixlHost | None = None,
+                 stream: PeerStreamHost | None = None) -> None:
         """``nixl``: the client's NIXL reader, for peers over NIXL (``peer_nixl.py``;
-        only where ``nixl.peers_on``)."""
+        only where ``nixl.peers_on``); ``stream``: its peer stream reader (peers over the
+        stream, ``docs/peer-stream.md``; a whole-version member with ``stream=True``
+        also serves its chunks on a stream port of its own)."""
         self.client = client
         self.nixl = nixl if nixl is not None and nixl.peers_on else None
         #: versions asked of this member over NIXL and not offered, by cause
@@ -131,11 +144,25 @@ class Peering(ChunkSource):
             client.pool.on_shed(self.slice_cache.shed)
         self.budget = UploadBudget(options.upload_bytes_per_s, options.upload_cpu_share,
                                    ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
+        streaming = bool(getattr(client.options, "stream", False)) and not self.digest
+        #: this member's stream port (``peer_stream_server.py``), None where it is off
+        self.stream_port: PeerStreamServer | None = None
+        if streaming:
+            try:
+                self.stream_port = PeerStreamServer(
+                    parse_endpoint(self.endpoint).host, self._lookup, self.budget,
+                    options.server, sends=client.pool,
+                    admitted=self._admitted if curve is not None else None)
+            except OSError as exc:
+                log.warning("peer stream: off (could not listen: %s)", exc)
+        self.stream_reads = stream if streaming else None
         self.server = PeerServer(router, self._lookup, self.budget, options.server,
                                  self._admitted if curve is not None else None,
                                  sends=client.pool,
                                  slice_lookup=self._slice_lookup if self.digest else None,
-                                 nixl_lookup=self._nixl_lookup if self.nixl else None)
+                                 nixl_lookup=self._nixl_lookup if self.nixl else None,
+                                 stream_token=self._stream_token
+                                 if self.stream_port is not None else None)
         self.nixl_reads: PeerNixlReads | None = None if self.nixl is None else \
             PeerNixlReads(self.nixl, client.requests.next_id, max(options.plan_wait, NIXL_WAIT_S))
         self.sources = Sources(
@@ -179,6 +206,19 @@ class Peering(ChunkSource):
     def _admitted(self, key: str) -> bool:
         return key in self._admit
 
+    def _stream_token(self, key: str | None, publisher_id: str) -> tuple[bytes, int] | str:
+        """A one-time token for this member's stream port (an admitted key's: checked by
+        the peer ROUTER), for the chunks of ``publisher_id``; or why not."""
+        port = self.stream_port
+        if port is None:
+            return "the peer stream is off here"
+        if publisher_id != self.client.instance:
+            return "not_held: this member follows another publisher instance"
+        token = port.issue_token(key, publisher_id)
+        if token is None:
+            return "too many stream tokens outstanding; try again later"
+        return token, port.port
+
     def _hooks_for(self, key: str) -> list[SocketHook]:
         if self.curve is None or not key:
             return []
@@ -188,6 +228,10 @@ class Peering(ChunkSource):
     def register(self, poller: zmq.Poller) -> None:
         self.poller = poller
         poller.register(self.server.router, zmq.POLLIN)
+        if self.stream_port is not None:
+            poller.register(self.stream_port.wake_fd, zmq.POLLIN)
+        if self.stream_reads is not None:
+            self.stream_reads.register(poller)
         for link in self.sources.links.values():
             self._watch(link)
 
@@ -212,6 +256,10 @@ class Peering(ChunkSource):
             self._hello(now)
         self.sources.redial(now)
         wake = self.server.pump(now)
+        if self.stream_port is not None:
+            wake = min(wake, self.stream_port.pump(now))
+        if self.stream_reads is not None:
+            wake = min(wake, self.stream_reads.tick(now))
         if self.nixl_reads is not None:
             wake = min(wake, self.nixl_reads.tick(now))
         return wake
@@ -225,6 +273,8 @@ class Peering(ChunkSource):
                        f"no progress for {self.sources.stall_timeout:.2f}s", now)
         if self.nixl_reads is not None:
             self.nixl_reads.expire(now, retry)
+        if self.stream_reads is not None:
+            self.stream_reads.expire(now, retry)
         return False
 
     def _hello(self, now: float) -> None:
@@ -243,26 +293,39 @@ class Peering(ChunkSource):
     def on_events(self, events: dict[Any, int], now: float) -> None:
         if self.server.router in events:
             self.server.on_readable(now)
+        if self.stream_port is not None and self.stream_port.wake_fd in events:
+            self.stream_port.drain_wake()
         for link in list(self.sources.links.values()):
             if link.monitor in events and self.sources.watch(link, now) and \
                     self.client.requests.peer_in_flight().get(link):
                 self._fail(link, self._key(), "disconnected", "disconnected", now)
             if link.sock in events:
                 self._read(link, now)
+        if self.stream_reads is not None:
+            self.stream_reads.on_events(events, now)
         self.server.pump(now)
+        if self.stream_port is not None:
+            self.stream_port.pump(now)
 
     def _read(self, link: PeerLink, now: float) -> None:
         def bad(exc: ProtocolError) -> None:
             self._fail(link, self._key(), "bad_reply", f"sent a bad reply ({exc})", now,
                        ban=True)
 
+        streams = self.stream_reads
+
         def error(reply: wire.ErrorReply) -> None:
-            if reply.req in self.client.requests.peer_requests(link):
+            if streams is not None and streams.owns(link.endpoint, reply):
+                streams.on_reply(link.endpoint, reply)  # no token: frames from this peer
+            elif reply.req in self.client.requests.peer_requests(link):
                 self._fail(link, self._key(), reply.code, reply.message[:200], now)
 
         def other(reply: Any) -> None:
             reads, target = self.nixl_reads, self.client.target
-            if isinstance(reply, PeerNixlOffer) and reads is not None:
+            if isinstance(reply, StreamToken):
+                if streams is not None and streams.owns(link.endpoint, reply):
+                    streams.on_reply(link.endpoint, reply)
+            elif isinstance(reply, PeerNixlOffer) and reads is not None:
                 reads.answered(link.endpoint, reply,
                                None if target is None else target.manifest, now)
 
@@ -271,7 +334,8 @@ class Peering(ChunkSource):
                      on_chunk=lambda header, frame: self.client.on_chunk(header, frame,
                                                                          self, link),
                      on_error=error, on_bad=bad,
-                     others=PEER_NIXL_REPLIES if self.nixl_reads is not None else (),
+                     others=(*(PEER_NIXL_REPLIES if self.nixl_reads is not None else ()),
+                             *((StreamToken,) if streams is not None else ())),
                      on_other=other)
 
     def _key(self) -> VersionKey | None:
@@ -311,7 +375,14 @@ class Peering(ChunkSource):
                     now - awaiting[1] < self.options.plan_wait:
                 return []
             return todo
-        in_flight = self.client.requests.peer_in_flight()
+        counts = self.client.requests.peer_in_flight()
+        in_flight = dict(counts)
+        streams = self.stream_reads if not sliced else None
+        if streams is not None:  # a peer's window counts what its stream was asked too
+            for link in self.sources.links.values():
+                asked = streams.in_flight(link.endpoint, counts)
+                if asked:
+                    in_flight[link] = in_flight.get(link, 0) + asked
         to_peers, to_publisher = self.sources.route(todo, key, in_flight, now)
         if plan.other_plans and plan.group <= 1:  # alone on its plan: peers hold other bytes
             self.other_plan_chunks += len(to_publisher)
@@ -322,6 +393,11 @@ class Peering(ChunkSource):
                 if frames is None:
                     continue  # its answer is due: asked again at the next top-up
                 routed = frames
+            if streams is not None and routed:  # the peer's stream port, then its frames
+                routed = streams.route(link.endpoint, functools.partial(_send_now, link.sock),
+                                       self.client.sink, target, routed, now)
+                if not routed:
+                    continue
             chunks = routed
             for start in range(0, len(chunks), per_request):
                 batch = tuple(chunks[start: start + per_request])
@@ -361,6 +437,8 @@ class Peering(ChunkSource):
                 or message.admit != self.plan.admit:
             self._admit = frozenset(message.admit)
             self.sources.apply(message, self.curve is not None)
+            if self.stream_reads is not None:
+                self.stream_reads.keep(set(self.sources.links))
             log.info("peer plan %d: slot %d of %d stripes, %d sources", message.epoch,
                      message.slot, message.stripes, len(self.sources.links))
         self.plan = message
@@ -392,22 +470,27 @@ class Peering(ChunkSource):
         self._awaiting = ((manifest.publisher_id, manifest.version), now)
         self._hello(now)
         self._prune()
-        self.server.changed()
+        self._changed()
 
     def chunk_verified(self, manifest: wire.Manifest, chunk: int, data: memoryview) -> None:
-        self.server.changed()
+        self._changed()
 
     def target_completed(self, manifest: wire.Manifest) -> None:
         self._prune()
-        self.server.changed()
+        self._changed()
         if self.nixl_reads is not None:
             self.nixl_reads.keep(None)
 
     def target_dropped(self, manifest: wire.Manifest) -> None:
         self._prune(manifest)
-        self.server.changed()
+        self._changed()
         if self.nixl_reads is not None:  # before the buffer goes back to the pool
             self.nixl_reads.keep(None)
+
+    def _changed(self) -> None:
+        self.server.changed()
+        if self.stream_port is not None:
+            self.stream_port.changed()
 
     def _prune(self, dropped: wire.Manifest | None = None) -> None:
         """Gathered slices are kept for the versions ``_slice_lookup`` serves only."""
@@ -533,13 +616,16 @@ class Peering(ChunkSource):
     # -- reporting and closing -----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         plan = self.plan
+        streamed = {} if self.stream_reads is None else self.stream_reads.stats()
         return {
             "endpoint": self.endpoint,
             "slot": None if plan is None else plan.slot,
             "plan_epoch": None if plan is None else plan.epoch,
             "group": None if plan is None else plan.group,  # members planned with it, it too
-            "bytes_from_peers": self.bytes_from_peers,
-            "chunks_from_peers": self.chunks_from_peers,
+            # over frames and over peers' stream ports (``stream_*_from_peers`` of them)
+            "bytes_from_peers": self.bytes_from_peers + streamed.get("stream_bytes_from_peers", 0),
+            "chunks_from_peers": self.chunks_from_peers
+            + streamed.get("stream_chunks_from_peers", 0),
             "plan": self.digest or None,
             "other_plans": None if plan is None else plan.other_plans,
             "other_plan_chunks": self.other_plan_chunks,
@@ -547,6 +633,9 @@ class Peering(ChunkSource):
             **self.sources.stats(),
             **self.server.stats(),
             **({} if self.nixl_reads is None else self.nixl_reads.stats()),
+            **streamed,
+            # what this member sent over its own stream port (None: it has none)
+            "stream_served": None if self.stream_port is None else self.stream_port.stats(),
             "nixl_unoffered": dict(self.nixl_unoffered),
             **self.budget.stats(),
             **(SliceCache(0).stats() if self.slice_cache is None
@@ -560,6 +649,10 @@ class Peering(ChunkSource):
         if self.nixl_reads is not None:
             self.nixl_reads.keep(None)
         self.sources.close()
+        if self.stream_reads is not None:
+            self.stream_reads.close()
+        if self.stream_port is not None:  # its connections end their buffers' counts
+            self.stream_port.close()
         self.server.router.close(linger=0)
         self._close_context()
         self.server.close()  # ZeroMQ has let go of everything: the buffers drain
@@ -568,3 +661,12 @@ class Peering(ChunkSource):
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def _send_now(sock: zmq.Socket, message: Any) -> bool:
+    """``message`` on a peer's DEALER if it can go now (False: not connected yet)."""
+    try:
+        sock.send(wire.encode(message), zmq.NOBLOCK)
+    except zmq.Again:
+        return False
+    return True

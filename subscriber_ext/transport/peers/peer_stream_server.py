@@ -1,0 +1,298 @@
+"""A peer-sharing member's plain-TCP stream port (``stream=True``, ``docs/peer-stream.md``).
+
+Why: over the peer ROUTER every forwarded chunk is a ZeroMQ message (and under CURVE
+encrypted and decrypted by ZeroMQ); here a chunk goes with one ``sendmsg([header,
+view])`` straight from staging and the asker ``recv_into``s it straight into its own
+(``peer_stream.py``), verified there against the checksums that came over CURVE. The
+connection-serving core (token check, request parsing and bounds, accept thread,
+connection cap, stall cut) is the publisher's (``weightpub_wire.stream_port``).
+
+Who may connect: a holder of a one-time token the peer ROUTER handed out
+(``PeerStreamRequest`` -> ``StreamToken``; CURVE: only to keys the tracker admitted,
+checked there before the request is read), scoped to the publisher instance it was
+asked for; the key is asked again (``admitted``) before every request.
+
+Threads: the connection threads never look at staging. A request becomes a job the
+subscriber's thread (``pump``, where ``PeerServer`` runs) resolves with the same
+``lookup``: a chunk verified here is counted on its pooled buffer
+(``BufferPool.send_begin``), charged to the upload budget and handed to the
+connection's thread, which ``sendmsg``s it and ends the count once the kernel holds
+the bytes (a buffer given back meanwhile drains until then). A chunk not verified yet
+waits, up to ``defer_timeout`` (cut-through: ``changed`` wakes the pump); a version
+this member will not have (or the wait ran out) answers ``UNAVAILABLE`` at once and the
+rest of that request is not sent, so the asker moves on. At most ``max_queued_chunks``
+chunks of a connection are handed over and unsent at a time; a reader that takes
+nothing for ``stall_timeout``, or for ``drain_grace`` while a buffer it holds waits to
+be reused, is cut. Whole chunks only (a sliced member does not open the port).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from subscriber_ext.transport.peers.peer_server import (
+    GONE,
+    WAIT,
+    Lookup,
+    PeerServerLimits,
+    SendCounts,
+    Served,
+)
+from subscriber_ext.transport.peers.upload_budget import UploadBudget
+from weightpub_wire import stream_link
+from weightpub_wire.errors import ProtocolError
+from weightpub_wire.stream_port import POLL_S, PortLimits, StreamPort
+
+__all__ = ["PeerStreamServer"]
+
+log = logging.getLogger("weightpub.peers")
+
+
+@dataclass(eq=False, slots=True)
+class _Job:
+    """One request of one connection: what the subscriber's thread has left to resolve,
+    and what it handed over (chunk, bytes (None: ``UNAVAILABLE``), counted key)."""
+
+    publisher_id: str
+    version: int
+    req: int
+    chunks: deque[int]
+    deadline: float
+    out: deque[tuple[int, memoryview | None, int | None]] = field(default_factory=deque)
+    handed: int = 0  # handed over and not sent yet
+    done: bool = False  # nothing more will be handed over
+    dead: bool = False  # the connection went: what is handed over is ended, not sent
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+
+class PeerStreamServer(StreamPort):
+    """The port, and the jobs its connections wait on (resolved on the subscriber's thread)."""
+
+    def __init__(self, host: str, lookup: Lookup, budget: UploadBudget,
+                 limits: PeerServerLimits, *, sends: SendCounts,
+                 admitted: Callable[[str], bool] | None = None) -> None:
+        """``admitted(z85 key) -> bool``: CURVE's admitted keys (None: no CURVE)."""
+        self.lookup = lookup
+        self.budget = budget
+        self.peer_limits = limits
+        self.sends = sends
+        self._jobs: list[_Job] = []
+        self._jobs_lock = threading.Lock()
+        self._local = threading.local()  # the keys a connection's ``sendmsg`` holds
+        self._cpu = 0.0  # connection threads' CPU not yet charged to the budget
+        self._dirty = True
+        self._next_scan = 0.0
+        self.unavailable = 0  # requests answered UNAVAILABLE
+        self.send_cpu = 0.0  # CPU seconds the connection threads spent (sends, waits)
+        self.pump_cpu = 0.0  # and the subscriber's thread handing chunks over
+        # the subscriber's poller wakes when a connection posts a job (``wake_fd``)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        super().__init__(host, 0, PortLimits(max_connections=limits.max_clients,
+                                             stall_timeout=limits.stall_timeout),
+                         None if admitted is None else lambda key: admitted(key.decode()),
+                         name="weightpub-peerstream", logger=log)
+
+    @property
+    def wake_fd(self) -> int:
+        return self._wake_r.fileno()
+
+    def _wake(self) -> None:
+        self._dirty = True
+        try:
+            self._wake_w.send(b"w")
+        except OSError:
+            pass  # full (a wake is pending anyway) or closed
+
+    def changed(self) -> None:
+        """Something became servable (a chunk verified, a version started or ended)."""
+        self._dirty = True
+
+    # -- a connection's thread ----------------------------------------------------------------
+    def answer(self, conn: socket.socket, request: stream_link.StreamRequest,
+               chunks: tuple[int, ...], scope: str) -> None:
+        if len(chunks) > self.peer_limits.max_chunks_per_request:
+            raise ProtocolError(f"stream request.count: {len(chunks)} chunks (at most "
+                                f"{self.peer_limits.max_chunks_per_request} from a peer)")
+        job = _Job(scope, request.version, request.req, deque(chunks),
+                   time.monotonic() + self.peer_limits.defer_timeout)
+        with self._jobs_lock:
+            self._jobs.append(job)
+        self._wake()
+        cpu = time.thread_time()
+        try:
+            while True:
+                with job.cond:
+                    while not job.out and not job.done and not self.closed:
+                        job.cond.wait(POLL_S)
+                    items = list(job.out)
+                    job.out.clear()
+                    finished = job.done
+                if self.closed:
+                    raise ConnectionError("closing")
+                if items:
+                    self._send(conn, job, items)
+                if finished and not job.out:
+                    return
+        finally:
+            with job.cond:
+                job.dead = True
+                left = list(job.out)
+                job.out.clear()
+            for _, _, key in left:
+                if key is not None:
+                    self.sends.send_end(key)
+            with self._jobs_lock:
+                if job in self._jobs:
+                    self._jobs.remove(job)
+            spent = time.thread_time() - cpu
+            with self._jobs_lock:
+                self._cpu += spent
+                self.send_cpu += spent
+
+    def _send(self, conn: socket.socket, job: _Job,
+              items: list[tuple[int, memoryview | None, int | None]]) -> None:
+        """One ``sendmsg`` of the items' headers and bytes; their counts end once the
+        kernel holds them (or the send failed)."""
+        parts: list[memoryview] = []
+        keys = [key for _, _, key in items if key is not None]
+        sent = 0
+        for chunk, data, _ in items:
+            if data is None:
+                parts.append(memoryview(stream_link.reply_header(
+                    stream_link.UNAVAILABLE, job.req, job.version, chunk)))
+                continue
+            parts.append(memoryview(stream_link.reply_header(
+                stream_link.OK, job.req, job.version, chunk, len(data))))
+            parts.append(data)
+            sent += len(data)
+        self._local.keys = keys
+        try:
+            self.send_all(conn, parts)
+        finally:
+            self._local.keys = []
+            for key in keys:
+                self.sends.send_end(key)
+            with job.cond:
+                job.handed -= len(items)
+            self._wake()  # room for the next chunks
+        self.count_sent(sum(data is not None for _, data, _ in items), sent)
+
+    def overdue(self, stalled: float) -> str | None:
+        keys = getattr(self._local, "keys", [])
+        if stalled > self.peer_limits.drain_grace and \
+                any(self.sends.draining(key) for key in keys):
+            return "while their staging buffer waits to be reused (drain_grace)"
+        return None
+
+    # -- the subscriber's thread --------------------------------------------------------------
+    def drain_wake(self) -> None:
+        """The poller saw ``wake_fd``: read the wakes (the pump runs next)."""
+        try:
+            self._wake_r.recv(4096)
+        except OSError:
+            pass
+
+    def pump(self, now: float) -> float:
+        """Hand over what can go now; seconds until this wants to run again (inf: idle).
+        Its own CPU and the connection threads' are charged to the upload budget."""
+        if not self._dirty and now < self._next_scan:
+            return self._next_scan - now
+        cpu = time.thread_time()
+        try:
+            return self._pump(now)
+        finally:
+            spent = time.thread_time() - cpu
+            self.pump_cpu += spent
+            self.budget.charge(spent)
+
+    def _pump(self, now: float) -> float:
+        self._dirty = False
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+            cpu, self._cpu = self._cpu, 0.0
+        self.budget.charge(cpu)
+        wake = math.inf
+        for job in jobs:
+            wait = self._resolve(job, now)
+            if wait < 0:  # the budget says wait: no job goes before then
+                self._next_scan = now + min(-wait, 0.05)
+                return self._next_scan - now
+            wake = min(wake, wait)
+        self._next_scan = now + wake
+        return wake
+
+    def _resolve(self, job: _Job, now: float) -> float:
+        """Hand over ``job``'s next chunks; seconds until its deadline (inf: nothing to
+        wait for), or minus what the budget wants waited."""
+        while True:
+            with job.cond:
+                if job.dead or job.done:
+                    return math.inf
+                if not job.chunks:
+                    job.done = True
+                    job.cond.notify()
+                    return math.inf
+                if job.handed >= self.peer_limits.max_queued_chunks:
+                    return math.inf  # the send ending wakes the pump
+            chunk = job.chunks[0]
+            found = self.lookup(job.publisher_id, job.version, chunk)
+            if found == GONE or (found == WAIT and now >= job.deadline):
+                self.unavailable += 1
+                self._hand(job, chunk, None, None, last=True)
+                return math.inf
+            if not isinstance(found, Served):
+                return job.deadline - now
+            size = len(found.data)
+            wait = self.budget.delay(size, now)
+            if wait > 0:
+                return -wait
+            key = None if found.buffer is None else self.sends.send_begin(found.buffer)
+            if not self._hand(job, chunk, found.data, key):
+                self.budget.refund(size)
+                return math.inf
+            job.chunks.popleft()
+
+    def _hand(self, job: _Job, chunk: int, data: memoryview | None, key: int | None,
+              last: bool = False) -> bool:
+        with job.cond:
+            if job.dead:
+                if key is not None:
+                    self.sends.send_end(key)
+                return False
+            job.out.append((chunk, data, key))
+            job.handed += 1
+            job.done = job.done or last
+            job.cond.notify()
+            return True
+
+    def stats(self) -> dict[str, Any]:
+        """What this member sent over its stream port, and how it was used."""
+        status = self.port_status()
+        return {"stream_port": status["port"], "stream_connections": status["connections"],
+                "stream_bytes_sent": status["bytes_sent"],
+                "stream_chunks_sent": status["chunks_sent"],
+                "stream_tokens_issued": status["tokens_issued"],
+                "stream_refused": status["refused"], "stream_cut": status["cut"],
+                "stream_unavailable": self.unavailable,
+                "stream_cpu_s": {"sends": round(self.send_cpu, 3),
+                                 "pump": round(self.pump_cpu, 3)}}
+
+    def close(self) -> None:
+        super().close()
+        with self._jobs_lock:
+            jobs = list(self._jobs)
+        for job in jobs:  # what the closing connections did not send is ended with them
+            with job.cond:
+                job.cond.notify_all()
+        self._wake_r.close()
+        self._wake_w.close()

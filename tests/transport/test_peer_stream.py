@@ -1,0 +1,244 @@
+"""Peers over the stream (``docs/peer-stream.md``): members forward verified chunks on a
+plain TCP port of their own, with real processes and sockets.
+
+Members join one at a time (``test_peers.join``): with ``peer_fanout=1`` they form a
+chain (slot 0 from the publisher, 1 from 0, 2 from 1 then from 0).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tarfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from publisher import WeightPublisher
+from tests.transport.procs import REPO, Child, det_weights, wait_until
+from tests.transport.test_peers import (
+    BIG,
+    CHUNK,
+    SEED,
+    SPEC,
+    join,
+    peer_dealer,
+    peers_status,
+    staged_ok,
+)
+from weightpub_wire import protocol as wire
+from weightpub_wire import stream_link
+from weightpub_wire.checksums import chunk_checksum
+from weightpub_wire.keys import create_key_pair
+
+pytestmark = pytest.mark.timeout(120)
+
+#: the release before peers over the stream (its members know no ``peer_stream``)
+BEFORE_PEER_STREAM = "d740a75c89efa5743ca7956c114c64613a996863"
+
+
+def _options(stream: bool = True, timeout: float = 10.0) -> dict[str, Any]:
+    return {"options": {"stream": stream, "request_timeout": timeout, "report_interval": 0.3}}
+
+
+def _streaming(index: int) -> dict[str, Any]:
+    return _options()
+
+
+def _publish(pub: WeightPublisher, members: list[Child], versions: tuple[int, ...],
+             spec: list[Any]) -> list[int]:
+    sizes = []
+    for version in versions:
+        pub.publish(det_weights(SEED, version, spec), version=version)
+        for child in members:
+            staged_ok(child, version)
+        sizes.append(pub.manifest(version).total_bytes)
+    return sizes
+
+
+def test_a_chain_of_two_forwards_over_the_stream_bit_exact(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    first, second = join(spawn, pub, 2, SPEC, _streaming)
+    sizes = _publish(pub, [first, second], (1, 2), SPEC)
+    asker, server = peers_status(second)["peers"], peers_status(first)["peers"]
+    # the first version's first chunks may go as frames while the connection comes up;
+    # the second's all go over the stream
+    assert asker["stream_bytes_from_peers"] >= sizes[1], asker
+    assert not asker["stream_fallback_causes"], asker
+    assert server["stream_served"]["stream_bytes_sent"] == asker["stream_bytes_from_peers"]
+    assert server["stream_served"]["stream_tokens_issued"] == 1  # one connection, kept
+    assert asker["bytes_from_peers"] == sum(sizes), asker  # every byte from its peer
+    assert pub.data_stats()["bytes_sent_full"] == sum(sizes)  # each chunk left it once
+
+
+def test_a_chain_of_three_forwards_cut_through_over_the_stream(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    members = join(spawn, pub, 3, BIG, _streaming)
+    sizes = _publish(pub, members, (1, 2), BIG)
+    statuses = [peers_status(child)["peers"] for child in members]
+    for upstream, downstream in ((statuses[0], statuses[1]), (statuses[1], statuses[2])):
+        assert downstream["stream_bytes_from_peers"] >= sizes[1], downstream
+        assert upstream["stream_served"]["stream_bytes_sent"] >= sizes[1], upstream
+        assert upstream["stream_served"]["stream_cut"] == 0
+    # the middle member served chunks of version 2 it was still receiving: it never
+    # answered "not here" (a chunk not verified yet waited for it)
+    assert statuses[1]["stream_served"]["stream_unavailable"] == 0
+    assert pub.data_stats()["bytes_sent_full"] == sum(sizes)
+
+
+@pytest.mark.parametrize("old", ["asker", "server"])
+def test_a_member_without_the_stream_keeps_to_frames_counted(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child], old: str,
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    first, second = join(spawn, pub, 2, SPEC, lambda i: _options(
+        stream=(i == 0) == (old == "asker")))
+    sizes = _publish(pub, [first, second], (1, 2), SPEC)
+    asker, server = peers_status(second)["peers"], peers_status(first)["peers"]
+    assert asker["bytes_from_peers"] == sum(sizes), asker  # all of it over frames
+    assert asker.get("stream_bytes_from_peers", 0) == 0
+    if old == "asker":  # it never asks: the server's port stays unused
+        assert server["stream_served"]["stream_tokens_issued"] == 0
+        assert "stream_fallbacks" not in asker
+    else:  # it asked once, was told why not, and kept to frames (QUIET_S)
+        assert server["stream_served"] is None and server["stream_tokens"] == 0
+        assert asker["stream_fallback_causes"] == {"refused": 1}, asker
+        assert "the peer stream is off here" in asker["stream_last_error"]
+
+
+def test_kill_9_of_the_forwarding_member_mid_version_costs_nothing_partial(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    first, middle, last = join(spawn, pub, 3, BIG, lambda i: {
+        **_options(timeout=2.0), **({"peer": {"upload_mbit": 4}} if i == 1 else {})})
+    pub.publish(det_weights(SEED, 1, BIG), version=1)
+    staged_ok(first, 1)
+    wait_until(lambda: peers_status(last)["peers"]["stream_bytes_from_peers"] > 0, 30,
+               "the transfer over the middle member's stream")
+    middle.kill9()
+    staged_ok(last, 1, timeout=30)  # complete and bit-exact, from the others
+    status = peers_status(last)
+    assert status["peers"]["stream_fallbacks"] >= 1, status["peers"]
+    assert [e["version"] for e in last.events if e.get("event") == "staged"] == [1]
+    assert status["checksum_failures"] == 0
+
+
+def test_a_corrupt_chunk_on_the_stream_is_caught_and_fetched_again(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    first, second = join(spawn, pub, 2, SPEC, lambda i: {
+        **_options(), **({"stream_corrupt": True} if i == 0 else {})})
+    _publish(pub, [first, second], (1, 2), SPEC)  # bit-exact all the same
+    asker = peers_status(second)
+    assert asker["peers"]["stream_fallback_causes"].get("checksum", 0) >= 1, asker["peers"]
+    assert asker["checksum_failures"] >= 1
+    assert asker["peers"]["stream_bytes_from_peers"] == 0  # not one bad chunk staged
+
+
+def test_curve_an_admitted_key_gets_a_stream_token_a_stranger_nothing(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child], tmp_path: Any,
+) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server_public, server_secret = map(str, create_key_pair(tmp_path, "server"))
+    secrets = [str(create_key_pair(allowed, f"member{i}")[1]) for i in range(2)]
+    stranger_secret = str(create_key_pair(tmp_path, "stranger")[1])
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1, curve_secret_key_file=server_secret,
+                   curve_allowed_clients_dir=str(allowed))
+    members = join(spawn, pub, 2, SPEC, lambda i: {**_options(), "peer": {
+        "curve_server_key_file": server_public, "curve_secret_key_file": secrets[i]}})
+    sizes = _publish(pub, members, (1, 2), SPEC)
+    asker = peers_status(members[1])["peers"]
+    assert asker["stream_bytes_from_peers"] >= sizes[1], asker  # CURVE members: the stream
+
+    import zmq.auth
+
+    manifest = pub.manifest(2)
+    endpoint = peers_status(members[0])["peers"]["endpoint"]
+    server_key, _ = zmq.auth.load_certificate(secrets[0])
+
+    def token(client_secret: str | None, wait: float) -> stream_link.StreamToken | None:
+        with peer_dealer(endpoint, server_key, client_secret) as dealer:
+            dealer.send(wire.encode(stream_link.PeerStreamRequest(
+                req=7, publisher_id=manifest.publisher_id)))
+            if not dealer.poll(int(wait * 1000)):
+                return None
+            return wire.decode_as(dealer.recv(), stream_link.StreamToken)
+
+    granted = token(secrets[1], 20)  # a member the tracker vouched for
+    assert granted is not None and granted.req == 7
+    assert token(stranger_secret, 3) is None  # a key the publisher never saw
+    assert token(None, 3) is None  # no CURVE at all
+
+    host = endpoint.split("//")[1].rsplit(":", 1)[0]
+    with socket.create_connection((host, granted.port), timeout=10) as conn:
+        conn.sendall(stream_link.hello(granted.token))
+        assert stream_link.parse_reply(_read(conn, stream_link.REPLY_BYTES)).status == \
+            stream_link.ACCEPTED
+        conn.sendall(stream_link.request(1, 2, [0]))
+        reply = stream_link.parse_reply(_read(conn, stream_link.REPLY_BYTES))
+        assert reply.status == stream_link.OK and reply.chunk == 0
+        assert chunk_checksum(memoryview(_read(conn, reply.size))) == manifest.checksums[0]
+    with socket.create_connection((host, granted.port), timeout=10) as conn:
+        conn.sendall(stream_link.hello(granted.token))  # a token is good once
+        assert stream_link.parse_reply(_read(conn, stream_link.REPLY_BYTES)).status == \
+            stream_link.REFUSED
+
+
+def _read(conn: socket.socket, nbytes: int) -> bytes:
+    data = bytearray()
+    while len(data) < nbytes:
+        piece = conn.recv(nbytes - len(data))
+        assert piece, "the member closed the stream"
+        data += piece
+    return bytes(data)
+
+
+# -- the release before peers over the stream, from git ------------------------------------------
+@pytest.fixture(scope="module")
+def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    tree = tmp_path_factory.mktemp("before-peer-stream")
+    archive = tree / "tree.tar"
+    subprocess.run(["git", "-C", str(REPO), "archive", "-o", str(archive),
+                    BEFORE_PEER_STREAM], check=True, timeout=60)
+    with tarfile.open(archive) as tar:
+        tar.extractall(tree, filter="data")
+    yield tree
+
+
+@pytest.mark.parametrize("old", ["server", "asker"])
+def test_a_member_of_the_release_before_and_a_new_one_share_over_frames(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+    closing: Callable[[Any], Any], old_tree: Path, old: str,
+) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    members: list[Child] = []
+    for index in range(2):
+        args = {"endpoint": pub.endpoint, "seed": SEED, "spec": SPEC, "name": f"m{index}",
+                **_options(timeout=2.0)}
+        if (index == 0) == (old == "server"):
+            child = closing(Child("peer", args, repo=old_tree))
+        else:
+            child = spawn("peer", **args)
+        child.event("ready", timeout=60)
+        wait_until(lambda c=child, i=index: peers_status(c)["peers"]["slot"] == i, 20,
+                   f"member {index} to get slot {index}")
+        members.append(child)
+    wait_until(lambda: peers_status(members[1])["peers"]["sources"], 20, "the final plan")
+    sizes = _publish(pub, members, (1, 2), SPEC)
+    asker = peers_status(members[1])["peers"]
+    assert asker["bytes_from_peers"] == sum(sizes), asker  # all of it over the peer's frames
+    if old == "server":  # it dropped the token request (an unknown "t"): counted once
+        assert asker["stream_bytes_from_peers"] == 0
+        wait_until(lambda: peers_status(members[1])["peers"]["stream_fallback_causes"]
+                   == {"no_answer": 1}, 20, "no_answer counted (request_timeout 2 s)")
+    else:  # the old asker never asks: the new member's port stays unused
+        assert peers_status(members[0])["peers"]["stream_served"]["stream_tokens_issued"] == 0
