@@ -32,10 +32,13 @@ import zmq
 from publisher import WeightPublisher
 from publisher.serving.stream_server import StreamLimits
 from subscriber_ext import WeightSubscriber
+from tests.transport.faults.harness import Recorder, close_all
+from tests.transport.faults.stream_mitm import StreamMitm
 from tests.transport.faults.tools import RawPeer, rss_mib, threads_named
 from tests.transport.procs import as_bytes, det_weights, digests, wait_until
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
+from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.message_base import MAX_CHUNKS
 
 pytestmark = pytest.mark.timeout(60)
@@ -301,3 +304,67 @@ def test_a_hello_of_the_wrong_size_is_cut_and_named(
     _closed(sock)
     assert _count(served, "cut") == cut + 1
     _logged(caplog, "stream hello" if extra < 0 else "stream request")
+
+
+# -- a hostile stream server: the subscriber's replies broken on the way ------------------
+
+#: fault -> the fallback cause the subscriber must count for it
+SERVER_FAULTS = {"size": "bad_reply", "chunk": "bad_reply", "version": "bad_reply",
+                 "garbage": "bad_reply", "stall": "timeout", "cut": "closed"}
+OTHER_VERSION = ("stream_source.py _on_header (lines 540, 558): a reply to a request still asked "
+                 "there, for a chunk it asked, but naming another version is read into "
+                 "scratch and dropped as if stale; the chunk waits request_timeout and the "
+                 "fallback is counted as 'timeout', not 'bad_reply'")
+
+
+@pytest.fixture(scope="module")
+def mitm_rig() -> Iterator[dict[str, Any]]:
+    """A publisher (stream on) behind a ``StreamMitm``; each case publishes the next
+    version."""
+    pub = WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK,
+                          heartbeat_interval=0.2)
+    assert pub._stream is not None
+    router_port = parse_endpoint(pub.endpoint).port
+    pub_port = parse_endpoint(pub._server.pub_endpoint).port
+    assert router_port and pub_port
+    mitm = StreamMitm(router_port, pub_port, pub._stream.port)
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    pub.wait_announced(1, timeout=30)
+    yield {"pub": pub, "mitm": mitm, "endpoint": f"tcp://127.0.0.2:{router_port}",
+           "version": 1}
+    mitm.close()
+    pub.close()
+
+
+@pytest.mark.parametrize("fault", [
+    pytest.param(fault, marks=pytest.mark.xfail(strict=True, reason=OTHER_VERSION))
+    if fault == "version" else fault for fault in SERVER_FAULTS])
+def test_a_broken_stream_reply_costs_frames_with_the_cause_named(
+        mitm_rig: dict[str, Any], fault: str) -> None:
+    pub, mitm = mitm_rig["pub"], mitm_rig["mitm"]
+    held_version = mitm_rig["version"]
+    version = mitm_rig["version"] = held_version + 1
+    every_version: dict[int, Any] = dict.fromkeys(range(1, 20), SPEC)
+    recorder = Recorder(seeds={pub.publisher_id: SEED}, specs=every_version)
+    sub = WeightSubscriber(mitm_rig["endpoint"], stream=True, request_timeout=1.0,
+                           on_version=recorder)
+    try:
+        held = sub.wait_for_version(held_version, timeout=30)  # the version being served
+        assert held.data_path == "stream"
+        fired = len(mitm.fired)
+        mitm.arm(fault, version)
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        wait_until(lambda: recorder.got(pub.publisher_id, version), 30,
+                   f"v{version} after the {fault} fault")
+        assert recorder.problems == [], recorder.problems
+        assert mitm.fired[fired:] == [fault]
+        stream = sub.status()["stream"]
+        assert stream["fallback_causes"] == {SERVER_FAULTS[fault]: 1}, stream
+        staged = sub.latest()
+        assert staged is not None and staged.version == version
+        assert staged.data_path in ("zmq", "stream+zmq")
+        # the version the subscriber held meanwhile was not written
+        assert digests(held.items()) == digests(det_weights(SEED, held_version, SPEC).items())
+        held.release()
+    finally:
+        close_all(sub, [])
