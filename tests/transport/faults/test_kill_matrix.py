@@ -95,6 +95,7 @@ CASES = [
     Case("stream_early_copy_50pct_sums_following", kill_at="copy:0.5", stream=True,
          early=True),
     Case("stream_early_50pct", kill_at="stream_chunk:33", stream=True, early=True),
+    Case("stream_early_answering_chunk_sums", kill_at="sums:1", stream=True, early=True),
     # sliced: every version is BIG (v1 is stream chunks 1..65, v2 66..130)
     Case("stream_slices_50pct", kill_at="stream_chunk:98", stream=True, sliced=True),
     Case("stream_early_slices_25pct", kill_at="stream_chunk:82", stream=True, early=True,
