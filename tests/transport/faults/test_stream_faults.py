@@ -35,7 +35,7 @@ from subscriber_ext import WeightSubscriber
 from tests.transport.faults.harness import Recorder, close_all
 from tests.transport.faults.stream_mitm import StreamMitm
 from tests.transport.faults.tools import RawPeer, rss_mib, threads_named
-from tests.transport.procs import as_bytes, det_weights, digests, wait_until
+from tests.transport.procs import Spec, as_bytes, det_weights, digests, wait_until
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
 from weightpub_wire.endpoints import parse_endpoint
@@ -368,3 +368,53 @@ def test_a_broken_stream_reply_costs_frames_with_the_cause_named(
         held.release()
     finally:
         close_all(sub, [])
+
+
+# -- kill -9 of a stream subscriber mid-receive -----------------------------------------------
+
+BIG_SPEC: Spec = [("big", "uint8", (64 * CHUNK,))]  # 16 MiB: 64 chunks, seconds at a paced reader
+
+
+def _sending(pub: WeightPublisher, version: int) -> int:
+    """Regions of ``version``'s snapshot counted as being sent now (``send_begin``)."""
+    held = pub._store.get(version)
+    return 0 if held is None or held.claims is None else int(held.claims._sending.sum())
+
+
+def test_a_stream_subscriber_killed_mid_receive_frees_its_connection_and_the_snapshot(
+        spawn: Any, closing: Any) -> None:
+    """A paced subscriber child is killed -9 while the publisher's connection thread is in
+    its ``sendmsg`` (the snapshot's regions counted as being sent): the thread ends, the
+    counts drop back, and with one version kept each next copy claims those regions
+    at once (no subscriber cut for holding them); the other subscriber streams on."""
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK,
+                                  heartbeat_interval=0.2, keep_versions=1))
+    server = pub._stream
+    assert server is not None
+    base = len(threads_named(CONN))
+    other = closing(WeightSubscriber(pub.endpoint, stream=True, request_timeout=3.0))
+    pub.publish(det_weights(SEED, 1, BIG_SPEC), version=1)
+    staged = other.wait_for_version(1, timeout=30)
+    assert staged.data_path == "stream"
+    staged.release()
+    child = spawn("subscriber", endpoint=pub.endpoint, pace_stream=CHUNK,
+                  options={"stream": True, "request_timeout": 30.0})
+    child.event("ready", timeout=60)
+    wait_until(lambda: child.request("status")["status"]["stream"]["bytes_received"]
+               >= 2 * CHUNK and _sending(pub, 1) > 0, 60,
+               "the child mid-receive, the publisher in its sendmsg")
+    assert len(threads_named(CONN)) == base + 2
+    child.kill9()
+    wait_until(lambda: len(threads_named(CONN)) == base + 1
+               and server.status()["connections"] == 1, 30,
+               "the dead subscriber's connection thread to end")
+    wait_until(lambda: _sending(pub, 1) == 0, 10, "v1's send counts to drop back")
+    for version in (2, 3):  # one version kept: each copy overwrites the one before
+        pub.publish(det_weights(SEED, version, BIG_SPEC), version=version)
+        staged = other.wait_for_version(version, timeout=30)
+        assert staged.data_path == "stream"
+        assert digests(staged.items()) == digests(
+            det_weights(SEED, version, BIG_SPEC).items())
+        staged.release()
+    assert server.status()["cut"] == 0  # nothing had to be cut to free the regions
+    assert other.status()["stream"]["fallbacks"] == 0
