@@ -272,7 +272,8 @@ def shard_rank_child(conn: multiprocessing.connection.Connection, args: dict[str
                            announce_endpoint=args.get("announce"),
                            chunk_size=args.get("chunk_size", 128 << 10),
                            shard_timeout=args.get("shard_timeout", 2.0),
-                           heartbeat_interval=0.2, keep_versions=2)
+                           heartbeat_interval=0.2, keep_versions=2,
+                           stream=args.get("stream", False))
     union_id = pub.shard.publisher_id if pub.coordinator is None else pub.coordinator.publisher_id
     conn.send(("ready", pub.endpoint, union_id, 0.0, os.getpid()))
     faulthandler.cancel_dump_traceback_later()
