@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import struct
 from collections.abc import Iterator
 from typing import Any
@@ -33,10 +32,10 @@ from publisher import WeightPublisher
 from publisher.serving.stream_server import StreamLimits
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.harness import Recorder, close_all
+from tests.transport.faults.stream_client import StreamClient, closed, read_exact, read_reply
 from tests.transport.faults.stream_mitm import StreamMitm
-from tests.transport.faults.tools import RawPeer, rss_mib, threads_named
+from tests.transport.faults.tools import rss_mib, threads_named
 from tests.transport.procs import Spec, as_bytes, det_weights, digests, wait_until
-from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
 from weightpub_wire.endpoints import parse_endpoint
 from weightpub_wire.message_base import MAX_CHUNKS
@@ -74,60 +73,9 @@ def served() -> Iterator[dict[str, Any]]:
     pub.wait_announced(1, timeout=30)
     ctx = zmq.Context()
     yield {"pub": pub, "server": server, "ctx": ctx, "threads": len(threads_named(CONN)),
-           "rss": rss_mib()}
+           "rss": rss_mib(), "client": StreamClient(ctx, pub.endpoint, server.port)}
     pub.close()
     ctx.term()
-
-
-def _token(served: dict[str, Any]) -> bytes:
-    peer = RawPeer(served["ctx"], served["pub"].endpoint)
-    try:
-        peer.send(wire.encode(stream_link.StreamTokenRequest(req=1)))
-        reply = wire.decode(peer.recv()[0], expect=(stream_link.StreamToken, wire.ErrorReply))
-    finally:
-        peer.close()
-    assert isinstance(reply, stream_link.StreamToken), reply
-    return reply.token
-
-
-def _connect(served: dict[str, Any], hello: bytes | None = None) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", served["server"].port), timeout=10)
-    if hello is not None:
-        sock.sendall(hello)
-    return sock
-
-
-def _accepted(served: dict[str, Any], token: bytes | None = None) -> socket.socket:
-    sock = _connect(served, stream_link.hello(token or _token(served)))
-    assert _reply(sock).status == stream_link.ACCEPTED
-    return sock
-
-
-def _read(sock: socket.socket, nbytes: int) -> bytes:
-    data = bytearray()
-    while len(data) < nbytes:
-        piece = sock.recv(nbytes - len(data))
-        assert piece, f"closed after {len(data)} of {nbytes} bytes"
-        data += piece
-    return bytes(data)
-
-
-def _reply(sock: socket.socket) -> stream_link.StreamReply:
-    return stream_link.parse_reply(_read(sock, stream_link.REPLY_BYTES))
-
-
-def _closed(sock: socket.socket) -> None:
-    """The publisher closed the connection (bounded by the socket's timeout)."""
-    try:
-        assert sock.recv(1 << 16) == b"", "the connection still sends"
-    except ConnectionResetError:
-        pass
-    finally:
-        sock.close()
-
-
-def _closed_by_us(sock: socket.socket) -> None:
-    sock.close()
 
 
 def _count(served: dict[str, Any], name: str) -> int:
@@ -144,15 +92,15 @@ def test_tokens_not_issued_used_twice_or_expired_are_refused_and_logged(
     caplog.set_level(logging.WARNING, "weightpub.publisher")
     server = served["server"]
     refused = _count(served, "refused")
-    reused = _token(served)
+    reused = served["client"].token()
     server.limits = dataclasses.replace(LIMITS, token_ttl=0.0)  # void when issued
-    expired = _token(served)
+    expired = served["client"].token()
     server.limits = LIMITS
-    _closed_by_us(_accepted(served, reused))
+    served["client"].accepted(reused).close()  # its one use
     for token in (os.urandom(stream_link.TOKEN_BYTES), reused, expired):
-        sock = _connect(served, stream_link.hello(token))
-        assert _reply(sock).status == stream_link.REFUSED
-        _closed(sock)
+        sock = served["client"].connect(stream_link.hello(token))
+        assert read_reply(sock).status == stream_link.REFUSED
+        closed(sock)
     assert _count(served, "refused") == refused + 3
     _logged(caplog, "stream: refused a connection (unknown, used or expired token)")
 
@@ -161,7 +109,7 @@ def test_a_hello_with_the_wrong_magic_is_cut_and_named(
         served: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "weightpub.publisher")
     cut = _count(served, "cut")
-    _closed(_connect(served, b"XXXX" + _token(served)))
+    closed(served["client"].connect(b"XXXX" + served["client"].token()))
     assert _count(served, "cut") == cut + 1
     _logged(caplog, "stream: cut a subscriber: stream hello: magic b'XXXX'")
 
@@ -188,9 +136,9 @@ def test_an_oversized_or_malformed_request_is_cut_and_named(
     caplog.set_level(logging.WARNING, "weightpub.publisher")
     data, named = BAD_REQUESTS[case]
     cut = _count(served, "cut")
-    sock = _accepted(served)
+    sock = served["client"].accepted()
     sock.sendall(data)
-    _closed(sock)
+    closed(sock)
     assert _count(served, "cut") == cut + 1
     _logged(caplog, named)
 
@@ -198,21 +146,21 @@ def test_an_oversized_or_malformed_request_is_cut_and_named(
 def test_a_version_or_chunk_out_of_range_is_unavailable_and_the_connection_serves_on(
         served: dict[str, Any]) -> None:
     cut = _count(served, "cut")
-    sock = _accepted(served)
+    sock = served["client"].accepted()
     try:
         sock.sendall(stream_link.request(1, 999, [0]))  # a version never published
-        reply = _reply(sock)
+        reply = read_reply(sock)
         assert (reply.status, reply.req, reply.version, reply.size) == (
             stream_link.UNAVAILABLE, 1, 999, 0)
         sock.sendall(stream_link.request(2, 1, [500]))  # v1 has 10 chunks
-        reply = _reply(sock)
+        reply = read_reply(sock)
         assert (reply.status, reply.req, reply.chunk) == (stream_link.UNAVAILABLE, 2, 500)
         sock.sendall(stream_link.request(3, 1, [9, 0]))  # the same connection serves on
         want = _bytes(1)
         for chunk in (9, 0):
-            reply = _reply(sock)
+            reply = read_reply(sock)
             assert (reply.status, reply.req, reply.chunk) == (stream_link.OK, 3, chunk)
-            assert _read(sock, reply.size) == want[chunk * CHUNK: (chunk + 1) * CHUNK]
+            assert read_exact(sock, reply.size) == want[chunk * CHUNK: (chunk + 1) * CHUNK]
     finally:
         sock.close()
     assert _count(served, "cut") == cut
@@ -224,12 +172,8 @@ def test_a_client_that_never_reads_is_cut_at_the_stall_timeout(
     the connection's sendmsg stops moving, the subscriber is cut after ``stall_timeout``."""
     caplog.set_level(logging.WARNING, "weightpub.publisher")
     cut = _count(served, "cut")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(10)
-    sock.connect(("127.0.0.1", served["server"].port))
+    sock = served["client"].accepted(rcvbuf=4096)
     try:
-        sock.sendall(stream_link.hello(_token(served)))
         sock.sendall(stream_link.request(1, 1, [0] * stream_link.MAX_REQUEST_CHUNKS))
         wait_until(lambda: _count(served, "cut") == cut + 1, 30, "the stalled client cut")
         _logged(caplog, "(stall_timeout)")
@@ -239,14 +183,44 @@ def test_a_client_that_never_reads_is_cut_at_the_stall_timeout(
     assert served["server"].scratch_bytes == 0
 
 
+def test_a_stalled_reader_cannot_hold_back_the_next_version(
+        closing: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """One version kept: v2's copy overwrites v1's regions, one of which a client that
+    never reads holds in a ``sendmsg``. It is cut after ``overwrite_grace`` (not the 30 s
+    ``stall_timeout``), named, and v2 goes out bit-exact."""
+    caplog.set_level(logging.WARNING, "weightpub.publisher")
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK,
+                                  heartbeat_interval=0.2, keep_versions=1))
+    server = pub._stream
+    assert server is not None
+    server.limits = dataclasses.replace(LIMITS, stall_timeout=30.0, overwrite_grace=0.5)
+    pub.publish(det_weights(SEED, 1, SPEC), version=1)
+    pub.wait_announced(1, timeout=30)
+    client = StreamClient(zmq.Context.instance(), pub.endpoint, server.port)
+    sock = client.accepted(rcvbuf=4096)
+    try:
+        sock.sendall(stream_link.request(1, 1, [0] * stream_link.MAX_REQUEST_CHUNKS))
+        wait_until(lambda: _sending(pub, 1) > 0, 10, "the publisher in its sendmsg")
+        pub.publish(det_weights(SEED, 2, SPEC), version=2)
+        pub.wait_announced(2, timeout=30)
+        wait_until(lambda: server.status()["cut"] == 1, 10, "the stalled reader cut")
+        _logged(caplog, "while a new version waits to overwrite the bytes (overwrite_grace)")
+    finally:
+        sock.close()
+    sub = closing(WeightSubscriber(pub.endpoint, stream=True, request_timeout=3.0))
+    staged = sub.wait_for_version(2, timeout=30)
+    assert staged.data_path == "stream"
+    assert digests(staged.items()) == digests(det_weights(SEED, 2, SPEC).items())
+
+
 def test_connections_past_max_connections_are_turned_away_and_logged(
         served: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "weightpub.publisher")
     turned = _count(served, "turned_away")
-    held = [_accepted(served) for _ in range(LIMITS.max_connections)]
+    held = [served["client"].accepted() for _ in range(LIMITS.max_connections)]
     try:
         assert len(threads_named(CONN)) == served["threads"] + LIMITS.max_connections
-        _closed(_connect(served))  # closed at once, before any hello
+        closed(served["client"].connect())  # closed at once, before any hello
         assert _count(served, "turned_away") == turned + 1
         _logged(caplog, f"stream: turned a connection away ({LIMITS.max_connections} open)")
     finally:
@@ -254,7 +228,7 @@ def test_connections_past_max_connections_are_turned_away_and_logged(
             sock.close()
     wait_until(lambda: len(threads_named(CONN)) == served["threads"], 10,
                "the held connections' threads to end")
-    sock = _accepted(served)  # room again
+    sock = served["client"].accepted()  # room again
     sock.close()
 
 
@@ -297,11 +271,11 @@ def test_a_hello_of_the_wrong_size_is_cut_and_named(
     reason logged."""
     caplog.set_level(logging.WARNING, "weightpub.publisher")
     cut = _count(served, "cut")
-    hello = stream_link.hello(_token(served))
-    sock = _connect(served, hello[:extra] if extra < 0 else hello + bytes(extra))
+    hello = stream_link.hello(served["client"].token())
+    sock = served["client"].connect(hello[:extra] if extra < 0 else hello + bytes(extra))
     if extra > 0:
-        assert _reply(sock).status == stream_link.ACCEPTED
-    _closed(sock)
+        assert read_reply(sock).status == stream_link.ACCEPTED
+    closed(sock)
     assert _count(served, "cut") == cut + 1
     _logged(caplog, "stream hello" if extra < 0 else "stream request")
 
