@@ -34,7 +34,7 @@ from subscriber_ext import WeightSubscriber
 from tests.transport.faults.harness import Recorder, close_all
 from tests.transport.faults.stream_client import StreamClient, closed, read_exact, read_reply
 from tests.transport.faults.stream_mitm import StreamMitm
-from tests.transport.faults.tools import rss_mib, threads_named
+from tests.transport.faults.tools import LineCounter, rss_mib, threads_named
 from tests.transport.procs import Spec, as_bytes, det_weights, digests, wait_until
 from weightpub_wire import stream_link
 from weightpub_wire.endpoints import parse_endpoint
@@ -230,6 +230,28 @@ def test_connections_past_max_connections_are_turned_away_and_logged(
                "the held connections' threads to end")
     sock = served["client"].accepted()  # room again
     sock.close()
+
+
+def test_a_flood_of_bad_connections_costs_a_few_log_lines(closing: Any) -> None:
+    """300 connections with tokens never issued and 300 with a bad magic: each refused or
+    cut and counted, the log says so a couple of times (rate-limited), not 600 times."""
+    pub = closing(WeightPublisher("tcp://127.0.0.1:0", stream=True, chunk_size=CHUNK))
+    server = pub._stream
+    assert server is not None
+    client = StreamClient(zmq.Context.instance(), pub.endpoint, server.port)
+    with LineCounter() as lines:
+        for index in range(600):
+            sock = client.connect((b"WPsh" if index % 2 else b"XXXX")
+                                  + os.urandom(stream_link.TOKEN_BYTES))
+            if index % 2:
+                assert read_reply(sock).status == stream_link.REFUSED
+            closed(sock)
+        wait_until(lambda: server.status()["refused"] + server.status()["cut"] == 600, 10,
+                   "every connection refused or cut")
+    status = server.status()
+    assert (status["refused"], status["cut"], status["connections"]) == (300, 300, 0)
+    refusals = [line for line in lines.warnings if line.startswith("stream: ")]
+    assert 2 <= len(refusals) <= 4, refusals
 
 
 def test_after_the_hostile_clients_a_real_subscriber_streams_bit_exact(
