@@ -523,6 +523,21 @@ def stream_fault(pub: Any, fault: str) -> None:
     server.chunk_bytes = chunk_bytes
 
 
+def pace_stream(budget: int) -> None:
+    """This process's stream sources read at most ``budget`` bytes per look, one look per
+    0.2 s: a version of a few MiB takes seconds, so a kill lands mid-receive."""
+    from subscriber_ext.transport.client import stream_source
+
+    read = stream_source.StreamSource._read
+
+    def paced(self: Any) -> None:
+        time.sleep(0.2)
+        read(self)
+
+    stream_source._READ_BUDGET = budget
+    stream_source.StreamSource._read = paced  # type: ignore[method-assign]
+
+
 def run_subscriber(args: dict[str, Any]) -> None:
     """A subscriber reporting every staged version (digests per tensor) as a JSON line."""
     from subscriber_ext import SyncOptions, WeightSubscriber
@@ -531,6 +546,8 @@ def run_subscriber(args: dict[str, Any]) -> None:
     options = dict(args.get("options", {}))
     if "limits" in options:
         options["limits"] = Limits(**options["limits"])
+    if args.get("pace_stream"):
+        pace_stream(int(args["pace_stream"]))
     staged_q: queue.Queue[Any] = queue.Queue()
     sub = WeightSubscriber(args["endpoint"], options=SyncOptions(**options),
                            on_version=staged_q.put)

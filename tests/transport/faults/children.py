@@ -20,6 +20,10 @@ Kill points (``kill_at``):
   ``status:<n>``: the n-th status request
 - ``forward``: (relay) an upstream version starts arriving, killed before it is announced
   downstream
+- ``stream_chunk:<n>``: (``stream=True``) when about to put stream chunk number ``n``
+  (counting from the first version's; a slice's chunk counts too) into a ``sendmsg``
+- ``sums:<n>``: (``announce_early=True``) the n-th ``chunk_sums`` request once version 2
+  is out (its sums still following)
 - ``submit``: (a ``ShardedPublisher`` rank) its shard of version 2 or later is hashed,
   killed before it is submitted to the coordinator
 """
@@ -142,11 +146,14 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
             return sent
 
         connection_credit.PeerTable._send_chunk = send  # type: ignore[method-assign]
-    elif point in ("latest", "report", "status"):
+    elif point == "stream_chunk":
+        _install_stream_chunk(int(arg))
+    elif point in ("latest", "report", "status", "sums"):
         from weightpub_wire import protocol as wire
+        from weightpub_wire.sum_messages import ChunkSums
 
         kind = {"latest": wire.LatestRequest, "report": wire.Report,
-                "status": wire.StatusRequest}[point]
+                "status": wire.StatusRequest, "sums": ChunkSums}[point]
         nth = int(arg)
         original_handle = server.ServingThread._handle
         count = {"n": 0}
@@ -181,6 +188,23 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
         sharded_publisher.encode_submit = encode_submit
     elif point != "forward":
         raise ValueError(f"unknown kill point {kill_at!r}")
+
+
+def _install_stream_chunk(target: int) -> None:
+    """Die when the stream port is about to send its ``target``-th chunk: every whole chunk
+    and every slice's source chunk is read out of ``chunk_bytes`` before its ``sendmsg``."""
+    from publisher.serving import stream_server
+
+    original = stream_server.StreamServer.chunk_bytes
+    count = {"n": 0}
+
+    def chunk_bytes(self: Any, version: Any, chunk: int) -> memoryview:
+        count["n"] += 1
+        if count["n"] >= target:
+            _die()
+        return original(self, version, chunk)
+
+    stream_server.StreamServer.chunk_bytes = chunk_bytes  # type: ignore[method-assign]
 
 
 def _shift_clock(offset: float) -> None:
@@ -226,7 +250,9 @@ def publisher_child(conn: multiprocessing.connection.Connection, args: dict[str,
     limits = ServerLimits(peers=PeerLimits(stall_timeout=args.get("stall_timeout", 30.0)))
     pub = WeightPublisher(args["endpoint"], chunk_size=args.get("chunk_size", 128 << 10),
                           heartbeat_interval=args.get("heartbeat_interval", 0.2),
-                          keep_versions=args.get("keep_versions", 2), limits=limits)
+                          keep_versions=args.get("keep_versions", 2), limits=limits,
+                          stream=args.get("stream", False),
+                          announce_early=args.get("announce_early", False))
     conn.send(("ready", pub.endpoint, pub.publisher_id, pub.started_at, os.getpid()))
     faulthandler.cancel_dump_traceback_later()
     _publish_on_command(conn, args["seed"], pub.publish, pub.wait_announced)
@@ -246,7 +272,8 @@ def shard_rank_child(conn: multiprocessing.connection.Connection, args: dict[str
                            announce_endpoint=args.get("announce"),
                            chunk_size=args.get("chunk_size", 128 << 10),
                            shard_timeout=args.get("shard_timeout", 2.0),
-                           heartbeat_interval=0.2, keep_versions=2)
+                           heartbeat_interval=0.2, keep_versions=2,
+                           stream=args.get("stream", False))
     union_id = pub.shard.publisher_id if pub.coordinator is None else pub.coordinator.publisher_id
     conn.send(("ready", pub.endpoint, union_id, 0.0, os.getpid()))
     faulthandler.cancel_dump_traceback_later()

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from subscriber_ext import StagedVersion
 from tests.transport.faults.children import (
     mp_context,
@@ -21,7 +23,7 @@ from tests.transport.faults.children import (
     relay_child,
     shard_rank_child,
 )
-from tests.transport.procs import det_weights, digests
+from tests.transport.procs import as_bytes, det_weights, digests
 
 __all__ = ["Proc", "Recorder", "Spec"]
 
@@ -95,6 +97,8 @@ class Recorder:
     delivered: list[tuple[str, int]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     on_commit: Callable[[StagedVersion], None] | None = None
+    #: a sliced subscriber's plan (name -> byte ranges): those bytes, zeros elsewhere
+    ranges: dict[str, list[tuple[int, int]]] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, staged: StagedVersion) -> None:
@@ -105,7 +109,7 @@ class Recorder:
         if seed is None or spec is None:
             problem = f"unexpected version {key}"
         else:
-            want = digests(det_weights(seed, staged.version, spec).items())
+            want = digests(planned(det_weights(seed, staged.version, spec), self.ranges))
             problem = "" if digests(staged.items()) == want else f"{key} is not bit-exact"
         if self.on_commit is not None and not problem:
             self.on_commit(staged)
@@ -117,6 +121,21 @@ class Recorder:
     def got(self, publisher_id: str, version: int) -> bool:
         with self.lock:
             return (publisher_id, version) in self.delivered
+
+
+def planned(weights: dict[str, torch.Tensor], ranges: dict[str, list[tuple[int, int]]] | None
+            ) -> list[tuple[str, torch.Tensor]]:
+    """``weights`` as a subscriber with the plan ``ranges`` stages them: the planned bytes,
+    zeros elsewhere (all of them without a plan)."""
+    if ranges is None:
+        return list(weights.items())
+    out = []
+    for name, tensor in weights.items():
+        raw, want = as_bytes(tensor), torch.zeros_like(as_bytes(tensor))
+        for start, end in ranges.get(name, []):
+            want[start:end] = raw[start:end]
+        out.append((name, want))  # compared as bytes (``digests``)
+    return out
 
 
 def close_all(sub: Any, procs: list[Proc]) -> None:

@@ -1,5 +1,6 @@
 """10,000+ fuzzed messages per socket type (hypothesis): ROUTER requests, SUB messages,
-DEALER replies. Each fuzzed frame is refused or harmless; afterwards the same
+DEALER replies; and 2,000 hellos and requests on the stream port (``stream=True``), each
+on a connection of its own. Each fuzzed frame is refused or harmless; afterwards the same
 sockets serve a real version bit-exact, the threads live, and memory is bounded.
 
 Frames are drawn from: random bytes, random msgpack values, valid messages with
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import queue
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,10 +28,11 @@ from hypothesis import strategies as st
 
 from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
-from tests.transport.faults.tools import RawPeer, pack, rss_mib
+from tests.transport.faults.stream_client import StreamClient
+from tests.transport.faults.tools import RawPeer, pack, rss_mib, threads_named
 from tests.transport.procs import det_weights, digests, wait_until
 from tests.transport.test_hostile import FakePublisher
-from weightpub_wire import chunk_frame
+from weightpub_wire import chunk_frame, stream_link
 from weightpub_wire import protocol as wire
 
 pytestmark = pytest.mark.timeout(300)
@@ -97,7 +100,7 @@ def batches(bases: list[dict[str, Any]]) -> st.SearchStrategy[list[bytes]]:
 
 
 def _counted() -> dict[str, int]:
-    return {"router": 0, "sub": 0, "dealer": 0}
+    return {"router": 0, "sub": 0, "dealer": 0, "stream": 0}
 
 
 SENT = _counted()
@@ -346,3 +349,81 @@ def test_dealer_stages_bit_exact_after_the_fuzz(dealer_rig: dict[str, Any]) -> N
     print(f"\nDEALER fuzz: {SENT['dealer']} replies, {sub.status()['bad_messages']} refused; "
           f"RSS +{grown:.0f} MiB")
     assert grown < 150
+
+
+# -- the stream port: hellos and requests, each on a connection of its own ---------------------
+STREAM_EXAMPLES = 2_000  # a connection and a token each: a fifth of the frames above
+CONN = "weightpub-stream-conn"
+
+
+@pytest.fixture(scope="module")
+def stream_rig() -> Iterator[dict[str, Any]]:
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=4096, heartbeat_interval=0.2,
+                          stream=True)
+    pub.publish(det_weights(1, 1, SPEC), version=1)
+    pub.wait_announced(1, timeout=30)
+    assert pub._stream is not None
+    ctx = zmq.Context()
+    yield {"pub": pub, "client": StreamClient(ctx, pub.endpoint, pub._stream.port),
+           "rss": rss_mib(), "threads": len(threads_named(CONN))}
+    ctx.destroy(linger=0)
+    pub.close()
+
+
+STREAM_BASES = [
+    stream_link.request(1, 1, [0, 1]),
+    stream_link.request(2, 1, [3, 3, 2]),
+    stream_link.request(3, 9, [0]),  # a version never published
+    stream_link.slice_request(4, 1, [(0, [(0, 64, 128, 4)]), (2, [(100, 200, 0, 1)])]),
+    stream_link.hello(bytes(stream_link.TOKEN_BYTES)),  # a token never issued
+]
+
+
+def stream_batches() -> st.SearchStrategy[list[bytes]]:
+    """``BATCH`` byte strings: a valid request (or random bytes), then mutations of it."""
+    drawn = st.sampled_from(STREAM_BASES) | st.binary(max_size=64)
+    return st.tuples(drawn, st.randoms(use_true_random=False)).map(
+        lambda pair: [pair[0], *(_flip(pair[0], pair[1]) for _ in range(BATCH - 1))])
+
+
+@settings(FUZZ, max_examples=STREAM_EXAMPLES // BATCH)
+@given(batch=stream_batches(), as_hello=st.booleans())
+def test_fuzz_stream_port(stream_rig: dict[str, Any], batch: list[bytes],
+                          as_hello: bool) -> None:
+    """Each string on a new connection: after an accepted hello, or in place of the hello.
+    Then our side ends; the publisher answers what parsed and closes, or cuts at once:
+    reading to the end is bounded by the client's 10 s timeout (a hang fails)."""
+    client = stream_rig["client"]
+    for data in batch:
+        sock = client.connect() if as_hello else client.accepted()
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(1 << 16):
+                pass
+        except TimeoutError:
+            raise
+        except OSError:
+            pass  # cut: reset with our bytes unread, or no longer connected
+        finally:
+            sock.close()
+        SENT["stream"] += 1
+
+
+def test_stream_port_serves_bit_exact_after_the_fuzz(stream_rig: dict[str, Any]) -> None:
+    assert SENT["stream"] >= STREAM_EXAMPLES
+    pub = stream_rig["pub"]
+    server = pub._stream
+    wait_until(lambda: len(threads_named(CONN)) == stream_rig["threads"]
+               and server.status()["connections"] == 0, 10, "every fuzzed connection closed")
+    status = server.status()
+    assert status["cut"] > 0 and status["refused"] > 0, status
+    with WeightSubscriber(pub.endpoint, stream=True) as sub:
+        pub.publish(det_weights(1, 2, SPEC), version=2)
+        staged = sub.wait_for_version(2, timeout=30)
+        assert staged.data_path == "stream"
+        assert digests(staged.items()) == digests(det_weights(1, 2, SPEC).items())
+    grown = rss_mib() - stream_rig["rss"]
+    print(f"\nstream fuzz: {SENT['stream']} connections, {status['cut']} cut, "
+          f"{status['refused']} refused; RSS +{grown:.0f} MiB")
+    assert grown < 64

@@ -12,6 +12,11 @@ behind) and publishes v3. Each case asserts:
 
 The matrix runs its cases in parallel threads (each with its own processes and
 ports); memory is measured before and after (RSS from /proc) and printed.
+
+The stream cells (``stream=True`` on both sides, issue 29) run the same checks with
+every chunk on the plain TCP port: killed before a stream chunk's ``sendmsg`` at a few
+points, with ``announce_early`` while the copy (and the sums that follow the manifest)
+is under way, and for a sliced subscriber while its slices stream.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from tests.transport.faults.tools import rss_mib
 from tests.transport.procs import det_weights, digests, free_port, pace_replies, wait_until
 from weightpub.status import fetch_status
 from weightpub_wire.errors import WeightPubTimeout
+from weightpub_wire.slice_plan import from_ranges
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -48,6 +54,9 @@ class Case:
     v2_impossible: bool = True  # v2 cannot have been complete when the publisher died
     fraction: float = 0.0  # external kills: when this much of v2 has arrived
     clock_offset: float = 0.0  # the restarted instance's wall clock
+    stream: bool = False  # publishers and subscriber on the plain-TCP stream (issue 29)
+    early: bool = False  # the publishers announce_early (sums follow the manifest)
+    sliced: bool = False  # the subscriber has a slice plan (its slices over the stream)
 
 
 CASES = [
@@ -79,12 +88,34 @@ CASES = [
     Case("relay_hop_relay_mid_downstream", kind="relay_down", kill_at="chunk:5"),
     Case("relay_hop_relay_before_republish", kind="relay_down", kill_at="forward"),
     Case("relay_hop_relay_copy_50pct", kind="relay_down", kill_at="copy:0.5"),
+    # the stream path: chunk n of the stream (v1 is chunk 1, v2 chunks 2..66)
+    Case("stream_first_chunk", kill_at="stream_chunk:2", stream=True),
+    Case("stream_50pct", kill_at="stream_chunk:33", stream=True),
+    Case("stream_last_chunk", kill_at="stream_chunk:66", stream=True),
+    Case("stream_early_copy_50pct_sums_following", kill_at="copy:0.5", stream=True,
+         early=True),
+    Case("stream_early_50pct", kill_at="stream_chunk:33", stream=True, early=True),
+    Case("stream_early_answering_chunk_sums", kill_at="sums:1", stream=True, early=True),
+    # sliced: every version is BIG (v1 is stream chunks 1..65, v2 66..130)
+    Case("stream_slices_50pct", kill_at="stream_chunk:98", stream=True, sliced=True),
+    Case("stream_early_slices_25pct", kill_at="stream_chunk:82", stream=True, early=True,
+         sliced=True),
 ]
 
+ROW = 1024 * 4  # bytes of a row of BIG's "big"
+#: a sliced subscriber's plan: half of every row of "big" (every chunk touched but the
+#: last, which holds "b" alone); the rest of every version is staged as zeros
+RANGES = {"big": [(r * ROW, r * ROW + ROW // 2) for r in range(2048)]}
+SLICED_SPECS = {1: BIG, 2: BIG, 3: BIG}  # a plan names tensors every version has
 
-def _subscriber(endpoint: str, recorder: Recorder, *, slow: bool = False) -> WeightSubscriber:
+
+def _subscriber(endpoint: str, recorder: Recorder, *, slow: bool = False,
+                case: Case | None = None) -> WeightSubscriber:
+    stream = case is not None and case.stream
+    plan = from_ranges("kill-matrix", RANGES) if case is not None and case.sliced else None
     sub = WeightSubscriber(endpoint, on_version=recorder, request_timeout=1.0,
-                           window_bytes=1 << 20, chunks_per_request=2, report_interval=0.3)
+                           window_bytes=1 << 20, chunks_per_request=2, report_interval=0.3,
+                           stream=stream, slice_plan=plan)
     if slow:  # so an outside kill lands at a known fraction
         pace_replies(sub._client, 0.01)
     return sub
@@ -114,14 +145,17 @@ def run_case(case: Case) -> dict[str, Any]:
         if case.kind.startswith("relay"):
             return _run_relay_case(case, procs, t0)
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        first = Proc("publisher", endpoint=endpoint, seed=A, kill_at=case.kill_at)
+        paths = {"stream": case.stream, "announce_early": case.early}
+        first = Proc("publisher", endpoint=endpoint, seed=A, kill_at=case.kill_at, **paths)
         procs.append(first)
-        recorder = Recorder(seeds={first.publisher_id: A}, specs=SPECS)
+        specs = SLICED_SPECS if case.sliced else SPECS
+        recorder = Recorder(seeds={first.publisher_id: A}, specs=specs,
+                            ranges=RANGES if case.sliced else None)
         started, killed, live = threading.Event(), threading.Event(), {}
         if case.kind == "commit":
             _commit_hook(recorder, started, killed, live)
-        sub = _subscriber(endpoint, recorder, slow=case.kind == "external")
-        first.publish(1, SMALL)
+        sub = _subscriber(endpoint, recorder, slow=case.kind == "external", case=case)
+        first.publish(1, specs[1])
         wait_until(lambda: recorder.got(first.publisher_id, 1), 30, "v1")
         if case.kind == "late_joiner":  # killed while answering the joiner's 'latest'
             first.publish(2, BIG)
@@ -150,22 +184,26 @@ def run_case(case: Case) -> dict[str, Any]:
                        and sub.status()["fetching_version"] == 2, 30, "the transfer")
             first.kill9()
         else:
-            first.publish(2, BIG, wait=False)
+            first.publish(2, specs[2], wait=False)
             first.wait_killed()
         time.sleep(0.3)  # anything still in flight from the dead instance lands now
         if case.v2_impossible:
             assert not recorder.got(first.publisher_id, 2), "a partial v2 was offered"
         assert sub.latest() is not None and sub.latest().version in (1, 2)
-        second = Proc("publisher", endpoint=endpoint, seed=B, clock_offset=case.clock_offset)
+        second = Proc("publisher", endpoint=endpoint, seed=B, clock_offset=case.clock_offset,
+                      **paths)
         procs.append(second)
         recorder.seeds[second.publisher_id] = B
-        second.publish(3, SMALL3)
+        second.publish(3, specs[3])
         wait_until(lambda: recorder.got(second.publisher_id, 3), 40,
                    "v3 of the restarted publisher")
         assert recorder.problems == [], recorder.problems
         assert sub._thread.is_alive()
         status = sub.status()
         assert status["publisher_id"] == second.publisher_id and status["staged_version"] == 3
+        if case.stream:  # v3 came over the restarted instance's stream port
+            latest = sub.latest()
+            assert latest is not None and latest.data_path == "stream", status["stream"]
         return {"case": case.name, "seconds": round(time.monotonic() - t0, 1),
                 "delivered": recorder.delivered[:], "restarted_rss_mib":
                 round(_child_rss(second), 1)}

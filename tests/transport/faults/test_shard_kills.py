@@ -37,10 +37,12 @@ RANK_SPECS: dict[int, tuple[Spec, Spec]] = {  # version -> (rank 0's tensors, ra
     3: ([("a", "float32", [64, 64]), ("n", "int8", [77])], [("b", "float32", [128, 128])]),
 }
 UNION = {version: [*first, *second] for version, (first, second) in RANK_SPECS.items()}
-CASES = {"before_its_submit": "submit", "serving_chunks": "chunk:12"}
+#: name -> (kill point, ranks and subscriber on the stream path)
+CASES = {"before_its_submit": ("submit", False), "serving_chunks": ("chunk:12", False),
+         "streaming_chunks": ("stream_chunk:12", True)}  # rank 1's v1 is stream chunk 1
 
 
-def run_case(kill_at: str) -> dict[str, Any]:
+def run_case(kill_at: str, stream: bool = False) -> dict[str, Any]:
     t0 = time.monotonic()
     announce = f"tcp://127.0.0.1:{free_port()}"
     collect = f"tcp://127.0.0.1:{free_port()}"
@@ -48,15 +50,16 @@ def run_case(kill_at: str) -> dict[str, Any]:
     sub: WeightSubscriber | None = None
     try:
         rank0 = Proc("shard_rank", rank=0, world_size=2, announce=announce, coordinator=collect,
-                     seed=SEED, shard_timeout=1.0)
+                     seed=SEED, shard_timeout=1.0, stream=stream)
         procs.append(rank0)
         rank1 = Proc("shard_rank", rank=1, world_size=2, coordinator=collect, seed=SEED,
-                     kill_at=kill_at)
+                     kill_at=kill_at, stream=stream)
         procs.append(rank1)
         union = rank0.publisher_id  # the coordinator's: one instance for the whole case
         recorder = Recorder(seeds={union: SEED}, specs=UNION)
         sub = WeightSubscriber(announce, on_version=recorder, request_timeout=0.5,
-                               max_chunk_retries=2, window_bytes=1 << 20, report_interval=0.3)
+                               max_chunk_retries=2, window_bytes=1 << 20, report_interval=0.3,
+                               stream=stream)
         for version in (1, 2):
             rank0.publish(version, RANK_SPECS[version][0])
             rank1.publish(version, RANK_SPECS[version][1], wait=version == 1)
@@ -73,7 +76,8 @@ def run_case(kill_at: str) -> dict[str, Any]:
         latest = sub.latest()
         assert latest is not None and latest.version == 1
 
-        rank1 = Proc("shard_rank", rank=1, world_size=2, coordinator=collect, seed=SEED)
+        rank1 = Proc("shard_rank", rank=1, world_size=2, coordinator=collect, seed=SEED,
+                     stream=stream)
         procs.append(rank1)
         rank0.publish(3, RANK_SPECS[3][0])
         rank1.publish(3, RANK_SPECS[3][1])
@@ -81,6 +85,9 @@ def run_case(kill_at: str) -> dict[str, Any]:
         assert recorder.problems == [], recorder.problems
         assert [version for _, version in recorder.delivered] == [1, 3]
         assert sub._thread.is_alive()
+        if stream:  # v3 came over both ranks' stream ports
+            latest = sub.latest()
+            assert latest is not None and latest.data_path == "stream", sub.status()["stream"]
         return {"case": kill_at, "seconds": round(time.monotonic() - t0, 1)}
     finally:
         close_all(sub, procs)
@@ -94,7 +101,7 @@ def _dropped(announce: str) -> int:
 
 def test_kill9_of_a_sharded_trainer_rank() -> None:
     with ThreadPoolExecutor(max_workers=len(CASES), thread_name_prefix="shard-case") as pool:
-        futures = {name: pool.submit(run_case, kill_at) for name, kill_at in CASES.items()}
+        futures = {name: pool.submit(run_case, *case) for name, case in CASES.items()}
         results = {name: future.result(timeout=100) for name, future in futures.items()}
     for name, result in results.items():
         print(f"  ok   {name:<20} {result['seconds']:>5}s")

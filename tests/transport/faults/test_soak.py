@@ -7,6 +7,9 @@ warm-up of 100 versions the test process's RSS and open file descriptors are
 sampled every 100 versions (with all four slots live) and printed; growth
 beyond a small allowance fails. Every version any subscriber is offered is
 checked bit-exact, and at the end every live subscriber has the last version.
+Slots 0 and 1 and the subscriber process take their chunks over the stream port
+(``stream=True``, issue 29), slots 2 and 3 over frames: the stream's connections,
+threads and tokens come and go with them, and stay bounded too.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.harness import Recorder
 from tests.transport.faults.tools import fds, rss_mib
-from tests.transport.procs import Child, det_weights, digests
+from tests.transport.procs import Child, det_weights, digests, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 VERSIONS = 600
@@ -31,7 +34,8 @@ SEED = 77
 
 def test_soak_rss_and_fds_stay_flat(spawn: Callable[..., Child]) -> None:
     rng = random.Random(2024)
-    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=64 << 10, heartbeat_interval=0.2)
+    pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=64 << 10, heartbeat_interval=0.2,
+                          stream=True)
     specs = {v: SPEC for v in range(1, VERSIONS + 1)}
     recorder = Recorder(seeds={pub.publisher_id: SEED}, specs=specs)
     slots: list[WeightSubscriber | None] = [None] * 4
@@ -39,9 +43,10 @@ def test_soak_rss_and_fds_stay_flat(spawn: Callable[..., Child]) -> None:
 
     def open_slot(index: int) -> None:
         slots[index] = WeightSubscriber(pub.endpoint, on_version=recorder,
-                                        subscriber_id=f"slot-{index}", report_interval=0.5)
+                                        subscriber_id=f"slot-{index}", report_interval=0.5,
+                                        stream=index < 2)
 
-    child = spawn("subscriber", endpoint=pub.endpoint)
+    child = spawn("subscriber", endpoint=pub.endpoint, options={"stream": True})
     child.event("ready", timeout=60)
     samples: list[tuple[int, float, int]] = []
     try:
@@ -66,7 +71,8 @@ def test_soak_rss_and_fds_stay_flat(spawn: Callable[..., Child]) -> None:
                     child.kill9()
                     child.close()
                     kills += 1
-                    child = spawn("subscriber", endpoint=pub.endpoint)
+                    child = spawn("subscriber", endpoint=pub.endpoint,
+                                  options={"stream": True})
                     child.event("ready", timeout=60)
                 continue
             index = rng.randrange(4)
@@ -89,6 +95,12 @@ def test_soak_rss_and_fds_stay_flat(spawn: Callable[..., Child]) -> None:
         fleet = pub.fleet()
         # rows do not pile up: four slots (restarts reuse their id) and three processes
         assert len(fleet) <= 7, [r.subscriber_id for r in fleet]
+        stream = pub.stream_status()
+        assert stream is not None and stream["accepted"] > 0 and stream["bytes_sent"] > 0
+        # a connection per live stream subscriber (two slots, the process) at most: the
+        # closed and killed ones' connections ended with them
+        wait_until(lambda: (pub.stream_status() or {}).get("connections", 99) <= 3, 10,
+                   "the stream connections of closed subscribers to end")
     finally:
         for sub in slots:
             if sub is not None:
