@@ -121,6 +121,7 @@ class PeerStreamSource(StreamSource):
             self.quiet_until = time.monotonic() + QUIET_S
 
     def count(self, cause: str, why: str) -> None:
+        why = why.replace("the publisher", "the peer")  # (the stream source's wording)
         self.picker.count(cause, f"peer {self.endpoint}: {why}", self.manifest)
 
 
