@@ -149,16 +149,21 @@ def test_kill_9_of_the_forwarding_member_mid_version_costs_nothing_partial(
     assert status["checksum_failures"] == 0
 
 
-def test_a_corrupt_chunk_on_the_stream_is_caught_and_fetched_again(
-    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+@pytest.mark.parametrize("fault", ["corrupt", "short"])
+def test_a_corrupt_or_short_chunk_on_the_stream_is_caught_and_fetched_again(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child], fault: str,
 ) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     first, second = join(spawn, pub, 2, SPEC, lambda i: {
-        **_options(), **({"stream_corrupt": True} if i == 0 else {})})
+        **_options(), **({"stream_corrupt": fault == "corrupt" or fault} if i == 0 else {})})
     _publish(pub, [first, second], (1, 2), SPEC)  # bit-exact all the same
     asker = peers_status(second)
-    assert asker["peers"]["stream_fallback_causes"].get("checksum", 0) >= 1, asker["peers"]
-    assert asker["checksum_failures"] >= 1
+    causes = asker["peers"]["stream_fallback_causes"]
+    if fault == "corrupt":  # the checksum caught it
+        assert causes.get("checksum", 0) >= 1 and asker["checksum_failures"] >= 1, causes
+    else:  # the size in the reply is not the chunk's: the connection is dropped
+        assert causes.get("bad_reply", 0) >= 1, causes
+        assert "the manifest says" in asker["peers"]["stream_last_error"]
     assert asker["peers"]["stream_bytes_from_peers"] == 0  # not one bad chunk staged
 
 
