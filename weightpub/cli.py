@@ -116,10 +116,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options.transport_rounds = args.rounds
     if args.schemes:
         options.schemes = [m.strip() for m in args.schemes.split(",") if m.strip()]
-        wrong = sorted(set(options.schemes) - {"tcp", "ipc", "peer", "stream", "slices"})
+        wrong = sorted(set(options.schemes) - {"tcp", "ipc", "peer", "peer_stream", "stream",
+                                               "slices"})
         if wrong:
-            raise ConfigError(f"--schemes: unknown {wrong} (known: tcp, ipc, peer, stream, "
-                              "slices)")
+            raise ConfigError(f"--schemes: unknown {wrong} (known: tcp, ipc, peer, "
+                              "peer_stream, stream, slices)")
     if args.scale_mib:
         options.scale_mib = [int(m) for m in args.scale_mib.split(",")]
     if args.scale_replica_layers:
@@ -223,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "prepared shadows)")
     bench.add_argument("--schemes", default="",
                        help="transport paths, comma-separated: tcp, ipc, peer (a subscriber "
-                            "fed by a forwarding peer), stream (the plain-TCP stream path, "
+                            "fed by a forwarding peer), peer_stream (the same over the "
+                            "peer's stream port), stream (the plain-TCP stream path, "
                             "beside raw TCP and frames in one run), slices (a sliced "
                             "subscriber, half of every 4 KiB row, over the stream beside "
                             "frames); default all five (quick: not slices)")

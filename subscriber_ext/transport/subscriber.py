@@ -101,6 +101,10 @@ class WeightSubscriber:
     default 127.0.0.1 for a loopback publisher, else every interface, which
     needs CURVE or ``insecure=True``), ``upload_mbit`` (None: no rate bound) and
     ``upload_cpu_share`` (of one core, default 0.25) bound what serving costs.
+    With ``stream=True`` too, a whole-version member also serves its chunks on a plain
+    TCP port of its own and fetches its planned peers' chunks on theirs (NOT encrypted;
+    tokens over the CURVE peer ROUTER; fallbacks counted in
+    ``status()["peers"]["stream_fallback_causes"]``; ``docs/peer-stream.md``).
     ``chunk_listener`` (a ``ChunkListener``) hears each version start, each chunk
     verify and each version end (a cut-through relay forwards chunks with it).
 

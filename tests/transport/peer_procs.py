@@ -9,7 +9,8 @@ stays connected and answers ZMTP heartbeats, so nothing but silence gives it awa
 a SIGSTOP'd member instead loses its connections to heartbeats within seconds and
 leaves the plan at ``member_ttl``); its status then counts the requests it swallowed.
 ``stream_corrupt: true`` does the same to what its stream port sends (peers over the
-stream). ``slice_rank: r`` makes it a sliced member (issue 30): ``test_slice_fetch.half_plan(r,
+stream); ``stream_corrupt: "short"`` sends each chunk less its last byte there.
+``slice_rank: r`` makes it a sliced member (issue 30): ``test_slice_fetch.half_plan(r,
 spec)``, each staged version checked on its planned bytes only (``assert_planned``).
 """
 
@@ -36,15 +37,18 @@ def _corrupt_what_it_serves() -> None:
     peer_server.PeerServer._send_chunk = send_chunk  # type: ignore[method-assign]
 
 
-def _corrupt_what_it_streams() -> None:
+def _corrupt_what_it_streams(short: bool = False) -> None:
     """Its stream port flips a byte of every chunk it hands over (a copy: the staging
-    stays correct, and the buffer's count ends as it would)."""
+    stays correct, and the buffer's count ends as it would); ``short``: sends each chunk
+    but its last byte instead (a reply shorter than the chunk)."""
     from subscriber_ext.transport.peers import peer_stream_server
 
     original = peer_stream_server.PeerStreamServer._hand
 
     def hand(self: Any, job: Any, chunk: int, data: Any, key: Any, last: bool = False) -> bool:
-        if data is not None:
+        if data is not None and short:
+            data = data[:-1]
+        elif data is not None:
             bad = bytearray(data)
             bad[len(bad) // 2] ^= 0xFF
             data = memoryview(bad)
@@ -88,7 +92,7 @@ def run_peer(args: dict[str, Any]) -> None:
     if args.get("stall"):
         _stall_every_request()
     if args.get("stream_corrupt"):
-        _corrupt_what_it_streams()
+        _corrupt_what_it_streams(short=args["stream_corrupt"] == "short")
     staged_q: queue.Queue[Any] = queue.Queue()
     rank = args.get("slice_rank")
     sliced: dict[str, Any] = {}

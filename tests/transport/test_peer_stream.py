@@ -49,6 +49,7 @@ def _streaming(index: int) -> dict[str, Any]:
 
 def _publish(pub: WeightPublisher, members: list[Child], versions: tuple[int, ...],
              spec: list[Any]) -> list[int]:
+    """Publish ``versions``, each staged bit-exact by every member; their sizes."""
     sizes = []
     for version in versions:
         pub.publish(det_weights(SEED, version, spec), version=version)
@@ -58,17 +59,36 @@ def _publish(pub: WeightPublisher, members: list[Child], versions: tuple[int, ..
     return sizes
 
 
+def _until_streamed(pub: WeightPublisher, members: list[Child], spec: list[Any],
+                    most: int = 4) -> tuple[int, list[int]]:
+    """Publish versions 1, 2, ... until one came to every member after the first whole
+    over its peer's stream (the first versions' chunks go as frames, or from the
+    publisher, while a peer's CURVE handshake, the token and the connection come); at
+    most ``most``. The version, and every version's size."""
+    sizes: list[int] = []
+    before = [0] * len(members)
+    for version in range(1, most + 1):
+        sizes += _publish(pub, members, (version,), spec)
+        now = [peers_status(c)["peers"]["stream_bytes_from_peers"] for c in members]
+        if all(n - b >= sizes[-1] for n, b in zip(now[1:], before[1:], strict=True)):
+            return version, sizes
+        before = now
+    raise AssertionError(f"no version of {most} came whole over the peers' streams: "
+                         f"{[_streamed(peers_status(c)['peers']) for c in members]}")
+
+
+def _streamed(peers: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in peers.items() if "stream" in key}
+
+
 def test_a_chain_of_two_forwards_over_the_stream_bit_exact(
     make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
 ) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     first, second = join(spawn, pub, 2, SPEC, _streaming)
-    sizes = _publish(pub, [first, second], (1, 2), SPEC)
+    _, sizes = _until_streamed(pub, [first, second], SPEC)
     asker, server = peers_status(second)["peers"], peers_status(first)["peers"]
-    # the first version's first chunks may go as frames while the connection comes up;
-    # the second's all go over the stream
-    assert asker["stream_bytes_from_peers"] >= sizes[1], asker
-    assert not asker["stream_fallback_causes"], asker
+    assert not asker["stream_fallback_causes"], _streamed(asker)
     assert server["stream_served"]["stream_bytes_sent"] == asker["stream_bytes_from_peers"]
     assert server["stream_served"]["stream_tokens_issued"] == 1  # one connection, kept
     assert asker["bytes_from_peers"] == sum(sizes), asker  # every byte from its peer
@@ -80,11 +100,10 @@ def test_a_chain_of_three_forwards_cut_through_over_the_stream(
 ) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     members = join(spawn, pub, 3, BIG, _streaming)
-    sizes = _publish(pub, members, (1, 2), BIG)
+    _, sizes = _until_streamed(pub, members, BIG)  # a version whole over both hops
     statuses = [peers_status(child)["peers"] for child in members]
-    for upstream, downstream in ((statuses[0], statuses[1]), (statuses[1], statuses[2])):
-        assert downstream["stream_bytes_from_peers"] >= sizes[1], downstream
-        assert upstream["stream_served"]["stream_bytes_sent"] >= sizes[1], upstream
+    for upstream in statuses[:2]:
+        assert upstream["stream_served"]["stream_bytes_sent"] >= sizes[-1], upstream
         assert upstream["stream_served"]["stream_cut"] == 0
     # the middle member served chunks of version 2 it was still receiving: it never
     # answered "not here" (a chunk not verified yet waited for it)
@@ -130,16 +149,21 @@ def test_kill_9_of_the_forwarding_member_mid_version_costs_nothing_partial(
     assert status["checksum_failures"] == 0
 
 
-def test_a_corrupt_chunk_on_the_stream_is_caught_and_fetched_again(
-    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+@pytest.mark.parametrize("fault", ["corrupt", "short"])
+def test_a_corrupt_or_short_chunk_on_the_stream_is_caught_and_fetched_again(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child], fault: str,
 ) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     first, second = join(spawn, pub, 2, SPEC, lambda i: {
-        **_options(), **({"stream_corrupt": True} if i == 0 else {})})
+        **_options(), **({"stream_corrupt": fault == "corrupt" or fault} if i == 0 else {})})
     _publish(pub, [first, second], (1, 2), SPEC)  # bit-exact all the same
     asker = peers_status(second)
-    assert asker["peers"]["stream_fallback_causes"].get("checksum", 0) >= 1, asker["peers"]
-    assert asker["checksum_failures"] >= 1
+    causes = asker["peers"]["stream_fallback_causes"]
+    if fault == "corrupt":  # the checksum caught it
+        assert causes.get("checksum", 0) >= 1 and asker["checksum_failures"] >= 1, causes
+    else:  # the size in the reply is not the chunk's: the connection is dropped
+        assert causes.get("bad_reply", 0) >= 1, causes
+        assert "the manifest says" in asker["peers"]["stream_last_error"]
     assert asker["peers"]["stream_bytes_from_peers"] == 0  # not one bad chunk staged
 
 
@@ -155,13 +179,11 @@ def test_curve_an_admitted_key_gets_a_stream_token_a_stranger_nothing(
                    curve_allowed_clients_dir=str(allowed))
     members = join(spawn, pub, 2, SPEC, lambda i: {**_options(), "peer": {
         "curve_server_key_file": server_public, "curve_secret_key_file": secrets[i]}})
-    sizes = _publish(pub, members, (1, 2), SPEC)
-    asker = peers_status(members[1])["peers"]
-    assert asker["stream_bytes_from_peers"] >= sizes[1], asker  # CURVE members: the stream
+    version, _ = _until_streamed(pub, members, SPEC)  # CURVE members: over the stream
 
     import zmq.auth
 
-    manifest = pub.manifest(2)
+    manifest = pub.manifest(version)
     endpoint = peers_status(members[0])["peers"]["endpoint"]
     server_key, _ = zmq.auth.load_certificate(secrets[0])
 
@@ -183,7 +205,7 @@ def test_curve_an_admitted_key_gets_a_stream_token_a_stranger_nothing(
         conn.sendall(stream_link.hello(granted.token))
         assert stream_link.parse_reply(_read(conn, stream_link.REPLY_BYTES)).status == \
             stream_link.ACCEPTED
-        conn.sendall(stream_link.request(1, 2, [0]))
+        conn.sendall(stream_link.request(1, version, [0]))
         reply = stream_link.parse_reply(_read(conn, stream_link.REPLY_BYTES))
         assert reply.status == stream_link.OK and reply.chunk == 0
         assert chunk_checksum(memoryview(_read(conn, reply.size))) == manifest.checksums[0]
@@ -242,3 +264,111 @@ def test_a_member_of_the_release_before_and_a_new_one_share_over_frames(
                    == {"no_answer": 1}, 20, "no_answer counted (request_timeout 2 s)")
     else:  # the old asker never asks: the new member's port stays unused
         assert peers_status(members[0])["peers"]["stream_served"]["stream_tokens_issued"] == 0
+
+
+# -- the member's stream port alone, in this process: the buffer counts -------------------------
+MIB = 1 << 20
+
+
+class _Port:
+    """A ``PeerStreamServer`` over one pooled staging buffer of ``chunks`` chunks; the test
+    thread plays the subscriber's (``pump``) and the asker (a plain socket)."""
+
+    def __init__(self, chunks: int, limits: Any = None) -> None:
+        import torch
+
+        from subscriber_ext.transport.peers.peer_server import GONE, WAIT, PeerServerLimits, Served
+        from subscriber_ext.transport.peers.peer_stream_server import PeerStreamServer
+        from subscriber_ext.transport.peers.upload_budget import UploadBudget
+        from weightpub_wire.buffers import BufferPool, byte_view
+
+        self.pool = BufferPool(max_buffers=2, pinned=False)
+        self.buffer = self.pool.take(chunks * MIB)
+        self.buffer.copy_(torch.arange(chunks * MIB, dtype=torch.int64).to(torch.uint8))
+        self.view = byte_view(self.buffer)
+        self.verified = set(range(chunks))
+
+        def lookup(publisher_id: str, version: int, chunk: int) -> Any:
+            if publisher_id != "pub" or version != 1:
+                return GONE
+            if chunk not in self.verified:
+                return WAIT
+            return Served(self.view[chunk * MIB: (chunk + 1) * MIB], self.buffer)
+
+        self.server = PeerStreamServer("127.0.0.1", lookup, UploadBudget(None, None),
+                                       limits or PeerServerLimits(), sends=self.pool)
+        token = self.server.issue_token(None, "pub")
+        assert token is not None
+        self.conn = socket.create_connection(("127.0.0.1", self.server.port), timeout=10)
+        self.conn.sendall(stream_link.hello(token))
+        assert stream_link.parse_reply(_read(self.conn, stream_link.REPLY_BYTES)).status == \
+            stream_link.ACCEPTED
+
+    def reply(self) -> tuple[stream_link.StreamReply, bytes]:
+        """The next reply, the pump run (as the subscriber's loop would) until it comes."""
+        import time
+
+        self.conn.settimeout(0.01)
+        head = bytearray()
+        deadline = time.monotonic() + 20
+        while len(head) < stream_link.REPLY_BYTES:
+            assert time.monotonic() < deadline, "a reply within 20 s"
+            self.server.pump(time.monotonic())
+            try:
+                piece = self.conn.recv(stream_link.REPLY_BYTES - len(head))
+            except TimeoutError:
+                continue
+            assert piece, "the port closed the connection"
+            head += piece
+        reply = stream_link.parse_reply(head)
+        self.conn.settimeout(10)
+        return reply, _read(self.conn, reply.size) if reply.size else b""
+
+    def close(self) -> None:
+        self.conn.close()
+        self.server.close()
+
+
+def test_the_port_sends_verified_chunks_cut_through_and_ends_their_counts() -> None:
+    port = _Port(4)
+    try:
+        port.verified.discard(2)  # not verified yet: it waits, the others go
+        port.conn.sendall(stream_link.request(5, 1, [1, 2]))
+        reply, data = port.reply()
+        assert (reply.status, reply.req, reply.chunk) == (stream_link.OK, 5, 1)
+        assert data == bytes(port.view[MIB: 2 * MIB])
+        port.verified.add(2)  # verified now: the waiting request goes on at once
+        port.server.changed()
+        reply, data = port.reply()
+        assert (reply.status, reply.chunk, data) == (stream_link.OK, 2,
+                                                     bytes(port.view[2 * MIB: 3 * MIB]))
+        wait_until(lambda: port.pool.sends_in_flight == 0, 10, "the sends' counts ended")
+        port.conn.sendall(stream_link.request(6, 2, [0]))  # a version it will not have
+        reply, _ = port.reply()
+        assert (reply.status, reply.req) == (stream_link.UNAVAILABLE, 6)
+        stats = port.server.stats()
+        assert stats["stream_bytes_sent"] == 2 * MIB and stats["stream_unavailable"] == 1
+    finally:
+        port.close()
+
+
+def test_a_reader_that_stops_is_cut_so_the_buffer_given_back_drains() -> None:
+    import time
+
+    from subscriber_ext.transport.peers.peer_server import PeerServerLimits
+
+    port = _Port(32, PeerServerLimits(drain_grace=0.3, stall_timeout=60.0))
+    try:
+        port.conn.sendall(stream_link.request(1, 1, list(range(32))))  # and reads nothing
+        wait_until(lambda: (port.server.pump(time.monotonic()) or True)
+                   and port.pool.sends_in_flight > 0 and port.server.stats()[
+                       "stream_bytes_sent"] < 32 * MIB, 20, "a send blocked on the reader")
+        key = port.buffer.data_ptr()
+        port.pool.give(port.buffer)  # the version is over: the buffer waits for the send
+        assert port.pool.draining(key)
+        wait_until(lambda: (port.server.pump(time.monotonic()) or True)
+                   and port.server.stats()["stream_cut"] == 1, 20, "the stalled reader cut")
+        wait_until(lambda: not port.pool.draining(key) and port.pool.sends_in_flight == 0, 10,
+                   "the buffer drained")
+    finally:
+        port.close()

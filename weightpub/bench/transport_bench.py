@@ -37,6 +37,9 @@ and ZeroMQ's receive buffers then take anew.
   (``upload_cpu_share``, default 0.25 cores, would pace it); ``from_peers_fraction``
   says how much of the version came through the forwarder (a peer that stalls
   under load is skipped for a while and the publisher serves instead).
+* ``peer_stream``: the same with ``stream=True`` on both members: the forwarder serves on
+  its stream port (``docs/peer-stream.md``); ``benchmarks/peer_stream.py`` runs it
+  interleaved with ``peer`` (and with CURVE) for same-run ratios.
 * ``stream``: the plain-TCP stream path (``stream=True`` on both sides, issue 29),
   interleaved three ways in one run: raw, ZeroMQ frames (``tcp``) and the stream, so
   ``ratio`` (stream vs raw), ``frames_ratio`` (frames vs raw) and ``stream_vs_frames``
@@ -348,7 +351,9 @@ def _pairs(source: torch.Tensor, rounds: int, scheme: str, tick: Callable[[], No
     moved = source.numel() if plan is None else plan.needed_bytes  # what the subscriber pulls
     raw_path = _RawPath(source[:moved], rounds)
     streams = scheme in ("stream", "slices")
-    wp_path: _WeightpubPath | _PeerPath = _PeerPath(source, endpoint) if scheme == "peer" \
+    wp_path: _WeightpubPath | _PeerPath = \
+        _PeerPath(source, endpoint, stream=scheme == "peer_stream") \
+        if scheme in ("peer", "peer_stream") \
         else _WeightpubPath(source, rounds, endpoint, stream=streams, plan=plan)
     # the stream's same-run baseline over ZeroMQ frames (the same source, its own versions)
     frames_path = _WeightpubPath(source, rounds, endpoint, plan=plan) if streams else None
@@ -402,7 +407,7 @@ def _figures(scheme: str, nbytes: int, rounds: int, raw: list[dict[str, Any]],
             faults[side] = {"steady": round(med(runs, key) / (nbytes / 1e9)),
                             "cold": round(runs[0][key] / (nbytes / 1e9))}
     extra: dict[str, Any] = {}
-    if scheme == "peer":  # the subscriber is the one fed by the forwarder
+    if scheme in ("peer", "peer_stream"):  # the subscriber is the one fed by the forwarder
         # serving CPU over the bytes served, steady rounds together (a round in which the
         # receiver skipped the forwarder served nothing and adds nothing)
         served = sum(r["served_bytes"] for r in wp[steady])

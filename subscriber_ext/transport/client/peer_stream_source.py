@@ -33,11 +33,15 @@ from weightpub_wire import stream_link
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.endpoints import parse_endpoint
 
-__all__ = ["QUIET_S", "PeerStreamSource", "PeerStreams"]
+__all__ = ["QUIET_S", "RETOKEN_S", "PeerStreamSource", "PeerStreams"]
 
 #: a peer that refused a token (or never answered: one from before) is not asked again
 #: for this long; its chunks go as frames meanwhile
 QUIET_S = 30.0
+#: a token request not answered this long is sent again (a fresh ``req``) until
+#: ``request_timeout`` from the first: one sent while the peer's CURVE handshake was still
+#: refused (it had not learnt this member's key) went with the DEALER the redial replaced
+RETOKEN_S = 1.0
 _MAX_PEERS = 64  # peer stream sources kept (the plan names a few)
 
 
@@ -54,6 +58,7 @@ class PeerStreamSource(StreamSource):
         self._send_peer = send
         self.port = 0  # learnt from the first token
         self.quiet_until = 0.0
+        self._asked_at = 0.0  # when the token was last asked
         self.bytes_received = 0
         self.chunks_received = 0
 
@@ -76,6 +81,19 @@ class PeerStreamSource(StreamSource):
                 req=message.req, publisher_id=manifest.publisher_id))
         except zmq.ZMQError:
             return False
+
+    def _ask_token(self, now: float) -> bool:
+        self._asked_at = now
+        return super()._ask_token(now)
+
+    def ask_again(self, now: float) -> None:
+        """Ask the token again if the last ask is ``RETOKEN_S`` old (``since`` stays the
+        first ask's: ``no_answer`` still comes ``request_timeout`` after it)."""
+        if self.state != "token" or now - self._asked_at < RETOKEN_S or self.route is None:
+            return
+        req = self.sink.requests.next_id()
+        if self.route.send(stream_link.StreamTokenRequest(req=req)):
+            self.token_req, self._asked_at = req, now
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
         if self.down or isinstance(target, SparseAssembly):
@@ -103,6 +121,7 @@ class PeerStreamSource(StreamSource):
             self.quiet_until = time.monotonic() + QUIET_S
 
     def count(self, cause: str, why: str) -> None:
+        why = why.replace("the publisher", "the peer")  # (the stream source's wording)
         self.picker.count(cause, f"peer {self.endpoint}: {why}", self.manifest)
 
 
@@ -175,10 +194,11 @@ class PeerStreams:
         wake = float("inf")
         for source in list(self.sources.values()):
             if source.state in ("token", "connect"):
+                source.ask_again(now)
                 source.expire(now, _no_retry)
                 if source.state in ("token", "connect"):
-                    wake = min(wake, max(0.0, source.since + self.picker.request_timeout - now)
-                               + 0.01)
+                    wake = min(wake, RETOKEN_S, max(
+                        0.0, source.since + self.picker.request_timeout - now) + 0.01)
             wake = min(wake, source.tick(now))
         return wake
 
