@@ -61,13 +61,14 @@ class StreamPort:
     serves_slices = False
 
     def __init__(self, host: str, port: int = 0, limits: PortLimits | None = None,
-                 allowed: Any = None, *, name: str = "weightpub-stream",
+                 allowed: Any = None, *, accept_name: str, conn_name: str, label: str,
                  logger: logging.Logger | None = None) -> None:
-        """``allowed(z85 key) -> bool``: the CURVE allow-list (None: none); ``name``: the
-        threads' names start with it."""
+        """``allowed(z85 key) -> bool``: the CURVE allow-list (None: none); ``accept_name``,
+        ``conn_name``: the threads' names; ``label``: what the log lines say it is."""
         self.limits = limits or PortLimits()
         self._allowed = allowed
-        self._name = name
+        self._name = label
+        self._conn_name = conn_name
         #: token -> (expiry (monotonic), the CURVE key it was handed to (None without
         #: CURVE), its scope)
         self._tokens: dict[bytes, tuple[float, str | None, str]] = {}
@@ -91,7 +92,7 @@ class StreamPort:
         self._listener.settimeout(POLL_S)
         self.port: int = self._listener.getsockname()[1]
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"{name}-accept")
+                                          name=accept_name)
         self._accepter.start()
 
     # -- tokens (called on the owner's thread) -------------------------------------------------
@@ -177,7 +178,7 @@ class StreamPort:
                 conn.close()
                 continue
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                                      name=f"{self._name}-conn")
+                                      name=self._conn_name)
             with self._lock:
                 self._threads.add(thread)
             thread.start()
@@ -219,7 +220,7 @@ class StreamPort:
             with self._lock:  # every connection's thread counts
                 self.cut += 1
             self._warn.warning(f"stream-{type(exc).__name__}",
-                               f"{self._name}: cut a reader: {exc}")
+                               f"{self._name}: cut a subscriber: {exc}")
         except OSError as exc:
             if not self._closed:
                 self._warn.warning("stream-os", f"{self._name}: connection ended: {exc}")

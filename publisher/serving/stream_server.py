@@ -95,7 +95,8 @@ class StreamServer(StreamPort):
         #: gathered copies alive now (being sent): counted in the publisher's host budget
         self.scratch_bytes = 0
         super().__init__(host, port, limits or StreamLimits(), allowed,
-                         name="weightpub-stream", logger=log)
+                         accept_name="weightpub-stream-accept", conn_name="weightpub-stream-conn",
+                         label="stream", logger=log)
 
     # -- what is sent (a test may wrap it) ------------------------------------------------------
     def chunk_bytes(self, version: PublishedVersion, chunk: int) -> memoryview:

@@ -100,7 +100,8 @@ class PeerStreamServer(StreamPort):
         super().__init__(host, 0, PortLimits(max_connections=limits.max_clients,
                                              stall_timeout=limits.stall_timeout),
                          None if admitted is None else lambda key: admitted(key.decode()),
-                         name="weightpub-peerstream", logger=log)
+                         accept_name="weightpub-peerstream-accept",
+                         conn_name="weightpub-peerstream-conn", label="peer stream", logger=log)
 
     @property
     def wake_fd(self) -> int:
