@@ -320,10 +320,11 @@ def relay_child(conn: multiprocessing.connection.Connection, args: dict[str, Any
             original(self, manifest)
 
         Relay._forward = forward  # type: ignore[method-assign]
+    stream = bool(args.get("stream", False))  # both hops on the stream path
     config = RelayConfig.model_validate({
-        "upstream": {"endpoint": args["upstream"], "request_timeout": 1.0},
+        "upstream": {"endpoint": args["upstream"], "request_timeout": 1.0, "stream": stream},
         "downstream": {"endpoint": args["endpoint"], "chunk_mib": 1,
-                       "heartbeat_interval": 0.2}})
+                       "heartbeat_interval": 0.2, "stream": stream}})
     relay = Relay(config)
     conn.send(("ready", relay.endpoint, relay.publisher.publisher_id, 0.0, os.getpid()))
     faulthandler.cancel_dump_traceback_later()
