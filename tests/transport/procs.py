@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -193,11 +194,25 @@ def scribble(tensors: Iterable[torch.Tensor]) -> None:
 
 
 # -- small utilities -----------------------------------------------------------------------------
+_PORTS = random.SystemRandom()  # from the OS: processes (forked ones too) pick apart
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (for tests that must reuse one endpoint)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port that was free a moment ago (for tests that must reuse one endpoint),
+    below the kernel's ephemeral range: no port-0 bind and no outgoing connect of another
+    process takes it while a killed publisher's successor is about to bind it again (the
+    fault matrix's parallel cases did, 1 run in 8, once their stream ports and
+    connections came in)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(1000):
+        port = _PORTS.randrange(max(1024, low - 12_000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 def pace_replies(client: Any, seconds: float) -> None:

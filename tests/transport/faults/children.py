@@ -23,7 +23,8 @@ Kill points (``kill_at``):
 - ``stream_chunk:<n>``: (``stream=True``) when about to put stream chunk number ``n``
   (counting from the first version's; a slice's chunk counts too) into a ``sendmsg``
 - ``sums:<n>``: (``announce_early=True``) the n-th ``chunk_sums`` request once version 2
-  is out (its sums still following)
+  is out; the last sum of the second version's feed is withheld (a hash that has not
+  ended), so its sums are still following and the subscriber does ask
 - ``submit``: (a ``ShardedPublisher`` rank) its shard of version 2 or later is hashed,
   killed before it is submitted to the coordinator
 """
@@ -149,6 +150,8 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
     elif point == "stream_chunk":
         _install_stream_chunk(int(arg))
     elif point in ("latest", "report", "status", "sums"):
+        if point == "sums":
+            _withhold_a_sum()
         from weightpub_wire import protocol as wire
         from weightpub_wire.sum_messages import ChunkSums
 
@@ -188,6 +191,26 @@ def _install(kill_at: str | None, first_chunk_version: int = 2) -> None:
         sharded_publisher.encode_submit = encode_submit
     elif point != "forward":
         raise ValueError(f"unknown kill point {kill_at!r}")
+
+
+def _withhold_a_sum() -> None:
+    """The second ``SumFeed`` made (version 2's here) never gets its last chunk's sum."""
+    from publisher.store import sum_feed
+
+    original_init, original_put = sum_feed.SumFeed.__init__, sum_feed.SumFeed.put
+    made = {"n": 0}
+
+    def init(self: Any, num_chunks: int) -> None:
+        made["n"] += 1
+        self.withhold = num_chunks - 1 if made["n"] == 2 else -1
+        original_init(self, num_chunks)
+
+    def put(self: Any, chunk: int, value: int) -> None:
+        if chunk != self.withhold:
+            original_put(self, chunk, value)
+
+    sum_feed.SumFeed.__init__ = init  # type: ignore[method-assign]
+    sum_feed.SumFeed.put = put  # type: ignore[method-assign]
 
 
 def _install_stream_chunk(target: int) -> None:
@@ -297,10 +320,11 @@ def relay_child(conn: multiprocessing.connection.Connection, args: dict[str, Any
             original(self, manifest)
 
         Relay._forward = forward  # type: ignore[method-assign]
+    stream = bool(args.get("stream", False))  # both hops on the stream path
     config = RelayConfig.model_validate({
-        "upstream": {"endpoint": args["upstream"], "request_timeout": 1.0},
+        "upstream": {"endpoint": args["upstream"], "request_timeout": 1.0, "stream": stream},
         "downstream": {"endpoint": args["endpoint"], "chunk_mib": 1,
-                       "heartbeat_interval": 0.2}})
+                       "heartbeat_interval": 0.2, "stream": stream}})
     relay = Relay(config)
     conn.send(("ready", relay.endpoint, relay.publisher.publisher_id, 0.0, os.getpid()))
     faulthandler.cancel_dump_traceback_later()

@@ -9,6 +9,8 @@ parsed (``weightpub_wire.stream_link``) and ``arm(fault, version)`` breaks the f
 
 - ``size``: its header says one byte more than the chunk has
 - ``chunk``: its header names a chunk nobody asked for
+- ``swap``: its header names the neighbouring chunk (``chunk ^ 1``: most often one asked in
+  the same request, of the same size: the bytes land in the wrong chunk's place)
 - ``version``: its header names a version nobody asked for
 - ``garbage``: its header is random bytes
 - ``stall``: the header and half the payload pass, then nothing more (the connection stays
@@ -29,7 +31,7 @@ from weightpub_wire.message_base import MAX_CHUNKS
 
 __all__ = ["FAULTS", "StreamMitm"]
 
-FAULTS = ("size", "chunk", "version", "garbage", "stall", "cut")
+FAULTS = ("size", "chunk", "swap", "version", "garbage", "stall", "cut")
 _REPLY = struct.Struct("<4sBB2xQQII")  # stream_link's reply header
 
 
@@ -75,6 +77,8 @@ class _Replies:
             size += 1
         elif fault == "chunk":
             chunk = MAX_CHUNKS - 1
+        elif fault == "swap":
+            chunk ^= 1
         elif fault == "version":
             version += 1000
         elif fault == "garbage":

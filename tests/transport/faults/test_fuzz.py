@@ -30,7 +30,7 @@ from publisher import WeightPublisher
 from subscriber_ext import WeightSubscriber
 from tests.transport.faults.stream_client import StreamClient
 from tests.transport.faults.tools import RawPeer, pack, rss_mib, threads_named
-from tests.transport.procs import det_weights, digests, wait_until
+from tests.transport.procs import Spec, det_weights, digests, wait_until
 from tests.transport.test_hostile import FakePublisher
 from weightpub_wire import chunk_frame, stream_link
 from weightpub_wire import protocol as wire
@@ -354,13 +354,14 @@ def test_dealer_stages_bit_exact_after_the_fuzz(dealer_rig: dict[str, Any]) -> N
 # -- the stream port: hellos and requests, each on a connection of its own ---------------------
 STREAM_EXAMPLES = 2_000  # a connection and a token each: a fifth of the frames above
 CONN = "weightpub-stream-conn"
+STREAM_SPEC: Spec = [(name, dtype, tuple(shape)) for name, dtype, shape in SPEC]
 
 
 @pytest.fixture(scope="module")
 def stream_rig() -> Iterator[dict[str, Any]]:
     pub = WeightPublisher("tcp://127.0.0.1:0", chunk_size=4096, heartbeat_interval=0.2,
                           stream=True)
-    pub.publish(det_weights(1, 1, SPEC), version=1)
+    pub.publish(det_weights(1, 1, STREAM_SPEC), version=1)
     pub.wait_announced(1, timeout=30)
     assert pub._stream is not None
     ctx = zmq.Context()
@@ -419,10 +420,10 @@ def test_stream_port_serves_bit_exact_after_the_fuzz(stream_rig: dict[str, Any])
     status = server.status()
     assert status["cut"] > 0 and status["refused"] > 0, status
     with WeightSubscriber(pub.endpoint, stream=True) as sub:
-        pub.publish(det_weights(1, 2, SPEC), version=2)
+        pub.publish(det_weights(1, 2, STREAM_SPEC), version=2)
         staged = sub.wait_for_version(2, timeout=30)
         assert staged.data_path == "stream"
-        assert digests(staged.items()) == digests(det_weights(1, 2, SPEC).items())
+        assert digests(staged.items()) == digests(det_weights(1, 2, STREAM_SPEC).items())
     grown = rss_mib() - stream_rig["rss"]
     print(f"\nstream fuzz: {SENT['stream']} connections, {status['cut']} cut, "
           f"{status['refused']} refused; RSS +{grown:.0f} MiB")

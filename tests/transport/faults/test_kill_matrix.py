@@ -96,6 +96,12 @@ CASES = [
          early=True),
     Case("stream_early_50pct", kill_at="stream_chunk:33", stream=True, early=True),
     Case("stream_early_answering_chunk_sums", kill_at="sums:1", stream=True, early=True),
+    # both hops of a relay on the stream: the upstream killed before its stream chunk 33 of
+    # v2 (to the relay), the relay before its downstream stream chunk 5 of v2 (1 MiB chunks)
+    Case("stream_relay_hop_upstream_50pct", kind="relay_up", kill_at="stream_chunk:33",
+         stream=True),
+    Case("stream_relay_hop_relay_mid_downstream", kind="relay_down", kill_at="stream_chunk:5",
+         stream=True),
     # sliced: every version is BIG (v1 is stream chunks 1..65, v2 66..130)
     Case("stream_slices_50pct", kill_at="stream_chunk:98", stream=True, sliced=True),
     Case("stream_early_slices_25pct", kill_at="stream_chunk:82", stream=True, early=True,
@@ -223,16 +229,18 @@ def _run_relay_case(case: Case, procs: list[Proc], t0: float) -> dict[str, Any]:
     down_endpoint = f"tcp://127.0.0.1:{free_port()}"
     upstream_kill = case.kill_at if case.kind == "relay_up" else None
     relay_kill = case.kill_at if case.kind == "relay_down" else None
-    upstream = Proc("publisher", endpoint=up_endpoint, seed=A, kill_at=upstream_kill)
+    stream = {"stream": case.stream}
+    upstream = Proc("publisher", endpoint=up_endpoint, seed=A, kill_at=upstream_kill, **stream)
     procs.append(upstream)
-    relay = Proc("relay", upstream=up_endpoint, endpoint=down_endpoint, kill_at=relay_kill)
+    relay = Proc("relay", upstream=up_endpoint, endpoint=down_endpoint, kill_at=relay_kill,
+                 **stream)
     procs.append(relay)
     # relay versions keep the upstream numbers; v3 comes from the restarted upstream
     # (relay_up, seed B) or from the same upstream (relay_down, seed A)
     v3_seed = B if case.kind == "relay_up" else A
     recorder = Recorder(seeds={}, specs=SPECS,
                         seed_for=lambda _rid, version: v3_seed if version == 3 else A)
-    sub = _subscriber(down_endpoint, recorder)
+    sub = _subscriber(down_endpoint, recorder, case=case)
     try:
         upstream.publish(1, SMALL)
         wait_until(lambda: recorder.got(relay.publisher_id, 1), 30, "v1 through the relay")
@@ -241,7 +249,7 @@ def _run_relay_case(case: Case, procs: list[Proc], t0: float) -> dict[str, Any]:
             upstream.wait_killed()
             time.sleep(0.3)
             assert not recorder.got(relay.publisher_id, 2)
-            upstream = Proc("publisher", endpoint=up_endpoint, seed=B)
+            upstream = Proc("publisher", endpoint=up_endpoint, seed=B, **stream)
             procs.append(upstream)
             upstream.publish(3, SMALL3)
             wait_until(lambda: recorder.got(relay.publisher_id, 3), 40, "v3 via the relay")
@@ -250,7 +258,7 @@ def _run_relay_case(case: Case, procs: list[Proc], t0: float) -> dict[str, Any]:
             relay.wait_killed()
             time.sleep(0.3)
             assert not recorder.got(relay.publisher_id, 2)
-            relay = Proc("relay", upstream=up_endpoint, endpoint=down_endpoint)
+            relay = Proc("relay", upstream=up_endpoint, endpoint=down_endpoint, **stream)
             procs.append(relay)
             # the new relay instance takes the upstream's latest (v2) and serves it whole
             wait_until(lambda: recorder.got(relay.publisher_id, 2), 40, "v2 via the new relay")
@@ -258,6 +266,9 @@ def _run_relay_case(case: Case, procs: list[Proc], t0: float) -> dict[str, Any]:
             wait_until(lambda: recorder.got(relay.publisher_id, 3), 40, "v3 via the new relay")
         assert recorder.problems == [], recorder.problems
         assert sub._thread.is_alive()
+        if case.stream:  # v3 came over the (new) relay's stream port
+            latest = sub.latest()
+            assert latest is not None and latest.data_path == "stream", sub.status()["stream"]
         return {"case": case.name, "seconds": round(time.monotonic() - t0, 1),
                 "delivered": recorder.delivered[:], "restarted_rss_mib": round(
                     _child_rss(procs[-1]), 1)}

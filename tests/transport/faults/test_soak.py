@@ -95,11 +95,11 @@ def test_soak_rss_and_fds_stay_flat(spawn: Callable[..., Child]) -> None:
         fleet = pub.fleet()
         # rows do not pile up: four slots (restarts reuse their id) and three processes
         assert len(fleet) <= 7, [r.subscriber_id for r in fleet]
-        stream = pub.stream_status()
-        assert stream is not None and stream["accepted"] > 0 and stream["bytes_sent"] > 0
+        server = pub._stream
+        assert server is not None and server.accepted > 0 and server.bytes_sent > 0
         # a connection per live stream subscriber (two slots, the process) at most: the
         # closed and killed ones' connections ended with them
-        wait_until(lambda: (pub.stream_status() or {}).get("connections", 99) <= 3, 10,
+        wait_until(lambda: server.status()["connections"] <= 3, 10,
                    "the stream connections of closed subscribers to end")
     finally:
         for sub in slots:

@@ -1,20 +1,22 @@
 """Faults on the plain-TCP stream path (``stream=True``, issue 29) that the ZeroMQ fault
-suite does not reach (the kill -9 cells of the stream are in ``test_kill_matrix.py``).
+suite does not reach (the kill -9 cells of the stream are in ``test_kill_matrix.py`` and
+``test_shard_kills.py``, its fuzz in ``test_fuzz.py``).
 
-- A hostile stream client (a real socket; its token asked over a real DEALER) against a
-  real publisher: a token never issued, used twice or expired; a hello of the wrong size or
-  magic; an oversized or malformed request; a version or chunk out of range; a client
-  that never reads; more connections than ``max_connections``. Each is refused or cut,
-  counted, and logged with its reason; the connection threads end and memory stays flat;
-  a real subscriber streams bit-exact afterwards.
-- A hostile stream server (``StreamMitm`` between the subscriber and the stream port):
-  a reply of the wrong length, naming another chunk or version, garbage, a stall or a
-  disconnect mid-chunk. The subscriber falls back to frames with the cause named and
-  counted, stages the version bit-exact, the version it holds is untouched, nothing hangs.
+- A hostile stream client (a real socket; its token asked over a real DEALER,
+  ``stream_client.py``) against a real publisher: a token never issued, used twice or
+  expired; a hello of the wrong size or magic; an oversized or malformed request; a
+  version or chunk out of range; a client that never reads (also one holding a region
+  the next version must overwrite); more connections than ``max_connections``; a flood.
+  Each is refused or cut, counted, and logged with its reason (rate-limited); the
+  connection threads end and memory stays flat; a real subscriber streams bit-exact after.
+- A hostile stream server (``stream_mitm.py`` between the subscriber and the stream port):
+  a reply of the wrong length, naming another chunk (unasked, or the neighbour) or
+  version, garbage, a stall or a reset mid-chunk. The subscriber falls back to frames
+  with the causes named and counted, stages the version bit-exact, the version it holds
+  is untouched, nothing hangs.
 - kill -9 of a stream subscriber mid-receive: the publisher's connection thread ends, the
   snapshot's send counts drop back (the next version's copy is not held by the dead
-  connection), another subscriber is unaffected.
-"""
+  connection), another subscriber is unaffected."""
 
 from __future__ import annotations
 
@@ -304,9 +306,13 @@ def test_a_hello_of_the_wrong_size_is_cut_and_named(
 
 # -- a hostile stream server: the subscriber's replies broken on the way ------------------
 
-#: fault -> the fallback cause the subscriber must count for it
-SERVER_FAULTS = {"size": "bad_reply", "chunk": "bad_reply", "version": "bad_reply",
-                 "garbage": "bad_reply", "stall": "timeout", "cut": "closed"}
+#: fault -> the fallbacks the subscriber must count for it. ``swap``: the neighbour's
+#: place gets the bytes and fails its checksum (refetched over frames alone); the chunk
+#: whose reply that was never comes on the stream, and waits request_timeout
+SERVER_FAULTS: dict[str, dict[str, int]] = {
+    "size": {"bad_reply": 1}, "chunk": {"bad_reply": 1},
+    "swap": {"checksum": 1, "timeout": 1}, "version": {"bad_reply": 1},
+    "garbage": {"bad_reply": 1}, "stall": {"timeout": 1}, "cut": {"closed": 1}}
 OTHER_VERSION = ("stream_source.py _on_header (lines 540, 558): a reply to a request still asked "
                  "there, for a chunk it asked, but naming another version is read into "
                  "scratch and dropped as if stale; the chunk waits request_timeout and the "
@@ -355,7 +361,7 @@ def test_a_broken_stream_reply_costs_frames_with_the_cause_named(
         assert recorder.problems == [], recorder.problems
         assert mitm.fired[fired:] == [fault]
         stream = sub.status()["stream"]
-        assert stream["fallback_causes"] == {SERVER_FAULTS[fault]: 1}, stream
+        assert stream["fallback_causes"] == SERVER_FAULTS[fault], stream
         staged = sub.latest()
         assert staged is not None and staged.version == version
         assert staged.data_path in ("zmq", "stream+zmq")
