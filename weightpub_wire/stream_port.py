@@ -187,8 +187,10 @@ class StreamPort:
         key = conn.fileno()
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.limits.hello_timeout)
-            token = stream_link.parse_hello(read_exact(conn, stream_link.HELLO_BYTES))
+            patience = self.limits.hello_timeout  # mid-message, then the reader is cut
+            conn.settimeout(patience)
+            token = stream_link.parse_hello(
+                read_exact(conn, stream_link.HELLO_BYTES, "stream hello", patience))
             valid, client_key, scope = self._take_token(token)
             if not valid:
                 with self._lock:  # every connection's thread counts
@@ -203,16 +205,19 @@ class StreamPort:
             conn.sendall(stream_link.reply_header(stream_link.ACCEPTED, flags=flags))
             conn.settimeout(POLL_S)
             while not self._closed:
-                head = read_exact(conn, stream_link.REQUEST_BYTES, idle=lambda: self._closed)
+                head = read_exact(conn, stream_link.REQUEST_BYTES, "stream request", patience,
+                                  idle=lambda: self._closed)
                 if client_key is not None and self._allowed is not None \
                         and not self._allowed(client_key.encode()):
                     raise Cut(f"CURVE key {client_key} is not in the allow-list any more")
                 request = stream_link.parse_request_head(head, slices=self.serves_slices)
                 if request.slices:
-                    self.answer_slices(conn, request, _read_slices(conn, request), scope)
+                    self.answer_slices(conn, request, _read_slices(conn, request, patience),
+                                       scope)
                     continue
                 chunks = stream_link.request_chunks(
-                    read_exact(conn, 4 * request.count), request)
+                    read_exact(conn, 4 * request.count, "stream request", patience, begun=True),
+                    request)
                 self.answer(conn, request, chunks, scope)
         except (EOFError, ConnectionError, TimeoutError):
             pass  # the reader went (or never said hello in time)
@@ -286,7 +291,7 @@ class StreamPort:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _read_slices(conn: socket.socket, request: stream_link.StreamRequest
+def _read_slices(conn: socket.socket, request: stream_link.StreamRequest, patience: float
                  ) -> list[tuple[int, list[stream_link.Block]]]:
     """A ``slices`` request's chunks and their blocks, each count bounded before its
     bytes are read; a chunk named twice is a bad request."""
@@ -294,27 +299,40 @@ def _read_slices(conn: socket.socket, request: stream_link.StreamRequest
     left = stream_link.MAX_REQUEST_BLOCKS
     for _ in range(request.count):
         chunk, count = stream_link.parse_slice_chunk(
-            read_exact(conn, stream_link.SLICE_CHUNK_BYTES), left)
+            read_exact(conn, stream_link.SLICE_CHUNK_BYTES, "stream request", patience,
+                       begun=True), left)
         left -= count
-        entries.append((chunk, stream_link.parse_blocks(read_exact(conn, 16 * count),
-                                                        count, chunk)))
+        blocks = read_exact(conn, 16 * count, "stream request", patience, begun=True)
+        entries.append((chunk, stream_link.parse_blocks(blocks, count, chunk)))
     if len({chunk for chunk, _ in entries}) != len(entries):
         raise ProtocolError("stream slices.chunk: a chunk named twice in one request")
     return entries
 
 
-def read_exact(conn: socket.socket, nbytes: int, idle: Any = None) -> bytes:
-    """Exactly ``nbytes`` (a socket timeout before the first byte is waited through while
-    ``idle()`` is False: a connection may sit idle between versions)."""
+def read_exact(conn: socket.socket, nbytes: int, what: str, patience: float,
+               idle: Any = None, begun: bool = False) -> bytes:
+    """Exactly ``nbytes`` of ``what``. Before its first byte a socket timeout is waited
+    through while ``idle()`` is False (a connection may sit idle between versions), else
+    it ends the connection quietly (nothing was said); once ``what`` (or the message it
+    belongs to: ``begun``) has started, ``patience`` seconds without a byte is a ``Cut``
+    naming it, so a reader that stops mid-message is counted and logged."""
     data = bytearray()
+    last = time.monotonic()
     while len(data) < nbytes:
         try:
             piece = conn.recv(nbytes - len(data))
         except TimeoutError:
-            if idle is not None and not data and not idle():
+            if not data and not begun:
+                if idle is not None and not idle():
+                    continue
+                raise
+            waited = time.monotonic() - last
+            if waited < patience:
                 continue
-            raise
+            raise Cut(f"{what}: {len(data)} of {nbytes} bytes, then nothing for "
+                      f"{waited:.1f}s") from None
         if not piece:
             raise EOFError("connection closed")
         data += piece
+        last = time.monotonic()
     return bytes(data)
