@@ -536,8 +536,14 @@ class StreamSource(ChunkSource):
         request = self.sink.requests.get(reply.req)
         target = self.target
         self._scatter = None
+        if request is not None and target is not None and chunk in request.chunks \
+                and reply.version != target.fetch_version:  # asked, answered for another
+            self.fall_back("bad_reply", f"a reply to request {reply.req} chunk {reply.chunk} "
+                                        f"names version {reply.version}, it asked for "
+                                        f"{target.fetch_version}")
+            return
         if request is not None and target is not None and manifest is not None \
-                and chunk in request.chunks and reply.version == target.fetch_version:
+                and chunk in request.chunks:
             sparse = target if isinstance(target, SparseAssembly) else None
             size = manifest.chunk_span(chunk)[1] if sparse is None \
                 else sparse.layout.sizes[chunk]

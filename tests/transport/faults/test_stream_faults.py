@@ -307,11 +307,6 @@ SERVER_FAULTS: dict[str, dict[str, int]] = {
     "size": {"bad_reply": 1}, "chunk": {"bad_reply": 1},
     "swap": {"checksum": 1, "timeout": 1}, "version": {"bad_reply": 1},
     "garbage": {"bad_reply": 1}, "stall": {"timeout": 1}, "cut": {"closed": 1}}
-OTHER_VERSION = ("stream_source.py _on_header (lines 540, 558): a reply to a request still asked "
-                 "there, for a chunk it asked, but naming another version is read into "
-                 "scratch and dropped as if stale; the chunk waits request_timeout and the "
-                 "fallback is counted as 'timeout', not 'bad_reply'")
-
 
 @pytest.fixture(scope="module")
 def mitm_rig() -> Iterator[dict[str, Any]]:
@@ -332,9 +327,7 @@ def mitm_rig() -> Iterator[dict[str, Any]]:
     pub.close()
 
 
-@pytest.mark.parametrize("fault", [
-    pytest.param(fault, marks=pytest.mark.xfail(strict=True, reason=OTHER_VERSION))
-    if fault == "version" else fault for fault in SERVER_FAULTS])
+@pytest.mark.parametrize("fault", list(SERVER_FAULTS))
 def test_a_broken_stream_reply_costs_frames_with_the_cause_named(
         mitm_rig: dict[str, Any], fault: str) -> None:
     pub, mitm = mitm_rig["pub"], mitm_rig["mitm"]
