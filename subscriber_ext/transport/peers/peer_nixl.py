@@ -156,14 +156,13 @@ class PeerNixlReads:
         for source in self.sources():
             source.expire(now, retry)
 
-    def keep(self, key: VersionKey | None) -> None:
-        """Forget every version but ``key`` (None: all): their READs drained first (no
-        READ may outlive the staging it writes into)."""
-        for each, ask in list(self._asks.items()):
-            if each[1] != key:
-                del self._asks[each]
-                if ask.source is not None:
-                    ask.source.close()
+    def forget_all(self) -> None:
+        """Forget every version asked: their READs drained first (no READ may outlive the
+        staging it writes into)."""
+        for ask in self._asks.values():
+            if ask.source is not None:
+                ask.source.close()
+        self._asks.clear()
 
     def stats(self) -> dict[str, Any]:
         return {"nixl_bytes_from_peers": self.bytes_read,

@@ -479,13 +479,13 @@ class Peering(ChunkSource):
         self._prune()
         self._changed()
         if self.nixl_reads is not None:
-            self.nixl_reads.keep(None)
+            self.nixl_reads.forget_all()
 
     def target_dropped(self, manifest: wire.Manifest) -> None:
         self._prune(manifest)
         self._changed()
         if self.nixl_reads is not None:  # before the buffer goes back to the pool
-            self.nixl_reads.keep(None)
+            self.nixl_reads.forget_all()
 
     def _changed(self) -> None:
         self.server.changed()
@@ -647,7 +647,7 @@ class Peering(ChunkSource):
             self.client.pool.off_shed(self.slice_cache.shed)
             self.slice_cache.clear()
         if self.nixl_reads is not None:
-            self.nixl_reads.keep(None)
+            self.nixl_reads.forget_all()
         self.sources.close()
         if self.stream_reads is not None:
             self.stream_reads.close()
