@@ -8,7 +8,7 @@ markup, so a stranger's report cannot move the cursor or recolour the screen.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -96,14 +96,8 @@ def nixl_line(nixl: wire.NixlHolding | None) -> Text | None:
     line = Text(f"nixl {'on' if nixl.on else 'off'}: {nixl.registrations} buffer(s) "
                 f"registered ({nixl.registered_bytes / (1 << 20):.1f} MiB), {nixl.offers} "
                 "offer(s)")
-    if nixl.unoffered:
-        line.append("; unoffered: ", style="yellow")
-        line.append_text(printable(", ".join(f"{cause}={count}" for cause, count
-                                             in nixl.unoffered), 200, style="yellow"))
-    if nixl.words_refused:
-        line.append("; words refused: ", style="yellow")
-        line.append_text(printable(", ".join(f"{kind}={count}" for kind, count
-                                             in nixl.words_refused), 200, style="yellow"))
+    _append_counts(line, "unoffered", nixl.unoffered, 200)
+    _append_counts(line, "words refused", nixl.words_refused, 200)
     if not nixl.on:
         line.stylize("yellow")
     return line
@@ -146,11 +140,17 @@ def peer_nixl_line(figures: wire.PeerNixlFigures | None) -> Text | None:
     line = Text(f"peers over nixl: {figures.bytes_from_peers / (1 << 20):.1f} MiB in "
                 f"{figures.chunks_from_peers} chunk(s) READ from peers, {figures.offers} "
                 "offer(s) made")
-    if figures.unoffered:
-        line.append("; unoffered: ", style="yellow")
-        line.append_text(printable(", ".join(f"{cause}={count}" for cause, count
-                                             in figures.unoffered), 400, style="yellow"))
+    _append_counts(line, "unoffered", figures.unoffered, 400)
     return line
+
+
+def _append_counts(line: Text, label: str, counts: Iterable[tuple[str, int]],
+                   width: int) -> None:
+    """``; label: a=1, b=2`` in yellow (a peer's words, cut to ``width``), if any."""
+    shown = ", ".join(f"{key}={count}" for key, count in counts)
+    if shown:
+        line.append(f"; {label}: ", style="yellow")
+        line.append_text(printable(shown, width, style="yellow"))
 
 
 def fleet_table(reply: wire.StatusReply) -> Group:
