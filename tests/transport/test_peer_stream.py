@@ -127,6 +127,23 @@ def _metrics(child: Child, board: Path) -> dict[str, float]:
             for line in text.splitlines() if line and not line.startswith("#")}
 
 
+def test_the_first_version_comes_whole_over_the_stream_asked_when_the_plan_came(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+) -> None:
+    """The token is asked when the plan names the peer (``PeerStreamSource.warm``), not
+    at the first chunk: the connection is up before version 1, which comes whole over it."""
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    first, second = join(spawn, pub, 2, SPEC, _streaming)
+    wait_until(lambda: peers_status(second)["peers"]["stream_peers_up"] == 1, 20,
+               "the second member's stream to the first up, before any version")
+    (size,) = _publish(pub, [first, second], (1,), SPEC)
+    asker = peers_status(second)["peers"]
+    assert asker["stream_bytes_from_peers"] == asker["bytes_from_peers"] == size, \
+        _streamed(asker)  # not one frame from its peer
+    assert asker["stream_fallbacks"] == 0 and not asker["stream_fallback_causes"], asker
+    assert peers_status(first)["peers"]["stream_served"]["stream_tokens_issued"] == 1
+
+
 def test_a_chain_of_three_forwards_cut_through_over_the_stream(
     make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
 ) -> None:
