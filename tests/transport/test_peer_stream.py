@@ -64,8 +64,8 @@ def _publish(pub: WeightPublisher, members: list[Child], versions: tuple[int, ..
 def _until_streamed(pub: WeightPublisher, members: list[Child], spec: list[Any],
                     most: int = 4) -> tuple[int, list[int]]:
     """Publish versions 1, 2, ... until one came to every member after the first whole
-    over its peer's stream (the first versions' chunks go as frames, or from the
-    publisher, while a peer's CURVE handshake, the token and the connection come); at
+    over its peer's stream (a version published before a peer's CURVE handshake, token
+    and connection came goes partly as frames, or from the publisher); at
     most ``most``. The version, and every version's size."""
     sizes: list[int] = []
     before = [0] * len(members)
