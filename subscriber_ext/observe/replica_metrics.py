@@ -27,8 +27,8 @@ from prometheus_client.registry import Collector
 from subscriber_ext.observe.status_board import StatusBoard
 from weightpub_wire.bounded_counts import count_bounded
 
-__all__ = ["HISTOGRAMS", "PEER_NIXL_COUNTERS", "FixedHistogram", "RankMetrics",
-           "ReplicaCollector", "peer_nixl_counters"]
+__all__ = ["HISTOGRAMS", "PEER_NIXL_COUNTERS", "PEER_STREAM_COUNTERS", "FixedHistogram",
+           "RankMetrics", "ReplicaCollector", "peer_nixl_counters", "peer_stream_counters"]
 
 #: peers over NIXL (``docs/peers-over-nixl.md``): ``status()["peers"]`` key -> (metric
 #: name, help); each a counter of the subscriber's life
@@ -39,6 +39,28 @@ PEER_NIXL_COUNTERS: dict[str, tuple[str, str]] = {
                                "Chunks READ one-sided from peers' staging and verified"),
     "nixl_offers": ("weightpub_peer_nixl_offers",
                     "peer_nixl questions this member answered with an offer of its staging"),
+}
+
+#: peers over the stream (``docs/peer-stream.md``): ``status()["peers"]`` key (the asking
+#: side) or ``status()["peers"]["stream_served"]`` key (the serving side) -> (metric name,
+#: help); each a counter of the subscriber's life
+PEER_STREAM_COUNTERS: dict[str, tuple[str, str]] = {
+    "stream_bytes_from_peers": ("weightpub_stream_bytes_from_peers",
+                                "Chunk bytes asked on peers' stream ports and verified"),
+    "stream_chunks_from_peers": ("weightpub_stream_chunks_from_peers",
+                                 "Chunks asked on peers' stream ports and verified"),
+    "stream_bytes_sent": ("weightpub_peer_stream_sent_bytes",
+                          "Chunk bytes this member sent its peers on its own stream port"),
+    "stream_chunks_sent": ("weightpub_peer_stream_sent_chunks",
+                           "Chunks this member sent its peers on its own stream port"),
+    "stream_tokens_issued": ("weightpub_peer_stream_tokens_issued",
+                             "One-time stream tokens this member handed its peers"),
+    "stream_refused": ("weightpub_peer_stream_refused",
+                       "Connections to this member's stream port refused (bad hello/token)"),
+    "stream_cut": ("weightpub_peer_stream_cut",
+                   "Connections to this member's stream port it cut (stalled, bad request)"),
+    "stream_unavailable": ("weightpub_peer_stream_unavailable",
+                           "Requests on this member's stream port answered UNAVAILABLE"),
 }
 
 #: name -> (help, bucket upper bounds in seconds)
@@ -114,6 +136,25 @@ def peer_nixl_counters(source: dict[str, Any]) -> dict[str, Any]:
                            if _number(peers.get(key)) is not None}
     if isinstance(peers.get("nixl_unoffered"), dict):
         out["nixl_unoffered"] = dict(peers["nixl_unoffered"])
+    return out
+
+
+def peer_stream_counters(source: dict[str, Any]) -> dict[str, Any]:
+    """A subscriber status's peers-over-the-stream counters, for the status file: the
+    ``PEER_STREAM_COUNTERS`` it has (asked and served), ``fallback_causes`` (peer chunks
+    given back to frames, by cause) and ``cpu_s`` (its port's CPU, by part); empty
+    without peer sharing."""
+    peers = source.get("peers")
+    if not isinstance(peers, dict):
+        return {}
+    served = peers["stream_served"] if isinstance(peers.get("stream_served"), dict) else {}
+    both = {**served, **peers}
+    out: dict[str, Any] = {key: both[key] for key in PEER_STREAM_COUNTERS
+                           if _number(both.get(key)) is not None}
+    if isinstance(peers.get("stream_fallback_causes"), dict):
+        out["fallback_causes"] = dict(peers["stream_fallback_causes"])
+    if isinstance(served.get("stream_cpu_s"), dict):
+        out["cpu_s"] = dict(served["stream_cpu_s"])
     return out
 
 
@@ -196,6 +237,16 @@ class ReplicaCollector(Collector):
             "by cause", labels=["rank", "cause"])
         peer_nixl = {key: CounterMetricFamily(name, text, labels=["rank"])
                      for key, (name, text) in PEER_NIXL_COUNTERS.items()}
+        peer_stream = {key: CounterMetricFamily(name, text, labels=["rank"])
+                       for key, (name, text) in PEER_STREAM_COUNTERS.items()}
+        peer_stream_fallbacks = CounterMetricFamily(
+            "weightpub_peer_stream_fallbacks",
+            "Peer chunks planned on a peer's stream port but asked as frames, by cause",
+            labels=["rank", "cause"])
+        peer_stream_cpu = CounterMetricFamily(
+            "weightpub_peer_stream_cpu_seconds",
+            "CPU this member's stream port spent serving peers, by part (sends, pump)",
+            labels=["rank", "part"])
         counters = {key: CounterMetricFamily(name, text, labels=["rank"])
                     for key, (name, text) in self.COUNTERS.items()}
         early_sums = CounterMetricFamily(
@@ -265,6 +316,14 @@ class ReplicaCollector(Collector):
                 if value is not None:
                     early_sums.add_metric([*label, what], value)
             _add_by_key(peer_unoffered, label, peer.get("nixl_unoffered"))
+            streamed: dict[str, Any] = state["peer_stream"] \
+                if isinstance(state.get("peer_stream"), dict) else {}
+            for key, family in peer_stream.items():
+                value = _number(streamed.get(key))
+                if value is not None:
+                    family.add_metric(label, value)
+            _add_by_key(peer_stream_fallbacks, label, streamed.get("fallback_causes"))
+            _add_by_key(peer_stream_cpu, label, streamed.get("cpu_s"))
             if isinstance(receive.get("mode"), str):
                 receive_mode.add_metric([*label, receive["mode"][:16]], 1.0)
             if isinstance(state.get("data_path"), str):
@@ -289,6 +348,9 @@ class ReplicaCollector(Collector):
         yield stream_fallbacks
         yield from peer_nixl.values()
         yield peer_unoffered
+        yield from peer_stream.values()
+        yield peer_stream_fallbacks
+        yield peer_stream_cpu
         yield from counters.values()
         yield early_sums
         yield receive_mode

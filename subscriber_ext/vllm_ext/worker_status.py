@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from subscriber_ext.observe.receive_table import rank_receive
-from subscriber_ext.observe.replica_metrics import peer_nixl_counters
+from subscriber_ext.observe.replica_metrics import peer_nixl_counters, peer_stream_counters
 from subscriber_ext.observe.status_board import StatusBoard
 from subscriber_ext.vllm_ext.worker_state import StateAccess
 
@@ -92,6 +92,9 @@ class WorkerStatus(StateAccess):
             "early_sums": {} if follower else dict(source.get("early_sums") or {}),
             # peers over NIXL: bytes and chunks READ from peers, offers made and refused
             "peer_nixl": {} if follower else peer_nixl_counters(source),
+            # peers over the stream: bytes and chunks asked on peers' ports, fallbacks by
+            # cause; what its own port served (bytes, chunks, tokens, cuts, CPU)
+            "peer_stream": {} if follower else peer_stream_counters(source),
             "prepare_budget": st.applier.prepare_budget.status() if st.applier else None,
             # how this rank receives and what its applied version cost (``receive_table.py``)
             "receive": self._wp_receive_row(source),

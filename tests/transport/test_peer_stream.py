@@ -7,6 +7,7 @@ chain (slot 0 from the publisher, 1 from 0, 2 from 1 then from 0).
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import tarfile
@@ -28,6 +29,7 @@ from tests.transport.test_peers import (
     peers_status,
     staged_ok,
 )
+from tests.unit.scrape import worker_view
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
 from weightpub_wire.checksums import chunk_checksum
@@ -62,8 +64,8 @@ def _publish(pub: WeightPublisher, members: list[Child], versions: tuple[int, ..
 def _until_streamed(pub: WeightPublisher, members: list[Child], spec: list[Any],
                     most: int = 4) -> tuple[int, list[int]]:
     """Publish versions 1, 2, ... until one came to every member after the first whole
-    over its peer's stream (the first versions' chunks go as frames, or from the
-    publisher, while a peer's CURVE handshake, the token and the connection come); at
+    over its peer's stream (a version published before a peer's CURVE handshake, token
+    and connection came goes partly as frames, or from the publisher); at
     most ``most``. The version, and every version's size."""
     sizes: list[int] = []
     before = [0] * len(members)
@@ -82,7 +84,7 @@ def _streamed(peers: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_a_chain_of_two_forwards_over_the_stream_bit_exact(
-    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child], tmp_path: Path,
 ) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     first, second = join(spawn, pub, 2, SPEC, _streaming)
@@ -93,6 +95,53 @@ def test_a_chain_of_two_forwards_over_the_stream_bit_exact(
     assert server["stream_served"]["stream_tokens_issued"] == 1  # one connection, kept
     assert asker["bytes_from_peers"] == sum(sizes), asker  # every byte from its peer
     assert pub.data_stats()["bytes_sent_full"] == sum(sizes)  # each chunk left it once
+    # on each member's replica /metrics, as its worker writes the status file
+    served = _metrics(first, tmp_path / "first")
+    asked = _metrics(second, tmp_path / "second")
+    assert served["weightpub_peer_stream_sent_bytes_total"] == \
+        asked["weightpub_stream_bytes_from_peers_total"] == asker["stream_bytes_from_peers"]
+    assert asked["weightpub_stream_chunks_from_peers_total"] == \
+        served["weightpub_peer_stream_sent_chunks_total"] > 0
+    assert served["weightpub_peer_stream_tokens_issued_total"] == 1
+    assert served["weightpub_peer_stream_cut_total"] == 0
+    assert served['weightpub_peer_stream_cpu_seconds_total{part="sends"}'] >= 0
+    assert asked["weightpub_peer_stream_sent_bytes_total"] == 0  # no one asks the last
+    assert not any(key.startswith("weightpub_peer_stream_fallbacks") for key in asked)
+
+
+class _Source:
+    """A member child as a worker's version source (its status, over the child's RPC)."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+
+    def status(self) -> dict[str, Any]:
+        return peers_status(self.child)
+
+
+def _metrics(child: Child, board: Path) -> dict[str, float]:
+    """The member's samples on a replica's /metrics (rank 0; the label left out)."""
+    _, text = worker_view(_Source(child), board)
+    return {re.sub(r'\{rank="0"\}|,?rank="0",?', "", line.rsplit(" ", 1)[0]):
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def test_the_first_version_comes_whole_over_the_stream_asked_when_the_plan_came(
+    make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+) -> None:
+    """The token is asked when the plan names the peer (``PeerStreamSource.warm``), not
+    at the first chunk: the connection is up before version 1, which comes whole over it."""
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    first, second = join(spawn, pub, 2, SPEC, _streaming)
+    wait_until(lambda: peers_status(second)["peers"]["stream_peers_up"] == 1, 20,
+               "the second member's stream to the first up, before any version")
+    (size,) = _publish(pub, [first, second], (1,), SPEC)
+    asker = peers_status(second)["peers"]
+    assert asker["stream_bytes_from_peers"] == asker["bytes_from_peers"] == size, \
+        _streamed(asker)  # not one frame from its peer
+    assert asker["stream_fallbacks"] == 0 and not asker["stream_fallback_causes"], asker
+    assert peers_status(first)["peers"]["stream_served"]["stream_tokens_issued"] == 1
 
 
 def test_a_chain_of_three_forwards_cut_through_over_the_stream(
@@ -114,6 +163,7 @@ def test_a_chain_of_three_forwards_cut_through_over_the_stream(
 @pytest.mark.parametrize("old", ["asker", "server"])
 def test_a_member_without_the_stream_keeps_to_frames_counted(
     make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child], old: str,
+    tmp_path: Path,
 ) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     first, second = join(spawn, pub, 2, SPEC, lambda i: _options(
@@ -129,6 +179,8 @@ def test_a_member_without_the_stream_keeps_to_frames_counted(
         assert server["stream_served"] is None and server["stream_tokens"] == 0
         assert asker["stream_fallback_causes"] == {"refused": 1}, asker
         assert "the peer stream is off here" in asker["stream_last_error"]
+        asked = _metrics(second, tmp_path)  # the cause, a bounded label on /metrics
+        assert asked['weightpub_peer_stream_fallbacks_total{cause="refused"}'] == 1
 
 
 def test_kill_9_of_the_forwarding_member_mid_version_costs_nothing_partial(

@@ -7,12 +7,14 @@ scoped to the publisher instance), connects to the port in the answer at the pee
 host, and from then on asks the chunks the plan gives that peer there. It is a
 ``StreamSource`` (``stream_source.py``): replies ``recv_into``'d straight into staging,
 hashed as they land, verified against the manifest's checksums; the connection kept
-across versions. What differs: the chunks of a peer whose connection is not up yet go
-as frames meanwhile (a member from before drops the token request: it costs a counted
-``no_answer``, never a wait), ``refused``/``no_answer`` keep that peer on frames for
-``QUIET_S``, and its bytes count as the peers' (``kind``). Any failure gives the chunks
-back with a named, counted cause (``status()["peers"]["stream_fallback_causes"]``);
-they go to the peer's frames, then the next source, as every peer chunk does.
+across versions. What differs: the token is asked as soon as the plan names the peer
+(``warm``: the connection comes up before the first version's chunks are planned); the
+chunks of a peer whose connection is not up yet go as frames meanwhile (a member from
+before drops the token request: it costs a counted ``no_answer``, never a wait);
+``refused``/``no_answer`` keep that peer on frames for ``QUIET_S``, and its bytes count
+as the peers' (``kind``). Any failure gives the chunks back with a named, counted cause
+(``status()["peers"]["stream_fallback_causes"]``); they go to the peer's frames, then
+the next source, as every peer chunk does.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from weightpub_wire import stream_link
 from weightpub_wire.buffers import BufferPool
 from weightpub_wire.endpoints import parse_endpoint
 
-__all__ = ["QUIET_S", "RETOKEN_S", "PeerStreamSource", "PeerStreams"]
+__all__ = ["QUIET_S", "RETOKEN_S", "WARM_RETRY_S", "PeerStreamSource", "PeerStreams"]
 
 #: a peer that refused a token (or never answered: one from before) is not asked again
 #: for this long; its chunks go as frames meanwhile
 QUIET_S = 30.0
+#: a token asked ahead (``warm``) that could not go yet (the peer's DEALER not connected)
+#: is tried again this often
+WARM_RETRY_S = 0.05
 #: a token request not answered this long is sent again (a fresh ``req``) until
 #: ``request_timeout`` from the first: one sent while the peer's CURVE handshake was still
 #: refused (it had not learnt this member's key) went with the DEALER the redial replaced
@@ -59,6 +64,8 @@ class PeerStreamSource(StreamSource):
         self.port = 0  # learnt from the first token
         self.quiet_until = 0.0
         self._asked_at = 0.0  # when the token was last asked
+        self.instance = ""  # the publisher instance its tokens are scoped to
+        self.warming = False  # a token to ask before any chunk (``warm``), not sent yet
         self.bytes_received = 0
         self.chunks_received = 0
 
@@ -67,24 +74,42 @@ class PeerStreamSource(StreamSource):
         return f"stream of peer {self.endpoint}"
 
     def follow_version(self, manifest: wire.Manifest) -> None:
+        self.instance = manifest.publisher_id
         self.follow(manifest, StreamRoute(
             host=self.host, port=self.port, publisher_id=self.endpoint, first_chunk=0,
             num_chunks=manifest.num_chunks, send=self._ask_peer))
 
     def _ask_peer(self, message: Any) -> bool:
         """The token request, as a peer's ROUTER takes it (scoped to the instance)."""
-        manifest = self.manifest
-        if manifest is None:
+        if not self.instance:
             return False
         try:
             return self._send_peer(stream_link.PeerStreamRequest(
-                req=message.req, publisher_id=manifest.publisher_id))
+                req=message.req, publisher_id=self.instance))
         except zmq.ZMQError:
             return False
 
     def _ask_token(self, now: float) -> bool:
         self._asked_at = now
         return super()._ask_token(now)
+
+    def warm(self, instance: str, now: float) -> None:
+        """The plan names this peer: ask its token now, before any version's chunk is
+        planned on it (the first one's would otherwise go as frames while the token and
+        the connection come). Once: only from ``idle`` and outside ``QUIET_S``."""
+        self.instance = instance
+        if self.route is None:  # no version yet: the port comes with the token
+            self.route = StreamRoute(host=self.host, port=self.port, publisher_id=self.endpoint,
+                                     first_chunk=0, num_chunks=0, send=self._ask_peer)
+        self.warming = True
+        self.warm_again(now)
+
+    def warm_again(self, now: float) -> bool:
+        """Ask the token ``warm`` wants if it can go now; whether it is still to ask."""
+        if self.warming and (self.state != "idle" or now < self.quiet_until
+                             or self._ask_token(now)):
+            self.warming = False  # under way, asked, or this peer is quiet
+        return self.warming
 
     def ask_again(self, now: float) -> None:
         """Ask the token again if the last ask is ``RETOKEN_S`` old (``since`` stays the
@@ -145,16 +170,31 @@ class PeerStreams:
               target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
         """The chunks the plan gives peer ``endpoint``: those its stream takes are asked
         there; the rest are returned (for its frames)."""
+        source = self._source(endpoint, send, sink)
+        if source is None:
+            return list(chunks)
+        source.follow_version(target.manifest)
+        return source.ask(target, chunks, now)
+
+    def warm(self, endpoint: str, send: Callable[[Any], bool], sink: SourceSink,
+             instance: str, now: float) -> None:
+        """The plan names peer ``endpoint`` (of publisher ``instance``): its token is asked
+        now, so its connection is up before the first version's chunks are planned."""
+        source = self._source(endpoint, send, sink)
+        if source is not None:
+            source.warm(instance, now)
+
+    def _source(self, endpoint: str, send: Callable[[Any], bool],
+                sink: SourceSink) -> PeerStreamSource | None:
         source = self.sources.get(endpoint)
         if source is None:
             if len(self.sources) >= _MAX_PEERS:
-                return list(chunks)
+                return None
             source = self.sources[endpoint] = PeerStreamSource(self.picker, sink, endpoint,
                                                                send)
             if self._poller is not None:
                 source.register(self._poller)
-        source.follow_version(target.manifest)
-        return source.ask(target, chunks, now)
+        return source
 
     def in_flight(self, endpoint: str, counts: dict[Any, int]) -> int:
         source = self.sources.get(endpoint)
@@ -193,6 +233,8 @@ class PeerStreams:
         versions nothing else would end it)."""
         wake = float("inf")
         for source in list(self.sources.values()):
+            if source.warm_again(now):
+                wake = min(wake, WARM_RETRY_S)
             if source.state in ("token", "connect"):
                 source.ask_again(now)
                 source.expire(now, _no_retry)

@@ -323,10 +323,10 @@ class StreamSource(ChunkSource):
 
     def on_reply(self, message: Any) -> None:
         """The token (or an error instead) came back over the DEALER: connect."""
-        manifest, route = self.manifest, self.route
-        if isinstance(message, wire.ErrorReply) or manifest is None or route is None:
+        route = self.route  # (a peer's, before its first version: ``PeerStreamSource.warm``)
+        if isinstance(message, wire.ErrorReply) or route is None:
             self.fall_back("refused", f"no stream token: "
-                                      f"{getattr(message, 'message', 'no manifest')}")
+                                      f"{getattr(message, 'message', 'no route')}")
             return
         assert isinstance(message, stream_link.StreamToken)
         if message.port != route.port:

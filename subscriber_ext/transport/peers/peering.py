@@ -394,7 +394,7 @@ class Peering(ChunkSource):
                     continue  # its answer is due: asked again at the next top-up
                 routed = frames
             if streams is not None and routed:  # the peer's stream port, then its frames
-                routed = streams.route(link.endpoint, functools.partial(_send_now, link.sock),
+                routed = streams.route(link.endpoint, functools.partial(_send_via, link),
                                        self.client.sink, target, routed, now)
                 if not routed:
                     continue
@@ -439,6 +439,11 @@ class Peering(ChunkSource):
             self.sources.apply(message, self.curve is not None)
             if self.stream_reads is not None:
                 self.stream_reads.keep(set(self.sources.links))
+                if not self.digest:  # whole versions: each planned peer's token now
+                    for link in self.sources.links.values():
+                        self.stream_reads.warm(link.endpoint, functools.partial(_send_via, link),
+                                               self.client.sink, message.publisher_id,
+                                               time.monotonic())
             log.info("peer plan %d: slot %d of %d stripes, %d sources", message.epoch,
                      message.slot, message.stripes, len(self.sources.links))
         self.plan = message
@@ -661,6 +666,11 @@ class Peering(ChunkSource):
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def _send_via(link: PeerLink, message: Any) -> bool:
+    """``message`` on a peer's DEALER now (its current one: a redial replaces it)."""
+    return _send_now(link.sock, message)
 
 
 def _send_now(sock: zmq.Socket, message: Any) -> bool:
