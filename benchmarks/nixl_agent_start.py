@@ -22,18 +22,19 @@ import sys
 import time
 from typing import Any
 
-SPEC = [("w", "float32", (1024, 1024)), ("b", "int32", (10_000,))]
-
 
 def publisher() -> None:
     """The publisher's process: its endpoint and id on stdout, then publish at a line."""
+    import torch
+
     from publisher import WeightPublisher
-    from tests.transport.procs import det_weights
 
     pub = WeightPublisher("tcp://127.0.0.1:0", nixl=True, peer_fanout=1,
                           chunk_size=256 << 10, heartbeat_interval=0.2)
     print("endpoint", pub.endpoint, pub.publisher_id, flush=True)
-    weights = det_weights(5, 1, SPEC)
+    seeded = torch.Generator().manual_seed(5)
+    weights = {"w": torch.randn(1024, 1024, generator=seeded),
+               "b": torch.randint(0, 1 << 30, (10_000,), dtype=torch.int32, generator=seeded)}
     sys.stdin.readline()
     pub.publish(weights, version=1)
     sys.stdin.readline()
