@@ -20,7 +20,13 @@ from prometheus_client.registry import Collector
 
 from publisher.store.nixl_export import UNOFFERED_CAUSES, WORDS_KINDS
 from weightpub_wire.errors import TransportError
-from weightpub_wire.protocol import PeerNixlFigures, Report, peer_nixl_total
+from weightpub_wire.protocol import (
+    PeerFigures,
+    PeerNixlFigures,
+    PeerStreamFigures,
+    Report,
+    peer_total,
+)
 
 __all__ = ["MetricsServer", "PublisherCollector", "PublisherFigures"]
 
@@ -71,34 +77,56 @@ class PublisherCollector(Collector):
         yield GaugeMetricFamily("weightpub_publisher_slowest_subscriber_lag_versions",
                                 "Versions the slowest subscriber's applied version is behind",
                                 lag)
-        yield from _peer_nixl_families(f.fleet)
+        yield from _peer_families(f.fleet)
         if f.stream is not None:
             yield from _stream_families(f.stream)
         if f.nixl is not None:
             yield from _nixl_families(f.nixl)
 
 
-def _peer_nixl_families(fleet: list[Report]) -> Iterator[Metric]:
-    """Peers over NIXL (issue 31) over the fleet: the members' counters summed over the
-    reports seen recently (gauges: a row that expires takes its counts with it)."""
-    total = peer_nixl_total(fleet) or PeerNixlFigures()
-    for name, text, value in (
-            ("nixl_bytes_from_peers", "Chunk bytes members READ from peers over NIXL",
-             total.bytes_from_peers),
-            ("nixl_chunks_from_peers", "Chunks members READ from peers over NIXL",
-             total.chunks_from_peers),
-            ("peer_nixl_offers", "Peers' peer_nixl questions members answered with an offer",
-             total.offers)):
-        yield GaugeMetricFamily(f"weightpub_publisher_fleet_{name}",
-                                f"{text}, summed over the subscribers seen recently", value)
-    family = GaugeMetricFamily(
-        "weightpub_publisher_fleet_peer_nixl_unoffered",
-        "Peers' peer_nixl questions members answered without an offer, by cause (frames: "
-        "the version came as frames; sliced; budget...), summed over the subscribers seen "
-        "recently", labels=["cause"])
-    for cause, count in total.unoffered:
-        family.add_metric([cause], count)
-    yield family
+#: the fleet's peer figures: ``Report`` field -> its kind, the path its help names, and
+#: each figures field's gauge (after ``weightpub_publisher_fleet_``; the causes field's
+#: is labelled ``cause``)
+_PEER_GAUGES: dict[str, tuple[type[PeerFigures], str, dict[str, str]]] = {
+    "peer_nixl": (PeerNixlFigures, "over NIXL (READ)", {  # issue 31
+        "bytes_from_peers": "nixl_bytes_from_peers", "chunks_from_peers": "nixl_chunks_from_peers",
+        "offers": "peer_nixl_offers", "unoffered": "peer_nixl_unoffered"}),
+    "peer_stream": (PeerStreamFigures, "on peers' stream ports", {  # docs/peer-stream.md
+        "bytes_from_peers": "stream_bytes_from_peers",
+        "chunks_from_peers": "stream_chunks_from_peers", "bytes_served": "peer_stream_sent_bytes",
+        "chunks_served": "peer_stream_sent_chunks", "fallbacks": "peer_stream_fallbacks"}),
+}
+_PEER_HELP = {
+    "bytes_from_peers": "Chunk bytes members took from peers {path}",
+    "chunks_from_peers": "Chunks members took from peers {path}",
+    "offers": "Peers' peer_nixl questions members answered with an offer",
+    "unoffered": "Peers' peer_nixl questions members answered without an offer, by cause "
+                 "(frames: the version came as frames; sliced; budget...)",
+    "bytes_served": "Chunk bytes members' own stream ports sent",
+    "chunks_served": "Chunks members' own stream ports sent",
+    "fallbacks": "Chunks members asked of a peer's stream and then of frames, by cause "
+                 "(refused, no_answer, closed, checksum...)",
+}
+
+
+def _peer_families(fleet: list[Report]) -> Iterator[Metric]:
+    """Peers over NIXL and over the stream, over the fleet: the members' counters summed
+    over the reports seen recently (gauges: a row that expires takes its counts with it;
+    0 where no member reports them)."""
+    for field, (kind, path, gauges) in _PEER_GAUGES.items():
+        total = peer_total(getattr(report, field) for report in fleet) or kind()
+        for name, metric in gauges.items():
+            help_text = (_PEER_HELP[name].format(path=path)
+                         + ", summed over the subscribers seen recently")
+            if name != kind.CAUSES:
+                yield GaugeMetricFamily(f"weightpub_publisher_fleet_{metric}", help_text,
+                                        getattr(total, name))
+                continue
+            family = GaugeMetricFamily(f"weightpub_publisher_fleet_{metric}", help_text,
+                                       labels=["cause"])
+            for cause, count in total.causes():
+                family.add_metric([cause], count)
+            yield family
 
 
 def _nixl_families(nixl: dict[str, object]) -> Iterator[Metric]:

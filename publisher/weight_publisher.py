@@ -539,7 +539,14 @@ class WeightPublisher:
         recently (each row's own in ``fleet()``): bytes and chunks members READ from
         peers, offers they made, questions they answered None by cause; None when no
         report carries them."""
-        return wire.peer_nixl_total(self.fleet())
+        return wire.peer_total(r.peer_nixl for r in self.fleet())
+
+    def peer_stream_totals(self) -> wire.PeerStreamFigures | None:
+        """The fleet's peers-over-the-stream counters (``docs/peer-stream.md``), summed
+        the same way: bytes and chunks members received on peers' stream ports, what
+        their own ports sent, chunks given back to frames by cause; None when no report
+        carries them."""
+        return wire.peer_total(r.peer_stream for r in self.fleet())
 
     def wait_for_subscribers(self, version: int, count: int, *, applied: bool = True,
                              timeout: float = 60.0,

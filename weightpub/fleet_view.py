@@ -19,8 +19,11 @@ from weightpub_wire import protocol as wire
 from weightpub_wire.collective_layout import GroupStatus
 from weightpub_wire.errors import WeightPubTimeout
 
-__all__ = ["fleet_table", "group_line", "peer_nixl_cell", "peer_nixl_line", "printable",
+__all__ = ["fleet_table", "group_line", "peer_cell", "peer_line", "printable",
            "received_cell", "watch_fleet"]
+
+#: the peer figures a row may carry: (``Report`` field, its column of bytes from peers)
+_PEER_COLUMNS = (("peer_nixl", "nixl peers"), ("peer_stream", "stream peers"))
 
 
 def printable(text: str, limit: int = 200, style: str = "") -> Text:
@@ -127,21 +130,33 @@ def received_cell(fraction: float | None) -> str:
     return "-" if fraction is None else f"{fraction:.2f}x"
 
 
-def peer_nixl_cell(figures: wire.PeerNixlFigures | None) -> str:
-    """What a member READ from peers over NIXL: "12.0M"; "-" when it did not say (no
-    peers over NIXL, an older subscriber). Its offers and causes: ``--json``."""
-    return "-" if figures is None else f"{figures.bytes_from_peers / (1 << 20):.1f}M"
+def peer_cell(figures: wire.PeerFigures | None) -> str:
+    """What a member took from peers (READ over NIXL, or received on their stream
+    ports): "12.0M"; "-" when it did not say (not that path, an older subscriber). The
+    rest of its figures: ``--json``."""
+    return "-" if figures is None else f"{_mib(figures.bytes_from_peers)}M"
 
 
-def peer_nixl_line(figures: wire.PeerNixlFigures | None) -> Text | None:
-    """The fleet's peers over NIXL (issue 31), summed over the rows seen recently."""
+def peer_line(figures: wire.PeerFigures | None) -> Text | None:
+    """The fleet's peers over NIXL (issue 31) or over the stream (``docs/peer-stream.md``),
+    summed over the rows seen recently, and their causes."""
     if figures is None:
         return None
-    line = Text(f"peers over nixl: {figures.bytes_from_peers / (1 << 20):.1f} MiB in "
-                f"{figures.chunks_from_peers} chunk(s) READ from peers, {figures.offers} "
-                "offer(s) made")
-    _append_counts(line, "unoffered", figures.unoffered, 400)
+    taken = f"{_mib(figures.bytes_from_peers)} MiB in {figures.chunks_from_peers} chunk(s)"
+    if isinstance(figures, wire.PeerStreamFigures):
+        text = (f"peers over the stream: {taken} from peers, {_mib(figures.bytes_served)} "
+                f"MiB in {figures.chunks_served} chunk(s) served")
+    elif isinstance(figures, wire.PeerNixlFigures):
+        text = f"peers over nixl: {taken} READ from peers, {figures.offers} offer(s) made"
+    else:  # a kind this tool does not know yet
+        text = f"peers: {taken} from peers"
+    line = Text(text)
+    _append_counts(line, figures.CAUSES, figures.causes(), 400)
     return line
+
+
+def _mib(count: int) -> str:
+    return f"{count / (1 << 20):.1f}"
 
 
 def _append_counts(line: Text, label: str, counts: Iterable[tuple[str, int]],
@@ -162,12 +177,14 @@ def fleet_table(reply: wire.StatusReply) -> Group:
                   + (f", {reply.bytes_sent_slices} as slices of {reply.slice_plans} plans"
                      if reply.slice_plans or reply.bytes_sent_slices else ""))
     table = Table(expand=False)
-    # bytes READ from peers over NIXL: a column only where some member reports them
-    peers = any(report.peer_nixl is not None for report in reply.subscribers)
+    # bytes taken from peers over NIXL / the stream: a column only where some member
+    # reports them
+    peers = [(field, column) for field, column in _PEER_COLUMNS
+             if any(getattr(report, field) is not None for report in reply.subscribers)]
     for column, justify in (("subscriber", "left"), ("ranks", "left"), ("staged", "right"),
                             ("applied", "right"), ("lag", "right"), ("path", "left"),
-                            ("received", "right"), *([("nixl peers", "right")] if peers
-                                                     else []), ("last error", "left")):
+                            ("received", "right"), *[(column, "right") for _, column in peers],
+                            ("last error", "left")):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for report in sorted(reply.subscribers, key=lambda r: r.subscriber_id):
         lag = max(0, reply.latest_version - report.applied_version)
@@ -179,12 +196,13 @@ def fleet_table(reply: wire.StatusReply) -> Group:
             Text(str(lag), style="yellow" if lag else "green"),
             printable(report.data_path or "-", 16),  # how the applied version came
             received_cell(report.received_fraction),
-            *([peer_nixl_cell(report.peer_nixl)] if peers else []),
+            *[peer_cell(getattr(report, field)) for field, _ in peers],
             printable(report.last_error or "", style="red"),
         )
     lines = [line for line in (memory_line(reply.memory), shard_line(reply.shard_group),
                                group_line(reply.collective), stream_line(reply.stream),
-                               nixl_line(reply.nixl), peer_nixl_line(reply.peer_nixl))
+                               nixl_line(reply.nixl), peer_line(reply.peer_nixl),
+                               peer_line(reply.peer_stream))
              if line is not None]
     return Group(header, *lines, table)
 

@@ -9,7 +9,6 @@ credit-bounded; the ``chunk`` reply itself is binary, ``chunk_frame.py``),
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Annotated
 
 import msgspec
@@ -46,6 +45,7 @@ from weightpub_wire.message_base import (
     _Message,
 )
 from weightpub_wire.nixl_link import NIXL_PATHS
+from weightpub_wire.peer_figures import PeerNixlFigures, PeerStreamFigures
 from weightpub_wire.stream_link import STREAM_PATHS
 
 __all__ = [
@@ -56,7 +56,6 @@ __all__ = [
     "HostMemory",
     "LatestReply",
     "LatestRequest",
-    "PeerNixlFigures",
     "PendingShards",
     "Report",
     "NixlHolding",
@@ -120,49 +119,6 @@ class ErrorReply(_Message, tag="error", kw_only=True, frozen=True):
             raise ValueError(f"code: unknown code {self.code!r}")
 
 
-#: causes of ``PeerNixlFigures.unoffered`` carried at most (the member counts 16 at most)
-MAX_PEER_NIXL_CAUSES = 16
-PeerNixlCause = Annotated[str, Meta(min_length=1, max_length=32, pattern="^[a-z0-9_]+$")]
-
-
-class PeerNixlFigures(msgspec.Struct, frozen=True, kw_only=True):
-    """A peer-sharing member's peers-over-NIXL counters since it started (issue 31,
-    ``docs/peers-over-nixl.md``), in its ``Report`` and summed over the fleet
-    (``peer_nixl_total``): chunk bytes and chunks it READ from peers and verified,
-    ``peer_nixl`` questions it answered with an offer, and those it answered None, by
-    cause (``frames``, ``sliced``, ``budget``...). Every count is a ``U63`` (negative,
-    fractional or past 2**63 - 1 is refused, naming the field), 16 causes at most, each
-    named once."""
-
-    bytes_from_peers: U63 = 0
-    chunks_from_peers: U63 = 0
-    offers: U63 = 0
-    unoffered: Annotated[tuple[tuple[PeerNixlCause, U63], ...],
-                         Meta(max_length=MAX_PEER_NIXL_CAUSES)] = ()
-
-    def __post_init__(self) -> None:
-        causes = [cause for cause, _ in self.unoffered]
-        if len(set(causes)) != len(causes):
-            raise ValueError(f"unoffered: a cause named twice ({sorted(causes)})")
-
-
-def peer_nixl_total(reports: Iterable[Report]) -> PeerNixlFigures | None:
-    """The reports' ``peer_nixl`` summed (causes: the first 16 met), None when none has
-    one (no member shares with peers over NIXL, or every one predates the field)."""
-    carried = [r.peer_nixl for r in reports if r.peer_nixl is not None]
-    if not carried:
-        return None
-    unoffered: dict[str, int] = {}
-    for figures in carried:
-        for cause, count in figures.unoffered:
-            if cause in unoffered or len(unoffered) < MAX_PEER_NIXL_CAUSES:
-                unoffered[cause] = unoffered.get(cause, 0) + count
-    return PeerNixlFigures(bytes_from_peers=sum(f.bytes_from_peers for f in carried),
-                           chunks_from_peers=sum(f.chunks_from_peers for f in carried),
-                           offers=sum(f.offers for f in carried),
-                           unoffered=tuple(sorted(unoffered.items())))
-
-
 class Report(_Message, tag="report", kw_only=True, frozen=True):
     """Back-channel: a subscriber tells the publisher what it staged and applied.
 
@@ -180,6 +136,9 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
     ``peer_nixl``: its peers-over-NIXL counters (``PeerNixlFigures``); None without
     them (an older subscriber, no peer sharing, or the ``nixl`` option not True). An
     older publisher ignores the field (msgspec drops unknown fields).
+    ``peer_stream``: its peers-over-the-stream counters (``PeerStreamFigures``); None
+    without them (an older subscriber, no peer sharing, or the ``stream`` option off);
+    the same bounds and compatibility.
     """
 
     subscriber_id: Name
@@ -192,6 +151,7 @@ class Report(_Message, tag="report", kw_only=True, frozen=True):
     data_path: DataPath = ""  # how the applied version's bytes reached the node
     received_fraction: ReceivedFraction | None = None  # issue 30: of the applied version
     peer_nixl: PeerNixlFigures | None = None  # issue 31: peers over NIXL, since it started
+    peer_stream: PeerStreamFigures | None = None  # peers over the stream, since it started
 
     def __post_init__(self) -> None:
         _Message.__post_init__(self)
@@ -294,9 +254,11 @@ class StatusReply(_FromPublisher, tag="status_rep", kw_only=True, frozen=True):
     stream: StreamPort | None = None
     #: the NIXL offers (``nixl=True``), None when off
     nixl: NixlHolding | None = None
-    #: the fleet's peers-over-NIXL counters, summed over every row seen recently (not only
-    #: the ``subscribers`` carried): ``peer_nixl_total``; None when no report has them
+    #: the fleet's peers-over-NIXL and peers-over-the-stream counters, each summed over
+    #: every row seen recently (not only the ``subscribers`` carried): ``peer_total``;
+    #: None when no report has them
     peer_nixl: PeerNixlFigures | None = None
+    peer_stream: PeerStreamFigures | None = None
 
 POLL_STATES = ("free", "joining", "member", "leaving")
 REPLY_STATES = ("off", "idle", "waiting", "forming", "active", "refused")

@@ -76,14 +76,12 @@ from weightpub_wire.control_messages import (  # noqa: F401 - ERROR_CODES.. re-e
     LatestReply,
     LatestRequest,
     NixlHolding,
-    PeerNixlFigures,
     PendingShards,
     Report,
     ShardGroup,
     StatusReply,
     StatusRequest,
     StreamPort,
-    peer_nixl_total,
 )
 from weightpub_wire.errors import ProtocolError, ProtocolVersionError
 from weightpub_wire.manifest import (
@@ -129,6 +127,12 @@ from weightpub_wire.message_base import (  # noqa: F401 - field types re-exporte
     _FromPublisher,
     _Message,
 )
+from weightpub_wire.peer_figures import (
+    PeerFigures,
+    PeerNixlFigures,
+    PeerStreamFigures,
+    peer_total,
+)
 
 __all__ = [
     "CHECKSUM_ALGORITHM",
@@ -159,7 +163,9 @@ __all__ = [
     "Manifest",
     "Message",
     "NixlHolding",
+    "PeerFigures",
     "PeerNixlFigures",
+    "PeerStreamFigures",
     "PendingShards",
     "Report",
     "ShardGroup",
@@ -173,7 +179,7 @@ __all__ = [
     "encode",
     "peek_protocol",
     "peek_req",
-    "peer_nixl_total",
+    "peer_total",
 ]
 
 Message = (

@@ -423,6 +423,7 @@ class ServingThread(threading.Thread):
         latest = self.store.latest()
         extras = StatusExtras() if self._status_extras is None else self._status_extras()
         now = time.time()
+        live = self.reports.live(now)  # the fleet's peer figures: every row, not the cut
         return wire.StatusReply(
             req=req, publisher_id=self.publisher_id, started_at=self.started_at,
             latest_version=0 if latest is None else latest.manifest.version,
@@ -434,7 +435,8 @@ class ServingThread(threading.Thread):
             slice_plans=self.slice_serving.plans, slice_held_bytes=self.slice_serving.held_bytes,
             stream=None if self.stream is None else self.stream.wire_status(),
             nixl=extras.nixl,
-            peer_nixl=wire.peer_nixl_total(self.reports.live(now)),  # every row, not the cut
+            peer_nixl=wire.peer_total(r.peer_nixl for r in live),
+            peer_stream=wire.peer_total(r.peer_stream for r in live),
         )
 
     def _fetch(self, peers: PeerTable, peer: Peer, request: wire.FetchRequest) -> None:

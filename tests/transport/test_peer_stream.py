@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from publisher import WeightPublisher
+from publisher.publisher_metrics import PublisherCollector
 from tests.transport.procs import REPO, Child, det_weights, wait_until
 from tests.transport.test_peers import (
     BIG,
@@ -107,6 +108,22 @@ def test_a_chain_of_two_forwards_over_the_stream_bit_exact(
     assert served['weightpub_peer_stream_cpu_seconds_total{part="sends"}'] >= 0
     assert asked["weightpub_peer_stream_sent_bytes_total"] == 0  # no one asks the last
     assert not any(key.startswith("weightpub_peer_stream_fallbacks") for key in asked)
+    # in the reports the publisher sums: its fleet total, each member's row, its /metrics
+    sent = server["stream_served"]
+    got = wire.PeerStreamFigures(bytes_from_peers=asker["stream_bytes_from_peers"],
+                                 chunks_from_peers=asker["stream_chunks_from_peers"])
+    wait_until(lambda: pub.peer_stream_totals() == wire.PeerStreamFigures(
+        bytes_from_peers=got.bytes_from_peers, chunks_from_peers=got.chunks_from_peers,
+        bytes_served=sent["stream_bytes_sent"], chunks_served=sent["stream_chunks_sent"]),
+        20, f"the members' reports of what they moved over the stream: {got}, {sent}")
+    rows = {r.subscriber_id: r.peer_stream for r in pub.fleet()}
+    assert rows == {"m0": wire.PeerStreamFigures(bytes_served=sent["stream_bytes_sent"],
+                                                 chunks_served=sent["stream_chunks_sent"]),
+                    "m1": got}
+    fleet = {m.name: m.samples[0].value for m in PublisherCollector(pub._figures).collect()
+             if m.samples}
+    assert fleet["weightpub_publisher_fleet_stream_bytes_from_peers"] == \
+        fleet["weightpub_publisher_fleet_peer_stream_sent_bytes"] == got.bytes_from_peers > 0
 
 
 class _Source:
@@ -181,6 +198,8 @@ def test_a_member_without_the_stream_keeps_to_frames_counted(
         assert "the peer stream is off here" in asker["stream_last_error"]
         asked = _metrics(second, tmp_path)  # the cause, a bounded label on /metrics
         assert asked['weightpub_peer_stream_fallbacks_total{cause="refused"}'] == 1
+        wait_until(lambda: (pub.peer_stream_totals() or wire.PeerStreamFigures()).fallbacks
+                   == (("refused", 1),), 20, "the asker's report of the cause")
 
 
 def test_kill_9_of_the_forwarding_member_mid_version_costs_nothing_partial(

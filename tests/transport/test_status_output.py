@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -129,15 +130,53 @@ def test_reports_carry_each_ranks_received_share_bounded_and_old_reports_still_p
     assert shares == {"host-rank0": 0.5213, "host-rank1": 0.5388, "old-node": None}
 
 
-def test_reports_carry_peer_nixl_counters_bounded_and_old_and_new_sides_still_parse(
+@dataclass(frozen=True)
+class PeerKind:
+    """One kind of a member's peer counters in its report, as this file checks it."""
+
+    field: str  # the Report's (and StatusReply's) field
+    served: wire.PeerFigures  # what member0 reports
+    read: wire.PeerFigures  # what member1 reports
+    gave: str  # a count of what the member gave peers
+    total: wire.PeerFigures  # the two summed
+    totals: str  # the WeightPublisher's method that sums them
+    gauges: dict[str, int]  # weightpub_publisher_fleet_<name> -> value
+    line: str  # in weightpub status
+
+
+PEER_KINDS = [
+    PeerKind("peer_nixl", wire.PeerNixlFigures(offers=3, unoffered=(("frames", 1),)),
+             wire.PeerNixlFigures(bytes_from_peers=5 << 20, chunks_from_peers=20,
+                                  unoffered=(("budget", 2), ("frames", 1))), "offers",
+             wire.PeerNixlFigures(bytes_from_peers=5 << 20, chunks_from_peers=20, offers=3,
+                                  unoffered=(("budget", 2), ("frames", 2))),
+             "peer_nixl_totals", {"nixl_bytes_from_peers": 5 << 20, "peer_nixl_offers": 3},
+             "peers over nixl: 5.0 MiB in 20 chunk(s) READ from peers, 3 offer(s)"),
+    PeerKind("peer_stream", wire.PeerStreamFigures(bytes_served=5 << 20, chunks_served=20,
+                                                   fallbacks=(("closed", 1),)),
+             wire.PeerStreamFigures(bytes_from_peers=5 << 20, chunks_from_peers=20,
+                                    fallbacks=(("budget", 2), ("closed", 1))), "bytes_served",
+             wire.PeerStreamFigures(bytes_from_peers=5 << 20, chunks_from_peers=20,
+                                    bytes_served=5 << 20, chunks_served=20,
+                                    fallbacks=(("budget", 2), ("closed", 2))),
+             "peer_stream_totals", {"stream_bytes_from_peers": 5 << 20,
+                                    "peer_stream_sent_chunks": 20},
+             "peers over the stream: 5.0 MiB in 20 chunk(s) from peers, 5.0 MiB in 20 "
+             "chunk(s) served"),
+]
+
+
+@pytest.mark.parametrize("kind", PEER_KINDS, ids=lambda kind: kind.field)
+def test_reports_carry_peer_counters_bounded_and_old_and_new_sides_still_parse(
     make_pub: Callable[..., WeightPublisher], capsys: pytest.CaptureFixture[str],
+    kind: PeerKind,
 ) -> None:
-    """A member's peers-over-NIXL counters (issue 31) ride in its report; the publisher
-    sums them over the fleet (status reply, ``peer_nixl_totals``, /metrics) and shows
-    each row's. A report without them (an older subscriber) is filed as before, and an
-    older publisher's ``Report`` drops the unknown field; a bad value (negative, NaN,
-    past 2**63 - 1, 17 causes, a cause named twice or not a plain word) is refused
-    naming the field, counted, and the publisher goes on serving."""
+    """A member's peers-over-NIXL (issue 31) or over-the-stream counters ride in its
+    report; the publisher sums them over the fleet (status reply, ``peer_*_totals``,
+    /metrics) and shows each row's. A report without them (an older subscriber) is filed
+    as before, and an older publisher's ``Report`` drops the unknown field; a bad value
+    (negative, NaN, past 2**63 - 1, 17 causes, a cause named twice or not a plain word)
+    is refused naming the field, counted, and the publisher goes on serving."""
     import msgspec
 
     from publisher.publisher_metrics import PublisherCollector
@@ -147,30 +186,28 @@ def test_reports_carry_peer_nixl_counters_bounded_and_old_and_new_sides_still_pa
     pub.wait_announced(version, timeout=20)
     fields = {"t": "report", "p": wire.PROTOCOL_VERSION, "staged_version": version,
               "applied_version": version, "publisher_id": pub.publisher_id}
-    served = wire.PeerNixlFigures(offers=3, unoffered=(("frames", 1),))
-    read = wire.PeerNixlFigures(bytes_from_peers=5 << 20, chunks_from_peers=20,
-                                unoffered=(("budget", 2), ("frames", 1)))
-    bad = {"bytes_from_peers": -1, "offers": float("nan"), "chunks_from_peers": 1 << 63,
-           "unoffered": [[f"c{i}", 1] for i in range(17)]}
-    worse = {"unoffered": [[["frames", 1], ["frames", 2]], [["Bad cause", 1]]]}
+    causes = kind.total.CAUSES
+    bad = {"bytes_from_peers": -1, kind.gave: float("nan"), "chunks_from_peers": 1 << 63,
+           causes: [[f"c{i}", 1] for i in range(17)]}
     cases = [({name: value}, name) for name, value in bad.items()] + \
-        [({"unoffered": value}, "unoffered") for value in worse["unoffered"]]
-    for peer_nixl, name in cases:  # each refused naming its field
-        with pytest.raises(wire.ProtocolError, match=rf"report\.peer_nixl\.{name}"):
+        [({causes: value}, causes) for value in ([["frames", 1], ["frames", 2]],
+                                                 [["Bad cause", 1]])]
+    for figures, name in cases:  # each refused naming its field
+        with pytest.raises(wire.ProtocolError, match=rf"report\.{kind.field}\.{name}"):
             wire.decode(msgspec.msgpack.encode({**fields, "subscriber_id": "liar",
-                                                "peer_nixl": peer_nixl}))
+                                                kind.field: figures}))
     ctx = zmq.Context()
     peer = RawPeer(ctx, pub.endpoint)
     try:
-        for name, figures in (("member0", served), ("member1", read)):
-            peer.send(wire.Report(subscriber_id=name, staged_version=version,
-                                  applied_version=version, publisher_id=pub.publisher_id,
-                                  peer_nixl=figures))
+        for name, member in (("member0", kind.served), ("member1", kind.read)):
+            peer.send(msgspec.structs.replace(wire.Report(
+                subscriber_id=name, staged_version=version, applied_version=version,
+                publisher_id=pub.publisher_id), **{kind.field: member}))
         peer.send(msgspec.msgpack.encode({**fields, "subscriber_id": "old-node"}))
         before = pub._server.bad_messages
-        for peer_nixl, _ in cases:
+        for figures, _ in cases:
             peer.send(msgspec.msgpack.encode({**fields, "subscriber_id": "liar",
-                                              "peer_nixl": peer_nixl}))
+                                              kind.field: figures}))
         status = peer.call(wire.StatusRequest(req=1))  # handled in order: all seen
     finally:
         peer.close()
@@ -179,10 +216,9 @@ def test_reports_carry_peer_nixl_counters_bounded_and_old_and_new_sides_still_pa
     assert pub._server.bad_messages - before == len(cases)
     rows = {r.subscriber_id: r for r in pub.fleet()}
     assert sorted(rows) == ["member0", "member1", "old-node"]
-    assert rows["member1"].peer_nixl == read and rows["old-node"].peer_nixl is None
-    total = wire.PeerNixlFigures(bytes_from_peers=5 << 20, chunks_from_peers=20, offers=3,
-                                 unoffered=(("budget", 2), ("frames", 2)))
-    assert status.peer_nixl == total == pub.peer_nixl_totals()
+    assert getattr(rows["member1"], kind.field) == kind.read
+    assert getattr(rows["old-node"], kind.field) is None
+    assert getattr(status, kind.field) == kind.total == getattr(pub, kind.totals)()
 
     class OldReport(msgspec.Struct, tag_field="t", tag="report", kw_only=True):
         """A publisher's ``Report`` before the field: unknown fields are dropped."""
@@ -194,15 +230,17 @@ def test_reports_carry_peer_nixl_counters_bounded_and_old_and_new_sides_still_pa
 
     new = wire.encode(rows["member1"])
     assert msgspec.msgpack.decode(new, type=OldReport).subscriber_id == "member1"
-    metrics = {m.name: m.samples for m in PublisherCollector(pub._figures).collect()}
-    assert metrics["weightpub_publisher_fleet_nixl_bytes_from_peers"][0].value == 5 << 20
-    assert {s.labels["cause"]: s.value
-            for s in metrics["weightpub_publisher_fleet_peer_nixl_unoffered"]} == \
-        {"budget": 2, "frames": 2}
+    metrics = {m.name.removeprefix("weightpub_publisher_fleet_"): m.samples
+               for m in PublisherCollector(pub._figures).collect()}
+    assert {name: metrics[name][0].value for name in kind.gauges} == kind.gauges
+    cause_gauge = next(name for name in metrics if name.endswith(causes))
+    assert {s.labels["cause"]: s.value for s in metrics[cause_gauge]} == \
+        dict(kind.total.causes())
     assert cli_main(["status", pub.endpoint]) == 0
-    out = capsys.readouterr().out
-    assert "peers over nixl: 5.0 MiB in 20 chunk(s) READ from peers, 3 offer(s)" in out
-    assert "budget=2, frames=2" in out and "nixl" in out and "5.0M" in out  # member1's row
+    out = " ".join(capsys.readouterr().out.split())  # the console wraps long lines
+    assert kind.line in out
+    shown = ", ".join(f"{cause}={count}" for cause, count in kind.total.causes())
+    assert f"{causes}: {shown}" in out and "5.0M" in out  # member1's row
     assert cli_main(["status", pub.endpoint, "--json"]) == 0
     reply = json.loads(capsys.readouterr().out)
-    assert reply["peer_nixl"]["offers"] == 3
+    assert reply[kind.field][kind.gave] == getattr(kind.total, kind.gave)

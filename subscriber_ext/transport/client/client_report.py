@@ -21,44 +21,52 @@ one they came from.
 from __future__ import annotations
 
 import logging
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from weightpub_wire import protocol as wire
-from weightpub_wire.control_messages import MAX_PEER_NIXL_CAUSES
 from weightpub_wire.errors import WeightPubError
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["ClientReport", "ReportCarry", "VersionBytes", "peer_nixl_figures"]
+__all__ = ["ClientReport", "ReportCarry", "VersionBytes", "peer_nixl_figures",
+           "peer_stream_figures"]
 
 log = logging.getLogger("weightpub.subscriber")
 _KEEP_PATHS = 16  # staged versions whose data path is remembered
-_U63 = (1 << 63) - 1
-_CAUSE = re.compile("^[a-z0-9_]{1,32}$")
 
 
 def peer_nixl_figures(peers: dict[str, Any] | None) -> wire.PeerNixlFigures | None:
     """The peers-over-NIXL counters of ``status()["peers"]`` for the report, within the
-    wire's bounds (``wire.PeerNixlFigures``: a cause that is not a plain word counts as
-    ``other``, 16 causes at most); None without peer sharing or where none of them ever
-    counted (peers over NIXL run only where the ``nixl`` option is True)."""
+    wire's bounds (``PeerFigures.bounded``); None without peer sharing or where none of
+    them ever counted (peers over NIXL run only where the ``nixl`` option is True)."""
     if not peers:
         return None
-    offers = peers.get("nixl_offers", 0)
     unoffered = peers.get("nixl_unoffered") or {}
-    if "nixl_bytes_from_peers" not in peers and not offers and not unoffered:
+    if "nixl_bytes_from_peers" not in peers and not peers.get("nixl_offers") and not unoffered:
         return None
-    causes: dict[str, int] = {}
-    for cause, count in unoffered.items():
-        key = cause if isinstance(cause, str) and _CAUSE.match(cause) else "other"
-        if key in causes or len(causes) < MAX_PEER_NIXL_CAUSES:
-            causes[key] = min(_U63, causes.get(key, 0) + int(count))
-    return wire.PeerNixlFigures(
-        bytes_from_peers=min(_U63, int(peers.get("nixl_bytes_from_peers", 0))),
-        chunks_from_peers=min(_U63, int(peers.get("nixl_chunks_from_peers", 0))),
-        offers=min(_U63, int(offers)), unoffered=tuple(sorted(causes.items())))
+    return wire.PeerNixlFigures.bounded(
+        {"bytes_from_peers": peers.get("nixl_bytes_from_peers", 0),
+         "chunks_from_peers": peers.get("nixl_chunks_from_peers", 0),
+         "offers": peers.get("nixl_offers", 0)}, unoffered)
+
+
+def peer_stream_figures(peers: dict[str, Any] | None) -> wire.PeerStreamFigures | None:
+    """The peers-over-the-stream counters of ``status()["peers"]`` for the report (what
+    it received on peers' stream ports, what its own port sent, fallbacks by cause),
+    within the wire's bounds; None without peer sharing or with neither side of the
+    peer stream (the ``stream`` option off)."""
+    if not peers:
+        return None
+    served = peers.get("stream_served") or {}
+    if "stream_bytes_from_peers" not in peers and not served:
+        return None
+    return wire.PeerStreamFigures.bounded(
+        {"bytes_from_peers": peers.get("stream_bytes_from_peers", 0),
+         "chunks_from_peers": peers.get("stream_chunks_from_peers", 0),
+         "bytes_served": served.get("stream_bytes_sent", 0),
+         "chunks_served": served.get("stream_chunks_sent", 0)},
+        peers.get("stream_fallback_causes") or {})
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,8 +253,9 @@ class ClientReport:
         return now >= self._next_at or self._dirty
 
     def message(self, staged_version: int, publisher_id: str | None,
-                peer_nixl: wire.PeerNixlFigures | None = None) -> wire.Report:
-        """The report; ``peer_nixl``: the member's peers-over-NIXL counters, if any."""
+                peers: dict[str, Any] | None = None) -> wire.Report:
+        """The report; ``peers``: the member's ``status()["peers"]`` (None: no peer
+        sharing), whose peers-over-NIXL and over-the-stream counters it carries."""
         return wire.Report(subscriber_id=self.subscriber_id, staged_version=staged_version,
                            applied_version=self.applied_version, last_error=self.last_error,
                            publisher_id=publisher_id,
@@ -254,7 +263,8 @@ class ClientReport:
                            data_path=self.applied_path,
                            received_fraction=None if self.applied_bytes is None
                            else self.applied_bytes.wire_fraction(),
-                           peer_nixl=peer_nixl)
+                           peer_nixl=peer_nixl_figures(peers),
+                           peer_stream=peer_stream_figures(peers))
 
     def sent(self, now: float) -> None:
         self._dirty = False

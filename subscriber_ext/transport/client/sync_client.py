@@ -41,11 +41,7 @@ from typing import Any
 import zmq
 
 from subscriber_ext.transport.client.chunk_replies import ChunkReceiver, discard_rest, within
-from subscriber_ext.transport.client.client_report import (
-    ClientReport,
-    VersionBytes,
-    peer_nixl_figures,
-)
+from subscriber_ext.transport.client.client_report import ClientReport, VersionBytes
 from subscriber_ext.transport.client.client_sockets import ClientSockets
 from subscriber_ext.transport.client.early_sums import EarlySums
 from subscriber_ext.transport.client.fetch_credit import FetchCredit
@@ -250,8 +246,7 @@ class SyncClient:
             self.consider(waiting)  # a released buffer may have made room
         if self.report.due(now):
             peers = None if self.peering is None else self.peering.stats()
-            if self.send(self.report.message(self.current_version, self.instance,
-                                             peer_nixl_figures(peers))):
+            if self.send(self.report.message(self.current_version, self.instance, peers)):
                 self.report.sent(now)
         self.report.warn.tick()
         return wait
