@@ -335,11 +335,13 @@ def test_a_broken_stream_reply_costs_frames_with_the_cause_named(
     version = mitm_rig["version"] = held_version + 1
     every_version: dict[int, Any] = dict.fromkeys(range(1, 20), SPEC)
     recorder = Recorder(seeds={pub.publisher_id: SEED}, specs=every_version)
-    sub = WeightSubscriber(mitm_rig["endpoint"], stream=True, request_timeout=1.0,
+    sub = WeightSubscriber(mitm_rig["endpoint"], stream=True, request_timeout=2.0,
                            on_version=recorder)
     try:
-        held = sub.wait_for_version(held_version, timeout=30)  # the version being served
-        assert held.data_path == "stream"
+        # the version being served (on a loaded box its stream may have timed out: only
+        # what the fault adds is counted below)
+        held = sub.wait_for_version(held_version, timeout=30)
+        before = dict(sub.status()["stream"]["fallback_causes"])
         fired = len(mitm.fired)
         mitm.arm(fault, version)
         pub.publish(det_weights(SEED, version, SPEC), version=version)
@@ -348,7 +350,10 @@ def test_a_broken_stream_reply_costs_frames_with_the_cause_named(
         assert recorder.problems == [], recorder.problems
         assert mitm.fired[fired:] == [fault]
         stream = sub.status()["stream"]
-        assert stream["fallback_causes"] == SERVER_FAULTS[fault], stream
+        added = {cause: count - before.get(cause, 0)
+                 for cause, count in stream["fallback_causes"].items()
+                 if count != before.get(cause, 0)}
+        assert added == SERVER_FAULTS[fault], stream
         staged = sub.latest()
         assert staged is not None and staged.version == version
         assert staged.data_path in ("zmq", "stream+zmq")
