@@ -37,8 +37,8 @@ from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["MIN_ROW_BYTES", "POLL_S", "Cut", "PortLimits", "StreamPort", "read_exact",
-           "slice_parts"]
+__all__ = ["MIN_ROW_BYTES", "POLL_S", "Cut", "PortLimits", "StreamPort", "gathered_size",
+           "read_exact", "slice_parts"]
 
 POLL_S = 0.5  # socket timeout: how often a blocked thread looks at the clock and at close
 _IOV_MAX = 1024  # buffers one sendmsg may carry (Linux's UIO_MAXIOV)
@@ -365,3 +365,9 @@ def slice_parts(data: memoryview, blocks: list[stream_link.Block],
             gathered_bytes += gathered.nbytes
             parts.append(gathered.data)
     return parts, gathered_bytes
+
+
+def gathered_size(blocks: list[stream_link.Block], min_row_bytes: int = MIN_ROW_BYTES) -> int:
+    """Bytes ``slice_parts`` would copy for ``blocks`` (its strided blocks of short rows)."""
+    return sum(length * rows for _, length, stride, rows in blocks
+               if rows > 1 and stride != length and length < min_row_bytes)

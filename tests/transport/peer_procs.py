@@ -12,6 +12,8 @@ leaves the plan at ``member_ttl``); its status then counts the requests it swall
 stream); ``stream_corrupt: "short"`` sends each chunk less its last byte there.
 ``stream_unsliced: true`` makes its stream port serve no ``slices`` (as a port from
 before them: no ``FLAG_SLICES`` in its ``ACCEPTED``).
+``stream_gone: true`` makes its stream port answer chunk 0's slices ``UNAVAILABLE`` (as
+for a slice outside its plan; its frames still serve it).
 ``slice_rank: r`` makes it a sliced member (issue 30): ``test_slice_fetch.half_plan(r,
 spec)``, each staged version checked on its planned bytes only (``assert_planned``).
 """
@@ -73,6 +75,18 @@ def _stream_no_slices() -> None:
     peer_stream_server.PeerStreamServer.__init__ = init  # type: ignore[method-assign]
 
 
+def _stream_chunk0_gone() -> None:
+    from subscriber_ext.transport.peers import peering
+    from subscriber_ext.transport.peers.peer_server import GONE
+
+    original = peering.Peering._stream_slice_lookup
+
+    def lookup(self: Any, publisher_id: str, version: int, chunk: int, blocks: Any) -> Any:
+        return GONE if chunk == 0 else original(self, publisher_id, version, chunk, blocks)
+
+    peering.Peering._stream_slice_lookup = lookup  # type: ignore[method-assign]
+
+
 SWALLOWED: list[int] = []  # chunks asked of a stalling member, one entry per request
 
 
@@ -111,6 +125,8 @@ def run_peer(args: dict[str, Any]) -> None:
         _corrupt_what_it_streams(short=args["stream_corrupt"] == "short")
     if args.get("stream_unsliced"):
         _stream_no_slices()
+    if args.get("stream_gone"):
+        _stream_chunk0_gone()
     staged_q: queue.Queue[Any] = queue.Queue()
     rank = args.get("slice_rank")
     sliced: dict[str, Any] = {}

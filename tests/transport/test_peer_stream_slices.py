@@ -129,3 +129,20 @@ def test_a_peer_serving_no_slices_on_its_stream_costs_a_counted_fallback_to_fram
         assert "does not serve slices" in asker["stream_last_error"]
         assert "peer" in asker["stream_last_error"]
         assert server["stream_served"]["stream_tokens_issued"] == 1
+
+
+def test_a_slice_the_peer_answers_unavailable_on_its_stream_comes_from_elsewhere(
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+    pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
+    first, second = members(spawn, pub, [0, 0], lambda i: {
+        **_options(), **({"stream_gone": True} if i == 0 else {})})
+    needed = half_plan(0, SPEC).needed_bytes
+    _publish(pub, [first, second], (1, 2))  # bit-exact all the same
+    asker, server = status(second)["peers"], status(first)["peers"]
+    # chunk 0 (and the rest of its request) answered UNAVAILABLE at once, each version
+    assert server["stream_served"]["stream_unavailable"] >= 2, server["stream_served"]
+    assert server["served_slices"] >= 2  # then asked elsewhere: that peer's frames
+    assert not asker["stream_fallback_causes"], asker  # not a failure of the stream
+    assert asker["bytes_from_peers"] == 2 * needed  # nothing more from the publisher
+    assert pub.data_stats()["bytes_sent_slices"] == 2 * needed
+    assert status(second)["checksum_failures"] == 0

@@ -33,8 +33,10 @@ blocks are not exactly its plan's there, or a version it will not have, is
 (``stream_port.slice_parts``): views of the sparse staging where a block is a run or its
 rows are long, a gathered copy of short rows (made on the subscriber's thread when the
 chunk is handed over, alive until sent: ``scratch_bytes``, at most
-``max_queued_chunks`` chunks' worth per connection). A whole-chunk request to a sliced
-member is ``UNAVAILABLE`` (it holds only its plan's bytes).
+``max_queued_chunks`` chunks' worth per connection, counted in the staging budget
+(``scratch.hold``); with no room there a chunk's short rows go as views, one per row:
+slower, the same bytes, counted in ``gather_refused``). A whole-chunk request to a
+sliced member is ``UNAVAILABLE`` (it holds only its plan's bytes).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from subscriber_ext.transport.peers.peer_server import (
     GONE,
@@ -60,7 +62,7 @@ from subscriber_ext.transport.peers.peer_server import (
 from subscriber_ext.transport.peers.upload_budget import UploadBudget
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
-from weightpub_wire.stream_port import POLL_S, PortLimits, StreamPort, slice_parts
+from weightpub_wire.stream_port import POLL_S, PortLimits, StreamPort, gathered_size, slice_parts
 
 __all__ = ["PeerStreamServer", "StreamSliceLookup"]
 
@@ -69,6 +71,14 @@ __all__ = ["PeerStreamServer", "StreamSliceLookup"]
 #: this member's plan's in that chunk; WAIT; or GONE (another plan's, a version it will
 #: not have)
 StreamSliceLookup = Callable[[str, int, int, list[stream_link.Block]], "Served | str"]
+class Scratch(Protocol):
+    """Where gathered copies are counted: ``weightpub_wire.buffers.BufferPool``'s budget."""
+
+    def hold(self, nbytes: int) -> bool: ...
+
+    def unhold(self, nbytes: int) -> None: ...
+
+
 #: one reply handed to a connection: (chunk, its payload's parts (None: ``UNAVAILABLE``),
 #: the pooled buffer's send key, bytes of the parts that are a gathered copy)
 _Out = tuple[int, list[memoryview] | None, int | None, int]
@@ -101,10 +111,14 @@ class PeerStreamServer(StreamPort):
     def __init__(self, host: str, lookup: Lookup, budget: UploadBudget,
                  limits: PeerServerLimits, *, sends: SendCounts,
                  admitted: Callable[[str], bool] | None = None,
-                 slice_lookup: StreamSliceLookup | None = None) -> None:
+                 slice_lookup: StreamSliceLookup | None = None,
+                 scratch: Scratch | None = None) -> None:
         """``admitted(z85 key) -> bool``: CURVE's admitted keys (None: no CURVE);
-        ``slice_lookup``: a sliced member's plan (its port then serves ``slices``)."""
+        ``slice_lookup``: a sliced member's plan (its port then serves ``slices``);
+        ``scratch``: the budget gathered copies are counted in (None: not counted)."""
         self.lookup = lookup
+        self.scratch = scratch
+        self.gather_refused = 0  # slices sent row by row: no room in the budget to gather
         self.slice_lookup = slice_lookup
         self.serves_slices = slice_lookup is not None
         self.slice_bytes_sent = 0  # of the bytes sent: answers to ``slices`` requests
@@ -237,6 +251,8 @@ class PeerStreamServer(StreamPort):
         if gathered:
             with self._jobs_lock:
                 self.scratch_bytes -= gathered
+            if self.scratch is not None:
+                self.scratch.unhold(gathered)
 
     def overdue(self, stalled: float) -> str | None:
         keys = getattr(self._local, "keys", [])
@@ -318,7 +334,13 @@ class PeerStreamServer(StreamPort):
             if blocks is None:
                 payload, gathered = [found.data], 0
             else:  # views of the staging, a copy of short rows (the subscriber's thread)
-                payload, gathered = slice_parts(found.data, blocks)
+                need = gathered_size(blocks)
+                if need and self.scratch is not None and not self.scratch.hold(need):
+                    self.gather_refused += 1  # no room to copy them: a view per row
+                    payload, gathered = slice_parts(found.data, blocks, min_row_bytes=0)
+                else:
+                    payload, gathered = slice_parts(found.data, blocks)
+                    assert gathered == need
                 with self._jobs_lock:
                     self.scratch_bytes += gathered
                     self.slice_bytes_gathered += gathered
@@ -354,6 +376,7 @@ class PeerStreamServer(StreamPort):
                 "stream_slice_bytes_sent": self.slice_bytes_sent,
                 "stream_slice_bytes_gathered": self.slice_bytes_gathered,
                 "stream_scratch_bytes": self.scratch_bytes,
+                "stream_gather_refused": self.gather_refused,
                 "stream_cpu_s": {"sends": round(self.send_cpu, 3),
                                  "pump": round(self.pump_cpu, 3)}}
 

@@ -154,7 +154,8 @@ class Peering(ChunkSource):
                     parse_endpoint(self.endpoint).host, self._lookup, self.budget,
                     options.server, sends=client.pool,
                     admitted=self._admitted if curve is not None else None,
-                    slice_lookup=self._stream_slice_lookup if self.digest else None)
+                    slice_lookup=self._stream_slice_lookup if self.digest else None,
+                    scratch=client.pool)
             except OSError as exc:
                 log.warning("peer stream: off (could not listen: %s)", exc)
         self.stream_reads = stream if streaming else None
