@@ -146,3 +146,55 @@ def test_a_slice_the_peer_answers_unavailable_on_its_stream_comes_from_elsewhere
     assert asker["bytes_from_peers"] == 2 * needed  # nothing more from the publisher
     assert pub.data_stats()["bytes_sent_slices"] == 2 * needed
     assert status(second)["checksum_failures"] == 0
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_the_port_gathers_short_rows_in_the_budget_or_sends_them_row_by_row(room: bool) -> None:
+    """The port alone (no processes): a slice of 1 KiB rows 4 KiB apart and a run. With
+    room the rows are one gathered copy, counted in the pool until sent; without, a view
+    per row; the same bytes either way."""
+    import time
+
+    import torch
+
+    from subscriber_ext.transport.peers.peer_server import GONE, PeerServerLimits, Served
+    from subscriber_ext.transport.peers.peer_stream_server import PeerStreamServer
+    from subscriber_ext.transport.peers.upload_budget import UploadBudget
+    from tests.transport.procs import wait_until
+    from weightpub_wire.buffers import BufferPool, byte_view
+
+    mib = 1 << 20
+    blocks = [(0, 1024, 4096, 128), (mib // 2, 4096, 4096, 16)]
+    pool = BufferPool(max_buffers=1, pinned=False,
+                      budget_bytes=mib + (mib if room else 1024))
+    buffer = pool.take(mib)
+    buffer.copy_(torch.arange(mib, dtype=torch.int64).to(torch.uint8))
+    view = byte_view(buffer)
+
+    def slices(publisher_id: str, version: int, chunk: int, asked: Any) -> Any:
+        return Served(view, buffer) if asked == blocks else GONE
+
+    server = PeerStreamServer("127.0.0.1", lambda *_: GONE, UploadBudget(None, None),
+                              PeerServerLimits(), sends=pool, slice_lookup=slices,
+                              scratch=pool)
+    try:
+        token = server.issue_token(None, "pub")
+        assert token is not None
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(stream_link.hello(token))
+            accepted = stream_link.parse_reply(_read(conn, stream_link.REPLY_BYTES))
+            assert accepted.flags & stream_link.FLAG_SLICES
+            conn.sendall(stream_link.slice_request(1, 1, [(0, blocks)]))
+            wait_until(lambda: (server.pump(time.monotonic()) or True)
+                       and server.stats()["stream_chunks_sent"] == 1, 20, "the slice sent")
+            reply = stream_link.parse_reply(_read(conn, stream_link.REPLY_BYTES))
+            want = b"".join(bytes(view[s + r * stride: s + r * stride + n])
+                            for s, n, stride, rows in blocks for r in range(rows))
+            assert reply.size == len(want) and _read(conn, reply.size) == want
+        stats = server.stats()
+        assert stats["stream_slice_bytes_gathered"] == (128 * 1024 if room else 0), stats
+        assert stats["stream_gather_refused"] == (0 if room else 1)
+        assert stats["stream_scratch_bytes"] == 0 and pool.side_bytes == 0  # given back
+    finally:
+        server.close()
+        pool.give(buffer)
