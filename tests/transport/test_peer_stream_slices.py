@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 from publisher import WeightPublisher
 from tests.transport.procs import Child, det_weights
 from tests.transport.test_peer_slices import CHUNK, SEED, members, staged_ok, status
-from tests.transport.test_peer_stream import _read
+from tests.transport.test_peer_stream import _metrics, _read
 from tests.transport.test_peers import peer_dealer
 from tests.transport.test_slice_fetch import SPEC, half_plan
 from weightpub_wire import protocol as wire
@@ -48,7 +49,8 @@ def _blocks(layout: SliceLayout, manifest: wire.Manifest, chunk: int) -> list[st
 
 
 def test_a_chain_of_two_sliced_members_shares_slices_over_the_stream_bit_exact(
-        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child]) -> None:
+        make_pub: Callable[..., WeightPublisher], spawn: Callable[..., Child],
+        tmp_path: Path) -> None:
     pub = make_pub(chunk_size=CHUNK, peer_fanout=1)
     first, second = members(spawn, pub, [0, 0], lambda i: _options())
     needed = half_plan(0, SPEC).needed_bytes
@@ -66,6 +68,10 @@ def test_a_chain_of_two_sliced_members_shares_slices_over_the_stream_bit_exact(
     assert served["stream_scratch_bytes"] == 0  # every gathered copy went with its send
     assert status(second)["slice_plan"]["slice_bytes"] == 2 * needed
     assert pub.data_stats()["bytes_sent_slices"] == 2 * needed  # one plan per version
+    metrics = _metrics(first, tmp_path)  # on the replica's /metrics, as the worker writes it
+    assert metrics["weightpub_peer_stream_slice_sent_bytes_total"] == 2 * needed
+    assert metrics["weightpub_peer_stream_slice_gathered_bytes_total"] == \
+        served["stream_slice_bytes_gathered"]
 
     # the first member's port, asked as a peer would: the plan's bytes are the
     # publisher's, bit for bit; another plan's blocks are UNAVAILABLE at once
