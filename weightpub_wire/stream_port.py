@@ -31,14 +31,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
 from weightpub_wire.ratelog import RateLimitedLog
 
-__all__ = ["POLL_S", "Cut", "PortLimits", "StreamPort", "read_exact"]
+__all__ = ["MIN_ROW_BYTES", "POLL_S", "Cut", "PortLimits", "StreamPort", "gathered_size",
+           "read_exact", "slice_parts"]
 
 POLL_S = 0.5  # socket timeout: how often a blocked thread looks at the clock and at close
 _IOV_MAX = 1024  # buffers one sendmsg may carry (Linux's UIO_MAXIOV)
+#: strided slice rows shorter than this are gathered (one numpy copy): a view and an
+#: iovec per row cost more Python than copying rows of a few KiB
+MIN_ROW_BYTES = 16 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,3 +342,32 @@ def read_exact(conn: socket.socket, nbytes: int, what: str, patience: float,
         data += piece
         last = time.monotonic()
     return bytes(data)
+
+
+def slice_parts(data: memoryview, blocks: list[stream_link.Block],
+                min_row_bytes: int = MIN_ROW_BYTES) -> tuple[list[memoryview], int]:
+    """A ``slices`` reply's payload out of ``data`` (the chunk's bytes, where the blocks'
+    starts count from), in order: views where a block is one contiguous run or its rows
+    are at least ``min_row_bytes``, one gathered copy of a block of shorter rows; and how
+    many bytes were gathered. The blocks must lie within ``data`` (checked by the caller)."""
+    parts: list[memoryview] = []
+    gathered_bytes = 0
+    for start, length, stride, rows in blocks:
+        if rows == 1 or stride == length:
+            parts.append(data[start: start + length * rows])
+        elif length >= min_row_bytes:
+            parts.extend(data[row: row + length]
+                         for row in range(start, start + rows * stride, stride))
+        else:
+            array = np.frombuffer(data, dtype=np.uint8)
+            gathered = np.lib.stride_tricks.as_strided(
+                array[start:], shape=(rows, length), strides=(stride, 1)).reshape(-1)
+            gathered_bytes += gathered.nbytes
+            parts.append(gathered.data)
+    return parts, gathered_bytes
+
+
+def gathered_size(blocks: list[stream_link.Block], min_row_bytes: int = MIN_ROW_BYTES) -> int:
+    """Bytes ``slice_parts`` would copy for ``blocks`` (its strided blocks of short rows)."""
+    return sum(length * rows for _, length, stride, rows in blocks
+               if rows > 1 and stride != length and length < min_row_bytes)

@@ -44,13 +44,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from publisher.store.version_store import PublishedVersion, VersionStore
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
-from weightpub_wire.stream_port import PortLimits, StreamPort
+from weightpub_wire.stream_port import MIN_ROW_BYTES, PortLimits, StreamPort, slice_parts
 
 __all__ = ["StreamLimits", "StreamServer"]
 
@@ -70,9 +68,8 @@ class StreamLimits(PortLimits):
     #: the same for slices: what a connection's gathers hold at once is about this (plus a
     #: chunk), and the next batch is gathered while the kernel still sends the last
     slice_batch_bytes: int = 4 << 20
-    #: strided slice rows shorter than this are gathered (one numpy copy): a view and an
-    #: iovec per row cost more Python than copying rows of a few KiB
-    min_row_bytes: int = 16 << 10
+    #: strided slice rows shorter than this are gathered (``stream_port.slice_parts``)
+    min_row_bytes: int = MIN_ROW_BYTES
 
 
 class StreamServer(StreamPort):
@@ -107,22 +104,7 @@ class StreamServer(StreamPort):
         """The blocks' bytes of ``chunk``, in order: views of the snapshot (a contiguous
         run, or each row of at least ``min_row_bytes``), a gathered copy of shorter rows;
         and how many bytes were gathered."""
-        data = self.chunk_bytes(version, chunk)
-        parts: list[memoryview] = []
-        gathered_bytes = 0
-        for start, length, stride, rows in blocks:
-            if rows == 1 or stride == length:
-                parts.append(data[start: start + length * rows])
-            elif length >= self.limits.min_row_bytes:
-                parts.extend(data[row: row + length]
-                             for row in range(start, start + rows * stride, stride))
-            else:
-                array = np.frombuffer(data, dtype=np.uint8)
-                gathered = np.lib.stride_tricks.as_strided(
-                    array[start:], shape=(rows, length), strides=(stride, 1)).reshape(-1)
-                gathered_bytes += gathered.nbytes
-                parts.append(gathered.data)
-        return parts, gathered_bytes
+        return slice_parts(self.chunk_bytes(version, chunk), blocks, self.limits.min_row_bytes)
 
     def status(self) -> dict[str, Any]:
         """The port's counters (``StreamPort.port_status``) and the slices': bytes sent

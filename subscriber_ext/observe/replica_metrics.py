@@ -61,6 +61,10 @@ PEER_STREAM_COUNTERS: dict[str, tuple[str, str]] = {
                    "Connections to this member's stream port it cut (stalled, bad request)"),
     "stream_unavailable": ("weightpub_peer_stream_unavailable",
                            "Requests on this member's stream port answered UNAVAILABLE"),
+    "stream_slice_bytes_sent": ("weightpub_peer_stream_slice_sent_bytes",
+                                "Planned bytes this sliced member sent on its stream port"),
+    "stream_slice_bytes_gathered": ("weightpub_peer_stream_slice_gathered_bytes",
+                                    "Of those, bytes copied first (strided short rows)"),
 }
 
 #: name -> (help, bucket upper bounds in seconds)

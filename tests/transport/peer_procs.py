@@ -10,6 +10,10 @@ a SIGSTOP'd member instead loses its connections to heartbeats within seconds an
 leaves the plan at ``member_ttl``); its status then counts the requests it swallowed.
 ``stream_corrupt: true`` does the same to what its stream port sends (peers over the
 stream); ``stream_corrupt: "short"`` sends each chunk less its last byte there.
+``stream_unsliced: true`` makes its stream port serve no ``slices`` (as a port from
+before them: no ``FLAG_SLICES`` in its ``ACCEPTED``).
+``stream_gone: true`` makes its stream port answer chunk 0's slices ``UNAVAILABLE`` (as
+for a slice outside its plan; its frames still serve it).
 ``slice_rank: r`` makes it a sliced member (issue 30): ``test_slice_fetch.half_plan(r,
 spec)``, each staged version checked on its planned bytes only (``assert_planned``).
 """
@@ -45,16 +49,42 @@ def _corrupt_what_it_streams(short: bool = False) -> None:
 
     original = peer_stream_server.PeerStreamServer._hand
 
-    def hand(self: Any, job: Any, chunk: int, data: Any, key: Any, last: bool = False) -> bool:
-        if data is not None and short:
-            data = data[:-1]
-        elif data is not None:
-            bad = bytearray(data)
-            bad[len(bad) // 2] ^= 0xFF
-            data = memoryview(bad)
-        return bool(original(self, job, chunk, data, key, last))
+    def hand(self: Any, job: Any, chunk: int, payload: Any, key: Any, gathered: int,
+             last: bool = False) -> bool:
+        if payload is not None:
+            bad = bytearray(b"".join(bytes(part) for part in payload))
+            if short:
+                del bad[-1]
+            else:
+                bad[len(bad) // 2] ^= 0xFF
+            payload = [memoryview(bad)]
+        return bool(original(self, job, chunk, payload, key, gathered, last))
 
     peer_stream_server.PeerStreamServer._hand = hand  # type: ignore[method-assign]
+
+
+def _stream_no_slices() -> None:
+    from subscriber_ext.transport.peers import peer_stream_server
+
+    original = peer_stream_server.PeerStreamServer.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs["slice_lookup"] = None
+        original(self, *args, **kwargs)
+
+    peer_stream_server.PeerStreamServer.__init__ = init  # type: ignore[method-assign]
+
+
+def _stream_chunk0_gone() -> None:
+    from subscriber_ext.transport.peers import peering
+    from subscriber_ext.transport.peers.peer_server import GONE
+
+    original = peering.Peering._stream_slice_lookup
+
+    def lookup(self: Any, publisher_id: str, version: int, chunk: int, blocks: Any) -> Any:
+        return GONE if chunk == 0 else original(self, publisher_id, version, chunk, blocks)
+
+    peering.Peering._stream_slice_lookup = lookup  # type: ignore[method-assign]
 
 
 SWALLOWED: list[int] = []  # chunks asked of a stalling member, one entry per request
@@ -93,6 +123,10 @@ def run_peer(args: dict[str, Any]) -> None:
         _stall_every_request()
     if args.get("stream_corrupt"):
         _corrupt_what_it_streams(short=args["stream_corrupt"] == "short")
+    if args.get("stream_unsliced"):
+        _stream_no_slices()
+    if args.get("stream_gone"):
+        _stream_chunk0_gone()
     staged_q: queue.Queue[Any] = queue.Queue()
     rank = args.get("slice_rank")
     sliced: dict[str, Any] = {}

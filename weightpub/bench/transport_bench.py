@@ -134,11 +134,12 @@ def _wp_receiver(endpoint: str, rounds: int, conn: Any, stream: bool = False,
 
 
 def _peer_member(endpoint: str, name: str, conn: Any, stream: bool = False,
-                 curve: dict[str, Any] | None = None) -> None:
+                 curve: dict[str, Any] | None = None, slice_plan: Any = None) -> None:
     """One ``peer_share`` subscriber: tells its slot, each staged version, and on ``cpu``
     its process CPU and the serving CPU and bytes so far; on ``exit`` its profile.
     ``stream``: peers over the stream (both serving and asking); ``curve``: its CURVE
-    keyword arguments (the publisher's key, its own secret)."""
+    keyword arguments (the publisher's key, its own secret); ``slice_plan``: a sliced
+    member of that plan (None: whole versions)."""
     from subscriber_ext import SyncOptions, WeightSubscriber
 
     staged_q: queue.Queue[Any] = queue.Queue()
@@ -146,7 +147,9 @@ def _peer_member(endpoint: str, name: str, conn: Any, stream: bool = False,
     # forwarding costs, not the policy that paces it
     with WeightSubscriber(endpoint, peer_share=True, subscriber_id=name, upload_cpu_share=64,
                           on_version=staged_q.put, options=SyncOptions(stream=stream),
-                          **(curve or {})) as sub, StackSampler() as sampler:
+                          **(curve or {}),
+                          **({} if slice_plan is None else {"slice_plan": slice_plan})
+                          ) as sub, StackSampler() as sampler:
         deadline = time.monotonic() + 60
         while (sub.status()["peers"] or {}).get("slot") is None:
             if time.monotonic() > deadline:
@@ -186,9 +189,10 @@ class _PeerPath:
     """publish() -> staged at a forwarder and at a subscriber fed by the forwarder."""
 
     def __init__(self, source: torch.Tensor, endpoint: str, stream: bool = False,
-                 curve_dir: str | None = None) -> None:
+                 curve_dir: str | None = None, slice_plan: Any = None) -> None:
         """``stream``: members forward over their stream ports (peers over the stream);
-        ``curve_dir``: CURVE on every hop, keys made there."""
+        ``curve_dir``: CURVE on every hop, keys made there; ``slice_plan``: both members
+        sliced with that plan (of ``{"w": source}``)."""
         from publisher import WeightPublisher
 
         self.weights = {"w": source}
@@ -211,7 +215,7 @@ class _PeerPath:
             conn, child = mp.Pipe()
             proc = forkserver(PRELOAD).Process(
                 target=_peer_member, args=(self.pub.endpoint, f"bench-peer{index}", child,
-                                           stream, curves[index]),
+                                           stream, curves[index], slice_plan),
                 daemon=True)
             proc.start()
             slot = self._recv(conn, "ready", 120)

@@ -15,6 +15,12 @@ before drops the token request: it costs a counted ``no_answer``, never a wait);
 as the peers' (``kind``). Any failure gives the chunks back with a named, counted cause
 (``status()["peers"]["stream_fallback_causes"]``); they go to the peer's frames, then
 the next source, as every peer chunk does.
+
+A sliced member (``slice_plan``) asks its peers' planned chunks the same way, as
+``slices`` requests (``StreamSource``'s slices path: scatter-read into its sparse staging,
+verified against the version's slice sums), once the peer's ``ACCEPTED`` says it serves
+them; a peer whose stream does not (or whose port is off: ``refused``) costs a counted
+fallback to ``slice_fetch`` frames.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import zmq
 from subscriber_ext.transport.client.stream_source import StreamPicker, StreamRoute, StreamSource
 from subscriber_ext.transport.staging.assembly import Assembly
 from subscriber_ext.transport.staging.chunk_source import Retry, SourceSink
-from subscriber_ext.transport.staging.sparse_assembly import SparseAssembly
 from weightpub_wire import protocol as wire
 from weightpub_wire import stream_link
 from weightpub_wire.buffers import BufferPool
@@ -121,7 +126,7 @@ class PeerStreamSource(StreamSource):
             self.token_req, self._asked_at = req, now
 
     def ask(self, target: Assembly, chunks: Sequence[int], now: float) -> list[int]:
-        if self.down or isinstance(target, SparseAssembly):
+        if self.down:
             return list(chunks)
         if self.state != "up":  # frames meanwhile: an old peer never answers
             if self.state == "idle" and now >= self.quiet_until:

@@ -23,7 +23,20 @@ this member will not have (or the wait ran out) answers ``UNAVAILABLE`` at once 
 rest of that request is not sent, so the asker moves on. At most ``max_queued_chunks``
 chunks of a connection are handed over and unsent at a time; a reader that takes
 nothing for ``stall_timeout``, or for ``drain_grace`` while a buffer it holds waits to
-be reused, is cut. Whole chunks only (a sliced member does not open the port).
+be reused, is cut.
+
+Slices (a sliced member, ``slice_lookup``): a ``slices`` request is answered (and
+``FLAG_SLICES`` said in ``ACCEPTED``) for this member's own plan only: a chunk whose
+blocks are not exactly its plan's there, or a version it will not have, is
+``UNAVAILABLE`` at once (the asker goes elsewhere). The bytes are those
+``slice_fetch`` gives for the plan, sent as the publisher sends them
+(``stream_port.slice_parts``): views of the sparse staging where a block is a run or its
+rows are long, a gathered copy of short rows (made on the subscriber's thread when the
+chunk is handed over, alive until sent: ``scratch_bytes``, at most
+``max_queued_chunks`` chunks' worth per connection, counted in the staging budget
+(``scratch.hold``); with no room there a chunk's short rows go as views, one per row:
+slower, the same bytes, counted in ``gather_refused``). A whole-chunk request to a
+sliced member is ``UNAVAILABLE`` (it holds only its plan's bytes).
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from subscriber_ext.transport.peers.peer_server import (
     GONE,
@@ -49,9 +62,26 @@ from subscriber_ext.transport.peers.peer_server import (
 from subscriber_ext.transport.peers.upload_budget import UploadBudget
 from weightpub_wire import stream_link
 from weightpub_wire.errors import ProtocolError
-from weightpub_wire.stream_port import POLL_S, PortLimits, StreamPort
+from weightpub_wire.stream_port import POLL_S, PortLimits, StreamPort, gathered_size, slice_parts
 
-__all__ = ["PeerStreamServer"]
+__all__ = ["PeerStreamServer", "StreamSliceLookup"]
+
+#: ``slice_lookup(publisher_id, version, chunk, blocks)``: the chunk's verified bytes (its
+#: span of the staging, where the blocks' starts count from) when ``blocks`` are exactly
+#: this member's plan's in that chunk; WAIT; or GONE (another plan's, a version it will
+#: not have)
+StreamSliceLookup = Callable[[str, int, int, list[stream_link.Block]], "Served | str"]
+class Scratch(Protocol):
+    """Where gathered copies are counted: ``weightpub_wire.buffers.BufferPool``'s budget."""
+
+    def hold(self, nbytes: int) -> bool: ...
+
+    def unhold(self, nbytes: int) -> None: ...
+
+
+#: one reply handed to a connection: (chunk, its payload's parts (None: ``UNAVAILABLE``),
+#: the pooled buffer's send key, bytes of the parts that are a gathered copy)
+_Out = tuple[int, list[memoryview] | None, int | None, int]
 
 log = logging.getLogger("weightpub.peers")
 
@@ -66,7 +96,9 @@ class _Job:
     req: int
     chunks: deque[int]
     deadline: float
-    out: deque[tuple[int, memoryview | None, int | None]] = field(default_factory=deque)
+    #: a ``slices`` request's blocks per chunk (None: whole chunks)
+    blocks: dict[int, list[stream_link.Block]] | None = None
+    out: deque[_Out] = field(default_factory=deque)
     handed: int = 0  # handed over and not sent yet
     done: bool = False  # nothing more will be handed over
     dead: bool = False  # the connection went: what is handed over is ended, not sent
@@ -78,9 +110,20 @@ class PeerStreamServer(StreamPort):
 
     def __init__(self, host: str, lookup: Lookup, budget: UploadBudget,
                  limits: PeerServerLimits, *, sends: SendCounts,
-                 admitted: Callable[[str], bool] | None = None) -> None:
-        """``admitted(z85 key) -> bool``: CURVE's admitted keys (None: no CURVE)."""
+                 admitted: Callable[[str], bool] | None = None,
+                 slice_lookup: StreamSliceLookup | None = None,
+                 scratch: Scratch | None = None) -> None:
+        """``admitted(z85 key) -> bool``: CURVE's admitted keys (None: no CURVE);
+        ``slice_lookup``: a sliced member's plan (its port then serves ``slices``);
+        ``scratch``: the budget gathered copies are counted in (None: not counted)."""
         self.lookup = lookup
+        self.scratch = scratch
+        self.gather_refused = 0  # slices sent row by row: no room in the budget to gather
+        self.slice_lookup = slice_lookup
+        self.serves_slices = slice_lookup is not None
+        self.slice_bytes_sent = 0  # of the bytes sent: answers to ``slices`` requests
+        self.slice_bytes_gathered = 0  # of those: copied first (strided short rows)
+        self.scratch_bytes = 0  # gathered copies handed over and not sent yet
         self.budget = budget
         self.peer_limits = limits
         self.sends = sends
@@ -121,11 +164,22 @@ class PeerStreamServer(StreamPort):
     # -- a connection's thread ----------------------------------------------------------------
     def answer(self, conn: socket.socket, request: stream_link.StreamRequest,
                chunks: tuple[int, ...], scope: str) -> None:
+        self._answer(conn, request, chunks, scope, None)
+
+    def answer_slices(self, conn: socket.socket, request: stream_link.StreamRequest,
+                      entries: list[tuple[int, list[stream_link.Block]]], scope: str) -> None:
+        if not self.serves_slices:
+            raise ProtocolError("stream slices: not served here")
+        self._answer(conn, request, tuple(chunk for chunk, _ in entries), scope, dict(entries))
+
+    def _answer(self, conn: socket.socket, request: stream_link.StreamRequest,
+                chunks: tuple[int, ...], scope: str,
+                blocks: dict[int, list[stream_link.Block]] | None) -> None:
         if len(chunks) > self.peer_limits.max_chunks_per_request:
             raise ProtocolError(f"stream request.count: {len(chunks)} chunks (at most "
                                 f"{self.peer_limits.max_chunks_per_request} from a peer)")
         job = _Job(scope, request.version, request.req, deque(chunks),
-                   time.monotonic() + self.peer_limits.defer_timeout)
+                   time.monotonic() + self.peer_limits.defer_timeout, blocks)
         with self._jobs_lock:
             self._jobs.append(job)
         self._wake()
@@ -149,9 +203,10 @@ class PeerStreamServer(StreamPort):
                 job.dead = True
                 left = list(job.out)
                 job.out.clear()
-            for _, _, key in left:
+            for _, _, key, gathered in left:
                 if key is not None:
                     self.sends.send_end(key)
+                self._unscratch(gathered)
             with self._jobs_lock:
                 if job in self._jobs:
                     self._jobs.remove(job)
@@ -160,22 +215,22 @@ class PeerStreamServer(StreamPort):
                 self._cpu += spent
                 self.send_cpu += spent
 
-    def _send(self, conn: socket.socket, job: _Job,
-              items: list[tuple[int, memoryview | None, int | None]]) -> None:
-        """One ``sendmsg`` of the items' headers and bytes; their counts end once the
-        kernel holds them (or the send failed)."""
+    def _send(self, conn: socket.socket, job: _Job, items: list[_Out]) -> None:
+        """One ``sendmsg`` of the items' headers and bytes; their counts end (and their
+        gathered copies go) once the kernel holds them (or the send failed)."""
         parts: list[memoryview] = []
-        keys = [key for _, _, key in items if key is not None]
+        keys = [key for _, _, key, _ in items if key is not None]
         sent = 0
-        for chunk, data, _ in items:
-            if data is None:
+        for chunk, payload, _, _ in items:
+            if payload is None:
                 parts.append(memoryview(stream_link.reply_header(
                     stream_link.UNAVAILABLE, job.req, job.version, chunk)))
                 continue
+            size = sum(len(part) for part in payload)
             parts.append(memoryview(stream_link.reply_header(
-                stream_link.OK, job.req, job.version, chunk, len(data))))
-            parts.append(data)
-            sent += len(data)
+                stream_link.OK, job.req, job.version, chunk, size)))
+            parts.extend(payload)
+            sent += size
         self._local.keys = keys
         try:
             self.send_all(conn, parts)
@@ -183,10 +238,21 @@ class PeerStreamServer(StreamPort):
             self._local.keys = []
             for key in keys:
                 self.sends.send_end(key)
+            self._unscratch(sum(gathered for *_, gathered in items))
             with job.cond:
                 job.handed -= len(items)
             self._wake()  # room for the next chunks
-        self.count_sent(sum(data is not None for _, data, _ in items), sent)
+        self.count_sent(sum(payload is not None for _, payload, _, _ in items), sent)
+        if job.blocks is not None:
+            with self._jobs_lock:  # counted from every connection's thread
+                self.slice_bytes_sent += sent
+
+    def _unscratch(self, gathered: int) -> None:
+        if gathered:
+            with self._jobs_lock:
+                self.scratch_bytes -= gathered
+            if self.scratch is not None:
+                self.scratch.unhold(gathered)
 
     def overdue(self, stalled: float) -> str | None:
         keys = getattr(self._local, "keys", [])
@@ -246,31 +312,52 @@ class PeerStreamServer(StreamPort):
                 if job.handed >= self.peer_limits.max_queued_chunks:
                     return math.inf  # the send ending wakes the pump
             chunk = job.chunks[0]
-            found = self.lookup(job.publisher_id, job.version, chunk)
+            blocks = None if job.blocks is None else job.blocks[chunk]
+            if blocks is None:
+                found = self.lookup(job.publisher_id, job.version, chunk)
+            elif self.slice_lookup is None:
+                found = GONE
+            else:
+                found = self.slice_lookup(job.publisher_id, job.version, chunk, blocks)
             if found == GONE or (found == WAIT and now >= job.deadline):
                 self.unavailable += 1
-                self._hand(job, chunk, None, None, last=True)
+                self._hand(job, chunk, None, None, 0, last=True)
                 return math.inf
             if not isinstance(found, Served):
                 return job.deadline - now
-            size = len(found.data)
+            size = len(found.data) if blocks is None else \
+                sum(length * rows for _, length, _, rows in blocks)
             wait = self.budget.delay(size, now)
             if wait > 0:
                 return -wait
             key = None if found.buffer is None else self.sends.send_begin(found.buffer)
-            if not self._hand(job, chunk, found.data, key):
+            if blocks is None:
+                payload, gathered = [found.data], 0
+            else:  # views of the staging, a copy of short rows (the subscriber's thread)
+                need = gathered_size(blocks)
+                if need and self.scratch is not None and not self.scratch.hold(need):
+                    self.gather_refused += 1  # no room to copy them: a view per row
+                    payload, gathered = slice_parts(found.data, blocks, min_row_bytes=0)
+                else:
+                    payload, gathered = slice_parts(found.data, blocks)
+                    assert gathered == need
+                with self._jobs_lock:
+                    self.scratch_bytes += gathered
+                    self.slice_bytes_gathered += gathered
+            if not self._hand(job, chunk, payload, key, gathered):
                 self.budget.refund(size)
                 return math.inf
             job.chunks.popleft()
 
-    def _hand(self, job: _Job, chunk: int, data: memoryview | None, key: int | None,
-              last: bool = False) -> bool:
+    def _hand(self, job: _Job, chunk: int, payload: list[memoryview] | None,
+              key: int | None, gathered: int, last: bool = False) -> bool:
         with job.cond:
             if job.dead:
                 if key is not None:
                     self.sends.send_end(key)
+                self._unscratch(gathered)
                 return False
-            job.out.append((chunk, data, key))
+            job.out.append((chunk, payload, key, gathered))
             job.handed += 1
             job.done = job.done or last
             job.cond.notify()
@@ -285,6 +372,11 @@ class PeerStreamServer(StreamPort):
                 "stream_tokens_issued": status["tokens_issued"],
                 "stream_refused": status["refused"], "stream_cut": status["cut"],
                 "stream_unavailable": self.unavailable,
+                "stream_slices": self.serves_slices,
+                "stream_slice_bytes_sent": self.slice_bytes_sent,
+                "stream_slice_bytes_gathered": self.slice_bytes_gathered,
+                "stream_scratch_bytes": self.scratch_bytes,
+                "stream_gather_refused": self.gather_refused,
                 "stream_cpu_s": {"sends": round(self.send_cpu, 3),
                                  "pump": round(self.pump_cpu, 3)}}
 

@@ -21,11 +21,12 @@ keys the tracker lists (ZAP, and again per request). Binding a non-loopback
 address without CURVE needs ``insecure=True``, as for a publisher.
 ``PeerOptions`` and the ``PeerClient`` view live in ``peer_options.py``.
 
-With ``stream=True`` (a whole-version member) it also serves on a plain TCP stream port
-of its own (``peer_stream_server.py``; tokens over the ROUTER, ``_stream_token``) and
-asks each planned peer's chunks on that peer's port first (``stream_reads``, the
-client's ``PeerStreams`` seen as ``PeerStreamHost``), then as frames
-(``docs/peer-stream.md``).
+With ``stream=True`` it also serves on a plain TCP stream port of its own
+(``peer_stream_server.py``; tokens over the ROUTER, ``_stream_token``) and asks each
+planned peer's chunks on that peer's port first (``stream_reads``, the client's
+``PeerStreams`` seen as ``PeerStreamHost``), then as frames (``docs/peer-stream.md``).
+A sliced member's port answers ``slices`` requests for its own plan
+(``_stream_slice_lookup``), and it asks its peers' planned chunks there as ``slices``.
 
 A sliced subscriber (``slice_plan``, issue 30) shares slices: its hello names its
 plan's digest (the tracker plans it only with members of the same plan), it asks its
@@ -81,7 +82,7 @@ from weightpub_wire.security import CurveIdentity, SocketHook, is_local
 from weightpub_wire.slice_layout import SliceLayout
 from weightpub_wire.slice_messages import SliceFetch
 from weightpub_wire.sockets import bind, configure_socket
-from weightpub_wire.stream_link import StreamToken
+from weightpub_wire.stream_link import Block, StreamToken
 
 __all__ = ["PeerClient", "PeerOptions", "Peering", "default_peer_bind"]  # options: re-exported
 
@@ -144,7 +145,7 @@ class Peering(ChunkSource):
             client.pool.on_shed(self.slice_cache.shed)
         self.budget = UploadBudget(options.upload_bytes_per_s, options.upload_cpu_share,
                                    ThreadCpu(name_prefix=f"{prefix}/ZMQbg/IO"))
-        streaming = bool(getattr(client.options, "stream", False)) and not self.digest
+        streaming = bool(getattr(client.options, "stream", False))
         #: this member's stream port (``peer_stream_server.py``), None where it is off
         self.stream_port: PeerStreamServer | None = None
         if streaming:
@@ -152,7 +153,9 @@ class Peering(ChunkSource):
                 self.stream_port = PeerStreamServer(
                     parse_endpoint(self.endpoint).host, self._lookup, self.budget,
                     options.server, sends=client.pool,
-                    admitted=self._admitted if curve is not None else None)
+                    admitted=self._admitted if curve is not None else None,
+                    slice_lookup=self._stream_slice_lookup if self.digest else None,
+                    scratch=client.pool)
             except OSError as exc:
                 log.warning("peer stream: off (could not listen: %s)", exc)
         self.stream_reads = stream if streaming else None
@@ -377,7 +380,7 @@ class Peering(ChunkSource):
             return todo
         counts = self.client.requests.peer_in_flight()
         in_flight = dict(counts)
-        streams = self.stream_reads if not sliced else None
+        streams = self.stream_reads
         if streams is not None:  # a peer's window counts what its stream was asked too
             for link in self.sources.links.values():
                 asked = streams.in_flight(link.endpoint, counts)
@@ -439,11 +442,10 @@ class Peering(ChunkSource):
             self.sources.apply(message, self.curve is not None)
             if self.stream_reads is not None:
                 self.stream_reads.keep(set(self.sources.links))
-                if not self.digest:  # whole versions: each planned peer's token now
-                    for link in self.sources.links.values():
-                        self.stream_reads.warm(link.endpoint, functools.partial(_send_via, link),
-                                               self.client.sink, message.publisher_id,
-                                               time.monotonic())
+                for link in self.sources.links.values():  # each planned peer's token now
+                    self.stream_reads.warm(link.endpoint, functools.partial(_send_via, link),
+                                           self.client.sink, message.publisher_id,
+                                           time.monotonic())
             log.info("peer plan %d: slot %d of %d stripes, %d sources", message.epoch,
                      message.slot, message.stripes, len(self.sources.links))
         self.plan = message
@@ -602,6 +604,43 @@ class Peering(ChunkSource):
             return WAIT
         return WAIT if version > client.latest_seen else GONE
 
+    def _stream_slice_lookup(self, publisher_id: str, version: int, chunk: int,
+                             blocks: list[Block]) -> Served | str:
+        """A ``slices`` request's chunk on this member's stream port: its span of the
+        sparse staging (the version being received, or the staged base) once verified, if
+        ``blocks`` (starts from the chunk's first byte) are exactly this plan's there;
+        GONE for anything else (another plan's blocks, a chunk outside the plan)."""
+        client = self.client
+        if publisher_id != client.instance:
+            return GONE
+        target = client.target
+        found: tuple[wire.Manifest, SliceLayout, memoryview, Any] | None = None
+        if isinstance(target, SparseAssembly) and target.manifest.version == version \
+                and target.plan == self.digest:
+            if chunk in target.layout.sizes and _plan_blocks(target.manifest, target.layout,
+                                                             chunk) == blocks \
+                    and (not target.has_verified(chunk) or not final_bytes(target)):
+                return WAIT
+            found = (target.manifest, target.layout, target.view, target.buffer)
+        base = client.deltas.base
+        if found is None and base is not None and base.version == version \
+                and base.plan == self.digest and base.manifest.publisher_id == publisher_id \
+                and self._layouts is not None:
+            try:
+                found = (base.manifest, self._layouts(base.manifest), base.view, base.buffer)
+            except ProtocolError:
+                return GONE
+        if found is None:
+            if any(m is not None and m.version == version for m in (client.queued,
+                                                                    client.gate.waiting)):
+                return WAIT
+            return WAIT if version > client.latest_seen else GONE
+        manifest, layout, view, buffer = found
+        if chunk not in layout.sizes or _plan_blocks(manifest, layout, chunk) != blocks:
+            return GONE  # not this member's plan there: the asker goes elsewhere at once
+        start, size = manifest.chunk_span(chunk)
+        return Served(view[start: start + size], buffer)
+
     def _gathered(self, key: tuple[str, int, str, int], layout: SliceLayout,
                   view: memoryview, *, looked: bool = False) -> Served:
         """The key's chunk's planned bytes out of a flat staging view, back to back: kept
@@ -666,6 +705,14 @@ class Peering(ChunkSource):
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
+
+
+def _plan_blocks(manifest: wire.Manifest, layout: SliceLayout, chunk: int) -> list[Block]:
+    """The plan's blocks of ``chunk``, their starts counted from the chunk's first byte
+    (as a ``slices`` request names them)."""
+    low = manifest.chunk_span(chunk)[0]
+    return [(start - low, length, stride, rows)
+            for start, length, stride, rows in layout.blocks[chunk]]
 
 
 def _send_via(link: PeerLink, message: Any) -> bool:
