@@ -176,6 +176,21 @@ def _add_by_key(family: CounterMetricFamily, label: list[str], counts: Any,
             family.add_metric([*label, str(key)[:width]], float(count))
 
 
+def _add_numbers(families: dict[str, Any], label: list[str], source: Any) -> None:
+    """One series per family whose key the status section has as a number."""
+    section = source if isinstance(source, dict) else {}
+    for key, family in families.items():
+        value = _number(section.get(key))
+        if value is not None:
+            family.add_metric(label, value)
+
+
+def _section(state: dict[str, Any], name: str) -> dict[str, Any]:
+    """A status file's sub-dict (``{}`` when absent or not a dict)."""
+    value = state.get(name)
+    return value if isinstance(value, dict) else {}
+
+
 class ReplicaCollector(Collector):
     """Reads every rank's status file at scrape time and yields the metric families."""
 
@@ -303,29 +318,17 @@ class ReplicaCollector(Collector):
             _add_by_key(fallbacks, label, state.get("collective_fallbacks"))
             _add_by_key(nixl_fallbacks, label, state.get("nixl_fallbacks"))
             _add_by_key(stream_fallbacks, label, state.get("stream_fallbacks"))
-            peer: dict[str, Any] = state["peer_nixl"] \
-                if isinstance(state.get("peer_nixl"), dict) else {}
-            for key, family in peer_nixl.items():
-                value = _number(peer.get(key))
-                if value is not None:
-                    family.add_metric(label, value)
-            for key, family in counters.items():
-                value = _number(state.get(key))
-                if value is not None:
-                    family.add_metric(label, value)
-            sums: dict[str, Any] = state["early_sums"] \
-                if isinstance(state.get("early_sums"), dict) else {}
+            peer = _section(state, "peer_nixl")
+            _add_numbers(peer_nixl, label, peer)
+            _add_numbers(counters, label, state)
+            sums = _section(state, "early_sums")
             for key, what in self.EARLY_SUMS.items():
                 value = _number(sums.get(key))
                 if value is not None:
                     early_sums.add_metric([*label, what], value)
             _add_by_key(peer_unoffered, label, peer.get("nixl_unoffered"))
-            streamed: dict[str, Any] = state["peer_stream"] \
-                if isinstance(state.get("peer_stream"), dict) else {}
-            for key, family in peer_stream.items():
-                value = _number(streamed.get(key))
-                if value is not None:
-                    family.add_metric(label, value)
+            streamed = _section(state, "peer_stream")
+            _add_numbers(peer_stream, label, streamed)
             _add_by_key(peer_stream_fallbacks, label, streamed.get("fallback_causes"))
             _add_by_key(peer_stream_cpu, label, streamed.get("cpu_s"))
             if isinstance(receive.get("mode"), str):
