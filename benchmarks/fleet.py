@@ -30,8 +30,9 @@ What a deployment may do differently can be varied (issue 22.5: an outside harne
 with all of these measured what this one did not): ``--publisher-root`` (the trainer in
 the machine's own namespace, behind a shaped link of its own), ``--chunk-mib 0`` (the
 publisher's default chunk size; the simulator's default is 1 MiB), ``--torch-threads 0``
-(torch's default threads), ``--spacing S`` (the next version S seconds after the last
-host had the previous one), ``--consumer wait`` (subscribers take versions with
+(torch's default threads), ``--stream`` (the trainer's stream port, taken by every
+subscriber; peers forward over their own stream ports), ``--spacing S`` (the next
+version S seconds after the last host had the previous one), ``--consumer wait`` (subscribers take versions with
 ``wait_for_version`` on a thread of their own, then ``release()``), ``--dtype bf16``.
 
     python benchmarks/fleet.py                       # 1, 4, 16 hosts; direct, relay, peers
@@ -169,6 +170,7 @@ class Scenario:
     prefix: str = "wpsim"  # of its namespaces (``Network.reap`` removes them by it)
     trainer_ranks: int = 1  # > 1: a ShardedPublisher, one simulated host per rank
     forked_nodes: bool = False  # nodes forked from a zygote with torch loaded (tests)
+    stream: bool = False  # the trainer's and the subscribers' plain-TCP stream (issue 29)
 
 
 def run_scenario(s: Scenario) -> dict[str, Any]:
@@ -182,7 +184,8 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
         else:
             trainers = [Node.start(trainer, "publisher", {
                 "bind": f"tcp://{trainer.address}:{PORT}", "chunk_mib": s.chunk_mib,
-                "publisher_options": {"peer_fanout": s.fanout}}, s.torch_threads,
+                "publisher_options": {"peer_fanout": s.fanout, "stream": s.stream}},
+                s.torch_threads,
                 s.forked_nodes)]
             endpoint = trainers[0].wait("ready", 120)["endpoint"]
         publisher = trainers[0]
@@ -200,7 +203,10 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
                     s.torch_threads, s.forked_nodes)
                 nodes.append(relay)
                 sources.append(relay.wait("ready", 120)["endpoint"])
-        options = {"peer_share": True, "insecure": True} if s.mode == "peers" else {}
+        options: dict[str, Any] = {"peer_share": True, "insecure": True} \
+            if s.mode == "peers" else {}
+        if s.stream:  # and peers forward over their own stream ports (docs/peer-stream.md)
+            options["stream"] = True
         subscribers = []
         for index in range(s.hosts):
             host = net.add_host(s.link)
@@ -232,7 +238,8 @@ def run_scenario(s: Scenario) -> dict[str, Any]:
             sent = 0.0  # every rank's uplink, in versions
             for rank in trainers:
                 rank.send(cmd="stats")
-                sent += rank.wait("stats", 60)["stats"]["bytes_sent_full"]
+                stats = rank.wait("stats", 60)["stats"]
+                sent += stats["bytes_sent_full"] + stats.get("bytes_sent_stream", 0)
             trainer_versions.append((sent - sent_before) / (s.mib << 20))
             sent_before = sent
             if s.diag and s.mode == "peers":
@@ -332,6 +339,9 @@ def main() -> int:
                     help="trainer ranks, each on a host of its own (> 1: ShardedPublisher)")
     ap.add_argument("--mbit", type=float, default=400.0, help="every link, each direction")
     ap.add_argument("--delay-ms", type=float, default=0.0)
+    ap.add_argument("--stream", action="store_true",
+                    help="the trainer serves its stream port, subscribers take it (and peers "
+                         "forward over theirs); one trainer rank, relays' downstream stays frames")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--prefix", default="wpsim",
                     help="this run's namespace prefix (a random tag follows it)")
@@ -347,6 +357,8 @@ def main() -> int:
     if not ok:
         print(f"fleet simulator skipped: {why}", file=sys.stderr)
         return 2
+    if args.stream and max(args.trainer_ranks) > 1:
+        ap.error("--stream runs with one trainer rank (--trainer-ranks 1)")
     link = Link(up_mbit=args.mbit, down_mbit=args.mbit, delay_ms=args.delay_ms)
     line_rate_s = args.mib * (1 << 20) * 8 / (args.mbit * 1e6)
     results = []
@@ -356,7 +368,7 @@ def main() -> int:
             fanout=args.fanout, torch_threads=args.torch_threads,
             publisher_root=args.publisher_root, spacing=args.spacing,
             consumer=args.consumer, dtype=args.dtype, diag=args.diag,
-            trainer_ranks=ranks, prefix=args.prefix))
+            trainer_ranks=ranks, prefix=args.prefix, stream=args.stream))
         results.append(result)
         if not args.json:
             print(f"{mode:>8} {hosts:>3} hosts, {ranks} trainer ranks: first "
