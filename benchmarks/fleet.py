@@ -32,8 +32,9 @@ the machine's own namespace, behind a shaped link of its own), ``--chunk-mib 0``
 publisher's default chunk size; the simulator's default is 1 MiB), ``--torch-threads 0``
 (torch's default threads), ``--stream`` (the trainer's stream port, taken by every
 subscriber; peers forward over their own stream ports), ``--spacing S`` (the next
-version S seconds after the last host had the previous one), ``--consumer wait`` (subscribers take versions with
-``wait_for_version`` on a thread of their own, then ``release()``), ``--dtype bf16``.
+version S seconds after the last host had the previous one), ``--consumer wait``
+(subscribers take versions with ``wait_for_version`` on a thread of their own, then
+``release()``), ``--dtype bf16``.
 
     python benchmarks/fleet.py                       # 1, 4, 16 hosts; direct, relay, peers
     python benchmarks/fleet.py --hosts 1 4 --mib 16 --rounds 2 --modes direct peers
