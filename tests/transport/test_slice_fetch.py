@@ -282,6 +282,7 @@ def test_bad_plans_are_refused_by_name_and_the_publisher_stays_up(
     pub = make_pub(chunk_size=CHUNK, limits=ServerLimits(
         slices=SliceLimits(max_plan_bytes=256 << 10)))
     version = pub.publish(det_weights(SEED, 1, SPEC))
+    pub.wait_announced(version, timeout=30)  # held (publish() returns before the hashes end)
     for sock in _dealer(pub.endpoint):
         overlapping = SliceRegister(req=1, digest="a" * 32, layout="bad", part=0, parts=1,
                                     tensors=(SliceRuns("layers.0.norm.weight",
