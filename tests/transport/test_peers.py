@@ -170,16 +170,28 @@ def test_curve_between_peers_and_strangers_get_nothing(
                    curve_allowed_clients_dir=str(allowed))
     members = join(spawn, pub, 3, SPEC, lambda i: {"peer": {
         "curve_server_key_file": server_public, "curve_secret_key_file": secrets[i]}})
-    pub.publish(det_weights(SEED, 1, SPEC), version=1)
-    for child in members:
-        staged_ok(child, 1)
-    statuses = [peers_status(c) for c in members]
-    assert statuses[1]["peers"]["bytes_from_peers"] == pub.manifest(1).total_bytes, statuses
+    # a member whose key the tracker has not vouched for yet is refused by its peer's
+    # handshake and takes that version from the publisher (on a loaded box the first
+    # version can go that way): publish until one comes to member 1 whole from its peer
+    taken, sent = 0, 0.0
+    for version in range(1, 5):
+        pub.publish(det_weights(SEED, version, SPEC), version=version)
+        for child in members:
+            staged_ok(child, version)
+        statuses = [peers_status(c) for c in members]
+        total = pub.manifest(version).total_bytes
+        now_taken, now_sent = statuses[1]["peers"]["bytes_from_peers"], \
+            pub.data_stats()["bytes_sent_full"]
+        if now_taken - taken == total:
+            break
+        taken, sent = now_taken, now_sent
+    else:
+        raise AssertionError(f"no version came to member 1 whole from its peer: {statuses}")
     # peers saved the publisher copies (it sends one on a quiet machine; a peer slow to
     # answer under load hands a chunk back to the publisher, by design)
-    assert pub.data_stats()["bytes_sent_full"] < 3 * pub.manifest(1).total_bytes, statuses
+    assert now_sent - sent < 3 * total, statuses
 
-    manifest = pub.manifest(1)
+    manifest = pub.manifest(version)
     endpoint = statuses[0]["peers"]["endpoint"]
     server_key, _ = zmq.auth.load_certificate(secrets[0])
 
@@ -187,7 +199,7 @@ def test_curve_between_peers_and_strangers_get_nothing(
         """Ask member 0 for chunk 0 of version 1: True if the right bytes came back."""
         with peer_dealer(endpoint, server_key, client_secret) as dealer:
             dealer.send(wire.encode(wire.FetchRequest(
-                req=1, publisher_id=manifest.publisher_id, version=1, chunks=(0,))))
+                req=1, publisher_id=manifest.publisher_id, version=version, chunks=(0,))))
             if not dealer.poll(int(wait * 1000)):
                 return False
             header = chunk_frame.parse(dealer.recv())
